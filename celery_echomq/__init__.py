@@ -1,0 +1,58 @@
+"""celery-echomq: ``flow(parent, children)``, an exactly-once fan-in for Celery.
+
+The parent is held in Redis by atomic Lua scripts and released once, when its last child
+completes. See README.md, "How it works".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .canvas import FlowResult, flow
+from .errors import (
+    ConfigError,
+    DuplicateIdError,
+    EchoMQError,
+    FlowCancelled,
+    FlowExistsError,
+    FlowFailed,
+    InvalidIdError,
+    KindError,
+    PolicyError,
+    StoreUnavailableError,
+)
+from .reads import Dependencies, UnknownFlowError, children_values, dependencies, ignored_failures
+from .state import EchoMQ, get_state, install_state
+
+__all__ = [
+    "ConfigError",
+    "Dependencies",
+    "DuplicateIdError",
+    "EchoMQError",
+    "FlowCancelled",
+    "FlowExistsError",
+    "FlowFailed",
+    "FlowResult",
+    "InvalidIdError",
+    "KindError",
+    "PolicyError",
+    "StoreUnavailableError",
+    "UnknownFlowError",
+    "children_values",
+    "dependencies",
+    "flow",
+    "get_state",
+    "ignored_failures",
+    "install",
+]
+
+__version__ = "0.1.0"
+
+
+def install(app: Any) -> EchoMQ:
+    """Connect celery-echomq to ``app``: settings, worker signals and the recovery step."""
+    from . import signals
+
+    state = install_state(app)
+    signals.connect()
+    return state

@@ -1,0 +1,170 @@
+"""``flow(parent, children)``: a Signature beside chord, and the FlowResult it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+from celery import current_app
+from celery.canvas import Signature, group, maybe_signature
+from celery.result import AsyncResult
+
+from . import reads
+from .flows import check_policy, new_job_id, plan_flow, start_flow
+from .state import get_state
+
+FLOW_TASK = "celery_echomq.flow"
+
+
+def _signatures(children: Any, app: Any) -> list[Signature]:
+    if children is None:
+        return []
+    if isinstance(children, dict) and not isinstance(children, Signature):
+        children = maybe_signature(children, app=app)
+    if isinstance(children, group):
+        children = children.tasks
+    if isinstance(children, Signature):
+        raise TypeError(
+            "flow children must be a list or a group of signatures, got one signature "
+            f"({children.task!r}); wrap it in a list"
+        )
+    return [maybe_signature(child, app=app) for child in children]
+
+
+@Signature.register_type(name="flow")
+class flow(Signature):  # noqa: N801 - lower case like chord, group and chain
+    """Run ``children``, then ``parent`` with the list of their values, exactly once.
+
+    ``policy`` is what a child's final failure means for the parent unless the child sets its
+    own with ``sig.set(parent_policy=...)``: ``fail``, ``ignore``, ``remove`` or ``continue``.
+    """
+
+    def __init__(
+        self,
+        parent: Any = None,
+        children: Optional[Iterable[Any]] = None,
+        *,
+        policy: str = "fail",
+        args: Optional[Iterable[Any]] = None,
+        app: Any = None,
+        task: str = FLOW_TASK,
+        **options: Any,
+    ) -> None:
+        parent_sig = maybe_signature(parent, app=app)
+        if not isinstance(parent_sig, Signature):
+            raise TypeError(f"flow parent must be a signature, got {type(parent).__name__}")
+        child_sigs = _signatures(children, app)
+        check_policy(policy, "flow(policy=...)")
+        for child in child_sigs:
+            if "parent_policy" in child.options:
+                check_policy(child.options["parent_policy"], f"child {child.task!r}")
+        options.pop("subtask_type", None)
+        options.pop("kwargs", None)
+        immutable = options.pop("immutable", False)
+        opts = options.pop("options", None) or {}
+        super().__init__(
+            task,
+            tuple(args or ()),
+            {"parent": parent_sig, "children": child_sigs, "policy": policy},
+            {**opts, **options},
+            app=app,
+            subtask_type="flow",
+            immutable=immutable,
+        )
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], app: Any = None) -> flow:
+        kwargs = d["kwargs"]
+        return cls(
+            kwargs["parent"],
+            kwargs["children"],
+            policy=kwargs.get("policy", "fail"),
+            args=d.get("args"),
+            app=app,
+            options=dict(d.get("options") or {}),
+            immutable=d.get("immutable", False),
+        )
+
+    @property
+    def parent(self) -> Signature:
+        return self.kwargs["parent"]  # type: ignore[no-any-return]
+
+    @property
+    def children(self) -> list[Signature]:
+        return self.kwargs["children"]  # type: ignore[no-any-return]
+
+    @property
+    def policy(self) -> str:
+        return str(self.kwargs["policy"])
+
+    def _get_app(self) -> Any:
+        app = self._app
+        if app is None:
+            app = self.parent._app or current_app
+        return app
+
+    def freeze(self, _id: Optional[str] = None, *args: Any, **kwargs: Any) -> FlowResult:
+        """Assign every job id (parent first) without sending anything."""
+        parent_opts = self.parent.options
+        if "task_id" not in parent_opts:
+            parent_opts["task_id"] = self.options.get("task_id") or _id or new_job_id()
+        self.options["task_id"] = parent_opts["task_id"]
+        for child in self.children:
+            child.options.setdefault("task_id", new_job_id())
+        return FlowResult(parent_opts["task_id"], app=self._get_app())
+
+    def apply_async(
+        self,
+        args: Optional[Iterable[Any]] = None,
+        kwargs: Optional[dict[str, Any]] = None,
+        task_id: Optional[str] = None,
+        **options: Any,
+    ) -> FlowResult:
+        app = self._get_app()
+        state = get_state(app)
+        merged = {**self.options, **options}
+        if task_id is not None:
+            merged["task_id"] = task_id
+        for name in ("producer", "connection", "add_to_parent"):
+            merged.pop(name, None)
+        partial = () if self.immutable else (*tuple(args or ()), *self.args)
+        plan = plan_flow(
+            app,
+            self.parent,
+            self.children,
+            policy=self.policy,
+            args=tuple(partial),
+            kwargs=kwargs,
+            options=merged,
+        )
+        start_flow(state, plan)
+        return FlowResult(plan.parent_id, app=app, queue=plan.queue)
+
+    def delay(self, *args: Any, **kwargs: Any) -> FlowResult:
+        return self.apply_async(args, kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> FlowResult:
+        return self.apply_async(args, kwargs)
+
+    def __repr__(self) -> str:
+        return f"flow({self.parent!r}, {self.children!r})"
+
+
+class FlowResult(AsyncResult):  # type: ignore[misc]
+    """The parent's result, with reads of the flow's state in Redis."""
+
+    def __init__(self, id: str, *args: Any, queue: Optional[str] = None, **kwargs: Any) -> None:
+        super().__init__(id, *args, **kwargs)
+        self.flow_queue = queue
+
+    def children_values(self) -> dict[str, Any]:
+        """``{child_job_id: value}`` for the children completed so far."""
+        return reads.children_values(self.id, app=self.app, queue=self.flow_queue)
+
+    def dependencies(self) -> reads.Dependencies:
+        """``.outstanding`` (the counter) and ``.processed`` (children credited)."""
+        return reads.dependencies(self.id, app=self.app, queue=self.flow_queue)
+
+    def ignored_failures(self) -> dict[str, str]:
+        """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
+        return reads.ignored_failures(self.id, app=self.app, queue=self.flow_queue)

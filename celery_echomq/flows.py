@@ -1,0 +1,216 @@
+"""The host side of a flow's transitions: start it, dispatch its released parent, settle a
+parent whose child failed under policy ``fail``.
+
+Each step is one script call; what follows it (a publish, a result written to Celery's
+backend) is repeated by recovery if the process dies in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import redis
+from celery.canvas import Signature
+
+from .errors import FlowFailed, StoreUnavailableError
+from .keyspace import check_id, check_queue, check_unique
+from .scripts import ParentRef
+from .state import EchoMQ
+
+logger = logging.getLogger("celery_echomq")
+
+POLICIES = ("fail", "ignore", "remove", "continue")
+
+# Message headers that mark a flow job; Celery keeps custom headers across retries.
+H_QUEUE = "echomq_q"  # the queue whose slot holds this job's row
+H_PARENT = "echomq_p"  # the parent's job id, on a child
+H_PARENT_QUEUE = "echomq_pq"  # the queue whose slot holds the parent's keys
+H_FLOW = "echomq_f"  # "1" on a flow parent: it has keys of its own to expire
+
+# Options that belong to the flow's parent alone: the rest reach every child too.
+PARENT_ONLY = frozenset(
+    {"task_id", "link", "link_error", "chain", "chord", "group_id", "group_index", "reply_to"}
+)
+# Options a stored payload must not carry: they are per-send, not per-job.
+NOT_STORED = frozenset({"producer", "connection", "router", "add_to_parent", "publisher"})
+
+
+def new_job_id() -> str:
+    return "JOB" + uuid.uuid4().hex
+
+
+def check_policy(policy: object, where: str) -> str:
+    if policy not in POLICIES:
+        from .errors import PolicyError
+
+        raise PolicyError(
+            f"{where}: unknown parent_policy {policy!r}; allowed: " + ", ".join(POLICIES)
+        )
+    return str(policy)
+
+
+@dataclass
+class Plan:
+    """A flow with every id assigned and every message built, before anything is sent."""
+
+    queue: str
+    parent_id: str
+    parent: dict[str, Any]
+    children: list[dict[str, Any]] = field(default_factory=list)
+    policy: str = "fail"
+    child_policies: dict[str, str] = field(default_factory=dict)
+
+
+def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
+    """The Celery queue a signature is sent to: its ``queue`` option, else the app's router."""
+    queue = options.get("queue") or sig.options.get("queue")
+    if queue is None:
+        route = app.amqp.router.route({}, sig.task, sig.args, sig.kwargs)
+        queue = route.get("queue")
+    name = getattr(queue, "name", queue) or app.conf.task_default_queue
+    return check_queue(str(name))
+
+
+def _job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    opts = {k: v for k, v in {**options, **sig.options}.items() if k not in NOT_STORED}
+    opts["headers"] = {**(opts.get("headers") or {}), **headers}
+    return {
+        "task": sig.task,
+        "args": list(sig.args),
+        "kwargs": dict(sig.kwargs),
+        "options": opts,
+        "subtask_type": None,
+        "immutable": sig.immutable,
+    }
+
+
+def plan_flow(
+    app: Any,
+    parent: Signature,
+    children: Sequence[Signature],
+    *,
+    policy: str,
+    args: tuple[Any, ...],
+    kwargs: Optional[dict[str, Any]],
+    options: dict[str, Any],
+) -> Plan:
+    """Assign and gate every id and build every message; touches neither Redis nor the broker."""
+    parent_id = check_id(parent.options.get("task_id") or options.get("task_id") or new_job_id())
+    queue = route_queue(app, parent, options)
+    child_ids = [check_id(c.options.get("task_id") or new_job_id()) for c in children]
+    check_unique([parent_id, *child_ids])
+    shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
+    plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy)
+    for child, cid in zip(children, child_ids):
+        if args or kwargs:
+            child = child.clone(args=args, kwargs=kwargs)
+        child_policy = child.options.get("parent_policy")
+        if child_policy is not None:
+            plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
+        job = _job_dict(
+            child, {**shared, "task_id": cid}, {H_QUEUE: queue, H_PARENT: parent_id}
+        )
+        job["options"].pop("parent_policy", None)
+        job["options"]["task_id"] = cid
+        plan.children.append(job)
+    parent_opts = {k: v for k, v in options.items() if k != "task_id"}
+    plan.parent = _job_dict(parent, parent_opts, {H_QUEUE: queue, H_FLOW: "1"})
+    plan.parent["options"]["task_id"] = parent_id
+    plan.parent["children"] = child_ids
+    return plan
+
+
+def start_flow(state: EchoMQ, plan: Plan) -> None:
+    """Enqueue the flow atomically, then publish its children (or, with none, its parent)."""
+    scripts = state.scripts
+    payloads = [(job["options"]["task_id"], state.dumps(job)) for job in plan.children]
+    try:
+        scripts.enqueue_flow(plan.queue, plan.parent_id, state.dumps(plan.parent), payloads)
+        # After the atomic land: the flow's default policy and each child's own, on the same
+        # slot, before any child can run (none is published yet).
+        keys = state.keys
+        pipe = state.client.pipeline(transaction=True)
+        pipe.hset(keys.job_key(plan.queue, plan.parent_id), "policy", plan.policy)
+        for cid, child_policy in plan.child_policies.items():
+            pipe.hset(keys.job_key(plan.queue, cid), "parent_policy", child_policy)
+        pipe.execute()
+        state.client.set(
+            keys.locator_key(plan.parent_id), plan.queue, ex=_locator_ttl(state)
+        )
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        raise StoreUnavailableError(
+            f"Redis at {state.settings.redis_url!r} is unavailable ({exc}); "
+            "the flow was not started and nothing was published"
+        ) from exc
+    logger.info(
+        "echomq: flow %s enqueued on %s with %d children", plan.parent_id, plan.queue,
+        len(plan.children),
+    )
+    if plan.children:
+        publish(state.app, plan.children)
+    else:
+        dispatch_parent(state, plan.queue, plan.parent_id)
+
+
+def _locator_ttl(state: EchoMQ) -> int:
+    # A held flow may wait long; the locator only has to outlive the flow's readable life.
+    return max(state.settings.result_ttl * 7, 7 * 86400)
+
+
+def publish(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
+    """Publish stored job dicts through one producer."""
+    with app.producer_or_acquire(None) as producer:
+        for job in jobs:
+            options = dict(job["options"])
+            sig = Signature(
+                job["task"], job["args"], job["kwargs"], immutable=job.get("immutable", False),
+                app=app,
+            )
+            sig.apply_async(producer=producer, **options)
+
+
+def dispatch_parent(
+    state: EchoMQ, queue: str, parent_id: str, redispatch_after_ms: int = 0
+) -> bool:
+    """Publish a released parent, once: the dispatch script decides who may."""
+    claimed = state.scripts.dispatch(queue, parent_id, redispatch_after_ms)
+    if claimed is None:
+        return False
+    payload, stored = claimed
+    job = state.loads(payload)
+    values = [state.loads(stored[cid]) for cid in job["children"] if cid in stored]
+    if not job.get("immutable"):
+        job["args"] = [values, *job["args"]]
+    publish(state.app, [job])
+    logger.info("echomq: parent %s dispatched with %d values", parent_id, len(values))
+    return True
+
+
+def parent_failed(state: EchoMQ, queue: str, parent_id: str, child_id: str, error: str) -> None:
+    """Record FAILURE for a parent whose child failed under ``fail``, and run its errbacks."""
+    from celery.app.task import Context
+
+    payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
+    job = state.loads(payload) if payload else {"task": None, "options": {}}
+    exc = FlowFailed(f"flow {parent_id}: child {child_id} failed: {error}", child_id, error)
+    request = Context(
+        id=parent_id,
+        task=job["task"],
+        errbacks=job["options"].get("link_error"),
+        args=job.get("args", []),
+        kwargs=job.get("kwargs", {}),
+        delivery_info={},
+    )
+    state.app.backend.mark_as_failure(parent_id, exc, request=request, call_errbacks=True)
+    logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
+
+
+def parent_ref(headers: Any) -> Optional[ParentRef]:
+    parent_id = getattr(headers, H_PARENT, None)
+    if not parent_id:
+        return None
+    return ParentRef(str(parent_id), str(getattr(headers, H_PARENT_QUEUE, None) or getattr(headers, H_QUEUE)))

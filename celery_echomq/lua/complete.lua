@@ -1,0 +1,61 @@
+-- complete: a job succeeded (task_success): active -> done, and the seed's fan-in.
+--
+-- KEYS[1]  the job row
+-- KEYS[2]  the job's queue active set
+-- KEYS[3]  the job's own :dependencies  } expired with the row when the job is itself a
+-- KEYS[4]  the job's own :processed     } flow parent (ARGV[4] == '1'): a finished flow
+-- KEYS[5]  the job's own :ignored       } must not outlive the result TTL
+-- KEYS[6]  the parent row               } only when the job is a child whose parent
+-- KEYS[7]  the parent's :dependencies   } lives on this slot; a non-flow completion
+-- KEYS[8]  the parent's :processed      } passes none of these and never enters the
+-- KEYS[9]  the parent's pending set     } fan-in branch
+-- ARGV[1]  job id
+-- ARGV[2]  the token the claim gave this delivery
+-- ARGV[3]  result TTL in seconds for the finished row
+-- ARGV[4]  '1' when the job is a flow parent, else '0'
+-- ARGV[5]  parent id ('' when none)
+-- ARGV[6]  the job's value, serialized
+--
+-- Reply: {status}
+--   "released"    credited, and it was the last outstanding child: the parent is now pending
+--                 (the host dispatches it)
+--   "credited"    credited; other children outstanding, or the parent no longer waits
+--   "done"        finished; no parent to credit
+--   "stale"       the token is not the current one: nothing changed
+--   "<state>"     the job is not active (done, failed, pending, ...): nothing changed
+-- Errors: "EMQKIND ..." a non-JOB id.
+if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
+  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'active' then
+  return {state or 'missing'}
+end
+if redis.call('HGET', KEYS[1], 'token') ~= ARGV[2] then
+  return {'stale'}
+end
+local ttl = tonumber(ARGV[3])
+-- ZREM gives was_active: exactly one completion per active->done transition gets 1.
+local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'state', 'done')
+redis.call('EXPIRE', KEYS[1], ttl)
+if ARGV[4] == '1' then
+  redis.call('EXPIRE', KEYS[3], ttl)
+  redis.call('EXPIRE', KEYS[4], ttl)
+  redis.call('EXPIRE', KEYS[5], ttl)
+end
+-- The fan-in branch: fires EXACTLY once per child, inside was_active == 1, so a redelivered or
+-- stale completion never re-enters it.
+if KEYS[6] and was_active == 1 then
+  local left = redis.call('DECR', KEYS[7])
+  redis.call('HSET', KEYS[8], ARGV[1], ARGV[6])
+  redis.call('HINCRBY', KEYS[6], 'credited', 1)
+  if left <= 0 and redis.call('HGET', KEYS[6], 'state') == 'awaiting_children' then
+    local t = redis.call('TIME')
+    redis.call('ZADD', KEYS[9], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[5])
+    redis.call('HSET', KEYS[6], 'state', 'pending')
+    return {'released'}
+  end
+  return {'credited'}
+end
+return {'done'}

@@ -1,0 +1,57 @@
+-- enqueue_flow: hold a parent and make its N children claimable, in one atomic step on one slot.
+-- The seed's @enqueue_flow, plus two guards that keep bad input from writing anything:
+-- no row of the flow may already exist, and an empty flow's parent is released at once.
+--
+-- KEYS[1]      the parent row                  emq:{q}:JOBp
+-- KEYS[2]      the outstanding-child counter   emq:{q}:JOBp:dependencies
+-- KEYS[3]      the queue's pending set         emq:{q}:pending
+-- KEYS[3+i]    child i's row, i = 1..N         emq:{q}:JOBc
+-- ARGV[1]      parent id
+-- ARGV[2]      parent payload
+-- ARGV[3]      N, the number of children
+-- ARGV[2+2i]   child i's id
+-- ARGV[3+2i]   child i's payload
+--
+-- Reply: N (the counter).  Scores in the pending set are the server time in ms, so recovery
+-- can tell how long a job has waited.
+-- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
+
+-- The kind law runs FIRST over the parent and every child id: a non-JOB id refuses before any write.
+if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
+  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+end
+local n = tonumber(ARGV[3])
+for i = 1, n do
+  if string.sub(ARGV[2 + 2 * i], 1, 3) ~= 'JOB' then
+    return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+  end
+end
+-- Never overwrite: a parent or child row that exists belongs to another flow (or this one, sent twice).
+if redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then
+  return redis.error_reply('EMQEXISTS ' .. ARGV[1])
+end
+for i = 1, n do
+  if redis.call('EXISTS', KEYS[3 + i]) > 0 then
+    return redis.error_reply('EMQEXISTS ' .. ARGV[2 + 2 * i])
+  end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- Each child: its row claimable (state pending), carrying the parent id, and in the pending set.
+for i = 1, n do
+  local child = KEYS[3 + i]
+  local cid = ARGV[2 + 2 * i]
+  local cpayload = ARGV[3 + 2 * i]
+  redis.call('HSET', child, 'state', 'pending', 'attempts', '0', 'payload', cpayload, 'parent', ARGV[1])
+  redis.call('ZADD', KEYS[3], now, cid)
+end
+-- The parent: held out of pending (awaiting_children, in NO state set, so no claim reaches it)
+-- and the counter set to N. With no children there is nothing to wait for: release it now.
+if n == 0 then
+  redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2])
+  redis.call('ZADD', KEYS[3], now, ARGV[1])
+else
+  redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2])
+end
+redis.call('SET', KEYS[2], n)
+return n

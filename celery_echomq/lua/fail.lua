@@ -1,0 +1,93 @@
+-- fail: a job failed for good (after Celery's retries), was revoked, or recovery found it
+-- FAILURE in the result backend. The child's parent_policy decides what that means.
+--
+-- KEYS[1]   the job row
+-- KEYS[2]   the job's queue pending set
+-- KEYS[3]   the job's queue active set
+-- KEYS[4]   the job's queue failed set (score: time of failure; trimmed to the result TTL)
+-- KEYS[5]   the job's own :dependencies  } expired with the row when the job is itself a
+-- KEYS[6]   the job's own :processed     } flow parent (ARGV[5] == '1')
+-- KEYS[7]   the job's own :ignored       }
+-- KEYS[8]   the parent row               } only when the job is a child whose parent
+-- KEYS[9]   the parent's :dependencies   } lives on this slot
+-- KEYS[10]  the parent's :processed      }
+-- KEYS[11]  the parent's :ignored        }
+-- KEYS[12]  the parent's pending set     }
+-- KEYS[13]  the parent's failed set      }
+-- ARGV[1]   job id
+-- ARGV[2]   the claim's token; '' accepts any (revoke, recovery, a failed nested parent)
+-- ARGV[3]   the error, "ExcType: message"
+-- ARGV[4]   result TTL in seconds
+-- ARGV[5]   '1' when the job is a flow parent, else '0'
+-- ARGV[6]   parent id ('' when none)
+--
+-- Reply: {status, policy}
+--   "failed"         the job failed; it has no parent here
+--   "parent_failed"  policy fail: the parent is failed and will never run (the host records
+--                    FAILURE for it and runs its error callbacks)
+--   "released"       policy ignore/remove (the last outstanding child) or continue: the
+--                    parent is now pending (the host dispatches it)
+--   "credited"       policy ignore/remove/continue; the parent still waits or no longer waits
+--   "stale"          the token is not the current one: nothing changed
+--   "finished"       already done, failed or cancelled: nothing changed
+-- Errors: "EMQKIND ..." a non-JOB id.
+if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
+  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state == 'done' or state == 'failed' or state == 'cancelled' then
+  return {'finished', ''}
+end
+if ARGV[2] ~= '' and (state ~= 'active' or redis.call('HGET', KEYS[1], 'token') ~= ARGV[2]) then
+  return {'stale', ''}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[4])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZADD', KEYS[4], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
+redis.call('HSET', KEYS[1], 'state', 'failed', 'error', ARGV[3])
+redis.call('EXPIRE', KEYS[1], ttl)
+if ARGV[5] == '1' then
+  redis.call('EXPIRE', KEYS[5], ttl)
+  redis.call('EXPIRE', KEYS[6], ttl)
+  redis.call('EXPIRE', KEYS[7], ttl)
+end
+if not KEYS[8] then
+  return {'failed', ''}
+end
+local pstate = redis.call('HGET', KEYS[8], 'state')
+local policy = redis.call('HGET', KEYS[1], 'parent_policy')
+  or redis.call('HGET', KEYS[8], 'policy') or 'fail'
+local waiting = pstate == 'awaiting_children'
+
+local function release()
+  redis.call('ZADD', KEYS[12], now, ARGV[6])
+  redis.call('HSET', KEYS[8], 'state', 'pending')
+  return {'released', policy}
+end
+
+if policy == 'fail' then
+  if not waiting then
+    return {'credited', policy}
+  end
+  redis.call('HSET', KEYS[8], 'state', 'failed', 'failed_child', ARGV[1],
+    'error', 'child ' .. ARGV[1] .. ' failed: ' .. ARGV[3])
+  redis.call('ZADD', KEYS[13], now, ARGV[6])
+  for i = 8, 11 do
+    redis.call('EXPIRE', KEYS[i], ttl)
+  end
+  return {'parent_failed', policy}
+end
+-- ignore, remove and continue resolve the child: one fewer outstanding.
+local left = redis.call('DECR', KEYS[9])
+redis.call('HINCRBY', KEYS[8], 'credited', 1)
+if policy == 'ignore' then
+  redis.call('HSET', KEYS[11], ARGV[1], ARGV[3])
+end
+if waiting and (policy == 'continue' or left <= 0) then
+  return release()
+end
+return {'credited', policy}

@@ -1,0 +1,81 @@
+"""Pure reads of a flow's state: plain reads of its keys, never a write.
+
+Each takes the parent's job id. The queue whose slot holds the flow is found from, in order:
+the ``queue`` argument, the current task's own headers (a parent reading its own flow), and
+the flow's locator key written when it started.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+from celery import current_app, current_task
+
+from .errors import EchoMQError
+from .flows import H_QUEUE
+from .keyspace import check_id
+from .state import EchoMQ, get_state
+
+
+class Dependencies(NamedTuple):
+    outstanding: int
+    processed: int
+
+
+class UnknownFlowError(EchoMQError, LookupError):
+    """No flow with that id is known to Redis (never started, or expired)."""
+
+
+def locate(state: EchoMQ, job_id: str, queue: Optional[str] = None) -> str:
+    check_id(job_id)
+    if queue:
+        return queue
+    task = current_task
+    if task is not None and getattr(task.request, "id", None) == job_id:
+        own = getattr(task.request, H_QUEUE, None)
+        if own:
+            return str(own)
+    found = state.client.get(state.keys.locator_key(job_id))
+    if found is None:
+        raise UnknownFlowError(f"no flow {job_id!r} in Redis (never started, or expired)")
+    return found.decode() if isinstance(found, bytes) else str(found)
+
+
+def _state(app: Any) -> EchoMQ:
+    return get_state(app or current_app)
+
+
+def children_values(
+    job_id: str, *, app: Any = None, queue: Optional[str] = None
+) -> dict[str, Any]:
+    """``{child_job_id: value}`` for the children of ``job_id`` completed so far."""
+    state = _state(app)
+    _, processed, _ = state.keys.flow_keys(locate(state, job_id, queue), job_id)
+    return {
+        (k.decode() if isinstance(k, bytes) else k): state.loads(v)
+        for k, v in state.client.hgetall(processed).items()
+    }
+
+
+def dependencies(job_id: str, *, app: Any = None, queue: Optional[str] = None) -> Dependencies:
+    """The counter (children outstanding) and how many children have been credited."""
+    state = _state(app)
+    q = locate(state, job_id, queue)
+    deps, _, _ = state.keys.flow_keys(q, job_id)
+    pipe = state.client.pipeline(transaction=False)
+    pipe.get(deps)
+    pipe.hget(state.keys.job_key(q, job_id), "credited")
+    outstanding, credited = pipe.execute()
+    return Dependencies(int(outstanding or 0), int(credited or 0))
+
+
+def ignored_failures(
+    job_id: str, *, app: Any = None, queue: Optional[str] = None
+) -> dict[str, str]:
+    """``{child_job_id: "ExcType: message"}`` for children that failed under policy ``ignore``."""
+    state = _state(app)
+    _, _, ignored = state.keys.flow_keys(locate(state, job_id, queue), job_id)
+    return {
+        (k.decode() if isinstance(k, bytes) else k): v.decode() if isinstance(v, bytes) else v
+        for k, v in state.client.hgetall(ignored).items()
+    }

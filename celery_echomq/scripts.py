@@ -1,0 +1,186 @@
+"""Loads ``lua/*.lua`` (one file per transition) and wraps each in a typed call.
+
+Every wrapper builds its KEYS through the :class:`~celery_echomq.keyspace.Keyspace` gate and
+maps the scripts' server errors to Python errors (``EMQKIND`` -> :class:`KindError`).
+``register_script`` runs EVALSHA and falls back to EVAL on NOSCRIPT.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any, Optional, Union
+
+import redis
+from redis.commands.core import Script
+
+from .errors import FlowExistsError, KindError
+from .keyspace import Keyspace
+
+Value = Union[bytes, str]
+TRANSITIONS = ("enqueue_flow", "claim", "complete", "fail", "retry", "dispatch")
+
+
+def load_source(name: str) -> str:
+    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def server_error(exc: redis.ResponseError) -> Exception:
+    """The Python error for a script's error reply (others come back unchanged)."""
+    message = str(exc)
+    if message.startswith("EMQKIND"):
+        return KindError(message)
+    if message.startswith("EMQEXISTS"):
+        job_id = message.split(" ", 1)[1] if " " in message else "?"
+        return FlowExistsError(
+            f"job id {job_id!r} already exists in Redis; a flow never overwrites a job "
+            "(nothing was written or published)"
+        )
+    return exc
+
+
+@dataclass(frozen=True)
+class ParentRef:
+    """Where a job's parent lives: its id and the queue whose slot holds its keys."""
+
+    id: str
+    queue: str
+
+
+class Scripts:
+    """The EchoMQ transitions, bound to one Redis client and one keyspace."""
+
+    def __init__(self, client: "redis.Redis[bytes]", keyspace: Keyspace) -> None:
+        self.keys = keyspace
+        self._scripts: dict[str, Script] = {
+            name: client.register_script(load_source(name)) for name in TRANSITIONS
+        }
+
+    def _run(self, name: str, keys: Sequence[str], args: Sequence[Value]) -> Any:
+        try:
+            return self._scripts[name](keys=list(keys), args=list(args))
+        except redis.ResponseError as exc:
+            raised = server_error(exc)
+            if raised is exc:
+                raise
+            raise raised from None
+
+    def _parent_keys(self, parent: Optional[ParentRef], *names: str) -> list[str]:
+        if parent is None:
+            return []
+        row = self.keys.job_key(parent.queue, parent.id)
+        deps, processed, ignored = self.keys.flow_keys(parent.queue, parent.id)
+        known = {
+            "row": row,
+            "dependencies": deps,
+            "processed": processed,
+            "ignored": ignored,
+            "pending": self.keys.queue_key(parent.queue, "pending"),
+            "failed": self.keys.queue_key(parent.queue, "failed"),
+        }
+        return [known[name] for name in names]
+
+    def enqueue_flow(
+        self,
+        queue: str,
+        parent_id: str,
+        parent_payload: Value,
+        children: Sequence[tuple[str, Value]],
+    ) -> int:
+        parent_key = self.keys.job_key(queue, parent_id)
+        keys = [
+            parent_key,
+            f"{parent_key}:dependencies",
+            self.keys.queue_key(queue, "pending"),
+            *(self.keys.job_key(queue, cid) for cid, _ in children),
+        ]
+        argv: list[Value] = [parent_id, parent_payload, str(len(children))]
+        for cid, payload in children:
+            argv += [cid, payload]
+        return int(self._run("enqueue_flow", keys, argv))
+
+    def claim(self, queue: str, job_id: str, token: str, lease_ms: int) -> tuple[str, int]:
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+        ]
+        status, attempts = self._run("claim", keys, [job_id, token, str(lease_ms)])
+        return _text(status), int(attempts)
+
+    def complete(
+        self,
+        queue: str,
+        job_id: str,
+        token: str,
+        *,
+        ttl: int,
+        is_parent: bool,
+        parent: Optional[ParentRef],
+        value: Value,
+    ) -> str:
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "active"),
+            *self.keys.flow_keys(queue, job_id),
+            *self._parent_keys(parent, "row", "dependencies", "processed", "pending"),
+        ]
+        argv: list[Value] = [
+            job_id,
+            token,
+            str(ttl),
+            "1" if is_parent else "0",
+            parent.id if parent else "",
+            value,
+        ]
+        return _text(self._run("complete", keys, argv)[0])
+
+    def fail(
+        self,
+        queue: str,
+        job_id: str,
+        token: str,
+        error: str,
+        *,
+        ttl: int,
+        is_parent: bool,
+        parent: Optional[ParentRef],
+    ) -> tuple[str, str]:
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "failed"),
+            *self.keys.flow_keys(queue, job_id),
+            *self._parent_keys(
+                parent, "row", "dependencies", "processed", "ignored", "pending", "failed"
+            ),
+        ]
+        argv = [job_id, token, error, str(ttl), "1" if is_parent else "0", parent.id if parent else ""]
+        status, policy = self._run("fail", keys, argv)
+        return _text(status), _text(policy)
+
+    def retry(self, queue: str, job_id: str, token: str) -> str:
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+        ]
+        return _text(self._run("retry", keys, [job_id, token])[0])
+
+    def dispatch(
+        self, queue: str, parent_id: str, redispatch_after_ms: int = 0
+    ) -> Optional[tuple[bytes, dict[str, bytes]]]:
+        """The parent's payload and its children's values, or None if it is not ours to publish."""
+        row = self.keys.job_key(queue, parent_id)
+        _, processed, _ = self.keys.flow_keys(queue, parent_id)
+        reply = self._run("dispatch", [row, processed], [parent_id, str(redispatch_after_ms)])
+        if not reply:
+            return None
+        values = {_text(reply[i]): reply[i + 1] for i in range(1, len(reply), 2)}
+        return reply[0], values

@@ -1,0 +1,155 @@
+"""Worker signal receivers: each calls one transition script for a flow job.
+
+Receivers run in the pool process (revocation in the main process), and Celery logs and
+swallows their exceptions, so every transition is idempotent and recovery repairs the ones a
+receiver could not make. A task without the flow headers costs nothing here: no Redis command.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from typing import Any, Optional
+
+from celery import signals
+
+from .flows import (
+    H_FLOW,
+    H_QUEUE,
+    dispatch_parent,
+    parent_failed,
+    parent_ref,
+)
+from .scripts import ParentRef
+from .state import EchoMQ, find_state
+
+logger = logging.getLogger("celery_echomq")
+
+# The token each running flow job was claimed with, by task id, in this process.
+_tokens: dict[str, str] = {}
+
+
+def _flow_state(task: Any, request: Any) -> Optional[EchoMQ]:
+    if request is None or not getattr(request, H_QUEUE, None):
+        return None
+    return find_state(task.app)
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any) -> None:
+    request = task.request
+    state = _flow_state(task, request)
+    if state is None:
+        return
+    token = f"{os.getpid()}-{uuid.uuid4().hex}"
+    status, attempts = state.scripts.claim(
+        getattr(request, H_QUEUE), task_id, token, state.settings.stall_ms
+    )
+    if status in ("claimed", "taken_over"):
+        _tokens[task_id] = token
+    logger.debug("echomq: claim %s -> %s (attempt %d)", task_id, status, attempts)
+
+
+def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
+    request = sender.request
+    state = _flow_state(sender, request)
+    if state is None:
+        return
+    token = _tokens.pop(request.id, None)
+    if token is None:
+        return
+    parent = parent_ref(request)
+    status = state.scripts.complete(
+        getattr(request, H_QUEUE),
+        request.id,
+        token,
+        ttl=state.settings.result_ttl,
+        is_parent=bool(getattr(request, H_FLOW, None)),
+        parent=parent,
+        value=state.dumps(result),
+    )
+    if status == "released" and parent is not None:
+        logger.info("echomq: parent %s released by child %s", parent.id, request.id)
+        dispatch_parent(state, parent.queue, parent.id)
+
+
+def settle_failure(
+    state: EchoMQ, queue: str, job_id: str, token: str, error: str,
+    is_parent: bool, parent: Optional[ParentRef],
+) -> str:
+    """Apply a job's final failure and follow what its parent's policy made of it."""
+    status, policy = state.scripts.fail(
+        queue, job_id, token, error,
+        ttl=state.settings.result_ttl, is_parent=is_parent, parent=parent,
+    )
+    if parent is None or status in ("stale", "finished", "failed"):
+        return status
+    logger.info("echomq: child %s failed under policy %s: %s", job_id, policy, error)
+    if status == "released":
+        dispatch_parent(state, parent.queue, parent.id)
+    elif status == "parent_failed":
+        parent_failed(state, parent.queue, parent.id, job_id, error)
+    return status
+
+
+def on_failure(
+    sender: Any = None, task_id: str = "", exception: Optional[BaseException] = None, **_: Any
+) -> None:
+    request = sender.request
+    state = _flow_state(sender, request)
+    if state is None:
+        return
+    token = _tokens.pop(task_id, None)
+    if token is None:
+        return
+    settle_failure(
+        state, getattr(request, H_QUEUE), task_id, token,
+        error_text(exception) if exception is not None else "unknown error",
+        bool(getattr(request, H_FLOW, None)), parent_ref(request),
+    )
+
+
+def on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
+    state = _flow_state(sender, request)
+    if state is None:
+        return
+    token = _tokens.pop(request.id, None)
+    if token is not None:
+        state.scripts.retry(getattr(request, H_QUEUE), request.id, token)
+
+
+class _Headers:
+    """Attribute access to a worker Request's message headers (task_revoked's request)."""
+
+    def __init__(self, headers: dict[str, Any]) -> None:
+        self.__dict__.update(headers)
+
+
+def on_revoked(
+    sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False,
+    **_: Any,
+) -> None:
+    headers = _Headers(getattr(request, "request_dict", None) or {})
+    if sender is None or not getattr(headers, H_QUEUE, None):
+        return
+    state = find_state(sender.app)
+    if state is None:
+        return
+    reason = "TaskRevokedError: expired" if expired else "TaskRevokedError: revoked"
+    settle_failure(
+        state, getattr(headers, H_QUEUE), request.id, "", reason,
+        bool(getattr(headers, H_FLOW, None)), parent_ref(headers),
+    )
+
+
+def connect() -> None:
+    """Connect the receivers (once per process; each checks the sender's app)."""
+    signals.task_prerun.connect(on_prerun, weak=False, dispatch_uid="echomq_prerun")
+    signals.task_success.connect(on_success, weak=False, dispatch_uid="echomq_success")
+    signals.task_failure.connect(on_failure, weak=False, dispatch_uid="echomq_failure")
+    signals.task_retry.connect(on_retry, weak=False, dispatch_uid="echomq_retry")
+    signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="echomq_revoked")

@@ -1,0 +1,93 @@
+"""Per-app runtime state: settings, the Redis client, the scripts, and (de)serialization.
+
+A Redis client must not cross a fork (prefork pool children would share its sockets), so the
+client and the scripts bound to it are made lazily, once per process.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Optional, cast
+
+import redis
+from kombu.serialization import dumps, loads, prepare_accept_content, registry
+
+from .config import Settings, read_settings
+from .errors import ConfigError
+from .keyspace import Keyspace
+from .scripts import Scripts
+
+_ATTR = "_echomq_state"
+
+
+def make_client(url: str) -> Any:
+    """A redis-py client for ``url``; ``redis+cluster://`` gives a ``RedisCluster``."""
+    if url.startswith("redis+cluster://"):
+        from redis.cluster import RedisCluster
+
+        return RedisCluster.from_url("redis://" + url[len("redis+cluster://") :])
+    if url.startswith("redis+socket://"):
+        url = "unix://" + url[len("redis+socket://") :]
+    return redis.Redis.from_url(url, health_check_interval=30)
+
+
+class EchoMQ:
+    """Everything celery-echomq needs for one Celery app."""
+
+    def __init__(self, app: Any, settings: Settings) -> None:
+        self.app = app
+        self.settings = settings
+        self.keys = Keyspace(settings.key_prefix)
+        self._lock = threading.Lock()
+        self._pid: Optional[int] = None
+        self._client: Any = None
+        self._scripts: Optional[Scripts] = None
+        self._content_type, self._encoding, _ = registry._encoders[settings.serializer]
+        self._accept = prepare_accept_content(settings.accept_content)
+
+    def _ensure(self) -> None:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._client = make_client(self.settings.redis_url)
+                    self._scripts = Scripts(self._client, self.keys)
+                    self._pid = os.getpid()
+
+    @property
+    def client(self) -> Any:
+        self._ensure()
+        return self._client
+
+    @property
+    def scripts(self) -> Scripts:
+        self._ensure()
+        return cast(Scripts, self._scripts)
+
+    def dumps(self, obj: Any) -> bytes:
+        _, _, data = dumps(obj, serializer=self.settings.serializer)
+        return data.encode("utf-8") if isinstance(data, str) else cast(bytes, data)
+
+    def loads(self, data: bytes) -> Any:
+        """Decode what :meth:`dumps` stored; content the app does not accept is refused."""
+        return loads(data, self._content_type, self._encoding, accept=self._accept)
+
+
+def install_state(app: Any) -> EchoMQ:
+    state = EchoMQ(app, read_settings(app.conf))
+    setattr(app, _ATTR, state)
+    return state
+
+
+def get_state(app: Any) -> EchoMQ:
+    state = getattr(app, _ATTR, None)
+    if state is None:
+        raise ConfigError(
+            f"celery-echomq is not installed on app {app.main!r}: call celery_echomq.install(app) "
+            "in the module that defines the app"
+        )
+    return cast(EchoMQ, state)
+
+
+def find_state(app: Any) -> Optional[EchoMQ]:
+    return cast(Optional[EchoMQ], getattr(app, _ATTR, None))

@@ -1,0 +1,176 @@
+"""Test fixtures: a real redis-server (or ECHOMQ_TEST_REDIS_URL) and real `celery worker`
+subprocesses running tests/proj.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import redis
+
+from celery_echomq.embedded import RedisServer
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _base_url(url: str) -> str:
+    # Strip a trailing /db so tests choose databases themselves.
+    head, _, tail = url.rstrip("/").rpartition("/")
+    return head if tail.isdigit() and head.count("/") >= 2 else url.rstrip("/")
+
+
+@pytest.fixture(scope="session")
+def redis_base() -> Iterator[str]:
+    external = os.environ.get("ECHOMQ_TEST_REDIS_URL")
+    if external:
+        yield _base_url(external)
+        return
+    with RedisServer() as server:
+        yield f"redis://127.0.0.1:{server.port}"
+
+
+class Env:
+    """The URLs one test run uses: broker, result backend and flow store on separate DBs."""
+
+    def __init__(self, base: str, broker: Optional[str] = None) -> None:
+        self.base = base
+        self.broker = broker or f"{base}/11"
+        self.backend = f"{base}/12"
+        self.store = f"{base}/13"
+
+    def environ(self, **extra: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            ECHOMQ_T_BROKER=self.broker,
+            ECHOMQ_T_BACKEND=self.backend,
+            ECHOMQ_T_STORE=self.store,
+            PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
+        )
+        env.update(extra)
+        return env
+
+
+@pytest.fixture(scope="session")
+def env(redis_base: str) -> Env:
+    e = Env(redis_base)
+    os.environ.update(
+        ECHOMQ_T_BROKER=e.broker, ECHOMQ_T_BACKEND=e.backend, ECHOMQ_T_STORE=e.store
+    )
+    for url in (e.broker, e.backend, e.store):
+        redis.Redis.from_url(url).flushdb()
+    return e
+
+
+@pytest.fixture(scope="session")
+def proj(env: Env) -> Any:
+    from tests import proj as module
+
+    return module
+
+
+@pytest.fixture
+def store(env: Env) -> redis.Redis:  # type: ignore[type-arg]
+    return redis.Redis.from_url(env.store)
+
+
+class Worker:
+    """A real `celery worker` subprocess (prefork) running tests/proj.py."""
+
+    def __init__(
+        self, env: Env, *, queues: str = "celery", concurrency: int = 2, name: str = "",
+        pool: str = "prefork", extra_env: Optional[dict[str, str]] = None,
+    ) -> None:
+        self.name = name or f"w{uuid.uuid4().hex[:8]}"
+        self.log = Path(os.environ.get("ECHOMQ_TEST_LOGDIR", "/tmp")) / f"echomq-{self.name}.log"
+        cmd = [
+            sys.executable, "-m", "celery", "-A", "tests.proj", "worker",
+            "-P", pool, "-c", str(concurrency), "-Q", queues, "-n", f"{self.name}@%h",
+            "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+        ]
+        self.logfile = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env.environ(**(extra_env or {})), stdout=self.logfile,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited early:\n{self.output()}")
+            if b" ready." in self.log.read_bytes():
+                return
+            time.sleep(0.1)
+        raise RuntimeError(f"worker not ready in 60 s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_bytes().decode(errors="replace")
+
+    def pool_pids(self) -> list[int]:
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
+        ).stdout
+        return [int(p) for p in out.split()]
+
+    def kill(self) -> None:
+        """SIGKILL the whole worker (main process and pool), as a crash would."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait(10)
+        self.logfile.close()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.logfile.close()
+
+
+@pytest.fixture(scope="session")
+def worker(env: Env, proj: Any) -> Iterator[Worker]:
+    w = Worker(env, name="session")
+    yield w
+    w.stop()
+
+
+@pytest.fixture
+def start_worker(env: Env, proj: Any) -> Iterator[Any]:
+    started: list[Worker] = []
+
+    def start(**kwargs: Any) -> Worker:
+        w = Worker(env, **kwargs)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")

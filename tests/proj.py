@@ -1,0 +1,86 @@
+"""The Celery app the tests' real workers run. Configured from environment variables so that
+the test process and each `celery worker` subprocess agree on the URLs."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import redis
+from celery import Celery
+
+import celery_echomq
+
+app = Celery("proj")
+app.conf.update(
+    broker_url=os.environ.get("ECHOMQ_T_BROKER", "redis://127.0.0.1:6379/1"),
+    result_backend=os.environ.get("ECHOMQ_T_BACKEND", "redis://127.0.0.1:6379/2"),
+    echomq_redis_url=os.environ.get("ECHOMQ_T_STORE", "redis://127.0.0.1:6379/3"),
+    echomq_stall_timeout=float(os.environ.get("ECHOMQ_T_STALL", "300")),
+    echomq_recovery_interval=float(os.environ.get("ECHOMQ_T_RECOVERY_INTERVAL", "1")),
+    task_acks_late=os.environ.get("ECHOMQ_T_ACKS_LATE") == "1",
+    task_reject_on_worker_lost=os.environ.get("ECHOMQ_T_ACKS_LATE") == "1",
+    worker_prefetch_multiplier=1,
+    broker_connection_retry_on_startup=True,
+    result_expires=3600,
+)
+celery_echomq.install(app)
+
+
+def _store() -> redis.Redis:  # type: ignore[type-arg]
+    return redis.Redis.from_url(app.conf.echomq_redis_url)
+
+
+def mark(name: str) -> None:
+    """Count one execution of ``name`` (tests assert bodies ran exactly once)."""
+    _store().incr(f"test:ran:{name}")
+
+
+@app.task
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task
+def square(x: int) -> int:
+    return x * x
+
+
+@app.task
+def tsum(values: list[int]) -> int:
+    return sum(values)
+
+
+@app.task
+def collect(values: list[Any], tag: str = "") -> dict[str, Any]:
+    mark(f"collect:{tag}")
+    return {"values": values, "tag": tag}
+
+
+@app.task
+def noargs() -> str:
+    return "ran"
+
+
+@app.task
+def gated(x: int, gate: str) -> int:
+    """Block until the key ``gate`` exists (the test opens it), then return x."""
+    client = _store()
+    deadline = time.monotonic() + 120
+    while not client.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {gate} never opened")
+        time.sleep(0.05)
+    return x
+
+
+@app.task
+def boom(message: str = "boom") -> None:
+    raise ValueError(message)
+
+
+@app.task
+def sleep_then(x: int, seconds: float) -> int:
+    time.sleep(seconds)
+    return x
