@@ -138,9 +138,11 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
         for cid, child_policy in plan.child_policies.items():
             pipe.hset(keys.job_key(plan.queue, cid), "parent_policy", child_policy)
         pipe.execute()
-        state.client.set(
-            keys.locator_key(plan.parent_id), plan.queue, ex=_locator_ttl(state)
-        )
+        # Outside the flow's slot: where a bare id lives, and which queues recovery scans.
+        side = state.client.pipeline(transaction=False)
+        side.set(keys.locator_key(plan.parent_id), plan.queue, ex=_locator_ttl(state))
+        side.sadd(keys.queues_key(), plan.queue)
+        side.execute()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise StoreUnavailableError(
             f"Redis at {state.settings.redis_url!r} is unavailable ({exc}); "

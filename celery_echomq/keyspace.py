@@ -80,5 +80,9 @@ class Keyspace:
         """
         return f"{self.prefix}:loc:{{{check_id(job_id)}}}"
 
+    def queues_key(self) -> str:
+        """The set of queue names that hold flows: what recovery and ``stats`` scan."""
+        return f"{self.prefix}:queues"
+
     def lease_key(self, name: str) -> str:
         return f"{self.prefix}:lease:{_check_text(name, 'lease name')}"
