@@ -43,6 +43,14 @@ def new_job_id() -> str:
     return "JOB" + uuid.uuid4().hex
 
 
+def job_id_of(options: dict[str, Any], fallback: Optional[str] = None) -> str:
+    """The signature's own ``task_id`` (gated: an empty one is an error, not a default)."""
+    given = options.get("task_id")
+    if given is None:
+        given = fallback if fallback is not None else new_job_id()
+    return check_id(given)
+
+
 def check_policy(policy: object, where: str) -> str:
     if policy not in POLICIES:
         from .errors import PolicyError
@@ -99,9 +107,9 @@ def plan_flow(
     options: dict[str, Any],
 ) -> Plan:
     """Assign and gate every id and build every message; touches neither Redis nor the broker."""
-    parent_id = check_id(parent.options.get("task_id") or options.get("task_id") or new_job_id())
+    parent_id = job_id_of(parent.options, options.get("task_id"))
     queue = route_queue(app, parent, options)
-    child_ids = [check_id(c.options.get("task_id") or new_job_id()) for c in children]
+    child_ids = [job_id_of(c.options) for c in children]
     check_unique([parent_id, *child_ids])
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
     plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy)

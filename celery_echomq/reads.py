@@ -30,9 +30,8 @@ def locate(state: EchoMQ, job_id: str, queue: Optional[str] = None) -> str:
     check_id(job_id)
     if queue:
         return queue
-    task = current_task
-    if task is not None and getattr(task.request, "id", None) == job_id:
-        own = getattr(task.request, H_QUEUE, None)
+    if current_task and getattr(current_task.request, "id", None) == job_id:
+        own = getattr(current_task.request, H_QUEUE, None)
         if own:
             return str(own)
     found = state.client.get(state.keys.locator_key(job_id))
