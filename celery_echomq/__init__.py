@@ -52,7 +52,10 @@ __version__ = "0.1.0"
 def install(app: Any) -> EchoMQ:
     """Connect celery-echomq to ``app``: settings, worker signals and the recovery step."""
     from . import signals
+    from .recovery import RecoveryStep
 
     state = install_state(app)
     signals.connect()
+    # A set: installing twice adds the step once.
+    app.steps["worker"].add(RecoveryStep)
     return state

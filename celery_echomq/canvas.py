@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 from celery import current_app
 from celery.canvas import Signature, group, maybe_signature
 from celery.result import AsyncResult
 
 from . import reads
-from .flows import check_policy, new_job_id, plan_flow, start_flow
+from .flows import cancel_flow, check_policy, new_job_id, plan_flow, start_flow
+from .reads import locate
 from .state import get_state
 
 FLOW_TASK = "celery_echomq.flow"
@@ -32,7 +33,7 @@ def _signatures(children: Any, app: Any) -> list[Signature]:
 
 
 @Signature.register_type(name="flow")
-class flow(Signature):  # noqa: N801 - lower case like chord, group and chain
+class flow(Signature):
     """Run ``children``, then ``parent`` with the list of their values, exactly once.
 
     ``policy`` is what a child's final failure means for the parent unless the child sets its
@@ -42,10 +43,10 @@ class flow(Signature):  # noqa: N801 - lower case like chord, group and chain
     def __init__(
         self,
         parent: Any = None,
-        children: Optional[Iterable[Any]] = None,
+        children: Iterable[Any] | None = None,
         *,
         policy: str = "fail",
-        args: Optional[Iterable[Any]] = None,
+        args: Iterable[Any] | None = None,
         app: Any = None,
         task: str = FLOW_TASK,
         **options: Any,
@@ -103,11 +104,12 @@ class flow(Signature):  # noqa: N801 - lower case like chord, group and chain
             app = self.parent._app or current_app
         return app
 
-    def freeze(self, _id: Optional[str] = None, *args: Any, **kwargs: Any) -> FlowResult:
+    def freeze(self, _id: str | None = None, *args: Any, **kwargs: Any) -> FlowResult:
         """Assign every job id (parent first) without sending anything."""
         parent_opts = self.parent.options
         if "task_id" not in parent_opts:
-            parent_opts["task_id"] = self.options.get("task_id") or _id or new_job_id()
+            given = self.options.get("task_id", _id)
+            parent_opts["task_id"] = new_job_id() if given is None else given
         self.options["task_id"] = parent_opts["task_id"]
         for child in self.children:
             child.options.setdefault("task_id", new_job_id())
@@ -115,9 +117,9 @@ class flow(Signature):  # noqa: N801 - lower case like chord, group and chain
 
     def apply_async(
         self,
-        args: Optional[Iterable[Any]] = None,
-        kwargs: Optional[dict[str, Any]] = None,
-        task_id: Optional[str] = None,
+        args: Iterable[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        task_id: str | None = None,
         **options: Any,
     ) -> FlowResult:
         app = self._get_app()
@@ -153,7 +155,7 @@ class flow(Signature):  # noqa: N801 - lower case like chord, group and chain
 class FlowResult(AsyncResult):  # type: ignore[misc]
     """The parent's result, with reads of the flow's state in Redis."""
 
-    def __init__(self, id: str, *args: Any, queue: Optional[str] = None, **kwargs: Any) -> None:
+    def __init__(self, id: str, *args: Any, queue: str | None = None, **kwargs: Any) -> None:
         super().__init__(id, *args, **kwargs)
         self.flow_queue = queue
 
@@ -168,3 +170,21 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
     def ignored_failures(self) -> dict[str, str]:
         """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
         return reads.ignored_failures(self.id, app=self.app, queue=self.flow_queue)
+
+    def revoke(
+        self,
+        connection: Any = None,
+        terminate: bool = False,
+        signal: Any = None,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        """Cancel the flow: revoke every outstanding child; the parent will never run.
+
+        ``get()`` then raises :class:`~celery_echomq.FlowCancelled`. A parent that already
+        started is revoked like any task.
+        """
+        state = get_state(self.app)
+        queue = locate(state, self.id, self.flow_queue)
+        if not cancel_flow(state, queue, self.id, terminate=terminate) and not self.ready():
+            super().revoke(connection, terminate, signal, wait, timeout)

@@ -13,7 +13,6 @@ import subprocess
 import tempfile
 import time
 from types import TracebackType
-from typing import Optional
 
 
 def find_redis_server() -> str:
@@ -43,19 +42,30 @@ def free_port() -> int:
 class RedisServer:
     """``with RedisServer() as server: server.url(db)`` runs a private redis-server."""
 
-    def __init__(self, port: Optional[int] = None, *extra: str) -> None:
+    def __init__(self, port: int | None = None, *extra: str) -> None:
         self.port = port or free_port()
         self.extra = extra
         self.dir = tempfile.mkdtemp(prefix="echomq-redis-")
-        self.proc: Optional[subprocess.Popen[bytes]] = None
+        self.proc: subprocess.Popen[bytes] | None = None
 
     def url(self, db: int = 0) -> str:
         return f"redis://127.0.0.1:{self.port}/{db}"
 
     def start(self) -> RedisServer:
         args = [
-            find_redis_server(), "--port", str(self.port), "--bind", "127.0.0.1",
-            "--save", "", "--appendonly", "no", "--dir", self.dir, "--databases", "16",
+            find_redis_server(),
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--databases",
+            "16",
             *self.extra,
         ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -87,7 +97,9 @@ class RedisServer:
         return self.start()
 
     def __exit__(
-        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException],
-        tb: Optional[TracebackType],
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
     ) -> None:
         self.stop()

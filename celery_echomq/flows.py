@@ -11,12 +11,12 @@ import logging
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import redis
 from celery.canvas import Signature
 
-from .errors import FlowFailed, StoreUnavailableError
+from .errors import FlowCancelled, FlowFailed, StoreUnavailableError
 from .keyspace import check_id, check_queue, check_unique
 from .scripts import ParentRef
 from .state import EchoMQ
@@ -43,7 +43,7 @@ def new_job_id() -> str:
     return "JOB" + uuid.uuid4().hex
 
 
-def job_id_of(options: dict[str, Any], fallback: Optional[str] = None) -> str:
+def job_id_of(options: dict[str, Any], fallback: str | None = None) -> str:
     """The signature's own ``task_id`` (gated: an empty one is an error, not a default)."""
     given = options.get("task_id")
     if given is None:
@@ -103,7 +103,7 @@ def plan_flow(
     *,
     policy: str,
     args: tuple[Any, ...],
-    kwargs: Optional[dict[str, Any]],
+    kwargs: dict[str, Any] | None,
     options: dict[str, Any],
 ) -> Plan:
     """Assign and gate every id and build every message; touches neither Redis nor the broker."""
@@ -113,15 +113,13 @@ def plan_flow(
     check_unique([parent_id, *child_ids])
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
     plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy)
-    for child, cid in zip(children, child_ids):
+    for child, cid in zip(children, child_ids, strict=True):
         if args or kwargs:
             child = child.clone(args=args, kwargs=kwargs)
         child_policy = child.options.get("parent_policy")
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
-        job = _job_dict(
-            child, {**shared, "task_id": cid}, {H_QUEUE: queue, H_PARENT: parent_id}
-        )
+        job = _job_dict(child, {**shared, "task_id": cid}, {H_QUEUE: queue, H_PARENT: parent_id})
         job["options"].pop("parent_policy", None)
         job["options"]["task_id"] = cid
         plan.children.append(job)
@@ -137,6 +135,9 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
     scripts = state.scripts
     payloads = [(job["options"]["task_id"], state.dumps(job)) for job in plan.children]
     try:
+        # Before the flow lands, not after: a producer killed right after the EVAL must still
+        # leave its queue where recovery looks (SADD is idempotent; an empty queue costs a scan).
+        state.client.sadd(state.keys.queues_key(), plan.queue)
         scripts.enqueue_flow(plan.queue, plan.parent_id, state.dumps(plan.parent), payloads)
         # After the atomic land: the flow's default policy and each child's own, on the same
         # slot, before any child can run (none is published yet).
@@ -149,7 +150,6 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
         # Outside the flow's slot: where a bare id lives, and which queues recovery scans.
         side = state.client.pipeline(transaction=False)
         side.set(keys.locator_key(plan.parent_id), plan.queue, ex=_locator_ttl(state))
-        side.sadd(keys.queues_key(), plan.queue)
         side.execute()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise StoreUnavailableError(
@@ -157,7 +157,9 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
             "the flow was not started and nothing was published"
         ) from exc
     logger.info(
-        "echomq: flow %s enqueued on %s with %d children", plan.parent_id, plan.queue,
+        "echomq: flow %s enqueued on %s with %d children",
+        plan.parent_id,
+        plan.queue,
         len(plan.children),
     )
     if plan.children:
@@ -177,7 +179,10 @@ def publish(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
         for job in jobs:
             options = dict(job["options"])
             sig = Signature(
-                job["task"], job["args"], job["kwargs"], immutable=job.get("immutable", False),
+                job["task"],
+                job["args"],
+                job["kwargs"],
+                immutable=job.get("immutable", False),
                 app=app,
             )
             sig.apply_async(producer=producer, **options)
@@ -219,8 +224,33 @@ def parent_failed(state: EchoMQ, queue: str, parent_id: str, child_id: str, erro
     logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
 
 
-def parent_ref(headers: Any) -> Optional[ParentRef]:
+def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = False) -> list[str]:
+    """Cancel a flow whose parent has not started: the ids of the children it revoked.
+
+    Returns an empty list when the parent already started or finished (nothing to cancel).
+    """
+    row = state.keys.job_key(queue, parent_id)
+    payload = state.client.hget(row, "payload")
+    children = state.loads(payload)["children"] if payload else []
+    status, outstanding = state.scripts.cancel(
+        queue, parent_id, children, ttl=state.settings.result_ttl
+    )
+    if status != "cancelled":
+        return []
+    if outstanding:
+        state.app.control.revoke(outstanding, terminate=terminate)
+    exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
+    state.app.backend.mark_as_failure(parent_id, exc)
+    logger.info(
+        "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
+    )
+    return outstanding
+
+
+def parent_ref(headers: Any) -> ParentRef | None:
     parent_id = getattr(headers, H_PARENT, None)
     if not parent_id:
         return None
-    return ParentRef(str(parent_id), str(getattr(headers, H_PARENT_QUEUE, None) or getattr(headers, H_QUEUE)))
+    return ParentRef(
+        str(parent_id), str(getattr(headers, H_PARENT_QUEUE, None) or getattr(headers, H_QUEUE))
+    )

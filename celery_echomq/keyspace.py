@@ -28,9 +28,7 @@ def _check_text(value: object, what: str) -> str:
     if not value:
         raise InvalidIdError(f"{what} is empty; allowed: {ALLOWED_TEXT}")
     if len(value) > MAX_ID_LENGTH:
-        raise InvalidIdError(
-            f"{what} is {len(value)} characters long; allowed: {ALLOWED_TEXT}"
-        )
+        raise InvalidIdError(f"{what} is {len(value)} characters long; allowed: {ALLOWED_TEXT}")
     if not _ALLOWED.fullmatch(value):
         raise InvalidIdError(f"{what} {value!r} has a forbidden character; allowed: {ALLOWED_TEXT}")
     return value

@@ -7,7 +7,7 @@ the flow's locator key written when it started.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 from celery import current_app, current_task
 
@@ -26,7 +26,7 @@ class UnknownFlowError(EchoMQError, LookupError):
     """No flow with that id is known to Redis (never started, or expired)."""
 
 
-def locate(state: EchoMQ, job_id: str, queue: Optional[str] = None) -> str:
+def locate(state: EchoMQ, job_id: str, queue: str | None = None) -> str:
     check_id(job_id)
     if queue:
         return queue
@@ -44,9 +44,7 @@ def _state(app: Any) -> EchoMQ:
     return get_state(app or current_app)
 
 
-def children_values(
-    job_id: str, *, app: Any = None, queue: Optional[str] = None
-) -> dict[str, Any]:
+def children_values(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, Any]:
     """``{child_job_id: value}`` for the children of ``job_id`` completed so far."""
     state = _state(app)
     _, processed, _ = state.keys.flow_keys(locate(state, job_id, queue), job_id)
@@ -56,7 +54,7 @@ def children_values(
     }
 
 
-def dependencies(job_id: str, *, app: Any = None, queue: Optional[str] = None) -> Dependencies:
+def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> Dependencies:
     """The counter (children outstanding) and how many children have been credited."""
     state = _state(app)
     q = locate(state, job_id, queue)
@@ -68,9 +66,7 @@ def dependencies(job_id: str, *, app: Any = None, queue: Optional[str] = None) -
     return Dependencies(int(outstanding or 0), int(credited or 0))
 
 
-def ignored_failures(
-    job_id: str, *, app: Any = None, queue: Optional[str] = None
-) -> dict[str, str]:
+def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
     """``{child_job_id: "ExcType: message"}`` for children that failed under policy ``ignore``."""
     state = _state(app)
     _, _, ignored = state.keys.flow_keys(locate(state, job_id, queue), job_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, Optional, Union
+from typing import Any
 
 import redis
 from redis.commands.core import Script
@@ -18,8 +18,20 @@ from redis.commands.core import Script
 from .errors import FlowExistsError, KindError
 from .keyspace import Keyspace
 
-Value = Union[bytes, str]
-TRANSITIONS = ("enqueue_flow", "claim", "complete", "fail", "retry", "dispatch")
+Value = bytes | str
+TRANSITIONS = (
+    "enqueue_flow",
+    "claim",
+    "complete",
+    "fail",
+    "retry",
+    "dispatch",
+    "cancel",
+    # recovery.py's: take back a lost job, renew a live job's deadline, give up the lease
+    "requeue",
+    "extend",
+    "lease_release",
+)
 
 
 def load_source(name: str) -> str:
@@ -55,7 +67,7 @@ class ParentRef:
 class Scripts:
     """The EchoMQ transitions, bound to one Redis client and one keyspace."""
 
-    def __init__(self, client: "redis.Redis[bytes]", keyspace: Keyspace) -> None:
+    def __init__(self, client: redis.Redis[bytes], keyspace: Keyspace) -> None:
         self.keys = keyspace
         self._scripts: dict[str, Script] = {
             name: client.register_script(load_source(name)) for name in TRANSITIONS
@@ -70,7 +82,7 @@ class Scripts:
                 raise
             raise raised from None
 
-    def _parent_keys(self, parent: Optional[ParentRef], *names: str) -> list[str]:
+    def _parent_keys(self, parent: ParentRef | None, *names: str) -> list[str]:
         if parent is None:
             return []
         row = self.keys.job_key(parent.queue, parent.id)
@@ -121,7 +133,7 @@ class Scripts:
         *,
         ttl: int,
         is_parent: bool,
-        parent: Optional[ParentRef],
+        parent: ParentRef | None,
         value: Value,
     ) -> str:
         keys = [
@@ -149,7 +161,7 @@ class Scripts:
         *,
         ttl: int,
         is_parent: bool,
-        parent: Optional[ParentRef],
+        parent: ParentRef | None,
     ) -> tuple[str, str]:
         keys = [
             self.keys.job_key(queue, job_id),
@@ -161,7 +173,14 @@ class Scripts:
                 parent, "row", "dependencies", "processed", "ignored", "pending", "failed"
             ),
         ]
-        argv = [job_id, token, error, str(ttl), "1" if is_parent else "0", parent.id if parent else ""]
+        argv = [
+            job_id,
+            token,
+            error,
+            str(ttl),
+            "1" if is_parent else "0",
+            parent.id if parent else "",
+        ]
         status, policy = self._run("fail", keys, argv)
         return _text(status), _text(policy)
 
@@ -175,7 +194,7 @@ class Scripts:
 
     def dispatch(
         self, queue: str, parent_id: str, redispatch_after_ms: int = 0
-    ) -> Optional[tuple[bytes, dict[str, bytes]]]:
+    ) -> tuple[bytes, dict[str, bytes]] | None:
         """The parent's payload and its children's values, or None if it is not ours to publish."""
         row = self.keys.job_key(queue, parent_id)
         _, processed, _ = self.keys.flow_keys(queue, parent_id)
@@ -184,3 +203,48 @@ class Scripts:
             return None
         values = {_text(reply[i]): reply[i + 1] for i in range(1, len(reply), 2)}
         return reply[0], values
+
+    def cancel(
+        self, queue: str, parent_id: str, child_ids: Sequence[str], *, ttl: int
+    ) -> tuple[str, list[str]]:
+        """Cancel a held flow: its status and the children that were still outstanding."""
+        keys = [
+            self.keys.job_key(queue, parent_id),
+            *self.keys.flow_keys(queue, parent_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+            *(self.keys.job_key(queue, cid) for cid in child_ids),
+        ]
+        reply = self._run("cancel", keys, [parent_id, str(ttl), *child_ids])
+        return _text(reply[0]), [_text(cid) for cid in reply[1:]]
+
+    def requeue(
+        self, queue: str, job_id: str, stall_ms: int, seen_state: str, token: str = ""
+    ) -> tuple[str, bytes | None, dict[str, bytes]]:
+        """Take back a lost job: ``("requeued", payload, {child_id: value})`` to re-publish, or
+        ``(status, None, {})`` when it is not (or no longer) stalled in ``seen_state``."""
+        row = self.keys.job_key(queue, job_id)
+        _, processed, _ = self.keys.flow_keys(queue, job_id)
+        keys = [
+            row,
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+            processed,
+        ]
+        reply = self._run("requeue", keys, [job_id, str(stall_ms), seen_state, token])
+        status = _text(reply[0])
+        if status != "requeued":
+            return status, None, {}
+        values = {_text(reply[i]): reply[i + 1] for i in range(2, len(reply), 2)}
+        return status, reply[1], values
+
+    def extend(self, queue: str, job_ids: Sequence[str], lease_ms: int) -> int:
+        """Push the deadlines of ``job_ids`` (still active on ``queue``) to now + ``lease_ms``."""
+        if not job_ids:
+            return 0
+        keys = [self.keys.queue_key(queue, "active")]
+        return int(self._run("extend", keys, [str(lease_ms), *job_ids]))
+
+    def lease_release(self, name: str, token: str) -> bool:
+        """Give up the lease ``name`` if ``token`` still holds it."""
+        return bool(self._run("lease_release", [self.keys.lease_key(name)], [token]))

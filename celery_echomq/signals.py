@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import uuid
-from typing import Any, Optional
+from collections import OrderedDict
+from typing import Any
 
 from celery import signals
 
@@ -26,11 +27,16 @@ from .state import EchoMQ, find_state
 
 logger = logging.getLogger("celery_echomq")
 
-# The token each running flow job was claimed with, by task id, in this process.
+# The token each running flow job was claimed with, by task id, in this (pool) process.
 _tokens: dict[str, str] = {}
 
+# In the worker's main process: the headers of flow jobs it received, by task id. A hard
+# time limit reports the failure there, where no task request is on the stack.
+_received: OrderedDict[str, Any] = OrderedDict()
+_RECEIVED_MAX = 10_000
 
-def _flow_state(task: Any, request: Any) -> Optional[EchoMQ]:
+
+def _flow_state(task: Any, request: Any) -> EchoMQ | None:
     if request is None or not getattr(request, H_QUEUE, None):
         return None
     return find_state(task.app)
@@ -78,13 +84,23 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
 
 
 def settle_failure(
-    state: EchoMQ, queue: str, job_id: str, token: str, error: str,
-    is_parent: bool, parent: Optional[ParentRef],
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    error: str,
+    is_parent: bool,
+    parent: ParentRef | None,
 ) -> str:
     """Apply a job's final failure and follow what its parent's policy made of it."""
     status, policy = state.scripts.fail(
-        queue, job_id, token, error,
-        ttl=state.settings.result_ttl, is_parent=is_parent, parent=parent,
+        queue,
+        job_id,
+        token,
+        error,
+        ttl=state.settings.result_ttl,
+        is_parent=is_parent,
+        parent=parent,
     )
     if parent is None or status in ("stale", "finished", "failed"):
         return status
@@ -97,19 +113,26 @@ def settle_failure(
 
 
 def on_failure(
-    sender: Any = None, task_id: str = "", exception: Optional[BaseException] = None, **_: Any
+    sender: Any = None, task_id: str = "", exception: BaseException | None = None, **_: Any
 ) -> None:
     request = sender.request
+    if getattr(request, "id", None) == task_id:
+        token = _tokens.pop(task_id, None)
+    else:
+        # The main process after a hard time limit: the pool process that held the token is
+        # gone, so the failure applies whatever token the row has.
+        request, token = _received.pop(task_id, None), ""
     state = _flow_state(sender, request)
-    if state is None:
-        return
-    token = _tokens.pop(task_id, None)
-    if token is None:
+    if state is None or token is None:
         return
     settle_failure(
-        state, getattr(request, H_QUEUE), task_id, token,
+        state,
+        getattr(request, H_QUEUE),
+        task_id,
+        token,
         error_text(exception) if exception is not None else "unknown error",
-        bool(getattr(request, H_FLOW, None)), parent_ref(request),
+        bool(getattr(request, H_FLOW, None)),
+        parent_ref(request),
     )
 
 
@@ -129,20 +152,38 @@ class _Headers:
         self.__dict__.update(headers)
 
 
+def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    headers = getattr(request, "request_dict", None) or {}
+    if headers.get(H_QUEUE):
+        _received[request.id] = _Headers(headers)
+        while len(_received) > _RECEIVED_MAX:
+            _received.popitem(last=False)
+
+
 def on_revoked(
-    sender: Any = None, request: Any = None, terminated: bool = False, expired: bool = False,
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
     **_: Any,
 ) -> None:
-    headers = _Headers(getattr(request, "request_dict", None) or {})
+    # Celery passes the request's Context here: the message headers are its attributes.
+    headers = request
     if sender is None or not getattr(headers, H_QUEUE, None):
         return
+    _received.pop(request.id, None)
     state = find_state(sender.app)
     if state is None:
         return
     reason = "TaskRevokedError: expired" if expired else "TaskRevokedError: revoked"
     settle_failure(
-        state, getattr(headers, H_QUEUE), request.id, "", reason,
-        bool(getattr(headers, H_FLOW, None)), parent_ref(headers),
+        state,
+        getattr(headers, H_QUEUE),
+        request.id,
+        "",
+        reason,
+        bool(getattr(headers, H_FLOW, None)),
+        parent_ref(headers),
     )
 
 
@@ -153,3 +194,4 @@ def connect() -> None:
     signals.task_failure.connect(on_failure, weak=False, dispatch_uid="echomq_failure")
     signals.task_retry.connect(on_retry, weak=False, dispatch_uid="echomq_retry")
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="echomq_revoked")
+    signals.task_received.connect(on_received, weak=False, dispatch_uid="echomq_received")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 import redis
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
@@ -40,9 +40,9 @@ class EchoMQ:
         self.settings = settings
         self.keys = Keyspace(settings.key_prefix)
         self._lock = threading.Lock()
-        self._pid: Optional[int] = None
+        self._pid: int | None = None
         self._client: Any = None
-        self._scripts: Optional[Scripts] = None
+        self._scripts: Scripts | None = None
         self._content_type, self._encoding, _ = registry._encoders[settings.serializer]
         self._accept = prepare_accept_content(settings.accept_content)
 
@@ -89,5 +89,5 @@ def get_state(app: Any) -> EchoMQ:
     return cast(EchoMQ, state)
 
 
-def find_state(app: Any) -> Optional[EchoMQ]:
-    return cast(Optional[EchoMQ], getattr(app, _ATTR, None))
+def find_state(app: Any) -> EchoMQ | None:
+    return cast(EchoMQ | None, getattr(app, _ATTR, None))

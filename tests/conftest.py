@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ import redis
 from celery_echomq.embedded import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
+# Worker logs of this test session (kept after the run for reading a failure).
+LOGDIR = Path(os.environ.get("ECHOMQ_TEST_LOGDIR") or tempfile.mkdtemp(prefix="echomq-logs-"))
 
 
 def _base_url(url: str) -> str:
@@ -89,7 +92,7 @@ class Worker:
         pool: str = "prefork", extra_env: Optional[dict[str, str]] = None,
     ) -> None:
         self.name = name or f"w{uuid.uuid4().hex[:8]}"
-        self.log = Path(os.environ.get("ECHOMQ_TEST_LOGDIR", "/tmp")) / f"echomq-{self.name}.log"
+        self.log = LOGDIR / f"{self.name}.log"
         cmd = [
             sys.executable, "-m", "celery", "-A", "tests.proj", "worker",
             "-P", pool, "-c", str(concurrency), "-Q", queues, "-n", f"{self.name}@%h",

@@ -81,6 +81,44 @@ def boom(message: str = "boom") -> None:
 
 
 @app.task
+def gated_boom(gate: str, message: str = "boom") -> None:
+    """Fail once ``gate`` opens: a failure the test can order after other children."""
+    gated(0, gate)
+    raise ValueError(message)
+
+
+@app.task
+def errback(task_id: str) -> None:
+    """An old-style error callback: records which task failed."""
+    _store().rpush("test:errback", task_id)
+
+
+@app.task(bind=True, max_retries=3, default_retry_delay=0)
+def retry_until(self: Any, x: int, succeed_on: int) -> int:
+    """Retry until attempt ``succeed_on`` (1-based); past max_retries it fails for good."""
+    mark(f"retry_until:{self.request.id}")
+    if self.request.retries + 1 < succeed_on:
+        raise self.retry(exc=RuntimeError(f"attempt {self.request.retries + 1}"))
+    return x
+
+
+@app.task(bind=True)
+def reads_own(self: Any, values: list[Any]) -> dict[str, Any]:
+    """A parent that reads its own flow's state from inside its body."""
+    return {
+        "values": values,
+        "children": celery_echomq.children_values(self.request.id),
+        "dependencies": list(celery_echomq.dependencies(self.request.id)),
+        "ignored": celery_echomq.ignored_failures(self.request.id),
+    }
+
+
+@app.task(time_limit=1)
+def too_slow(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+@app.task
 def sleep_then(x: int, seconds: float) -> int:
     time.sleep(seconds)
     return x

@@ -1,0 +1,45 @@
+-- cancel: stop a whole flow. The parent becomes cancelled (it will never be released or run)
+-- and every child not yet finished becomes cancelled too, so no later claim takes it.
+--
+-- KEYS[1]    the parent row
+-- KEYS[2]    the parent's :dependencies  }
+-- KEYS[3]    the parent's :processed     } expire with the parent: the flow is finished
+-- KEYS[4]    the parent's :ignored       }
+-- KEYS[5]    the queue's pending set
+-- KEYS[6]    the queue's active set
+-- KEYS[6+i]  child i's row, i = 1..N (children on this slot)
+-- ARGV[1]    parent id
+-- ARGV[2]    result TTL in seconds
+-- ARGV[2+i]  child i's id
+--
+-- Reply: {status, id1, id2, ...}
+--   "cancelled"  the parent was held (or released but not started); the ids are the children
+--                that were still outstanding (the host revokes their messages)
+--   "<state>"    the parent is active, done, failed or already cancelled: nothing changed
+-- Errors: "EMQKIND ..." a non-JOB id.
+if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
+  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'awaiting_children' and state ~= 'pending' then
+  return {state or 'missing'}
+end
+local ttl = tonumber(ARGV[2])
+local reply = {'cancelled'}
+redis.call('HSET', KEYS[1], 'state', 'cancelled')
+redis.call('ZREM', KEYS[5], ARGV[1])
+for i = 1, 4 do
+  redis.call('EXPIRE', KEYS[i], ttl)
+end
+for i = 1, #KEYS - 6 do
+  local cid = ARGV[2 + i]
+  local cstate = redis.call('HGET', KEYS[6 + i], 'state')
+  if cstate == 'pending' or cstate == 'active' or cstate == 'awaiting_children' then
+    redis.call('HSET', KEYS[6 + i], 'state', 'cancelled')
+    redis.call('ZREM', KEYS[5], cid)
+    redis.call('ZREM', KEYS[6], cid)
+    redis.call('EXPIRE', KEYS[6 + i], ttl)
+    reply[#reply + 1] = cid
+  end
+end
+return reply
