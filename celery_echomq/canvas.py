@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from copy import deepcopy
 from typing import Any
 
 from celery import current_app
@@ -104,16 +105,52 @@ class flow(Signature):
             app = self.parent._app or current_app
         return app
 
-    def freeze(self, _id: str | None = None, *args: Any, **kwargs: Any) -> FlowResult:
-        """Assign every job id (parent first) without sending anything."""
+    def freeze(
+        self,
+        _id: str | None = None,
+        group_id: str | None = None,
+        chord: Any = None,
+        root_id: str | None = None,
+        parent_id: str | None = None,
+        group_index: int | None = None,
+    ) -> FlowResult:
+        """Assign every job id (the parent's is the flow's) without sending anything.
+
+        Like a chord inside a group or chain, the group, chord and lineage given here travel
+        with the flow's options to its parent (and the lineage to the children).
+        """
+        for name, value in (
+            ("group_id", group_id),
+            ("chord", chord),
+            ("root_id", root_id),
+            ("parent_id", parent_id),
+            ("group_index", group_index),
+        ):
+            if value is not None:
+                self.options[name] = value
         parent_opts = self.parent.options
         if "task_id" not in parent_opts:
             given = self.options.get("task_id", _id)
             parent_opts["task_id"] = new_job_id() if given is None else given
         self.options["task_id"] = parent_opts["task_id"]
         for child in self.children:
-            child.options.setdefault("task_id", new_job_id())
+            if isinstance(child, flow):
+                child.freeze()
+            else:
+                child.options.setdefault("task_id", new_job_id())
         return FlowResult(parent_opts["task_id"], app=self._get_app())
+
+    def clone(self, args: Any = None, kwargs: Any = None, **opts: Any) -> flow:
+        """A deep copy (parent and children too); ``args`` are prepended to the partial args."""
+        return flow(
+            self.parent.clone(),
+            [child.clone() for child in self.children],
+            policy=self.policy,
+            args=(*tuple(args or ()), *self.args),
+            app=self._app,
+            options={**deepcopy(self.options), **opts},
+            immutable=self.immutable,
+        )
 
     def apply_async(
         self,

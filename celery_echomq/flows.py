@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import redis
 from celery.canvas import Signature
 
-from .errors import FlowCancelled, FlowFailed, StoreUnavailableError
+from .errors import FlowCancelled, FlowExistsError, FlowFailed, StoreUnavailableError
 from .keyspace import check_id, check_queue, check_unique
 from .scripts import ParentRef
-from .state import EchoMQ
+from .state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")
 
@@ -35,6 +35,8 @@ H_FLOW = "echomq_f"  # "1" on a flow parent: it has keys of its own to expire
 PARENT_ONLY = frozenset(
     {"task_id", "link", "link_error", "chain", "chord", "group_id", "group_index", "reply_to"}
 )
+# Options that delay or expire the children's messages; the parent is sent when released.
+CHILD_ONLY = frozenset({"task_id", "countdown", "eta", "expires"})
 # Options a stored payload must not carry: they are per-send, not per-job.
 NOT_STORED = frozenset({"producer", "connection", "router", "add_to_parent", "publisher"})
 
@@ -63,7 +65,11 @@ def check_policy(policy: object, where: str) -> str:
 
 @dataclass
 class Plan:
-    """A flow with every id assigned and every message built, before anything is sent."""
+    """A flow with every id assigned and every message built, before anything is sent.
+
+    A nested flow's entry in ``children`` is ``{"nested": <its Plan as a dict>}``; its
+    ``outer`` is the id of the flow it is a child of.
+    """
 
     queue: str
     parent_id: str
@@ -71,6 +77,30 @@ class Plan:
     children: list[dict[str, Any]] = field(default_factory=list)
     policy: str = "fail"
     child_policies: dict[str, str] = field(default_factory=dict)
+    outer: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        return cls(**data)
+
+    def levels(self) -> Iterator[Plan]:
+        """This flow, then every nested flow, outer before inner."""
+        yield self
+        for job in self.children:
+            if "nested" in job:
+                yield from Plan.from_dict(job["nested"]).levels()
+
+    def child_ids(self) -> list[str]:
+        return [child_id(job) for job in self.children]
+
+
+def child_id(job: dict[str, Any]) -> str:
+    if "nested" in job:
+        return str(job["nested"]["parent_id"])
+    return str(job["options"]["task_id"])
 
 
 def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
@@ -96,6 +126,10 @@ def _job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) 
     }
 
 
+def is_flow(sig: Any) -> bool:
+    return getattr(sig, "subtask_type", None) == "flow"
+
+
 def plan_flow(
     app: Any,
     parent: Signature,
@@ -105,51 +139,83 @@ def plan_flow(
     args: tuple[Any, ...],
     kwargs: dict[str, Any] | None,
     options: dict[str, Any],
+    queue: str | None = None,
+    outer: str = "",
 ) -> Plan:
     """Assign and gate every id and build every message; touches neither Redis nor the broker."""
     parent_id = job_id_of(parent.options, options.get("task_id"))
-    queue = route_queue(app, parent, options)
-    child_ids = [job_id_of(c.options) for c in children]
-    check_unique([parent_id, *child_ids])
+    queue = queue or route_queue(app, parent, options)
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
-    plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy)
-    for child, cid in zip(children, child_ids, strict=True):
-        if args or kwargs:
-            child = child.clone(args=args, kwargs=kwargs)
+    plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer)
+    for child in children:
         child_policy = child.options.get("parent_policy")
+        if is_flow(child):
+            inner_opts = {**shared, **child.options}
+            inner_opts.pop("parent_policy", None)
+            inner_args = () if child.immutable else (*args, *child.args)
+            inner = plan_flow(
+                app, child.kwargs["parent"], child.kwargs["children"],
+                policy=child.kwargs["policy"], args=inner_args, kwargs=kwargs,
+                options=inner_opts, queue=queue, outer=parent_id,
+            )
+            cid = inner.parent_id
+            plan.children.append({"nested": inner.to_dict()})
+        else:
+            cid = job_id_of(child.options)
+            if args or kwargs:
+                child = child.clone(args=args, kwargs=kwargs)
+            job = _job_dict(child, shared, {H_QUEUE: queue, H_PARENT: parent_id})
+            job["options"].pop("parent_policy", None)
+            job["options"]["task_id"] = cid
+            plan.children.append(job)
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
-        job = _job_dict(child, {**shared, "task_id": cid}, {H_QUEUE: queue, H_PARENT: parent_id})
-        job["options"].pop("parent_policy", None)
-        job["options"]["task_id"] = cid
-        plan.children.append(job)
-    parent_opts = {k: v for k, v in options.items() if k != "task_id"}
-    plan.parent = _job_dict(parent, parent_opts, {H_QUEUE: queue, H_FLOW: "1"})
+    parent_opts = {k: v for k, v in options.items() if k not in CHILD_ONLY}
+    headers = {H_QUEUE: queue, H_FLOW: "1", **({H_PARENT: outer} if outer else {})}
+    plan.parent = _job_dict(parent, parent_opts, headers)
     plan.parent["options"]["task_id"] = parent_id
-    plan.parent["children"] = child_ids
+    plan.parent["children"] = plan.child_ids()
+    if not outer:
+        # Every id of the tree once: a nested parent is listed as its outer flow's child.
+        check_unique([parent_id, *(cid for level in plan.levels() for cid in level.child_ids())])
     return plan
 
 
+def _payloads(state: EchoMQ, plan: Plan) -> list[tuple[str, bytes]]:
+    return [(child_id(job), state.dumps(job)) for job in plan.children]
+
+
 def start_flow(state: EchoMQ, plan: Plan) -> None:
-    """Enqueue the flow atomically, then publish its children (or, with none, its parent)."""
+    """Enqueue the flow (one EVAL per level of a tree, outer first), then publish its leaves.
+
+    A nested flow's parent is first written by its outer flow as a pending child whose
+    payload is the nested plan, then held by its own EVAL: a crash between the two leaves a
+    pending child that recovery re-publishes, which resumes the nested flow (``publish``).
+    """
     scripts = state.scripts
-    payloads = [(job["options"]["task_id"], state.dumps(job)) for job in plan.children]
+    keys = state.keys
+    levels = list(plan.levels())
     try:
         # Before the flow lands, not after: a producer killed right after the EVAL must still
         # leave its queue where recovery looks (SADD is idempotent; an empty queue costs a scan).
-        state.client.sadd(state.keys.queues_key(), plan.queue)
-        scripts.enqueue_flow(plan.queue, plan.parent_id, state.dumps(plan.parent), payloads)
-        # After the atomic land: the flow's default policy and each child's own, on the same
+        state.client.sadd(keys.queues_key(), plan.queue)
+        for level in levels:
+            scripts.enqueue_flow(
+                level.queue, level.parent_id, state.dumps(level.parent), _payloads(state, level),
+                outer=level.outer,
+            )
+        # After the atomic land: each flow's default policy and each child's own, on the same
         # slot, before any child can run (none is published yet).
-        keys = state.keys
         pipe = state.client.pipeline(transaction=True)
-        pipe.hset(keys.job_key(plan.queue, plan.parent_id), "policy", plan.policy)
-        for cid, child_policy in plan.child_policies.items():
-            pipe.hset(keys.job_key(plan.queue, cid), "parent_policy", child_policy)
+        for level in levels:
+            pipe.hset(keys.job_key(level.queue, level.parent_id), "policy", level.policy)
+            for cid, child_policy in level.child_policies.items():
+                pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
         pipe.execute()
-        # Outside the flow's slot: where a bare id lives, and which queues recovery scans.
+        # Outside the flow's slot: where a bare id lives.
         side = state.client.pipeline(transaction=False)
-        side.set(keys.locator_key(plan.parent_id), plan.queue, ex=_locator_ttl(state))
+        for level in levels:
+            side.set(keys.locator_key(level.parent_id), level.queue, ex=_locator_ttl(state))
         side.execute()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         raise StoreUnavailableError(
@@ -157,15 +223,27 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
             "the flow was not started and nothing was published"
         ) from exc
     logger.info(
-        "echomq: flow %s enqueued on %s with %d children",
+        "echomq: flow %s enqueued on %s with %d children%s",
         plan.parent_id,
         plan.queue,
         len(plan.children),
+        f" ({len(levels) - 1} nested flows)" if len(levels) > 1 else "",
     )
-    if plan.children:
-        publish(state.app, plan.children)
-    else:
-        dispatch_parent(state, plan.queue, plan.parent_id)
+    leaves = [job for level in levels for job in level.children if "nested" not in job]
+    if leaves:
+        publish(state.app, leaves)
+    for level in levels:
+        if not level.children:
+            dispatch_parent(state, level.queue, level.parent_id)
+
+
+def resume_nested(state: EchoMQ, plan: Plan) -> None:
+    """Finish starting a nested flow whose outer flow landed but which did not (recovery)."""
+    try:
+        start_flow(state, plan)
+    except FlowExistsError:
+        # It landed after all: its own children are pending rows that recovery re-publishes.
+        pass
 
 
 def _locator_ttl(state: EchoMQ) -> int:
@@ -174,9 +252,13 @@ def _locator_ttl(state: EchoMQ) -> int:
 
 
 def publish(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
-    """Publish stored job dicts through one producer."""
+    """Publish stored job dicts through one producer (a nested flow's entry resumes it)."""
+    nested = []
     with app.producer_or_acquire(None) as producer:
         for job in jobs:
+            if "nested" in job:
+                nested.append(Plan.from_dict(job["nested"]))
+                continue
             options = dict(job["options"])
             sig = Signature(
                 job["task"],
@@ -186,6 +268,9 @@ def publish(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
                 app=app,
             )
             sig.apply_async(producer=producer, **options)
+    if nested:
+        for plan in nested:
+            resume_nested(get_state(app), plan)
 
 
 def dispatch_parent(
@@ -205,8 +290,14 @@ def dispatch_parent(
     return True
 
 
-def parent_failed(state: EchoMQ, queue: str, parent_id: str, child_id: str, error: str) -> None:
-    """Record FAILURE for a parent whose child failed under ``fail``, and run its errbacks."""
+def parent_failed(
+    state: EchoMQ, queue: str, parent_id: str, child_id: str, error: str
+) -> tuple[FlowFailed, ParentRef | None]:
+    """Record FAILURE for a parent whose child failed under ``fail``, and run its errbacks.
+
+    Returns the error and, for a nested flow, where its own parent lives (the failure is
+    that flow's child's failure next).
+    """
     from celery.app.task import Context
 
     payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
@@ -222,6 +313,9 @@ def parent_failed(state: EchoMQ, queue: str, parent_id: str, child_id: str, erro
     )
     state.app.backend.mark_as_failure(parent_id, exc, request=request, call_errbacks=True)
     logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
+    headers = job["options"].get("headers") or {}
+    outer = headers.get(H_PARENT)
+    return exc, ParentRef(outer, headers.get(H_PARENT_QUEUE) or queue) if outer else None
 
 
 def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = False) -> list[str]:
@@ -232,19 +326,32 @@ def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = Fal
     row = state.keys.job_key(queue, parent_id)
     payload = state.client.hget(row, "payload")
     children = state.loads(payload)["children"] if payload else []
-    status, outstanding = state.scripts.cancel(
+    # Nested flows first, inner before outer: each is a flow of its own to cancel.
+    pipe = state.client.pipeline(transaction=False)
+    for cid in children:
+        pipe.exists(state.keys.flow_keys(queue, cid)[0])
+    revoked = []
+    for cid, nested in zip(children, pipe.execute(), strict=True):
+        if nested and state.client.hget(state.keys.job_key(queue, cid), "state") in (
+            b"awaiting_children",
+            b"pending",
+        ):
+            revoked += cancel_flow(state, queue, cid, terminate)
+    status, was, outstanding = state.scripts.cancel(
         queue, parent_id, children, ttl=state.settings.result_ttl
     )
     if status != "cancelled":
-        return []
-    if outstanding:
-        state.app.control.revoke(outstanding, terminate=terminate)
+        return revoked
+    # A released parent's message is on its way: revoke it too, so it never runs.
+    to_revoke = [*outstanding, parent_id] if was == "pending" else outstanding
+    if to_revoke:
+        state.app.control.revoke(to_revoke, terminate=terminate)
     exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
     state.app.backend.mark_as_failure(parent_id, exc)
     logger.info(
         "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
     )
-    return outstanding
+    return revoked + outstanding
 
 
 def parent_ref(headers: Any) -> ParentRef | None:

@@ -103,6 +103,7 @@ class Scripts:
         parent_id: str,
         parent_payload: Value,
         children: Sequence[tuple[str, Value]],
+        outer: str = "",
     ) -> int:
         parent_key = self.keys.job_key(queue, parent_id)
         keys = [
@@ -114,6 +115,8 @@ class Scripts:
         argv: list[Value] = [parent_id, parent_payload, str(len(children))]
         for cid, payload in children:
             argv += [cid, payload]
+        if outer:
+            argv.append(outer)
         return int(self._run("enqueue_flow", keys, argv))
 
     def claim(self, queue: str, job_id: str, token: str, lease_ms: int) -> tuple[str, int]:
@@ -206,8 +209,9 @@ class Scripts:
 
     def cancel(
         self, queue: str, parent_id: str, child_ids: Sequence[str], *, ttl: int
-    ) -> tuple[str, list[str]]:
-        """Cancel a held flow: its status and the children that were still outstanding."""
+    ) -> tuple[str, str, list[str]]:
+        """Cancel a held flow: its status, the parent's state before, and the children that
+        were still outstanding."""
         keys = [
             self.keys.job_key(queue, parent_id),
             *self.keys.flow_keys(queue, parent_id),
@@ -216,7 +220,9 @@ class Scripts:
             *(self.keys.job_key(queue, cid) for cid in child_ids),
         ]
         reply = self._run("cancel", keys, [parent_id, str(ttl), *child_ids])
-        return _text(reply[0]), [_text(cid) for cid in reply[1:]]
+        if len(reply) < 2:
+            return _text(reply[0]), _text(reply[0]), []
+        return _text(reply[0]), _text(reply[1]), [_text(cid) for cid in reply[2:]]
 
     def requeue(
         self, queue: str, job_id: str, stall_ms: int, seen_state: str, token: str = ""

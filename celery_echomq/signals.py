@@ -108,7 +108,10 @@ def settle_failure(
     if status == "released":
         dispatch_parent(state, parent.queue, parent.id)
     elif status == "parent_failed":
-        parent_failed(state, parent.queue, parent.id, job_id, error)
+        exc, outer = parent_failed(state, parent.queue, parent.id, job_id, error)
+        if outer is not None:
+            # A nested flow failed: that is a failed child of the flow it belongs to.
+            settle_failure(state, parent.queue, parent.id, "*", error_text(exc), True, outer)
     return status
 
 

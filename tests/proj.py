@@ -113,6 +113,18 @@ def reads_own(self: Any, values: list[Any]) -> dict[str, Any]:
     }
 
 
+@app.task(bind=True)
+def whereami(self: Any, *args: Any) -> dict[str, Any]:
+    """Where this delivery came from: its queue, priority and a custom header."""
+    info = self.request.delivery_info or {}
+    return {
+        "args": list(args),
+        "queue": info.get("routing_key"),
+        "priority": info.get("priority"),
+        "header": (self.request.headers or {}).get("x-trace"),
+    }
+
+
 @app.task(time_limit=1)
 def too_slow(seconds: float) -> None:
     time.sleep(seconds)
@@ -122,3 +134,76 @@ def too_slow(seconds: float) -> None:
 def sleep_then(x: int, seconds: float) -> int:
     time.sleep(seconds)
     return x
+
+
+# --- Tasks of tests/test_exactly_once.py and tests/test_recovery.py ---------------------------
+
+
+class Flaky(Exception):
+    """What ``autoretry_later`` raises until its last try."""
+
+
+def _delivery(task_id: str) -> int:
+    """Count this delivery of ``task_id`` (1 for the first) and return the count."""
+    return int(_store().incr(f"test:delivery:{task_id}"))
+
+
+def _wait_gate(gate: str) -> None:
+    client = _store()
+    deadline = time.monotonic() + 120
+    while not client.exists(gate):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"gate {gate} never opened")
+        time.sleep(0.05)
+
+
+@app.task(bind=True)
+def redeliver(self: Any, x: int, countdown: float = 0.0, gate: str = "") -> int:
+    """Send this very message again once (same id, same headers): a duplicate delivery.
+
+    Each delivery returns a different value (``x * 10 + delivery number``). With ``gate`` every
+    delivery blocks until the gate opens, so both deliveries run at the same time.
+    """
+    n = _delivery(self.request.id)
+    if n == 1:
+        self.signature_from_request().apply_async(countdown=countdown or None)
+    if gate:
+        _store().incr(f"test:started:{self.request.id}")
+        _wait_gate(gate)
+    return x * 10 + n
+
+
+@app.task(bind=True)
+def hang_first(self: Any, x: int) -> int:
+    """The first delivery records its pool process id and hangs (the test kills it)."""
+    n = _delivery(self.request.id)
+    if n == 1:
+        _store().set(f"test:pid:{self.request.id}", os.getpid())
+        time.sleep(120)
+    return x
+
+
+@app.task(bind=True, max_retries=5)
+def retry_later(self: Any, x: int, tries: int) -> int:
+    """``self.retry(countdown=1)`` until the ``tries``-th delivery, then return x."""
+    mark(f"retry_later:{self.request.id}")
+    if self.request.retries + 1 < tries:
+        raise self.retry(countdown=1)
+    return x
+
+
+@app.task(
+    bind=True, autoretry_for=(Flaky,), max_retries=5, default_retry_delay=1, retry_jitter=False
+)
+def autoretry_later(self: Any, x: int, tries: int) -> int:
+    """Raise ``Flaky`` (autoretry_for) until the ``tries``-th delivery, then return x."""
+    mark(f"autoretry_later:{self.request.id}")
+    if self.request.retries + 1 < tries:
+        raise Flaky(f"try {self.request.retries + 1}")
+    return x
+
+
+@app.task
+def sleep_then_boom(seconds: float, message: str = "boom") -> None:
+    time.sleep(seconds)
+    raise ValueError(message)

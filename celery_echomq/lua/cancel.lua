@@ -12,9 +12,10 @@
 -- ARGV[2]    result TTL in seconds
 -- ARGV[2+i]  child i's id
 --
--- Reply: {status, id1, id2, ...}
---   "cancelled"  the parent was held (or released but not started); the ids are the children
---                that were still outstanding (the host revokes their messages)
+-- Reply: {status, was, id1, id2, ...}
+--   "cancelled"  the parent was held (was = "awaiting_children") or released but not started
+--                (was = "pending": the host revokes its message too); the ids are the
+--                children that were still outstanding (the host revokes their messages)
 --   "<state>"    the parent is active, done, failed or already cancelled: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
@@ -25,7 +26,7 @@ if state ~= 'awaiting_children' and state ~= 'pending' then
   return {state or 'missing'}
 end
 local ttl = tonumber(ARGV[2])
-local reply = {'cancelled'}
+local reply = {'cancelled', state}
 redis.call('HSET', KEYS[1], 'state', 'cancelled')
 redis.call('ZREM', KEYS[5], ARGV[1])
 for i = 1, 4 do

@@ -11,6 +11,7 @@
 -- ARGV[3]      N, the number of children
 -- ARGV[2+2i]   child i's id
 -- ARGV[3+2i]   child i's payload
+-- ARGV[4+2N]   optional: the outer flow's parent id, when this flow is nested in another
 --
 -- Reply: N (the counter).  Scores in the pending set are the server time in ms, so recovery
 -- can tell how long a job has waited.
@@ -27,8 +28,18 @@ for i = 1, n do
   end
 end
 -- Never overwrite: a parent or child row that exists belongs to another flow (or this one, sent twice).
-if redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then
+-- The one exception is a nested flow's parent: its outer flow wrote it as a pending child that
+-- no worker has claimed, carrying the outer parent id this call names. It becomes held here.
+local outer = ARGV[4 + 2 * n] or ''
+if redis.call('EXISTS', KEYS[2]) > 0 then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
+end
+local placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
+if placeholder[1] then
+  if outer == '' or placeholder[1] ~= 'pending' or placeholder[2] ~= outer
+      or placeholder[3] ~= '0' then
+    return redis.error_reply('EMQEXISTS ' .. ARGV[1])
+  end
 end
 for i = 1, n do
   if redis.call('EXISTS', KEYS[3 + i]) > 0 then
@@ -44,6 +55,9 @@ for i = 1, n do
   local cpayload = ARGV[3 + 2 * i]
   redis.call('HSET', child, 'state', 'pending', 'attempts', '0', 'payload', cpayload, 'parent', ARGV[1])
   redis.call('ZADD', KEYS[3], now, cid)
+end
+if placeholder[1] then
+  redis.call('ZREM', KEYS[3], ARGV[1])
 end
 -- The parent: held out of pending (awaiting_children, in NO state set, so no claim reaches it)
 -- and the counter set to N. With no children there is nothing to wait for: release it now.

@@ -15,7 +15,8 @@
 -- KEYS[12]  the parent's pending set     }
 -- KEYS[13]  the parent's failed set      }
 -- ARGV[1]   job id
--- ARGV[2]   the claim's token; '' accepts any (revoke, recovery, a failed nested parent)
+-- ARGV[2]   the claim's token; '' accepts any (revoke, recovery, hard time limit);
+--           '*' carries a nested parent's failure (already recorded) to its outer flow
 -- ARGV[3]   the error, "ExcType: message"
 -- ARGV[4]   result TTL in seconds
 -- ARGV[5]   '1' when the job is a flow parent, else '0'
@@ -35,25 +36,33 @@ if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
   return redis.error_reply('EMQKIND job id must be JOB-namespaced')
 end
 local state = redis.call('HGET', KEYS[1], 'state')
-if state == 'done' or state == 'failed' or state == 'cancelled' then
-  return {'finished', ''}
-end
-if ARGV[2] ~= '' and (state ~= 'active' or redis.call('HGET', KEYS[1], 'token') ~= ARGV[2]) then
-  return {'stale', ''}
-end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local ttl = tonumber(ARGV[4])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZADD', KEYS[4], now, ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
-redis.call('HSET', KEYS[1], 'state', 'failed', 'error', ARGV[3])
-redis.call('EXPIRE', KEYS[1], ttl)
-if ARGV[5] == '1' then
-  redis.call('EXPIRE', KEYS[5], ttl)
-  redis.call('EXPIRE', KEYS[6], ttl)
-  redis.call('EXPIRE', KEYS[7], ttl)
+if ARGV[2] == '*' then
+  -- A nested parent that its own child failed under policy fail: it is failed already;
+  -- carry that failure, once, to the flow it is a child of.
+  if state ~= 'failed' or redis.call('HSETNX', KEYS[1], 'propagated', '1') == 0 then
+    return {'finished', ''}
+  end
+else
+  if state == 'done' or state == 'failed' or state == 'cancelled' then
+    return {'finished', ''}
+  end
+  if ARGV[2] ~= '' and (state ~= 'active' or redis.call('HGET', KEYS[1], 'token') ~= ARGV[2]) then
+    return {'stale', ''}
+  end
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('ZADD', KEYS[4], now, ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
+  redis.call('HSET', KEYS[1], 'state', 'failed', 'error', ARGV[3])
+  redis.call('EXPIRE', KEYS[1], ttl)
+  if ARGV[5] == '1' then
+    redis.call('EXPIRE', KEYS[5], ttl)
+    redis.call('EXPIRE', KEYS[6], ttl)
+    redis.call('EXPIRE', KEYS[7], ttl)
+  end
 end
 if not KEYS[8] then
   return {'failed', ''}
