@@ -17,6 +17,7 @@ class Settings:
     stall_timeout: float = 300.0
     result_ttl: int = 86400
     recovery_interval: float = 5.0
+    chunk_size: int = 1000
     serializer: str = "json"
     accept_content: tuple[str, ...] = ("json",)
 
@@ -62,6 +63,7 @@ def read_settings(conf: Any) -> Settings:
         stall_timeout=_positive(conf, "echomq_stall_timeout", 300.0),
         result_ttl=int(_positive(conf, "echomq_result_ttl", 86400)),
         recovery_interval=_positive(conf, "echomq_recovery_interval", 5.0),
+        chunk_size=int(_positive(conf, "echomq_chunk_size", 1000)),
         serializer=str(conf.get("task_serializer") or "json"),
         accept_content=tuple(accept),
     )

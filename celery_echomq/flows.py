@@ -7,6 +7,7 @@ backend) is repeated by recovery if the process dies in between.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
@@ -16,7 +17,13 @@ from typing import Any
 import redis
 from celery.canvas import Signature
 
-from .errors import FlowCancelled, FlowExistsError, FlowFailed, StoreUnavailableError
+from .errors import (
+    EchoMQError,
+    FlowCancelled,
+    FlowExistsError,
+    FlowFailed,
+    StoreUnavailableError,
+)
 from .keyspace import check_id, check_queue, check_unique
 from .scripts import ParentRef
 from .state import EchoMQ, get_state
@@ -96,6 +103,18 @@ class Plan:
     def child_ids(self) -> list[str]:
         return [child_id(job) for job in self.children]
 
+    def chunked(self, chunk_size: int) -> bool:
+        """Whether this level takes open/add/seal instead of the one-EVAL seed path."""
+        return len(self.children) > chunk_size or any(
+            child_queue(job) != self.queue for job in self.children
+        )
+
+
+def child_queue(job: dict[str, Any]) -> str:
+    if "nested" in job:
+        return str(job["nested"]["queue"])
+    return str(job["options"]["headers"][H_QUEUE])
+
 
 def child_id(job: dict[str, Any]) -> str:
     if "nested" in job:
@@ -105,7 +124,7 @@ def child_id(job: dict[str, Any]) -> str:
 
 def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
     """The Celery queue a signature is sent to: its ``queue`` option, else the app's router."""
-    queue = options.get("queue") or sig.options.get("queue")
+    queue = sig.options.get("queue") or options.get("queue")
     if queue is None:
         route = app.amqp.router.route({}, sig.task, sig.args, sig.kwargs)
         queue = route.get("queue")
@@ -139,12 +158,16 @@ def plan_flow(
     args: tuple[Any, ...],
     kwargs: dict[str, Any] | None,
     options: dict[str, Any],
-    queue: str | None = None,
     outer: str = "",
+    outer_queue: str = "",
 ) -> Plan:
-    """Assign and gate every id and build every message; touches neither Redis nor the broker."""
+    """Assign and gate every id and build every message; touches neither Redis nor the broker.
+
+    Each job's keys live on the slot of the queue it is sent to: a child routed elsewhere
+    than its parent is credited across slots (see ``start_flow``).
+    """
     parent_id = job_id_of(parent.options, options.get("task_id"))
-    queue = queue or route_queue(app, parent, options)
+    queue = route_queue(app, parent, options)
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
     plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer)
     for child in children:
@@ -156,7 +179,7 @@ def plan_flow(
             inner = plan_flow(
                 app, child.kwargs["parent"], child.kwargs["children"],
                 policy=child.kwargs["policy"], args=inner_args, kwargs=kwargs,
-                options=inner_opts, queue=queue, outer=parent_id,
+                options=inner_opts, outer=parent_id, outer_queue=queue,
             )
             cid = inner.parent_id
             plan.children.append({"nested": inner.to_dict()})
@@ -164,14 +187,22 @@ def plan_flow(
             cid = job_id_of(child.options)
             if args or kwargs:
                 child = child.clone(args=args, kwargs=kwargs)
-            job = _job_dict(child, shared, {H_QUEUE: queue, H_PARENT: parent_id})
+            child_queue = route_queue(app, child, shared)
+            headers = {H_QUEUE: child_queue, H_PARENT: parent_id}
+            if child_queue != queue:
+                headers[H_PARENT_QUEUE] = queue
+            job = _job_dict(child, shared, headers)
             job["options"].pop("parent_policy", None)
             job["options"]["task_id"] = cid
             plan.children.append(job)
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
     parent_opts = {k: v for k, v in options.items() if k not in CHILD_ONLY}
-    headers = {H_QUEUE: queue, H_FLOW: "1", **({H_PARENT: outer} if outer else {})}
+    headers = {H_QUEUE: queue, H_FLOW: "1"}
+    if outer:
+        headers[H_PARENT] = outer
+        if outer_queue != queue:
+            headers[H_PARENT_QUEUE] = outer_queue
     plan.parent = _job_dict(parent, parent_opts, headers)
     plan.parent["options"]["task_id"] = parent_id
     plan.parent["children"] = plan.child_ids()
@@ -186,32 +217,54 @@ def _payloads(state: EchoMQ, plan: Plan) -> list[tuple[str, bytes]]:
 
 
 def start_flow(state: EchoMQ, plan: Plan) -> None:
-    """Enqueue the flow (one EVAL per level of a tree, outer first), then publish its leaves.
+    """Enqueue the flow (each level of a tree, outer first), then publish its leaves.
+
+    A level whose children all live on its parent's slot, and are no more than
+    ``echomq_chunk_size``, is one EVAL of the seed's enqueue_flow. Any other level takes the
+    chunked path: open_flow holds the parent with one extra unit on its counter,
+    add_children writes the children per queue and chunk, seal_flow removes the extra unit.
 
     A nested flow's parent is first written by its outer flow as a pending child whose
-    payload is the nested plan, then held by its own EVAL: a crash between the two leaves a
+    payload is the nested plan, then held by its own level: a crash between the two leaves a
     pending child that recovery re-publishes, which resumes the nested flow (``publish``).
     """
     scripts = state.scripts
     keys = state.keys
+    chunk = state.settings.chunk_size
     levels = list(plan.levels())
     try:
         # Before the flow lands, not after: a producer killed right after the EVAL must still
-        # leave its queue where recovery looks (SADD is idempotent; an empty queue costs a scan).
-        state.client.sadd(keys.queues_key(), plan.queue)
-        for level in levels:
-            scripts.enqueue_flow(
-                level.queue, level.parent_id, state.dumps(level.parent), _payloads(state, level),
-                outer=level.outer,
-            )
-        # After the atomic land: each flow's default policy and each child's own, on the same
-        # slot, before any child can run (none is published yet).
-        pipe = state.client.pipeline(transaction=True)
-        for level in levels:
-            pipe.hset(keys.job_key(level.queue, level.parent_id), "policy", level.policy)
-            for cid, child_policy in level.child_policies.items():
-                pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
-        pipe.execute()
+        # leave its queues where recovery looks (SADD is idempotent).
+        queues = {level.queue for level in levels}
+        queues.update(child_queue(job) for level in levels for job in level.children)
+        state.client.sadd(keys.queues_key(), *sorted(queues))
+        seeded = []
+        landed: list[Plan] = []
+        try:
+            for level in levels:
+                landed.append(level)
+                if level.chunked(chunk):
+                    _enqueue_chunked(state, level, chunk)
+                else:
+                    scripts.enqueue_flow(
+                        level.queue, level.parent_id, state.dumps(level.parent),
+                        _payloads(state, level), outer=level.outer,
+                    )
+                    seeded.append(level)
+        except EchoMQError:
+            # A refusal after an earlier level or chunk landed: take back what this call wrote,
+            # so bad input leaves nothing behind.
+            _rollback(state, landed, plan.outer)
+            raise
+        if seeded:
+            # After the atomic land: each flow's default policy and each child's own, on the
+            # same slot, before any child can run (none is published yet).
+            pipe = state.client.pipeline(transaction=True)
+            for level in seeded:
+                pipe.hset(keys.job_key(level.queue, level.parent_id), "policy", level.policy)
+                for cid, child_policy in level.child_policies.items():
+                    pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
+            pipe.execute()
         # Outside the flow's slot: where a bare id lives.
         side = state.client.pipeline(transaction=False)
         for level in levels:
@@ -237,13 +290,52 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
             dispatch_parent(state, level.queue, level.parent_id)
 
 
+def _rollback(state: EchoMQ, levels: list[Plan], outer: str) -> None:
+    """Delete the rows ``levels`` wrote: only rows that name this flow as their parent."""
+    keys = state.keys
+    client = state.client
+    for level in reversed(levels):
+        for job in level.children:
+            cid, queue = child_id(job), child_queue(job)
+            row = keys.job_key(queue, cid)
+            owner = client.hget(row, "parent")
+            if owner is not None and owner.decode() == level.parent_id:
+                client.delete(row)
+                client.zrem(keys.queue_key(queue, "pending"), cid)
+        row = keys.job_key(level.queue, level.parent_id)
+        owner = client.hget(row, "parent")
+        if level is levels[0] and outer and owner is not None:
+            continue  # a nested parent resumed by recovery: its placeholder is not ours
+        client.delete(row, keys.flow_keys(level.queue, level.parent_id)[0])
+        client.zrem(keys.queue_key(level.queue, "open"), level.parent_id)
+        client.zrem(keys.queue_key(level.queue, "pending"), level.parent_id)
+
+
+def _enqueue_chunked(state: EchoMQ, level: Plan, chunk: int) -> None:
+    scripts = state.scripts
+    scripts.open_flow(
+        level.queue, level.parent_id, state.dumps(level.parent), len(level.children),
+        level.policy, outer=level.outer,
+    )
+    by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
+    for job in level.children:
+        cid = child_id(job)
+        by_queue.setdefault(child_queue(job), []).append(
+            (cid, state.dumps(job), level.child_policies.get(cid, ""))
+        )
+    parent = ParentRef(level.parent_id, level.queue)
+    for queue, rows in by_queue.items():
+        for start in range(0, len(rows), chunk):
+            scripts.add_children(queue, parent, rows[start : start + chunk])
+    scripts.seal_flow(level.queue, level.parent_id)
+
+
 def resume_nested(state: EchoMQ, plan: Plan) -> None:
     """Finish starting a nested flow whose outer flow landed but which did not (recovery)."""
-    try:
+    # FlowExistsError: it landed after all; its own children are pending rows that recovery
+    # re-publishes.
+    with contextlib.suppress(FlowExistsError):
         start_flow(state, plan)
-    except FlowExistsError:
-        # It landed after all: its own children are pending rows that recovery re-publishes.
-        pass
 
 
 def _locator_ttl(state: EchoMQ) -> int:
@@ -352,6 +444,71 @@ def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = Fal
         "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
     )
     return revoked + outstanding
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def credit_remote(
+    state: EchoMQ, queue: str, job_id: str, parent: ParentRef, outcome: str, data: bytes | str,
+    policy: str,
+) -> tuple[str, str]:
+    """Count a child staged in ``queue``'s outbox on its parent's slot, then unstage it.
+
+    Idempotent per child id: recovery repeats it for an outbox entry left by a crash.
+    """
+    status, applied = state.scripts.credit(
+        parent, job_id, outcome, data, policy, ttl=state.settings.result_ttl
+    )
+    state.client.zrem(state.keys.queue_key(queue, "outbox"), job_id)
+    return status, applied
+
+
+def follow(state: EchoMQ, status: str, job_id: str, parent: ParentRef, error: str = "") -> None:
+    """Act on what a child's transition made of its parent: publish it, or settle its failure."""
+    if status == "released":
+        logger.info("echomq: parent %s released by child %s", parent.id, job_id)
+        dispatch_parent(state, parent.queue, parent.id)
+    elif status == "parent_failed":
+        exc, outer = parent_failed(state, parent.queue, parent.id, job_id, error)
+        if outer is not None:
+            # A nested flow failed: that is a failed child of the flow it belongs to.
+            settle_failure(state, parent.queue, parent.id, "*", error_text(exc), True, outer)
+
+
+def settle_success(
+    state: EchoMQ, queue: str, job_id: str, token: str, is_parent: bool,
+    parent: ParentRef | None, value: bytes,
+) -> str:
+    """A job succeeded: complete it and credit its parent (on whichever slot it lives)."""
+    status = state.scripts.complete(
+        queue, job_id, token, ttl=state.settings.result_ttl, is_parent=is_parent, parent=parent,
+        value=value,
+    )
+    if status == "staged" and parent is not None:
+        status, _ = credit_remote(state, queue, job_id, parent, "done", value, "")
+    if parent is not None:
+        follow(state, status, job_id, parent)
+    return status
+
+
+def settle_failure(
+    state: EchoMQ, queue: str, job_id: str, token: str, error: str, is_parent: bool,
+    parent: ParentRef | None,
+) -> str:
+    """A job failed for good: fail it and apply its parent_policy to the parent."""
+    status, policy = state.scripts.fail(
+        queue, job_id, token, error, ttl=state.settings.result_ttl, is_parent=is_parent,
+        parent=parent,
+    )
+    if status == "staged" and parent is not None:
+        status, policy = credit_remote(state, queue, job_id, parent, "failed", error, policy)
+    if parent is None or status in ("stale", "finished", "failed", "duplicate"):
+        return status
+    logger.info("echomq: child %s failed under policy %s: %s", job_id, policy, error)
+    follow(state, status, job_id, parent, error)
+    return status
 
 
 def parent_ref(headers: Any) -> ParentRef | None:

@@ -71,6 +71,10 @@ class Keyspace:
         row = self.job_key(queue, job_id)
         return f"{row}:dependencies", f"{row}:processed", f"{row}:ignored"
 
+    def settled_key(self, queue: str, job_id: str) -> str:
+        """A parent's ``:settled``: which children of other slots were credited (and how)."""
+        return f"{self.job_key(queue, job_id)}:settled"
+
     def locator_key(self, job_id: str) -> str:
         """Where a flow parent lives: ``{prefix}:loc:{JOB...}`` holds its queue name.
 

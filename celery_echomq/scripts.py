@@ -27,6 +27,11 @@ TRANSITIONS = (
     "retry",
     "dispatch",
     "cancel",
+    # the chunked / cross-slot path: open, add per queue and chunk, seal; credit on the parent
+    "open_flow",
+    "add_children",
+    "seal_flow",
+    "credit",
     # recovery.py's: take back a lost job, renew a live job's deadline, give up the lease
     "requeue",
     "extend",
@@ -139,11 +144,16 @@ class Scripts:
         parent: ParentRef | None,
         value: Value,
     ) -> str:
+        remote = parent is not None and parent.queue != queue
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "active"),
             *self.keys.flow_keys(queue, job_id),
-            *self._parent_keys(parent, "row", "dependencies", "processed", "pending"),
+            *(
+                [self.keys.queue_key(queue, "outbox")]
+                if remote
+                else self._parent_keys(parent, "row", "dependencies", "processed", "pending")
+            ),
         ]
         argv: list[Value] = [
             job_id,
@@ -152,6 +162,7 @@ class Scripts:
             "1" if is_parent else "0",
             parent.id if parent else "",
             value,
+            "1" if remote else "0",
         ]
         return _text(self._run("complete", keys, argv)[0])
 
@@ -166,14 +177,19 @@ class Scripts:
         is_parent: bool,
         parent: ParentRef | None,
     ) -> tuple[str, str]:
+        remote = parent is not None and parent.queue != queue
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
             self.keys.queue_key(queue, "failed"),
             *self.keys.flow_keys(queue, job_id),
-            *self._parent_keys(
-                parent, "row", "dependencies", "processed", "ignored", "pending", "failed"
+            *(
+                [self.keys.queue_key(queue, "outbox")]
+                if remote
+                else self._parent_keys(
+                    parent, "row", "dependencies", "processed", "ignored", "pending", "failed"
+                )
             ),
         ]
         argv = [
@@ -183,9 +199,77 @@ class Scripts:
             str(ttl),
             "1" if is_parent else "0",
             parent.id if parent else "",
+            "1" if remote else "0",
         ]
         status, policy = self._run("fail", keys, argv)
         return _text(status), _text(policy)
+
+    def open_flow(
+        self, queue: str, parent_id: str, payload: Value, n: int, policy: str, outer: str = ""
+    ) -> int:
+        row = self.keys.job_key(queue, parent_id)
+        keys = [
+            row,
+            self.keys.flow_keys(queue, parent_id)[0],
+            self.keys.queue_key(queue, "open"),
+            self.keys.queue_key(queue, "pending"),
+        ]
+        return int(self._run("open_flow", keys, [parent_id, payload, str(n), policy, outer]))
+
+    def add_children(
+        self,
+        queue: str,
+        parent: ParentRef,
+        children: Sequence[tuple[str, Value, str]],
+    ) -> int:
+        """Write one chunk of children that live on ``queue``: (id, payload, policy or '')."""
+        keys = [
+            self.keys.queue_key(queue, "pending"),
+            *(self.keys.job_key(queue, cid) for cid, _, _ in children),
+        ]
+        argv: list[Value] = [
+            parent.id,
+            parent.queue if parent.queue != queue else "",
+            str(len(children)),
+        ]
+        for cid, payload, policy in children:
+            argv += [cid, payload, policy]
+        return int(self._run("add_children", keys, argv))
+
+    def seal_flow(self, queue: str, parent_id: str) -> str:
+        keys = [
+            self.keys.job_key(queue, parent_id),
+            self.keys.flow_keys(queue, parent_id)[0],
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "open"),
+        ]
+        return _text(self._run("seal_flow", keys, [parent_id])[0])
+
+    def credit(
+        self,
+        parent: ParentRef,
+        child_id: str,
+        outcome: str,
+        data: Value,
+        policy: str,
+        *,
+        ttl: int,
+    ) -> tuple[str, str]:
+        """Count a child of another slot on its parent's slot, once per child id."""
+        deps, processed, ignored = self.keys.flow_keys(parent.queue, parent.id)
+        keys = [
+            self.keys.job_key(parent.queue, parent.id),
+            deps,
+            processed,
+            ignored,
+            self.keys.settled_key(parent.queue, parent.id),
+            self.keys.queue_key(parent.queue, "pending"),
+            self.keys.queue_key(parent.queue, "failed"),
+        ]
+        status, applied = self._run(
+            "credit", keys, [parent.id, child_id, outcome, data, policy, str(ttl)]
+        )
+        return _text(status), _text(applied)
 
     def retry(self, queue: str, job_id: str, token: str) -> str:
         keys = [

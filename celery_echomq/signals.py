@@ -18,11 +18,11 @@ from celery import signals
 from .flows import (
     H_FLOW,
     H_QUEUE,
-    dispatch_parent,
-    parent_failed,
+    error_text,
     parent_ref,
+    settle_failure,
+    settle_success,
 )
-from .scripts import ParentRef
 from .state import EchoMQ, find_state
 
 logger = logging.getLogger("celery_echomq")
@@ -40,10 +40,6 @@ def _flow_state(task: Any, request: Any) -> EchoMQ | None:
     if request is None or not getattr(request, H_QUEUE, None):
         return None
     return find_state(task.app)
-
-
-def error_text(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
 
 
 def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any) -> None:
@@ -68,51 +64,15 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
     token = _tokens.pop(request.id, None)
     if token is None:
         return
-    parent = parent_ref(request)
-    status = state.scripts.complete(
+    settle_success(
+        state,
         getattr(request, H_QUEUE),
         request.id,
         token,
-        ttl=state.settings.result_ttl,
-        is_parent=bool(getattr(request, H_FLOW, None)),
-        parent=parent,
-        value=state.dumps(result),
+        bool(getattr(request, H_FLOW, None)),
+        parent_ref(request),
+        state.dumps(result),
     )
-    if status == "released" and parent is not None:
-        logger.info("echomq: parent %s released by child %s", parent.id, request.id)
-        dispatch_parent(state, parent.queue, parent.id)
-
-
-def settle_failure(
-    state: EchoMQ,
-    queue: str,
-    job_id: str,
-    token: str,
-    error: str,
-    is_parent: bool,
-    parent: ParentRef | None,
-) -> str:
-    """Apply a job's final failure and follow what its parent's policy made of it."""
-    status, policy = state.scripts.fail(
-        queue,
-        job_id,
-        token,
-        error,
-        ttl=state.settings.result_ttl,
-        is_parent=is_parent,
-        parent=parent,
-    )
-    if parent is None or status in ("stale", "finished", "failed"):
-        return status
-    logger.info("echomq: child %s failed under policy %s: %s", job_id, policy, error)
-    if status == "released":
-        dispatch_parent(state, parent.queue, parent.id)
-    elif status == "parent_failed":
-        exc, outer = parent_failed(state, parent.queue, parent.id, job_id, error)
-        if outer is not None:
-            # A nested flow failed: that is a failed child of the flow it belongs to.
-            settle_failure(state, parent.queue, parent.id, "*", error_text(exc), True, outer)
-    return status
 
 
 def on_failure(

@@ -15,11 +15,15 @@
 -- ARGV[4]  '1' when the job is a flow parent, else '0'
 -- ARGV[5]  parent id ('' when none)
 -- ARGV[6]  the job's value, serialized
+-- ARGV[7]  '1' when the parent lives on another slot: then KEYS[6] is this queue's outbox
+--          and no parent keys are passed; the value is kept on the row and the child staged
+--          in the outbox until credit.lua has counted it on the parent's slot
 --
 -- Reply: {status}
 --   "released"    credited, and it was the last outstanding child: the parent is now pending
 --                 (the host dispatches it)
 --   "credited"    credited; other children outstanding, or the parent no longer waits
+--   "staged"      finished and staged in the outbox (ARGV[7] == '1'): the host credits it
 --   "done"        finished; no parent to credit
 --   "stale"       the token is not the current one: nothing changed
 --   "<state>"     the job is not active (done, failed, pending, ...): nothing changed
@@ -43,6 +47,15 @@ if ARGV[4] == '1' then
   redis.call('EXPIRE', KEYS[3], ttl)
   redis.call('EXPIRE', KEYS[4], ttl)
   redis.call('EXPIRE', KEYS[5], ttl)
+end
+if ARGV[7] == '1' then
+  if was_active == 1 then
+    local t = redis.call('TIME')
+    redis.call('HSET', KEYS[1], 'value', ARGV[6])
+    redis.call('ZADD', KEYS[6], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
+    return {'staged'}
+  end
+  return {'done'}
 end
 -- The fan-in branch: fires EXACTLY once per child, inside was_active == 1, so a redelivered or
 -- stale completion never re-enters it.

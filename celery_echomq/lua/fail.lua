@@ -21,6 +21,9 @@
 -- ARGV[4]   result TTL in seconds
 -- ARGV[5]   '1' when the job is a flow parent, else '0'
 -- ARGV[6]   parent id ('' when none)
+-- ARGV[7]   '1' when the parent lives on another slot: then KEYS[8] is this queue's outbox
+--           and no parent keys are passed; the child is staged there until credit.lua has
+--           applied its policy on the parent's slot
 --
 -- Reply: {status, policy}
 --   "failed"         the job failed; it has no parent here
@@ -29,6 +32,8 @@
 --   "released"       policy ignore/remove (the last outstanding child) or continue: the
 --                    parent is now pending (the host dispatches it)
 --   "credited"       policy ignore/remove/continue; the parent still waits or no longer waits
+--   "staged"         staged in the outbox (ARGV[7] == '1'); policy is the child's own
+--                    parent_policy or '' (the flow's default, read on the parent's slot)
 --   "stale"          the token is not the current one: nothing changed
 --   "finished"       already done, failed or cancelled: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
@@ -63,6 +68,10 @@ else
     redis.call('EXPIRE', KEYS[6], ttl)
     redis.call('EXPIRE', KEYS[7], ttl)
   end
+end
+if ARGV[7] == '1' then
+  redis.call('ZADD', KEYS[8], now, ARGV[1])
+  return {'staged', redis.call('HGET', KEYS[1], 'parent_policy') or ''}
 end
 if not KEYS[8] then
   return {'failed', ''}

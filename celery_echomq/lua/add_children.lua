@@ -1,0 +1,52 @@
+-- add_children: the middle step of the chunked path: write one chunk of a flow's children
+-- that live on one queue's slot, claimable, each carrying its parent and its policy.
+--
+-- KEYS[1]     the queue's pending set
+-- KEYS[1+i]   child i's row, i = 1..k
+-- ARGV[1]     parent id
+-- ARGV[2]     the parent's queue when it differs from this one (the child's completion is
+--             then credited on the parent's slot by credit.lua); '' on the parent's slot
+-- ARGV[3]     k, the number of children in this call
+-- ARGV[1+3i]  child i's id
+-- ARGV[2+3i]  child i's payload
+-- ARGV[3+3i]  child i's parent_policy ('' to use the flow's default, read on the parent's slot)
+--
+-- Reply: the number of rows written. A row that already exists for this same parent is
+-- left as it is (a repeated add writes nothing twice).
+-- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row of another flow.
+if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
+  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+end
+local k = tonumber(ARGV[3])
+for i = 1, k do
+  if string.sub(ARGV[1 + 3 * i], 1, 3) ~= 'JOB' then
+    return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+  end
+end
+local fresh = {}
+for i = 1, k do
+  local owner = redis.call('HGET', KEYS[1 + i], 'parent')
+  if owner == false then
+    if redis.call('EXISTS', KEYS[1 + i]) == 1 then
+      return redis.error_reply('EMQEXISTS ' .. ARGV[1 + 3 * i])
+    end
+    fresh[#fresh + 1] = i
+  elseif owner ~= ARGV[1] then
+    return redis.error_reply('EMQEXISTS ' .. ARGV[1 + 3 * i])
+  end
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, i in ipairs(fresh) do
+  local row = KEYS[1 + i]
+  redis.call('HSET', row, 'state', 'pending', 'attempts', '0', 'payload', ARGV[2 + 3 * i],
+    'parent', ARGV[1])
+  if ARGV[2] ~= '' then
+    redis.call('HSET', row, 'pq', ARGV[2])
+  end
+  if ARGV[3 + 3 * i] ~= '' then
+    redis.call('HSET', row, 'parent_policy', ARGV[3 + 3 * i])
+  end
+  redis.call('ZADD', KEYS[1], now, ARGV[1 + 3 * i])
+end
+return #fresh

@@ -1,0 +1,40 @@
+-- open_flow: the first step of the chunked path (children on other slots, or very many):
+-- hold the parent with its counter at N + 1. The extra unit keeps the parent held however
+-- fast the children complete, until seal_flow removes it after every child was added.
+--
+-- KEYS[1]  the parent row
+-- KEYS[2]  the parent's :dependencies
+-- KEYS[3]  the parent queue's open set (flows not sealed yet; score: open time in ms, so
+--          recovery can fail a flow whose producer died before sealing it)
+-- KEYS[4]  the parent queue's pending set (a nested parent's placeholder leaves it here)
+-- ARGV[1]  parent id
+-- ARGV[2]  parent payload
+-- ARGV[3]  N, the number of children that add_children will write
+-- ARGV[4]  the flow's default parent_policy
+-- ARGV[5]  the outer flow's parent id when this flow is nested ('' when not)
+--
+-- Reply: N + 1 (the counter).
+-- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" the row exists
+--         (other than a nested parent's placeholder written by its outer flow).
+if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
+  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+end
+if redis.call('EXISTS', KEYS[2]) > 0 then
+  return redis.error_reply('EMQEXISTS ' .. ARGV[1])
+end
+local placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
+if placeholder[1] then
+  if ARGV[5] == '' or placeholder[1] ~= 'pending' or placeholder[2] ~= ARGV[5]
+      or placeholder[3] ~= '0' then
+    return redis.error_reply('EMQEXISTS ' .. ARGV[1])
+  end
+  redis.call('ZREM', KEYS[4], ARGV[1])
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
+  'policy', ARGV[4])
+redis.call('SET', KEYS[2], n + 1)
+redis.call('ZADD', KEYS[3], now, ARGV[1])
+return n + 1
