@@ -34,7 +34,7 @@ def _signatures(children: Any, app: Any) -> list[Signature]:
 
 
 @Signature.register_type(name="flow")
-class flow(Signature):
+class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
     """Run ``children``, then ``parent`` with the list of their values, exactly once.
 
     ``policy`` is what a child's final failure means for the parent unless the child sets its
@@ -89,7 +89,7 @@ class flow(Signature):
 
     @property
     def parent(self) -> Signature:
-        return self.kwargs["parent"]  # type: ignore[no-any-return]
+        return self.kwargs["parent"]
 
     @property
     def children(self) -> list[Signature]:

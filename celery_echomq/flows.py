@@ -239,31 +239,31 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
         queues.update(child_queue(job) for level in levels for job in level.children)
         state.client.sadd(keys.queues_key(), *sorted(queues))
         seeded = []
-        landed: list[Plan] = []
+        written: list[tuple[str, str, list[str]]] = []
         try:
             for level in levels:
-                landed.append(level)
                 if level.chunked(chunk):
-                    _enqueue_chunked(state, level, chunk)
+                    _enqueue_chunked(state, level, chunk, written)
                 else:
                     scripts.enqueue_flow(
                         level.queue, level.parent_id, state.dumps(level.parent),
                         _payloads(state, level), outer=level.outer,
                     )
+                    written.append((level.queue, level.parent_id, level.child_ids()))
                     seeded.append(level)
         except EchoMQError:
-            # A refusal after an earlier level or chunk landed: take back what this call wrote,
-            # so bad input leaves nothing behind.
-            _rollback(state, landed, plan.outer)
+            # A refusal after an earlier level or chunk landed: take back exactly what this
+            # call wrote, so bad input leaves nothing behind.
+            _rollback(state, written)
             raise
-        if seeded:
-            # After the atomic land: each flow's default policy and each child's own, on the
-            # same slot, before any child can run (none is published yet).
+        # After the atomic land: each flow's default policy and each child's own, on the
+        # same slot (one MULTI per slot, as Redis Cluster requires), before any child can run
+        # (none is published yet).
+        for level in seeded:
             pipe = state.client.pipeline(transaction=True)
-            for level in seeded:
-                pipe.hset(keys.job_key(level.queue, level.parent_id), "policy", level.policy)
-                for cid, child_policy in level.child_policies.items():
-                    pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
+            pipe.hset(keys.job_key(level.queue, level.parent_id), "policy", level.policy)
+            for cid, child_policy in level.child_policies.items():
+                pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
             pipe.execute()
         # Outside the flow's slot: where a bare id lives.
         side = state.client.pipeline(transaction=False)
@@ -290,33 +290,31 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
             dispatch_parent(state, level.queue, level.parent_id)
 
 
-def _rollback(state: EchoMQ, levels: list[Plan], outer: str) -> None:
-    """Delete the rows ``levels`` wrote: only rows that name this flow as their parent."""
+def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
+    """Delete what a refused start wrote: ``(queue, parent id or '', child ids)`` per step."""
     keys = state.keys
-    client = state.client
-    for level in reversed(levels):
-        for job in level.children:
-            cid, queue = child_id(job), child_queue(job)
-            row = keys.job_key(queue, cid)
-            owner = client.hget(row, "parent")
-            if owner is not None and owner.decode() == level.parent_id:
-                client.delete(row)
-                client.zrem(keys.queue_key(queue, "pending"), cid)
-        row = keys.job_key(level.queue, level.parent_id)
-        owner = client.hget(row, "parent")
-        if level is levels[0] and outer and owner is not None:
-            continue  # a nested parent resumed by recovery: its placeholder is not ours
-        client.delete(row, keys.flow_keys(level.queue, level.parent_id)[0])
-        client.zrem(keys.queue_key(level.queue, "open"), level.parent_id)
-        client.zrem(keys.queue_key(level.queue, "pending"), level.parent_id)
+    for queue, parent_id, child_ids in reversed(written):
+        pipe = state.client.pipeline(transaction=False)
+        for cid in child_ids:
+            pipe.delete(keys.job_key(queue, cid))
+        if child_ids:
+            pipe.zrem(keys.queue_key(queue, "pending"), *child_ids)
+        if parent_id:
+            pipe.delete(keys.job_key(queue, parent_id), keys.flow_keys(queue, parent_id)[0])
+            pipe.zrem(keys.queue_key(queue, "open"), parent_id)
+            pipe.zrem(keys.queue_key(queue, "pending"), parent_id)
+        pipe.execute()
 
 
-def _enqueue_chunked(state: EchoMQ, level: Plan, chunk: int) -> None:
+def _enqueue_chunked(
+    state: EchoMQ, level: Plan, chunk: int, written: list[tuple[str, str, list[str]]]
+) -> None:
     scripts = state.scripts
     scripts.open_flow(
         level.queue, level.parent_id, state.dumps(level.parent), len(level.children),
         level.policy, outer=level.outer,
     )
+    written.append((level.queue, level.parent_id, []))
     by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
     for job in level.children:
         cid = child_id(job)
@@ -326,7 +324,9 @@ def _enqueue_chunked(state: EchoMQ, level: Plan, chunk: int) -> None:
     parent = ParentRef(level.parent_id, level.queue)
     for queue, rows in by_queue.items():
         for start in range(0, len(rows), chunk):
-            scripts.add_children(queue, parent, rows[start : start + chunk])
+            rows_chunk = rows[start : start + chunk]
+            scripts.add_children(queue, parent, rows_chunk)
+            written.append((queue, "", [cid for cid, _, _ in rows_chunk]))
     scripts.seal_flow(level.queue, level.parent_id)
 
 

@@ -44,7 +44,7 @@ class EchoMQ:
         self._client: Any = None
         self._scripts: Scripts | None = None
         self._content_type, self._encoding, _ = registry._encoders[settings.serializer]
-        self._accept = prepare_accept_content(settings.accept_content)
+        self._accept = prepare_accept_content(settings.accept_content)  # type: ignore[no-untyped-call]
 
     def _ensure(self) -> None:
         if self._pid != os.getpid():
@@ -65,12 +65,14 @@ class EchoMQ:
         return cast(Scripts, self._scripts)
 
     def dumps(self, obj: Any) -> bytes:
-        _, _, data = dumps(obj, serializer=self.settings.serializer)
+        _, _, data = dumps(obj, serializer=self.settings.serializer)  # type: ignore[no-untyped-call]
         return data.encode("utf-8") if isinstance(data, str) else cast(bytes, data)
 
     def loads(self, data: bytes) -> Any:
         """Decode what :meth:`dumps` stored; content the app does not accept is refused."""
-        return loads(data, self._content_type, self._encoding, accept=self._accept)
+        return loads(  # type: ignore[no-untyped-call]
+            data, self._content_type, self._encoding, accept=self._accept
+        )
 
 
 def install_state(app: Any) -> EchoMQ:

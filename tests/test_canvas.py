@@ -149,9 +149,11 @@ def test_options_reach_children_and_parent(proj: Any, start_worker: Any) -> None
     res = f.apply_async(queue=queue, priority=3, headers={"x-trace": "abc"})
     value = res.get(timeout=60)
     assert value["queue"] == queue and value["header"] == "abc"
+    assert value["priority"] == 3
     children = value["args"][0]
     assert [c["args"] for c in children] == [[1], [2]]
     assert all(c["queue"] == queue and c["header"] == "abc" for c in children)
+    assert all(c["priority"] == 3 for c in children)
     assert res.flow_queue == queue  # the flow's keys live on that queue's slot
 
 
@@ -162,3 +164,12 @@ def test_countdown_delays_the_children(proj: Any, worker: Any) -> None:
     res = flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async(countdown=1.5)
     assert res.get(timeout=60) == 2
     assert time.monotonic() - start >= 1.4
+
+
+def test_expires_applies_to_the_children(proj: Any, worker: Any) -> None:
+    # An already-expired child is revoked by the worker: a failure under its policy.
+    f = flow(proj.tsum.s(), [proj.add.s(1, 1)], policy="ignore")
+    res = f.apply_async(expires=-1)
+    assert res.get(timeout=60) == 0
+    (error,) = res.ignored_failures().values()
+    assert error == "TaskRevokedError: expired"

@@ -112,10 +112,17 @@ def test_existing_parent_id_is_refused_and_nothing_is_published(
     first = flow(proj.tsum.s().set(task_id=parent_id), [proj.gated.s(5, gate)]).apply_async()
     wait_for(lambda: first.dependencies().outstanding == 1)
     wait_for(lambda: probe.broker.llen("celery") == 0)
-    keys_before = sorted(store.keys("*"))
-    with pytest.raises(FlowExistsError, match=parent_id):
-        flow(proj.tsum.s().set(task_id=parent_id), [proj.add.s(1, 1)]).apply_async()
-    assert probe.broker.llen("celery") == 0
-    assert sorted(store.keys("*")) == keys_before
-    store.set(gate, 1)
+    row = f"emq:{{celery}}:{parent_id}"
+    held = store.hgetall(row), store.get(f"{row}:dependencies")
+    second = flow(proj.tsum.s().set(task_id=parent_id), [proj.add.s(1, 1)])
+    second.freeze()
+    try:
+        with pytest.raises(FlowExistsError, match=parent_id):
+            second.apply_async()
+        assert probe.broker.llen("celery") == 0
+        # The first flow is untouched and the second left no key.
+        assert (store.hgetall(row), store.get(f"{row}:dependencies")) == held
+        assert store.keys(f"*{second.children[0].options['task_id']}*") == []
+    finally:
+        store.set(gate, 1)
     assert first.get(timeout=60) == 5
