@@ -177,9 +177,15 @@ def plan_flow(
             inner_opts.pop("parent_policy", None)
             inner_args = () if child.immutable else (*args, *child.args)
             inner = plan_flow(
-                app, child.kwargs["parent"], child.kwargs["children"],
-                policy=child.kwargs["policy"], args=inner_args, kwargs=kwargs,
-                options=inner_opts, outer=parent_id, outer_queue=queue,
+                app,
+                child.kwargs["parent"],
+                child.kwargs["children"],
+                policy=child.kwargs["policy"],
+                args=inner_args,
+                kwargs=kwargs,
+                options=inner_opts,
+                outer=parent_id,
+                outer_queue=queue,
             )
             cid = inner.parent_id
             plan.children.append({"nested": inner.to_dict()})
@@ -246,8 +252,11 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
                     _enqueue_chunked(state, level, chunk, written)
                 else:
                     scripts.enqueue_flow(
-                        level.queue, level.parent_id, state.dumps(level.parent),
-                        _payloads(state, level), outer=level.outer,
+                        level.queue,
+                        level.parent_id,
+                        state.dumps(level.parent),
+                        _payloads(state, level),
+                        outer=level.outer,
                     )
                     written.append((level.queue, level.parent_id, level.child_ids()))
                     seeded.append(level)
@@ -255,6 +264,9 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
             # A refusal after an earlier level or chunk landed: take back exactly what this
             # call wrote, so bad input leaves nothing behind.
             _rollback(state, written)
+            logger.info(
+                "echomq: flow %s refused; %d steps taken back", plan.parent_id, len(written)
+            )
             raise
         # After the atomic land: each flow's default policy and each child's own, on the
         # same slot (one MULTI per slot, as Redis Cluster requires), before any child can run
@@ -311,8 +323,12 @@ def _enqueue_chunked(
 ) -> None:
     scripts = state.scripts
     scripts.open_flow(
-        level.queue, level.parent_id, state.dumps(level.parent), len(level.children),
-        level.policy, outer=level.outer,
+        level.queue,
+        level.parent_id,
+        state.dumps(level.parent),
+        len(level.children),
+        level.policy,
+        outer=level.outer,
     )
     written.append((level.queue, level.parent_id, []))
     by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
@@ -328,6 +344,12 @@ def _enqueue_chunked(
             scripts.add_children(queue, parent, rows_chunk)
             written.append((queue, "", [cid for cid, _, _ in rows_chunk]))
     scripts.seal_flow(level.queue, level.parent_id)
+    logger.info(
+        "echomq: flow %s opened, %d children added on %d queue(s), sealed",
+        level.parent_id,
+        len(level.children),
+        len(by_queue),
+    )
 
 
 def resume_nested(state: EchoMQ, plan: Plan) -> None:
@@ -451,7 +473,12 @@ def error_text(exc: BaseException) -> str:
 
 
 def credit_remote(
-    state: EchoMQ, queue: str, job_id: str, parent: ParentRef, outcome: str, data: bytes | str,
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    parent: ParentRef,
+    outcome: str,
+    data: bytes | str,
     policy: str,
 ) -> tuple[str, str]:
     """Count a child staged in ``queue``'s outbox on its parent's slot, then unstage it.
@@ -462,6 +489,7 @@ def credit_remote(
         parent, job_id, outcome, data, policy, ttl=state.settings.result_ttl
     )
     state.client.zrem(state.keys.queue_key(queue, "outbox"), job_id)
+    logger.info("echomq: child %s (%s) credited to %s: %s", job_id, outcome, parent.id, status)
     return status, applied
 
 
@@ -478,12 +506,22 @@ def follow(state: EchoMQ, status: str, job_id: str, parent: ParentRef, error: st
 
 
 def settle_success(
-    state: EchoMQ, queue: str, job_id: str, token: str, is_parent: bool,
-    parent: ParentRef | None, value: bytes,
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    is_parent: bool,
+    parent: ParentRef | None,
+    value: bytes,
 ) -> str:
     """A job succeeded: complete it and credit its parent (on whichever slot it lives)."""
     status = state.scripts.complete(
-        queue, job_id, token, ttl=state.settings.result_ttl, is_parent=is_parent, parent=parent,
+        queue,
+        job_id,
+        token,
+        ttl=state.settings.result_ttl,
+        is_parent=is_parent,
+        parent=parent,
         value=value,
     )
     if status == "staged" and parent is not None:
@@ -494,12 +532,22 @@ def settle_success(
 
 
 def settle_failure(
-    state: EchoMQ, queue: str, job_id: str, token: str, error: str, is_parent: bool,
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    error: str,
+    is_parent: bool,
     parent: ParentRef | None,
 ) -> str:
     """A job failed for good: fail it and apply its parent_policy to the parent."""
     status, policy = state.scripts.fail(
-        queue, job_id, token, error, ttl=state.settings.result_ttl, is_parent=is_parent,
+        queue,
+        job_id,
+        token,
+        error,
+        ttl=state.settings.result_ttl,
+        is_parent=is_parent,
         parent=parent,
     )
     if status == "staged" and parent is not None:

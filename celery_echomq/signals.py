@@ -53,7 +53,12 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     )
     if status in ("claimed", "taken_over"):
         _tokens[task_id] = token
-    logger.debug("echomq: claim %s -> %s (attempt %d)", task_id, status, attempts)
+    if status == "claimed":
+        logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
+    else:
+        # A redelivery (taken_over), or a delivery of a job already finished: its body runs
+        # (bodies are at-least-once) but its completion will not be counted again.
+        logger.info("echomq: claim %s -> %s (attempt %d)", task_id, status, attempts)
 
 
 def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
@@ -105,7 +110,8 @@ def on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
         return
     token = _tokens.pop(request.id, None)
     if token is not None:
-        state.scripts.retry(getattr(request, H_QUEUE), request.id, token)
+        status = state.scripts.retry(getattr(request, H_QUEUE), request.id, token)
+        logger.info("echomq: retry %s -> %s", request.id, status)
 
 
 class _Headers:

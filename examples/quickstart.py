@@ -58,9 +58,26 @@ def main() -> int:
         log = Path(server.dir) / "worker.log"
         with open(log, "wb") as out:
             worker = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "quickstart", "worker", "-P", "prefork",
-                 "-c", "2", "--loglevel", "INFO", "--without-gossip", "--without-mingle"],
-                env=env, cwd=Path(__file__).parent, stdout=out, stderr=subprocess.STDOUT,
+                [
+                    sys.executable,
+                    "-m",
+                    "celery",
+                    "-A",
+                    "quickstart",
+                    "worker",
+                    "-P",
+                    "prefork",
+                    "-c",
+                    "2",
+                    "--loglevel",
+                    "INFO",
+                    "--without-gossip",
+                    "--without-mingle",
+                ],
+                env=env,
+                cwd=Path(__file__).parent,
+                stdout=out,
+                stderr=subprocess.STDOUT,
             )
         try:
             configure(url)

@@ -1,0 +1,429 @@
+"""Reads of flows for people and scripts: the tree under a job, a flow's progress, per-queue counts.
+
+Everything here is a plain read (HMGET, GET, HGETALL, ZCARD, SCAN), never a write, so it is
+safe against a live system. A result is a snapshot, not a transaction: a child may finish
+between two reads, which a progress display tolerates and a transition never relies on.
+``celery -A proj echomq show|watch|stats`` print what these functions return.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .errors import EchoMQError
+from .keyspace import check_id
+from .reads import UnknownFlowError
+from .state import EchoMQ
+
+# A job in one of these states will not change again (until its keys expire).
+FINISHED = frozenset({"done", "failed", "cancelled"})
+# What a job row's state reads as when the row is gone (expired, forgotten, never written).
+MISSING = "missing"
+
+_ROW_FIELDS = (
+    "state",
+    "attempts",
+    "payload",
+    "parent",
+    "parent_policy",
+    "policy",
+    "credited",
+    "error",
+    "failed_child",
+    "started",
+    "dispatched",
+)
+# A nested flow is a child that is itself a parent; a cycle cannot be written (enqueue_flow
+# refuses an id that exists), but a depth cap keeps a corrupted store from hanging the CLI.
+MAX_DEPTH = 32
+
+
+@dataclass(frozen=True)
+class FlowInfo:
+    """What only a flow parent has: its counter and its children's bookkeeping."""
+
+    policy: str  # the default parent_policy of children that set none
+    outstanding: int | None  # the :dependencies counter; None once it expired
+    credited: int  # children counted toward the release (values plus ignore/remove/continue)
+    total: int  # children declared when the flow started
+    failed_child: str | None  # the child whose failure under policy "fail" failed the flow
+
+
+@dataclass(frozen=True)
+class JobNode:
+    """One job of a flow tree: a parent, a child, or a child that is itself a flow."""
+
+    id: str
+    queue: str
+    state: str  # the row's state, or "missing" when the row is gone
+    task: str | None
+    attempts: int
+    parent: str | None = None  # the parent's job id, for a child
+    policy: str | None = None  # as a child: the parent_policy that applies to it
+    policy_is_default: bool = False  # True when that policy is the flow's default
+    outcome: str | None = None  # as a child: what its parent made of it (see _outcome)
+    has_value: bool = False  # False means "no value yet", so that a None value still shows
+    value: Any = None
+    error: str | None = None  # "ExcType: message" for a failed job
+    started_ms: int | None = None  # server time of its latest claim
+    dispatched_ms: int | None = None  # a parent: when its release was published
+    flow: FlowInfo | None = None  # set when this job is a flow parent
+    children: tuple[JobNode, ...] = field(default=())
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How far a flow's direct children have come, and where its parent stands."""
+
+    flow_id: str
+    parent_state: str
+    total: int
+    done: int
+    failed: int
+    cancelled: int
+    active: int
+    pending: int
+    outstanding: int | None
+    finished: bool  # the parent itself finished (done, failed or cancelled)
+    error: str | None = None  # the parent's error once it failed
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """Counts for one queue that holds flows (a snapshot)."""
+
+    queue: str
+    pending: int  # claimable jobs, including released parents not yet started
+    active: int  # claimed and running (or lost, until recovery notices)
+    held: int  # parents awaiting their children
+    failed: int  # jobs that failed for good within the result TTL
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _int(value: Any) -> int | None:
+    text = _text(value)
+    return int(text) if text not in (None, "") else None
+
+
+def _load(state: EchoMQ, raw: Any) -> Any:
+    try:
+        return state.loads(raw)
+    except Exception:
+        # A value the app's serializer cannot read (another serializer, content not accepted):
+        # show the stored bytes rather than fail the whole read.
+        return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+
+
+def locate_job(state: EchoMQ, job_id: str, queue: str | None = None) -> str:
+    """The queue whose slot holds ``job_id``'s row.
+
+    A flow parent has a locator key; a child has none, so every queue known to hold flows is
+    tried. Raises :class:`~celery_echomq.UnknownFlowError` when no row is found.
+    """
+    check_id(job_id)
+    client, keys = state.client, state.keys
+    if queue is not None and client.exists(keys.job_key(queue, job_id)):
+        return queue
+    located = _text(client.get(keys.locator_key(job_id)))
+    if located is not None and client.exists(keys.job_key(located, job_id)):
+        return located
+    found = _scan_queues(state, job_id)
+    if found is not None:
+        return found
+    if located is not None:
+        raise UnknownFlowError(
+            f"flow {job_id!r} has expired or was forgotten (its keys are gone from Redis)"
+        )
+    raise UnknownFlowError(f"no job {job_id!r} in Redis (never started, or expired)")
+
+
+def _scan_queues(state: EchoMQ, job_id: str) -> str | None:
+    """The queue among those that hold flows whose slot has ``job_id``'s row (one round trip)."""
+    keys, client = state.keys, state.client
+    names = sorted(filter(None, (_text(q) for q in client.smembers(keys.queues_key()))))
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(keys.job_key(name, job_id))
+    return next((name for name, there in zip(names, pipe.execute(), strict=True) if there), None)
+
+
+def _row(fields: list[Any]) -> dict[str, Any]:
+    # Text fields decoded; the payload stays bytes (a pickle payload is not UTF-8).
+    pairs = zip(_ROW_FIELDS, fields, strict=True)
+    return {name: v if name == "payload" else _text(v) for name, v in pairs}
+
+
+def _task_and_children(state: EchoMQ, payload: Any) -> tuple[str | None, list[str]]:
+    if payload is None:
+        return None, []
+    job = _load(state, payload)
+    if not isinstance(job, dict):
+        return None, []
+    children = job.get("children") or []
+    return job.get("task"), [str(c) for c in children]
+
+
+def _outcome(
+    child_state: str,
+    policy: str,
+    credited: bool,
+    ignored: bool,
+    failed_child: str | None,
+    child_id: str,
+) -> str | None:
+    """What the parent made of a child: the fan-in's view, not just the child's own state."""
+    if credited:
+        return "credited"  # its value is in the parent's :processed
+    if ignored:
+        return "ignored"  # failed; counted, error kept in :ignored
+    if child_state != "failed":
+        return None  # not settled yet (or cancelled / missing: nothing was credited)
+    if failed_child == child_id:
+        return "failed_flow"
+    return {"remove": "removed", "continue": "continued"}.get(policy, "failed")
+
+
+def read_tree(
+    state: EchoMQ, job_id: str, *, queue: str | None = None, with_result: bool = True
+) -> JobNode:
+    """The job ``job_id`` and, if it is a flow parent, its children (nested flows recursively).
+
+    ``with_result`` also reads the root's own value: from its parent's :processed when it is a
+    child, else from Celery's result backend once it is done.
+    """
+    where = locate_job(state, job_id, queue)
+    client = state.client
+    root_row = _row(client.hmget(state.keys.job_key(where, job_id), _ROW_FIELDS))
+    node = _build(state, where, job_id, root_row, facts={}, depth=0)
+    if not with_result or node.state != "done":
+        return node
+    has_value, value = _root_value(state, node)
+    if not has_value:
+        return node
+    return replace(node, has_value=True, value=value)
+
+
+def _root_value(state: EchoMQ, node: JobNode) -> tuple[bool, Any]:
+    if node.parent is not None:
+        _, processed, _ = state.keys.flow_keys(node.queue, node.parent)
+        raw = state.client.hget(processed, node.id)
+        return (True, _load(state, raw)) if raw is not None else (False, None)
+    try:
+        result = state.app.AsyncResult(node.id)
+        if result.state == "SUCCESS":
+            return True, result.result
+    except Exception:
+        # The result backend is optional for reading a tree (it may be disabled or down);
+        # the flow's own keys are the source of truth for everything else shown.
+        pass
+    return False, None
+
+
+def _build(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    row: dict[str, Any],
+    *,
+    facts: dict[str, Any],
+    depth: int,
+) -> JobNode:
+    """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
+    task, child_ids = _task_and_children(state, row["payload"])
+    keys, client = state.keys, state.client
+    node = JobNode(
+        id=job_id,
+        queue=queue,
+        state=row["state"] or MISSING,
+        task=task,
+        attempts=_int(row["attempts"]) or 0,
+        parent=row["parent"],
+        policy=facts.get("policy", row["parent_policy"]),
+        policy_is_default=bool(facts.get("policy_is_default", False)),
+        outcome=facts.get("outcome"),
+        has_value="value" in facts,
+        value=facts.get("value"),
+        error=row["error"] or facts.get("ignored_error"),
+        started_ms=_int(row["started"]),
+        dispatched_ms=_int(row["dispatched"]),
+    )
+    deps_key, processed_key, ignored_key = keys.flow_keys(queue, job_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(deps_key)
+    pipe.hgetall(processed_key)
+    pipe.hgetall(ignored_key)
+    for cid in child_ids:
+        pipe.hmget(keys.job_key(queue, cid), _ROW_FIELDS)
+    counter, processed, ignored, *child_rows = pipe.execute()
+    if counter is None and not child_ids and row["policy"] is None:
+        return node  # not a flow parent: a plain child (or a job whose flow keys expired)
+    processed = {_text(k): v for k, v in processed.items()}
+    ignored = {_text(k): _text(v) for k, v in ignored.items()}
+    flow_policy = row["policy"] or "fail"
+    info = FlowInfo(
+        policy=flow_policy,
+        outstanding=_int(counter),
+        credited=_int(row["credited"]) or 0,
+        total=len(child_ids),
+        failed_child=row["failed_child"],
+    )
+    children: list[JobNode] = []
+    for cid, fields in zip(child_ids, child_rows, strict=True):
+        child_row = _row(fields)
+        child_queue = queue
+        if child_row["state"] is None:
+            # A child routed to another queue has its row on that queue's slot; it is found
+            # among the queues that hold flows. One gone for good reads as "missing".
+            elsewhere = _scan_queues(state, cid)
+            if elsewhere is not None:
+                child_queue = elsewhere
+                child_row = _row(client.hmget(keys.job_key(child_queue, cid), _ROW_FIELDS))
+        own = child_row["parent_policy"]
+        policy = own or flow_policy
+        child_facts: dict[str, Any] = {
+            "policy": policy,
+            "policy_is_default": own is None,
+            "outcome": _outcome(
+                child_row["state"] or MISSING,
+                policy,
+                cid in processed,
+                cid in ignored,
+                info.failed_child,
+                cid,
+            ),
+        }
+        if cid in processed:
+            child_facts["value"] = _load(state, processed[cid])
+        if cid in ignored:
+            child_facts["ignored_error"] = ignored[cid]
+        if depth + 1 >= MAX_DEPTH:
+            raise EchoMQError(f"flow tree under {job_id!r} is deeper than {MAX_DEPTH} levels")
+        children.append(
+            _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
+        )
+    return replace(node, flow=info, children=tuple(children))
+
+
+def progress(node: JobNode) -> Progress:
+    """Counts over ``node``'s direct children (a nested flow counts as one child)."""
+    states = [child.state for child in node.children]
+    return Progress(
+        flow_id=node.id,
+        parent_state=node.state,
+        total=node.flow.total if node.flow else 0,
+        done=states.count("done"),
+        failed=states.count("failed"),
+        cancelled=states.count("cancelled"),
+        active=states.count("active"),
+        pending=states.count("pending") + states.count("awaiting_children"),
+        outstanding=node.flow.outstanding if node.flow else None,
+        finished=node.finished,
+        error=node.error,
+    )
+
+
+def read_progress(
+    state: EchoMQ,
+    job_id: str,
+    queue: str | None = None,
+    child_queues: dict[str, str] | None = None,
+) -> Progress:
+    """:func:`progress` without reading values or payloads of the children: for polling.
+
+    ``child_queues`` (child id -> queue) is filled in and reused across calls, so a child that
+    lives on another queue is searched for once, not on every poll.
+    """
+    keys, client = state.keys, state.client
+    where = locate_job(state, job_id, queue)
+    row = _row(client.hmget(keys.job_key(where, job_id), _ROW_FIELDS))
+    _, child_ids = _task_and_children(state, row["payload"])
+    cache = {} if child_queues is None else child_queues
+    pipe = client.pipeline(transaction=False)
+    pipe.get(keys.flow_keys(where, job_id)[0])
+    for cid in child_ids:
+        pipe.hget(keys.job_key(cache.get(cid, where), cid), "state")
+    counter, *raw_states = pipe.execute()
+    states: list[str] = []
+    for cid, raw in zip(child_ids, raw_states, strict=True):
+        if raw is None and cid not in cache:
+            found = _scan_queues(state, cid)
+            cache[cid] = found or where
+            if found is not None:
+                raw = client.hget(keys.job_key(found, cid), "state")
+        states.append(_text(raw) or MISSING)
+    parent_state = row["state"] or MISSING
+    return Progress(
+        flow_id=job_id,
+        parent_state=parent_state,
+        total=len(child_ids),
+        done=states.count("done"),
+        failed=states.count("failed"),
+        cancelled=states.count("cancelled"),
+        active=states.count("active"),
+        pending=states.count("pending") + states.count("awaiting_children"),
+        outstanding=_int(counter),
+        finished=parent_state in FINISHED,
+        error=row["error"],
+    )
+
+
+def _glob_escape(text: str) -> str:
+    # Queue names may hold glob metacharacters; SCAN MATCH must take them literally.
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def held_parents(state: EchoMQ, queue: str) -> list[str]:
+    """Ids of parents awaiting their children on ``queue``.
+
+    No set tracks held parents (a held parent is deliberately in no state set, so nothing can
+    claim it), so this scans the queue's ``:dependencies`` keys: a slow read, for people.
+    """
+    keys, client = state.keys, state.client
+    prefix = keys.queue_key(queue, "")
+    pattern = _glob_escape(prefix) + "JOB*:dependencies"
+    ids = [
+        (_text(key) or "")[len(prefix) : -len(":dependencies")]
+        for key in client.scan_iter(match=pattern, count=1000)
+    ]
+    if not ids:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hget(keys.job_key(queue, job_id), "state")
+    states = pipe.execute()
+    return sorted(j for j, s in zip(ids, states, strict=True) if _text(s) == "awaiting_children")
+
+
+def queue_stats(state: EchoMQ) -> list[QueueStats]:
+    """Per queue that holds flows (``emq:queues``): pending, active, held and failed jobs."""
+    keys, client = state.keys, state.client
+    names = sorted(filter(None, (_text(q) for q in client.smembers(keys.queues_key()))))
+    stats: list[QueueStats] = []
+    for name in names:
+        pipe = client.pipeline(transaction=False)
+        for set_name in ("pending", "active", "failed"):
+            pipe.zcard(keys.queue_key(name, set_name))
+        pending, active, failed = pipe.execute()
+        stats.append(
+            QueueStats(name, int(pending), int(active), len(held_parents(state, name)), int(failed))
+        )
+    return stats
+
+
+def walk(node: JobNode) -> list[JobNode]:
+    """``node`` and every job under it, parents before their children."""
+    out = [node]
+    for child in node.children:
+        out.extend(walk(child))
+    return out

@@ -1,0 +1,548 @@
+"""`celery -A proj echomq ...` against real flows run by a real prefork worker.
+
+Most commands run in-process through Celery's own `celery` click group (so the entry point
+and `-A` loading are the real ones); a few run `celery` as a subprocess, exactly as a user
+types it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery.bin.celery import celery as celery_main
+from click.testing import CliRunner, Result
+
+from celery_echomq import flow
+
+from .conftest import ROOT, Env, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+def job(sig: Any) -> Any:
+    """``sig`` with a job id of its own, so that the test knows which row is which."""
+    return sig.set(task_id=f"JOB{uuid.uuid4().hex}")
+
+
+def jid(sig: Any) -> str:
+    return str(sig.options["task_id"])
+
+
+def echomq(*args: str) -> Result:
+    """Run `celery -A tests.proj echomq ARGS` in this process."""
+    return CliRunner().invoke(
+        celery_main, ["-A", "tests.proj", "echomq", *args], catch_exceptions=False
+    )
+
+
+def echomq_process(env: Env, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    """Run `celery -A tests.proj echomq ARGS` as a subprocess, as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.proj", "echomq", *args],
+        cwd=ROOT,
+        env=env.environ(**extra),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def gate(store: redis.Redis) -> Iterator[str]:  # type: ignore[type-arg]
+    """A gate key for `proj.gated`; always opened at the end so no worker process stays blocked."""
+    name = f"test:gate:{uuid.uuid4().hex}"
+    yield name
+    store.set(name, 1)
+
+
+def flow_keys(store: redis.Redis, job_id: str) -> list[bytes]:  # type: ignore[type-arg]
+    return sorted(store.scan_iter(match=f"*{job_id}*"))
+
+
+def state_of(store: redis.Redis, job_id: str, queue: str = "celery") -> str | None:  # type: ignore[type-arg]
+    value = store.hget(f"emq:{{{queue}}}:{job_id}", "state")
+    return value.decode() if value is not None else None
+
+
+def settle(res: Any, queue: str = "celery") -> Any:
+    """The flow's value, once its parent's row has finished too.
+
+    Celery stores a task's result before task_success (which finishes the row) fires, so
+    ``get()`` can return a moment before ``show`` would say "done".
+    """
+    value = res.get(timeout=60)
+    store = redis.Redis.from_url(os.environ["ECHOMQ_T_STORE"])
+    wait_for(lambda: state_of(store, res.id, queue) in ("done", "failed", "cancelled"))
+    return value
+
+
+# --- show -------------------------------------------------------------------------------------
+
+
+def test_show_prints_a_finished_flow_as_a_tree(proj: Any, worker: Any) -> None:
+    ok1, ok2, bad = job(proj.add.s(1, 2)), job(proj.add.s(3, 4)), job(proj.boom.s("disk full"))
+    res = flow(proj.tsum.s(), [ok1, ok2, bad.set(parent_policy="ignore")]).apply_async()
+    assert settle(res) == 10
+    ids = [jid(sig) for sig in (ok1, ok2, bad)]
+
+    out = echomq("show", res.id)
+    assert out.exit_code == 0, out.output
+    lines = out.stdout.splitlines()
+    assert len(lines) == 4
+    root, first, second, last = lines
+    assert root.startswith(f"flow {res.id}  tests.proj.tsum  done")
+    assert "outstanding=0" in root and "credited=3/3" in root and "value=10" in root
+    assert first.startswith(f"├─ {ids[0]}  tests.proj.add  done  attempts=1")
+    assert "value=3" in first and "policy=" not in first  # the flow's default: on the root
+    assert "default-policy=fail" in root
+    assert second.startswith(f"├─ {ids[1]}  tests.proj.add  done") and "value=7" in second
+    assert last.startswith(f"└─ {ids[2]}  tests.proj.boom  failed  attempts=1  policy=ignore")
+    assert "error='ValueError: disk full'" in last and "[ignored]" in last
+
+
+def test_show_json_gives_the_same_tree_as_data(proj: Any, worker: Any) -> None:
+    children = [job(proj.add.s(i, i)) for i in range(3)]
+    res = flow(proj.tsum.s(), children, policy="ignore").apply_async()
+    assert settle(res) == 6
+
+    out = echomq("show", "--json", res.id)
+    assert out.exit_code == 0, out.output
+    tree = json.loads(out.stdout)
+    assert tree["id"] == res.id and tree["state"] == "done" and tree["value"] == 6
+    assert tree["flow"] == {
+        "policy": "ignore",
+        "outstanding": 0,
+        "credited": 3,
+        "total": 3,
+        "failed_child": None,
+    }
+    assert [c["id"] for c in tree["children"]] == [jid(c) for c in children]
+    assert [c["value"] for c in tree["children"]] == [0, 2, 4]
+    assert {c["policy"] for c in tree["children"]} == {"ignore"}
+    assert all(c["parent"] == res.id and c["outcome"] == "credited" for c in tree["children"])
+
+
+def test_show_a_held_flow_then_its_release(
+    proj: Any,
+    worker: Any,
+    gate: str,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    fast, slow = job(proj.add.s(2, 2)), job(proj.gated.s(5, gate))
+    res = flow(proj.tsum.s(), [fast, slow]).apply_async()
+    wait_for(lambda: state_of(store, jid(slow)) == "active", timeout=60)
+    wait_for(lambda: state_of(store, jid(fast)) == "done", timeout=60)
+
+    held = echomq("show", res.id)
+    assert held.exit_code == 0, held.output
+    root, first, second = held.stdout.splitlines()
+    assert "awaiting_children" in root and "outstanding=1" in root and "credited=1/2" in root
+    assert "value=" not in root
+    assert f"{jid(fast)}  tests.proj.add  done" in first and "value=4" in first
+    assert f"{jid(slow)}  tests.proj.gated  active  attempts=1" in second
+
+    store.set(gate, 1)
+    assert settle(res) == 9
+    done = echomq("show", res.id)
+    assert "  done  " in done.stdout.splitlines()[0] and "value=9" in done.stdout
+
+
+def test_show_a_child_id_shows_the_child_and_its_parent(proj: Any, worker: Any) -> None:
+    child = job(proj.add.s(20, 22))
+    res = flow(proj.tsum.s(), [child]).apply_async()
+    assert settle(res) == 42
+
+    out = echomq("show", jid(child))
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines() == [
+        f"{jid(child)}  tests.proj.add  done  attempts=1  value=42  parent={res.id}  queue=celery"
+    ]
+
+
+@pytest.mark.parametrize("command", ["show", "watch", "forget", "cancel"])
+def test_an_unknown_id_exits_non_zero_with_a_clear_message(command: str, env: Env) -> None:
+    missing = f"JOB{uuid.uuid4().hex}"
+    out = echomq(command, missing, "--json")
+    assert out.exit_code == 1
+    assert out.stdout == ""
+    assert f"no job '{missing}' in Redis (never started, or expired)" in out.stderr
+
+
+def test_an_ill_formed_id_is_refused_before_any_read(env: Env) -> None:
+    out = echomq("show", "task-42")
+    assert out.exit_code == 1
+    assert "job id 'task-42' must be JOB-namespaced" in out.stderr
+
+
+def test_show_through_the_celery_command_as_a_user_types_it(
+    proj: Any, worker: Any, env: Env
+) -> None:
+    # A real `celery` process: proves the `celery.commands` entry point and `-A` loading.
+    res = flow(proj.tsum.s(), [proj.add.s(1, 1), proj.add.s(2, 2)]).apply_async()
+    assert settle(res) == 6
+
+    done = echomq_process(env, "show", res.id)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].startswith(f"flow {res.id}  tests.proj.tsum  done")
+    assert len(done.stdout.splitlines()) == 3
+
+    unknown = echomq_process(env, "show", "JOBdoesnotexist")
+    assert unknown.returncode == 1
+    assert "no job 'JOBdoesnotexist' in Redis" in unknown.stderr
+
+
+def test_an_unreachable_store_is_one_clear_line(env: Env) -> None:
+    from celery_echomq.embedded import free_port
+
+    # A loopback port nobody listens on: the store is down.
+    out = echomq_process(env, "stats", ECHOMQ_T_STORE=f"redis://127.0.0.1:{free_port()}/13")
+    assert out.returncode == 1
+    assert out.stderr.startswith("Error: cannot reach the flow store in Redis:")
+    assert "Traceback" not in out.stderr
+
+
+# --- watch ------------------------------------------------------------------------------------
+
+
+def test_watch_follows_a_flow_until_its_parent_is_done(
+    proj: Any,
+    worker: Any,
+    env: Env,
+    gate: str,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    fast, slow = job(proj.add.s(1, 1)), job(proj.gated.s(3, gate))
+    res = flow(proj.tsum.s(), [fast, slow]).apply_async()
+    wait_for(lambda: state_of(store, jid(fast)) == "done", timeout=60)
+    watcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.proj",
+            "echomq",
+            "watch",
+            res.id,
+            "--interval",
+            "0.1",
+            "--timeout",
+            "120",
+        ],
+        cwd=ROOT,
+        env=env.environ(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watcher.stdout is not None
+        first = watcher.stdout.readline()  # blocks until the watcher has read the flow once
+        store.set(gate, 1)
+        rest, err = watcher.communicate(timeout=120)
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+    assert watcher.returncode == 0, err
+    assert first.startswith(f"{res.id} [###############...............] 1/2 done, 0 failed")
+    assert "· parent awaiting_children" in first
+    lines = rest.splitlines()
+    assert lines[-2].startswith(f"{res.id} [{'#' * 30}] 2/2 done, 0 failed · parent")
+    assert lines[-1] == f"flow {res.id} done"
+    assert settle(res) == 5
+
+
+def test_watch_exits_1_when_a_child_fails_the_flow(proj: Any, worker: Any) -> None:
+    bad = job(proj.boom.s("no such page"))
+    res = flow(proj.tsum.s(), [proj.add.s(1, 1), bad]).apply_async()
+    out = echomq("watch", res.id, "--interval", "0.1", "--timeout", "120")
+    assert out.exit_code == 1
+    assert f"flow {res.id} failed: child {jid(bad)} failed: ValueError: no such page" in out.stderr
+
+
+def test_watch_times_out_with_124_while_the_parent_is_held(
+    proj: Any, worker: Any, gate: str
+) -> None:
+    res = flow(proj.tsum.s(), [proj.gated.s(1, gate)]).apply_async()
+    started = time.monotonic()
+    out = echomq("watch", res.id, "--interval", "0.1", "--timeout", "1.5")
+    assert out.exit_code == 124
+    assert time.monotonic() - started >= 1.5
+    assert f"timed out after 1.5s; flow {res.id} is still running" in out.stderr
+    assert "0/1 done" in out.stdout
+
+
+def test_watch_json_prints_one_object_per_change(
+    proj: Any,
+    worker: Any,
+    gate: str,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    res = flow(proj.tsum.s(), [proj.gated.s(4, gate), proj.gated.s(6, gate)]).apply_async()
+    # Open the gate from another thread while the in-process watcher loops.
+    opener = threading.Timer(1.0, store.set, args=(gate, 1))
+    opener.start()
+    try:
+        out = echomq("watch", res.id, "--json", "--interval", "0.05", "--timeout", "120")
+    finally:
+        opener.cancel()
+    assert out.exit_code == 0, out.output
+    updates = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(updates) >= 2
+    assert updates[0]["total"] == 2 and updates[0]["finished"] is False
+    assert updates[-1] == {
+        "flow_id": res.id,
+        "parent_state": "done",
+        "total": 2,
+        "done": 2,
+        "failed": 0,
+        "cancelled": 0,
+        "active": 0,
+        "pending": 0,
+        "outstanding": 0,
+        "finished": True,
+        "error": None,
+    }
+    assert settle(res) == 10
+
+
+# --- stats ------------------------------------------------------------------------------------
+
+
+def test_stats_counts_pending_active_held_and_failed_per_queue(
+    proj: Any,
+    env: Env,
+    start_worker: Any,
+    gate: str,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    # A queue of its own, so that the counts are this test's alone.
+    queue = f"stats{uuid.uuid4().hex[:8]}"
+    start_worker(queues=queue, concurrency=1)
+    blocked = job(proj.gated.s(1, gate))
+    held = flow(proj.tsum.s(), [blocked, proj.add.s(1, 1)]).apply_async(queue=queue)
+    wait_for(lambda: state_of(store, jid(blocked), queue) == "active", timeout=60)
+
+    out = echomq("stats", "--json")
+    assert out.exit_code == 0, out.output
+    mine = [q for q in json.loads(out.stdout)["queues"] if q["queue"] == queue]
+    # One worker process: the gated child runs, its sibling waits, the parent is held.
+    assert mine == [{"queue": queue, "pending": 1, "active": 1, "held": 1, "failed": 0}]
+
+    text = echomq("stats")
+    assert text.stdout.splitlines()[0].split() == ["queue", "pending", "active", "held", "failed"]
+    assert [queue, "1", "1", "1", "0"] in [line.split() for line in text.stdout.splitlines()]
+
+    store.set(gate, 1)
+    assert settle(held, queue) == 3
+    failing = flow(proj.tsum.s(), [proj.boom.s()]).apply_async(queue=queue)
+    with pytest.raises(Exception, match="ValueError: boom"):
+        failing.get(timeout=60, propagate=True)
+    after = [
+        q for q in json.loads(echomq("stats", "--json").stdout)["queues"] if q["queue"] == queue
+    ]
+    # The failed child and its failed parent are both in the queue's failed set.
+    assert after == [{"queue": queue, "pending": 0, "active": 0, "held": 0, "failed": 2}]
+
+
+# --- forget -----------------------------------------------------------------------------------
+
+
+def test_forget_deletes_every_key_of_a_finished_flow(
+    proj: Any,
+    worker: Any,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    children = [job(proj.add.s(i, 1)) for i in range(3)]
+    res = flow(proj.tsum.s(), children).apply_async()
+    assert settle(res) == 6
+    ids = [res.id, *(jid(c) for c in children)]
+    assert all(flow_keys(store, job_id) for job_id in ids)
+
+    out = echomq("forget", res.id)
+    assert out.exit_code == 0, out.output
+    assert out.stdout.strip() == f"forgot flow {res.id}: 4 job(s), 7 key(s) deleted"
+    assert [flow_keys(store, job_id) for job_id in ids] == [[], [], [], []]
+    again = echomq("show", res.id)
+    assert again.exit_code == 1 and f"no job '{res.id}' in Redis" in again.stderr
+
+
+def test_show_and_forget_a_flow_whose_children_live_on_two_queues(
+    proj: Any,
+    start_worker: Any,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    home, other = f"home{uuid.uuid4().hex[:6]}", f"other{uuid.uuid4().hex[:6]}"
+    start_worker(queues=f"{home},{other}")
+    near, far = job(proj.add.s(1, 1)), job(proj.add.s(2, 2).set(queue=other))
+    res = flow(proj.tsum.s(), [near, far]).apply_async(queue=home)
+    assert settle(res, home) == 6
+
+    lines = echomq("show", res.id).stdout.splitlines()
+    assert (
+        lines[0].startswith(f"flow {res.id}  tests.proj.tsum  done") and f"queue={home}" in lines[0]
+    )
+    assert lines[1].startswith(f"├─ {jid(near)}  tests.proj.add  done") and "value=2" in lines[1]
+    assert lines[2].startswith(f"└─ {jid(far)}  tests.proj.add  done") and "value=4" in lines[2]
+    tree = json.loads(echomq("show", "--json", res.id).stdout)
+    assert [c["queue"] for c in tree["children"]] == [home, other]
+
+    assert echomq("forget", res.id).exit_code == 0
+    for job_id in (res.id, jid(near), jid(far)):
+        assert flow_keys(store, job_id) == [], job_id
+
+
+def test_forget_refuses_an_unfinished_flow_unless_forced(
+    proj: Any,
+    worker: Any,
+    gate: str,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    blocked = job(proj.gated.s(1, gate))
+    res = flow(proj.tsum.s(), [blocked]).apply_async()
+    wait_for(lambda: state_of(store, jid(blocked)) == "active", timeout=60)
+
+    refused = echomq("forget", res.id)
+    assert refused.exit_code == 1
+    assert f"flow {res.id} has not finished (parent awaiting_children" in refused.stderr
+    assert "pass --force" in refused.stderr
+    assert state_of(store, res.id) == "awaiting_children"
+
+    forced = echomq("forget", res.id, "--force", "--json")
+    assert forced.exit_code == 0, forced.output
+    report = json.loads(forced.stdout)
+    assert report["jobs"] == [res.id, jid(blocked)]
+    assert report["unfinished"] == [res.id, jid(blocked)]
+    assert flow_keys(store, res.id) == [] and flow_keys(store, jid(blocked)) == []
+    # Nor does the forgotten child linger in the queue's active set.
+    assert store.zscore("emq:{celery}:active", jid(blocked)) is None
+
+
+def test_forget_refuses_a_child_id(proj: Any, worker: Any) -> None:
+    child = job(proj.add.s(1, 1))
+    res = flow(proj.tsum.s(), [child]).apply_async()
+    assert settle(res) == 2
+    out = echomq("forget", jid(child))
+    assert out.exit_code == 1
+    assert f"forget its flow instead: echomq forget {res.id}" in out.stderr
+
+
+# --- cancel -----------------------------------------------------------------------------------
+
+
+def test_cancel_stops_a_held_flow(
+    proj: Any,
+    worker: Any,
+    gate: str,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    blocked, waiting = job(proj.gated.s(1, gate)), job(proj.add.s(2, 2))
+    res = flow(proj.tsum.s(), [blocked, waiting]).apply_async()
+    wait_for(lambda: state_of(store, jid(blocked)) == "active", timeout=60)
+
+    out = echomq("cancel", res.id)
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines()[0] == f"flow {res.id}: cancelled"
+    shown = echomq("show", "--json", res.id)
+    tree = json.loads(shown.stdout)
+    assert tree["state"] == "cancelled"
+    assert tree["children"][0]["state"] == "cancelled"  # the running child, cancelled mid-run
+    watched = echomq("watch", res.id, "--timeout", "10")
+    assert watched.exit_code == 1 and f"flow {res.id} cancelled" in watched.stderr
+
+    again = echomq("cancel", res.id)
+    assert again.exit_code == 1
+    assert f"flow {res.id} already finished (cancelled); nothing to cancel" in again.stderr
+
+
+# --- nested flows -----------------------------------------------------------------------------
+
+
+def test_show_indents_a_nested_flow(
+    proj: Any,
+    worker: Any,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    leaves = [job(proj.add.s(1, 1)), job(proj.add.s(2, 2))]
+    inner = job(flow(proj.tsum.s(), leaves))
+    res = flow(proj.tsum.s(), [inner, proj.add.s(10, 10)]).apply_async()
+    assert settle(res) == 26
+
+    lines = echomq("show", res.id).stdout.splitlines()
+    assert len(lines) == 5
+    assert lines[1].startswith(f"├─ flow {jid(inner)}  tests.proj.tsum  done")
+    assert "value=6" in lines[1] and "credited=2/2" in lines[1]
+    assert lines[2].startswith("│  ├─ JOB") and "value=2" in lines[2]
+    assert lines[3].startswith("│  └─ JOB") and "value=4" in lines[3]
+    assert lines[4].startswith("└─ JOB") and "value=20" in lines[4]
+
+    # The nested flow on its own: its root line names the flow it belongs to.
+    inner_lines = echomq("show", jid(inner)).stdout.splitlines()
+    assert inner_lines[0].startswith(f"flow {jid(inner)}  tests.proj.tsum  done")
+    assert f"parent={res.id}" in inner_lines[0] and len(inner_lines) == 3
+
+    refused = echomq("forget", jid(inner))
+    assert refused.exit_code == 1
+    assert f"flow {jid(inner)} is nested in flow {res.id}; forget {res.id} instead" in (
+        refused.stderr
+    )
+    assert echomq("forget", res.id).exit_code == 0
+    for job_id in (res.id, jid(inner), *map(jid, leaves)):
+        assert flow_keys(store, job_id) == [], job_id
+
+
+# --- recover ----------------------------------------------------------------------------------
+
+
+def test_recover_republishes_a_child_whose_message_was_lost(
+    proj: Any,
+    env: Env,
+    start_worker: Any,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    queue = f"lost{uuid.uuid4().hex[:8]}"
+    child = job(proj.add.s(20, 1))
+    res = flow(proj.tsum.s(), [child]).apply_async(queue=queue)
+    # No worker consumes this queue yet: drop the child's message from the broker, as a
+    # broker restart without persistence would. The flow now waits forever without recovery.
+    assert redis.Redis.from_url(env.broker).delete(queue) == 1
+    time.sleep(1.5)  # past the 1 s stall timeout given to the recovering process below
+
+    out = echomq_process(env, "recover", "--queue", queue, ECHOMQ_T_STALL="1")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[-1] == "1 repair(s)"
+    assert lines[0].startswith(f"{queue}: re-published {jid(child)} of parent {res.id}")
+
+    start_worker(queues=queue)
+    assert settle(res, queue) == 21
+    again = echomq_process(env, "recover", "--queue", queue, "--json", ECHOMQ_T_STALL="1")
+    assert json.loads(again.stdout) == {"repairs": []}
+
+
+def test_recover_with_nothing_to_repair(proj: Any, worker: Any) -> None:
+    res = flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async()
+    assert settle(res) == 2
+    out = echomq("recover", "--queue", "celery")
+    assert out.exit_code == 0, out.output
+    assert out.stdout == "nothing to repair\n"
+    assert json.loads(echomq("recover", "--queue", "celery", "--json").stdout) == {"repairs": []}
+
+
+def test_the_echomq_group_is_listed_by_celery(env: Env) -> None:
+    top = CliRunner().invoke(celery_main, ["--help"])
+    assert "echomq" in top.stdout and "Inspect, follow and repair" in top.stdout
+    out = CliRunner().invoke(celery_main, ["-A", "tests.proj", "echomq", "--help"])
+    assert out.exit_code == 0
+    for command in ("show", "watch", "recover", "stats", "forget", "cancel"):
+        assert f"  {command} " in out.stdout
