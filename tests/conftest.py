@@ -177,3 +177,15 @@ def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.05) -> Any
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+# --- Redis Cluster (tests/test_cluster.py) ------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[str]:
+    """A private three-master Redis Cluster on loopback: its ``redis+cluster://`` URL."""
+    from celery_echomq.embedded import RedisClusterServer
+
+    with RedisClusterServer(masters=3) as cluster:
+        yield cluster.url()

@@ -262,3 +262,16 @@ def test_noscript_falls_back_to_eval(
         scripts.complete(queue, child, "t", ttl=TTL, is_parent=False, parent=ref, value=b"v")
         == "released"
     )
+
+
+def test_dispatch_of_many_values_reads_them_in_chunks(
+    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+) -> None:
+    parent, children = enqueue(scripts, queue, 5)
+    for child in children:
+        run_child(scripts, queue, parent, child, child.encode())
+    # More values than inline_max: the script claims, the host reads :processed by HSCAN.
+    claimed = scripts.dispatch(queue, parent, inline_max=2)
+    assert claimed is not None
+    assert claimed[1] == {c: c.encode() for c in children}
+    assert scripts.dispatch(queue, parent, inline_max=2) is None

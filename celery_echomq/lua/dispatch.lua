@@ -5,10 +5,13 @@
 -- ARGV[1]  parent id
 -- ARGV[2]  ms after which an earlier dispatch that never started counts as lost;
 --          '0' dispatches only a parent never dispatched before
+-- ARGV[3]  the most values to return inline: a larger :processed is left for the host to
+--          read in chunks (HSCAN), so that this script never blocks Redis for long
 --
 -- Reply: {} when there is nothing to publish (not released, already started or finished, or
---        dispatched and still within ARGV[2]); else {payload, id1, value1, id2, value2, ...}
---        with every credited child's value, and the row marks the dispatch time.
+--        dispatched and still within ARGV[2]); else the row marks the dispatch time and the
+--        reply is {payload, "inline", id1, value1, id2, value2, ...} with every credited
+--        child's value, or {payload, "scan"} when there are more than ARGV[3] of them.
 -- Errors: "EMQKIND ..." a non-JOB id.
 if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
   return redis.error_reply('EMQKIND job id must be JOB-namespaced')
@@ -26,7 +29,11 @@ if last then
   end
 end
 redis.call('HSET', KEYS[1], 'dispatched', now)
-local reply = {redis.call('HGET', KEYS[1], 'payload')}
+local payload = redis.call('HGET', KEYS[1], 'payload')
+if redis.call('HLEN', KEYS[2]) > tonumber(ARGV[3]) then
+  return {payload, 'scan'}
+end
+local reply = {payload, 'inline'}
 local values = redis.call('HGETALL', KEYS[2])
 for i = 1, #values do
   reply[#reply + 1] = values[i]

@@ -1,0 +1,197 @@
+"""RabbitMQ as the broker: the end-to-end basics with a real worker on amqp.
+
+The flow store and the result backend stay on the test Redis; only the broker is the
+machine's RabbitMQ, in the workers and in this process. Every queue is named for this run
+alone (no other worker consumes it, nothing is left behind: the queues are deleted at the
+end), and every flow is routed there.
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import pytest
+import redis
+from celery import chord
+from kombu.connection import Connection
+from kombu.pools import ProducerPool
+
+from celery_echomq import FlowFailed, flow
+
+from .conftest import Env, Worker, wait_for
+
+RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
+TIMEOUT = 90
+
+
+class Queues(NamedTuple):
+    main: str  # where the flows go
+    a: str
+    b: str
+
+
+def rabbit_answers() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), timeout=2):
+            return True
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(
+    not rabbit_answers(), reason="no RabbitMQ answers on 127.0.0.1:5672"
+)
+
+
+@pytest.fixture(scope="module")
+def queues() -> Iterator[Queues]:
+    run = uuid.uuid4().hex[:8]
+    names = Queues(f"emqr{run}", f"emqr{run}a", f"emqr{run}b")
+    yield names
+    # Celery declares each queue durable, with a direct exchange of the same name.
+    with Connection(RABBIT, connect_timeout=5) as conn:  # type: ignore[no-untyped-call]
+        channel = conn.channel()
+        for name in names:
+            channel.queue_delete(name)
+            channel.exchange_delete(name)
+
+
+@pytest.fixture(scope="module")
+def rabbit_workers(env: Env, proj: Any, queues: Queues) -> Iterator[tuple[Worker, Worker]]:
+    extra = {"ECHOMQ_T_BROKER": RABBIT}
+    # Named after this run's queues: the RabbitMQ is shared, and so are its pidbox queues.
+    main = Worker(
+        env, queues=queues.main, concurrency=2, name=f"{queues.main}-main", extra_env=extra
+    )
+    try:
+        other = Worker(
+            env,
+            queues=f"{queues.a},{queues.b}",
+            concurrency=1,
+            name=f"{queues.main}-ab",
+            extra_env=extra,
+        )
+    except BaseException:
+        main.stop()
+        raise
+    assert "amqp://guest:**@127.0.0.1:5672//" in main.output()
+    yield main, other
+    other.stop()
+    main.stop()
+
+
+@pytest.fixture
+def rabbit_app(proj: Any, rabbit_workers: Any) -> Iterator[Any]:
+    """This process's app publishes to RabbitMQ for one test, then goes back to its broker.
+
+    The app caches a connection pool and a producer pool (the two Celery itself drops after
+    a fork). Both are replaced by pools of this test's own, outside kombu's global registry,
+    so that closing them at the end leaves no closed pool behind for a later test to pick.
+    """
+    app = proj.app
+    saved = (app.conf.broker_url, app._pool, app.amqp._producer_pool)
+    app.conf.broker_url = RABBIT
+    connections = app.connection_for_write().Pool(limit=4)
+    producers = ProducerPool(connections, limit=4)  # type: ignore[no-untyped-call]
+    app._pool, app.amqp._producer_pool = connections, producers
+    try:
+        with app.producer_or_acquire(None) as producer:
+            assert producer.connection.transport.driver_type == "amqp"
+        yield app
+    finally:
+        app.conf.broker_url, app._pool, app.amqp._producer_pool = saved
+        producers.force_close_all()  # type: ignore[no-untyped-call]
+        connections.force_close_all()
+
+
+def test_rabbit_ten_child_flow_returns_what_the_equivalent_chord_returns(
+    proj: Any, rabbit_app: Any, env: Env, queues: Queues
+) -> None:
+    q = queues.main
+    chord_value = chord([proj.add.s(i, i).set(queue=q) for i in range(10)])(
+        proj.tsum.s().set(queue=q)
+    ).get(timeout=TIMEOUT)
+    res = flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(10)]).apply_async(queue=q)
+    assert res.get(timeout=TIMEOUT) == chord_value == 90
+    assert res.dependencies() == (0, 10)
+    assert sorted(res.children_values().values()) == [2 * i for i in range(10)]
+    # Nothing went through the Redis broker.
+    assert not redis.Redis.from_url(env.broker).exists(q)
+
+
+def test_rabbit_parent_is_held_while_gated_children_run(
+    proj: Any,
+    rabbit_app: Any,
+    queues: Queues,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    tag = uuid.uuid4().hex
+    gates = [f"gate:{tag}:{i}" for i in range(3)]
+    children = [proj.gated.s(i, g) for i, g in enumerate(gates)]
+    res = flow(proj.collect.s(tag=tag), children).apply_async(queue=queues.main)
+    row = f"emq:{{{queues.main}}}:{res.id}"
+    for opened in range(3):
+        wait_for(lambda n=opened: res.dependencies() == (3 - n, n), timeout=TIMEOUT)
+        assert store.hget(row, "state") == b"awaiting_children"
+        assert res.state == "PENDING"
+        assert store.get(f"test:ran:collect:{tag}") is None
+        store.set(gates[opened], 1)
+    assert res.get(timeout=TIMEOUT) == {"values": [0, 1, 2], "tag": tag}
+    assert store.get(f"test:ran:collect:{tag}") == b"1"
+
+
+def test_rabbit_failure_policies(proj: Any, rabbit_app: Any, queues: Queues) -> None:
+    bad = proj.boom.s("bad page").set(parent_policy="ignore")
+    f = flow(proj.tsum.s(), [proj.add.s(1, 1), bad, proj.add.s(2, 2)])
+    res = f.freeze()
+    f.apply_async(queue=queues.main)
+    assert res.get(timeout=TIMEOUT) == 6
+    assert res.ignored_failures() == {bad.options["task_id"]: "ValueError: bad page"}
+    assert res.dependencies() == (0, 3)
+
+    fatal = proj.boom.s("disk full")
+    f2 = flow(proj.tsum.s(), [proj.add.s(1, 1), fatal])
+    res2 = f2.freeze()
+    f2.apply_async(queue=queues.main)
+    with pytest.raises(FlowFailed) as info:
+        res2.get(timeout=TIMEOUT)
+    assert info.value.child_id == fatal.options["task_id"]
+    assert info.value.error == "ValueError: disk full"
+    assert res2.state == "FAILURE"
+
+
+def test_rabbit_nested_flow(proj: Any, rabbit_app: Any, queues: Queues) -> None:
+    inner = flow(proj.tsum.s(), [proj.add.s(1, 1), proj.add.s(2, 2)])
+    last = proj.add.s(5, 5)
+    f = flow(proj.tsum.s(), [inner, last])
+    res = f.freeze()
+    f.apply_async(queue=queues.main)
+    assert res.get(timeout=TIMEOUT) == 16
+    inner_id = inner.parent.options["task_id"]
+    assert res.children_values() == {inner_id: 6, last.options["task_id"]: 10}
+    assert res.dependencies() == (0, 2)
+
+
+def test_rabbit_cross_queue_children(
+    proj: Any,
+    rabbit_app: Any,
+    queues: Queues,
+    store: redis.Redis,  # type: ignore[type-arg]
+) -> None:
+    a = proj.add.s(1, 1).set(queue=queues.a)
+    b = proj.add.s(2, 2).set(queue=queues.b)
+    c = proj.add.s(3, 3)
+    f = flow(proj.tsum.s(), [a, b, c])
+    res = f.freeze()
+    f.apply_async(queue=queues.main)
+    assert res.get(timeout=TIMEOUT) == 12
+    assert res.dependencies() == (0, 3)
+    ida, idb = a.options["task_id"], b.options["task_id"]
+    assert store.hgetall(f"emq:{{{queues.main}}}:{res.id}:settled") == {
+        ida.encode(): b"done",
+        idb.encode(): b"done",
+    }
+    assert store.hget(f"emq:{{{queues.a}}}:{ida}", "state") == b"done"
