@@ -25,6 +25,7 @@ from .errors import (
     StoreUnavailableError,
 )
 from .keyspace import check_id, check_queue, check_unique
+from .publish import send_jobs
 from .scripts import ParentRef
 from .state import EchoMQ, get_state
 
@@ -366,25 +367,12 @@ def _locator_ttl(state: EchoMQ) -> int:
 
 
 def publish(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
-    """Publish stored job dicts through one producer (a nested flow's entry resumes it)."""
-    nested = []
-    with app.producer_or_acquire(None) as producer:
-        for job in jobs:
-            if "nested" in job:
-                nested.append(Plan.from_dict(job["nested"]))
-                continue
-            options = dict(job["options"])
-            sig = Signature(
-                job["task"],
-                job["args"],
-                job["kwargs"],
-                immutable=job.get("immutable", False),
-                app=app,
-            )
-            sig.apply_async(producer=producer, **options)
-    if nested:
-        for plan in nested:
-            resume_nested(get_state(app), plan)
+    """Publish stored job dicts in one batch (a nested flow's entry resumes that flow)."""
+    jobs = list(jobs)
+    send_jobs(app, [job for job in jobs if "nested" not in job])
+    for job in jobs:
+        if "nested" in job:
+            resume_nested(get_state(app), Plan.from_dict(job["nested"]))
 
 
 def dispatch_parent(
