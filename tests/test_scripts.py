@@ -275,3 +275,17 @@ def test_dispatch_of_many_values_reads_them_in_chunks(
     assert claimed is not None
     assert claimed[1] == {c: c.encode() for c in children}
     assert scripts.dispatch(queue, parent, inline_max=2) is None
+
+
+def test_enqueue_of_a_thousand_children_spans_every_slice(
+    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+) -> None:
+    parent, children = enqueue(scripts, queue, 1000)
+    assert db.zcard(f"emq:{{{queue}}}:pending") == 1000
+    assert db.get(f"emq:{{{queue}}}:{parent}:dependencies") == b"1000"
+    # A clash in the last slice is found, and nothing of the new flow is written.
+    before = db.dbsize()
+    clash = [(jid(), b"x") for _ in range(999)] + [(children[-1], b"y")]
+    with pytest.raises(FlowExistsError, match=children[-1]):
+        scripts.enqueue_flow(queue, jid(), b"p", clash)
+    assert db.dbsize() == before

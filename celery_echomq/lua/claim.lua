@@ -17,7 +17,8 @@
 if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
   return redis.error_reply('EMQKIND job id must be JOB-namespaced')
 end
-local state = redis.call('HGET', KEYS[1], 'state')
+local row = redis.call('HMGET', KEYS[1], 'state', 'attempts')
+local state = row[1]
 if not state then
   return {'missing', 0}
 end
@@ -29,8 +30,9 @@ if state ~= 'pending' and state ~= 'active' then
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local attempts = redis.call('HINCRBY', KEYS[1], 'attempts', 1)
-redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'started', now)
+local attempts = (tonumber(row[2]) or 0) + 1
+redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'started', now,
+  'attempts', attempts)
 redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
 if state == 'active' then

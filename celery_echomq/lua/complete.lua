@@ -31,11 +31,11 @@
 if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
   return redis.error_reply('EMQKIND job id must be JOB-namespaced')
 end
-local state = redis.call('HGET', KEYS[1], 'state')
-if state ~= 'active' then
-  return {state or 'missing'}
+local row = redis.call('HMGET', KEYS[1], 'state', 'token')
+if row[1] ~= 'active' then
+  return {row[1] or 'missing'}
 end
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[2] then
+if row[2] ~= ARGV[2] then
   return {'stale'}
 end
 local ttl = tonumber(ARGV[3])

@@ -41,20 +41,35 @@ if placeholder[1] then
     return redis.error_reply('EMQEXISTS ' .. ARGV[1])
   end
 end
-for i = 1, n do
-  if redis.call('EXISTS', KEYS[3 + i]) > 0 then
-    return redis.error_reply('EMQEXISTS ' .. ARGV[2 + 2 * i])
+-- One variadic EXISTS per slice of rows (Lua's unpack has a stack limit); look for the
+-- offender only on a hit.
+local SLICE = 500
+for first = 4, 3 + n, SLICE do
+  local last = math.min(first + SLICE - 1, 3 + n)
+  if redis.call('EXISTS', unpack(KEYS, first, last)) > 0 then
+    for i = first, last do
+      if redis.call('EXISTS', KEYS[i]) > 0 then
+        return redis.error_reply('EMQEXISTS ' .. ARGV[2 * i - 4])
+      end
+    end
   end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
--- Each child: its row claimable (state pending), carrying the parent id, and in the pending set.
+-- Each child: its row claimable (state pending), carrying the parent id, and in the pending
+-- set (one variadic ZADD per slice).
+local members = {}
 for i = 1, n do
   local child = KEYS[3 + i]
   local cid = ARGV[2 + 2 * i]
   local cpayload = ARGV[3 + 2 * i]
   redis.call('HSET', child, 'state', 'pending', 'attempts', '0', 'payload', cpayload, 'parent', ARGV[1])
-  redis.call('ZADD', KEYS[3], now, cid)
+  members[#members + 1] = now
+  members[#members + 1] = cid
+  if #members >= 2 * SLICE or i == n then
+    redis.call('ZADD', KEYS[3], unpack(members))
+    members = {}
+  end
 end
 if placeholder[1] then
   redis.call('ZREM', KEYS[3], ARGV[1])
