@@ -322,23 +322,17 @@ class Scripts:
 
     def requeue(
         self, queue: str, job_id: str, stall_ms: int, seen_state: str, token: str = ""
-    ) -> tuple[str, bytes | None, dict[str, bytes]]:
-        """Take back a lost job: ``("requeued", payload, {child_id: value})`` to re-publish, or
-        ``(status, None, {})`` when it is not (or no longer) stalled in ``seen_state``."""
-        row = self.keys.job_key(queue, job_id)
-        _, processed, _ = self.keys.flow_keys(queue, job_id)
+    ) -> tuple[str, bytes | None]:
+        """Take back a lost job: ``("requeued", payload)`` to re-publish, or ``(status, None)``
+        when it is not (or no longer) stalled in ``seen_state``."""
         keys = [
-            row,
+            self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
-            processed,
         ]
         reply = self._run("requeue", keys, [job_id, str(stall_ms), seen_state, token])
         status = _text(reply[0])
-        if status != "requeued":
-            return status, None, {}
-        values = {_text(reply[i]): reply[i + 1] for i in range(2, len(reply), 2)}
-        return status, reply[1], values
+        return (status, reply[1]) if status == "requeued" else (status, None)
 
     def extend(self, queue: str, job_ids: Sequence[str], lease_ms: int) -> int:
         """Push the deadlines of ``job_ids`` (still active on ``queue``) to now + ``lease_ms``."""

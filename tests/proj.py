@@ -207,3 +207,32 @@ def autoretry_later(self: Any, x: int, tries: int) -> int:
 def sleep_then_boom(seconds: float, message: str = "boom") -> None:
     time.sleep(seconds)
     raise ValueError(message)
+
+
+# Crash points for tests/test_recovery.py: with ECHOMQ_T_DIE_AT=dispatch (parent_failed, credit)
+# a pool process SIGKILLs itself where a worker publishes the parent its child just released
+# (records the parent its child just failed, credits a child staged in its queue's outbox on
+# its parent's slot): a worker dying between two steps of the protocol.
+# The worker's main process, where recovery runs, goes through unharmed.
+_DIE_AT = os.environ.get("ECHOMQ_T_DIE_AT", "")
+if _DIE_AT in ("dispatch", "parent_failed", "credit"):
+    import logging
+    import signal as _signal
+
+    from billiard.process import current_process
+
+    from celery_echomq import flows as _flows
+
+    _step = {"dispatch": "dispatch_parent", "credit": "credit_remote"}.get(_DIE_AT, _DIE_AT)
+    _original = getattr(_flows, _step)
+
+    def _die(*args: Any, **kwargs: Any) -> Any:
+        if current_process().name == "MainProcess":
+            return _original(*args, **kwargs)
+        logging.getLogger("tests.proj").warning(
+            "pool process %d killed itself at %s", os.getpid(), _DIE_AT
+        )
+        os.kill(os.getpid(), _signal.SIGKILL)
+        return None
+
+    setattr(_flows, _step, _die)

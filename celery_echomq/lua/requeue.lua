@@ -10,17 +10,17 @@
 -- KEYS[1]  the job row
 -- KEYS[2]  the queue's pending set
 -- KEYS[3]  the queue's active set
--- KEYS[4]  the job's own :processed (a flow parent's children's values; absent otherwise)
 -- ARGV[1]  job id
--- ARGV[2]  the stall timeout in ms
+-- ARGV[2]  ms after which the job counts as lost: the stall timeout (plus, for a child sent
+--          with a countdown or an eta, that delay)
 -- ARGV[3]  the state the caller found: 'pending' or 'active'
 -- ARGV[4]  for 'active', the token the caller found (the claim whose worker is presumed lost)
 --
 -- Reply:
---   {"requeued", payload, id1, value1, ...}  re-scored: pending -> score now; active -> deadline
---                 now + stall timeout (the job stays active: its next delivery's claim takes it
---                 over with a new token). The host re-publishes payload; the pairs are the
---                 :processed hash, which a flow parent needs for its first argument.
+--   {"requeued", payload}  re-scored: pending -> score now; active -> deadline now + stall
+--                 timeout (the job stays active: its next delivery's claim takes it over with a
+--                 new token). The host re-publishes payload (a flow parent with its children's
+--                 values, which it reads from :processed in chunks, as dispatch does).
 --   {"fresh"}     not stalled (claimed, retried or requeued since the caller looked): nothing changed
 --   {"stale"}     active under another token than the caller found: nothing changed
 --   {"missing"}   no row (expired or deleted): its stray entries in both sets are removed
@@ -58,9 +58,4 @@ else
   redis.call('ZADD', KEYS[3], now + stall, ARGV[1])
 end
 redis.call('HINCRBY', KEYS[1], 'requeued', 1)
-local reply = {'requeued', redis.call('HGET', KEYS[1], 'payload')}
-local values = redis.call('HGETALL', KEYS[4])
-for i = 1, #values do
-  reply[#reply + 1] = values[i]
-end
-return reply
+return {'requeued', redis.call('HGET', KEYS[1], 'payload')}

@@ -1,0 +1,48 @@
+-- abandon_flow: recovery fails a flow of the chunked path whose producer stopped before it
+-- wrote every child (the flow is still open past the stall timeout and children are missing).
+-- Without this the extra unit open_flow put on the counter would hold the parent forever.
+-- A flow whose children were all written is sealed instead (seal_flow), not abandoned.
+--
+-- KEYS[1]  the parent row
+-- KEYS[2]  the parent's :dependencies  }
+-- KEYS[3]  the parent's :processed     } expire with the parent: the flow is finished
+-- KEYS[4]  the parent's :ignored       }
+-- KEYS[5]  the parent's :settled       }
+-- KEYS[6]  the parent queue's open set (score: open time in ms)
+-- KEYS[7]  the parent queue's failed set
+-- ARGV[1]  parent id
+-- ARGV[2]  the stall timeout in ms: a flow opened less long ago is left to its producer
+-- ARGV[3]  result TTL in seconds
+-- ARGV[4]  the error recorded on the row
+--
+-- Reply: {status}
+--   "abandoned"  open -> failed (row field 'abandoned' = 1); the host records FAILURE for it
+--   "fresh"      opened less than a stall timeout ago: nothing changed
+--   "noop"       not open (sealed, or abandoned before): nothing changed
+--   "<state>"    open but no longer held (e.g. cancelled): only taken out of the open set
+-- Errors: "EMQKIND ..." a non-JOB id.
+if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
+  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+end
+local opened = redis.call('ZSCORE', KEYS[6], ARGV[1])
+if not opened then
+  return {'noop'}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if now - tonumber(opened) < tonumber(ARGV[2]) then
+  return {'fresh'}
+end
+-- Leaving the open set is what makes seal_flow a no-op from now on.
+redis.call('ZREM', KEYS[6], ARGV[1])
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'awaiting_children' then
+  return {state or 'missing'}
+end
+local ttl = tonumber(ARGV[3])
+redis.call('HSET', KEYS[1], 'state', 'failed', 'abandoned', '1', 'error', ARGV[4])
+redis.call('ZADD', KEYS[7], now, ARGV[1])
+for i = 1, 5 do
+  redis.call('EXPIRE', KEYS[i], ttl)
+end
+return {'abandoned'}
