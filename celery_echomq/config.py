@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from .errors import ConfigError
 
@@ -26,6 +27,15 @@ class Settings:
         return int(self.stall_timeout * 1000)
 
 
+def safe_url(url: str) -> str:
+    """``url`` with its password masked, for errors and logs."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
 def _redis_url(conf: Any) -> str:
     for name in ("echomq_redis_url", "broker_url", "result_backend"):
         url = conf.get(name)
@@ -33,7 +43,7 @@ def _redis_url(conf: Any) -> str:
             return url
         if name == "echomq_redis_url" and url:
             raise ConfigError(
-                f"echomq_redis_url={url!r} is not a Redis URL; allowed schemes: "
+                f"echomq_redis_url={safe_url(str(url))!r} is not a Redis URL; allowed schemes: "
                 + ", ".join(REDIS_SCHEMES)
             )
     raise ConfigError(

@@ -27,6 +27,7 @@ from .errors import (
 from .keyspace import check_id, check_queue, check_unique
 from .publish import send_jobs
 from .scripts import ParentRef
+from .config import safe_url
 from .state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")
@@ -239,6 +240,7 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
     keys = state.keys
     chunk = state.settings.chunk_size
     levels = list(plan.levels())
+    written: list[tuple[str, str, list[str]]] = []
     try:
         # Before the flow lands, not after: a producer killed right after the EVAL must still
         # leave its queues where recovery looks (SADD is idempotent).
@@ -246,7 +248,6 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
         queues.update(child_queue(job) for level in levels for job in level.children)
         state.client.sadd(keys.queues_key(), *sorted(queues))
         seeded = []
-        written: list[tuple[str, str, list[str]]] = []
         try:
             for level in levels:
                 if level.chunked(chunk):
@@ -284,9 +285,15 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
             side.set(keys.locator_key(level.parent_id), level.queue, ex=_locator_ttl(state))
         side.execute()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
+        where = f"Redis at {safe_url(state.settings.redis_url)!r}"
+        if not written:
+            raise StoreUnavailableError(
+                f"{where} is unavailable ({exc}); the flow was not started and nothing was "
+                "published"
+            ) from exc
         raise StoreUnavailableError(
-            f"Redis at {state.settings.redis_url!r} is unavailable ({exc}); "
-            "the flow was not started and nothing was published"
+            f"{where} became unavailable ({exc}) after flow {plan.parent_id} was enqueued; "
+            "nothing was published: recovery publishes its children once Redis is back"
         ) from exc
     logger.info(
         "echomq: flow %s enqueued on %s with %d children%s",
