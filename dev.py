@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """One entry point for a fresh machine with only Python 3: makes .venv, installs, runs.
 
-    python3 dev.py quickstart   # a real flow on an embedded redis-server and a real worker
-    python3 dev.py test [ARGS]  # the test suite (ARGS go to pytest)
-    python3 dev.py bench [ARGS] # the flow vs chord vs group benchmark
+python3 dev.py quickstart   # a real flow on an embedded redis-server and a real worker
+python3 dev.py test [ARGS]  # the test suite (ARGS go to pytest)
+python3 dev.py bench [ARGS] # the flow vs chord vs group benchmark
 """
 
 from __future__ import annotations
@@ -31,8 +31,16 @@ def ensure(extras: str) -> None:
         return
     print(f"dev.py: installing celery-echomq[{extras}] into {VENV}", flush=True)
     subprocess.run(
-        [str(PY), "-m", "pip", "install", "-q", "--disable-pip-version-check", "-e",
-         f"{ROOT}[{extras}]"],
+        [
+            str(PY),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "-e",
+            f"{ROOT}[{extras}]",
+        ],
         check=True,
     )
     stamp.touch()

@@ -17,6 +17,7 @@ from typing import Any
 import redis
 from celery.canvas import Signature
 
+from .config import safe_url
 from .errors import (
     EchoMQError,
     FlowCancelled,
@@ -27,7 +28,6 @@ from .errors import (
 from .keyspace import check_id, check_queue, check_unique
 from .publish import send_jobs
 from .scripts import ParentRef
-from .config import safe_url
 from .state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")

@@ -296,9 +296,7 @@ class Scripts:
         if not reply:
             return None
         if _text(reply[1]) == "scan":
-            values = {
-                _text(k): v for k, v in self.client.hscan_iter(processed, count=inline_max)
-            }
+            values = {_text(k): v for k, v in self.client.hscan_iter(processed, count=inline_max)}
         else:
             values = {_text(reply[i]): reply[i + 1] for i in range(2, len(reply), 2)}
         return reply[0], values

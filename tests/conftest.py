@@ -3,6 +3,7 @@ subprocesses running tests/proj.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -12,7 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import redis
@@ -43,7 +44,7 @@ def redis_base() -> Iterator[str]:
 class Env:
     """The URLs one test run uses: broker, result backend and flow store on separate DBs."""
 
-    def __init__(self, base: str, broker: Optional[str] = None) -> None:
+    def __init__(self, base: str, broker: str | None = None) -> None:
         self.base = base
         self.broker = broker or f"{base}/11"
         self.backend = f"{base}/12"
@@ -64,9 +65,7 @@ class Env:
 @pytest.fixture(scope="session")
 def env(redis_base: str) -> Env:
     e = Env(redis_base)
-    os.environ.update(
-        ECHOMQ_T_BROKER=e.broker, ECHOMQ_T_BACKEND=e.backend, ECHOMQ_T_STORE=e.store
-    )
+    os.environ.update(ECHOMQ_T_BROKER=e.broker, ECHOMQ_T_BACKEND=e.backend, ECHOMQ_T_STORE=e.store)
     for url in (e.broker, e.backend, e.store):
         redis.Redis.from_url(url).flushdb()
     return e
@@ -80,7 +79,7 @@ def proj(env: Env) -> Any:
 
 
 @pytest.fixture
-def store(env: Env) -> redis.Redis:  # type: ignore[type-arg]
+def store(env: Env) -> redis.Redis:
     return redis.Redis.from_url(env.store)
 
 
@@ -88,20 +87,46 @@ class Worker:
     """A real `celery worker` subprocess (prefork) running tests/proj.py."""
 
     def __init__(
-        self, env: Env, *, queues: str = "celery", concurrency: int = 2, name: str = "",
-        pool: str = "prefork", extra_env: Optional[dict[str, str]] = None,
+        self,
+        env: Env,
+        *,
+        queues: str = "celery",
+        concurrency: int = 2,
+        name: str = "",
+        pool: str = "prefork",
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.name = name or f"w{uuid.uuid4().hex[:8]}"
         self.log = LOGDIR / f"{self.name}.log"
         cmd = [
-            sys.executable, "-m", "celery", "-A", "tests.proj", "worker",
-            "-P", pool, "-c", str(concurrency), "-Q", queues, "-n", f"{self.name}@%h",
-            "--loglevel", "INFO", "--without-gossip", "--without-mingle", "--without-heartbeat",
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "tests.proj",
+            "worker",
+            "-P",
+            pool,
+            "-c",
+            str(concurrency),
+            "-Q",
+            queues,
+            "-n",
+            f"{self.name}@%h",
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
         ]
         self.logfile = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env.environ(**(extra_env or {})), stdout=self.logfile,
-            stderr=subprocess.STDOUT, start_new_session=True,
+            cmd,
+            cwd=ROOT,
+            env=env.environ(**(extra_env or {})),
+            stdout=self.logfile,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         self._wait_ready()
 
@@ -126,10 +151,8 @@ class Worker:
 
     def kill(self) -> None:
         """SIGKILL the whole worker (main process and pool), as a crash would."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait(10)
         self.logfile.close()
 
@@ -141,10 +164,8 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.kill()
                 return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.logfile.close()
 
 

@@ -28,7 +28,7 @@ app.conf.update(
 celery_echomq.install(app)
 
 
-def _store() -> redis.Redis:  # type: ignore[type-arg]
+def _store() -> redis.Redis:
     return redis.Redis.from_url(app.conf.echomq_redis_url)
 
 

@@ -94,8 +94,9 @@ def test_flow_inside_a_chords_header(proj: Any, worker: Any) -> None:
 
 
 def test_json_round_trip_gives_back_a_flow(proj: Any) -> None:
-    f = flow(proj.tsum.s(), [proj.add.s(1, 1), flow(proj.tsum.s(), [proj.add.s(2, 2)])],
-             policy="ignore")
+    f = flow(
+        proj.tsum.s(), [proj.add.s(1, 1), flow(proj.tsum.s(), [proj.add.s(2, 2)])], policy="ignore"
+    )
     back = Signature.from_dict(json.loads(json.dumps(f)), app=proj.app)
     assert isinstance(back, flow)
     assert back.policy == "ignore"
@@ -104,9 +105,7 @@ def test_json_round_trip_gives_back_a_flow(proj: Any) -> None:
     assert json.loads(json.dumps(back)) == json.loads(json.dumps(f))
 
 
-def test_json_round_trip_inside_a_chain_that_a_worker_deserializes(
-    proj: Any, worker: Any
-) -> None:
+def test_json_round_trip_inside_a_chain_that_a_worker_deserializes(proj: Any, worker: Any) -> None:
     f = flow(proj.tsum.s(), [proj.add.s(1), proj.add.s(2)])
     c = chain(proj.add.s(0, 1), f, proj.square.s())
     back = Signature.from_dict(json.loads(json.dumps(c)), app=proj.app)
@@ -118,8 +117,12 @@ def test_freeze_assigns_every_id_before_anything_is_sent(proj: Any, store: Any) 
     inner = flow(proj.tsum.s(), [proj.add.s(1, 1)])
     f = flow(proj.tsum.s(), [proj.add.s(1, 1), inner])
     res = f.freeze()
-    ids = [f.parent.options["task_id"], f.children[0].options["task_id"],
-           inner.parent.options["task_id"], inner.children[0].options["task_id"]]
+    ids = [
+        f.parent.options["task_id"],
+        f.children[0].options["task_id"],
+        inner.parent.options["task_id"],
+        inner.children[0].options["task_id"],
+    ]
     assert res.id == ids[0]
     assert all(i.startswith("JOB") for i in ids) and len(set(ids)) == 4
     assert store.keys(f"*{res.id}*") == []

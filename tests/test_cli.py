@@ -58,18 +58,18 @@ def echomq_process(env: Env, *args: str, **extra: str) -> subprocess.CompletedPr
 
 
 @pytest.fixture
-def gate(store: redis.Redis) -> Iterator[str]:  # type: ignore[type-arg]
+def gate(store: redis.Redis) -> Iterator[str]:
     """A gate key for `proj.gated`; always opened at the end so no worker process stays blocked."""
     name = f"test:gate:{uuid.uuid4().hex}"
     yield name
     store.set(name, 1)
 
 
-def flow_keys(store: redis.Redis, job_id: str) -> list[bytes]:  # type: ignore[type-arg]
+def flow_keys(store: redis.Redis, job_id: str) -> list[bytes]:
     return sorted(store.scan_iter(match=f"*{job_id}*"))
 
 
-def state_of(store: redis.Redis, job_id: str, queue: str = "celery") -> str | None:  # type: ignore[type-arg]
+def state_of(store: redis.Redis, job_id: str, queue: str = "celery") -> str | None:
     value = store.hget(f"emq:{{{queue}}}:{job_id}", "state")
     return value.decode() if value is not None else None
 
@@ -136,7 +136,7 @@ def test_show_a_held_flow_then_its_release(
     proj: Any,
     worker: Any,
     gate: str,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     fast, slow = job(proj.add.s(2, 2)), job(proj.gated.s(5, gate))
     res = flow(proj.tsum.s(), [fast, slow]).apply_async()
@@ -219,7 +219,7 @@ def test_watch_follows_a_flow_until_its_parent_is_done(
     worker: Any,
     env: Env,
     gate: str,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     fast, slow = job(proj.add.s(1, 1)), job(proj.gated.s(3, gate))
     res = flow(proj.tsum.s(), [fast, slow]).apply_async()
@@ -286,7 +286,7 @@ def test_watch_json_prints_one_object_per_change(
     proj: Any,
     worker: Any,
     gate: str,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     res = flow(proj.tsum.s(), [proj.gated.s(4, gate), proj.gated.s(6, gate)]).apply_async()
     # Open the gate from another thread while the in-process watcher loops.
@@ -324,7 +324,7 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
     env: Env,
     start_worker: Any,
     gate: str,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     # A queue of its own, so that the counts are this test's alone.
     queue = f"stats{uuid.uuid4().hex[:8]}"
@@ -361,7 +361,7 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
 def test_forget_deletes_every_key_of_a_finished_flow(
     proj: Any,
     worker: Any,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     children = [job(proj.add.s(i, 1)) for i in range(3)]
     res = flow(proj.tsum.s(), children).apply_async()
@@ -380,7 +380,7 @@ def test_forget_deletes_every_key_of_a_finished_flow(
 def test_show_and_forget_a_flow_whose_children_live_on_two_queues(
     proj: Any,
     start_worker: Any,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     home, other = f"home{uuid.uuid4().hex[:6]}", f"other{uuid.uuid4().hex[:6]}"
     start_worker(queues=f"{home},{other}")
@@ -406,7 +406,7 @@ def test_forget_refuses_an_unfinished_flow_unless_forced(
     proj: Any,
     worker: Any,
     gate: str,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     blocked = job(proj.gated.s(1, gate))
     res = flow(proj.tsum.s(), [blocked]).apply_async()
@@ -444,7 +444,7 @@ def test_cancel_stops_a_held_flow(
     proj: Any,
     worker: Any,
     gate: str,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     blocked, waiting = job(proj.gated.s(1, gate)), job(proj.add.s(2, 2))
     res = flow(proj.tsum.s(), [blocked, waiting]).apply_async()
@@ -471,7 +471,7 @@ def test_cancel_stops_a_held_flow(
 def test_show_indents_a_nested_flow(
     proj: Any,
     worker: Any,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     leaves = [job(proj.add.s(1, 1)), job(proj.add.s(2, 2))]
     inner = job(flow(proj.tsum.s(), leaves))
@@ -508,7 +508,7 @@ def test_recover_republishes_a_child_whose_message_was_lost(
     proj: Any,
     env: Env,
     start_worker: Any,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     queue = f"lost{uuid.uuid4().hex[:8]}"
     child = job(proj.add.s(20, 1))

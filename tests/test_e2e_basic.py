@@ -9,8 +9,6 @@ from celery import chord
 
 from celery_echomq import flow
 
-from .conftest import wait_for
-
 
 def test_ten_child_flow_returns_what_the_equivalent_chord_returns(proj: Any, worker: Any) -> None:
     header = [proj.add.s(i, i) for i in range(10)]

@@ -10,13 +10,13 @@ import redis
 
 from celery_echomq import children_values, dependencies, flow, get_state
 
-HOT_PATH = ("claim", "complete", "fail", "retry", "dispatch")
-
 from .conftest import wait_for
+
+HOT_PATH = ("claim", "complete", "fail", "retry", "dispatch")
 
 
 def test_parent_is_held_until_the_last_child_completes(
-    proj: Any, worker: Any, store: redis.Redis  # type: ignore[type-arg]
+    proj: Any, worker: Any, store: redis.Redis
 ) -> None:
     tag = uuid.uuid4().hex
     gates = [f"gate:{tag}:{i}" for i in range(3)]
@@ -66,7 +66,7 @@ def test_delay_and_call_start_the_flow_too(proj: Any, worker: Any) -> None:
 
 
 def test_non_flow_tasks_cause_no_redis_command(
-    proj: Any, worker: Any, store: redis.Redis, env: Any  # type: ignore[type-arg]
+    proj: Any, worker: Any, store: redis.Redis, env: Any
 ) -> None:
     store_db = int(env.store.rsplit("/", 1)[1])
     hot = {get_state(proj.app).scripts._scripts[name].sha for name in HOT_PATH}
@@ -97,5 +97,6 @@ def test_non_flow_tasks_cause_no_redis_command(
     done.set()
     assert seen and seen[-1] == "GET echomq-probe-end"
     assert not [c for c in seen if any(r.id in c for r in plain)]
-    assert not [c for c in seen if c.split(" ")[0] in ("EVALSHA", "EVAL") and
-                c.split(" ")[1] in hot]
+    assert not [
+        c for c in seen if c.split(" ")[0] in ("EVALSHA", "EVAL") and c.split(" ")[1] in hot
+    ]

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def queue(env: Env, store: redis.Redis) -> Iterator[str]:  # type: ignore[type-arg]
+def queue(env: Env, store: redis.Redis) -> Iterator[str]:
     """A queue of this test's own; its flow keys and broker messages are removed afterwards."""
     name = f"once-{uuid.uuid4().hex[:10]}"
     yield name

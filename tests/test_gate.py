@@ -80,12 +80,23 @@ def probe(env: Env, worker: Any) -> Probe:
         (lambda p: flow(p.tsum.s(), [p.add.s(1, 1).set(task_id="JOB{x}")]), InvalidIdError),
         (lambda p: flow(p.tsum.s(), [p.add.s(1, 1).set(task_id="JOB:x")]), InvalidIdError),
         (lambda p: flow(p.tsum.s(), [p.add.s(1, 1).set(task_id="")]), InvalidIdError),
-        (lambda p: flow(p.tsum.s(), [p.add.s(1, 1).set(task_id="JOB" + "9" * 300)]),
-         InvalidIdError),
-        (lambda p: flow(p.tsum.s(), [p.add.s(1, 1).set(task_id="JOBdup"),
-                                     p.add.s(2, 2).set(task_id="JOBdup")]), DuplicateIdError),
-        (lambda p: flow(p.tsum.s().set(task_id="JOBsame"),
-                        [p.add.s(1, 1).set(task_id="JOBsame")]), DuplicateIdError),
+        (
+            lambda p: flow(p.tsum.s(), [p.add.s(1, 1).set(task_id="JOB" + "9" * 300)]),
+            InvalidIdError,
+        ),
+        (
+            lambda p: flow(
+                p.tsum.s(),
+                [p.add.s(1, 1).set(task_id="JOBdup"), p.add.s(2, 2).set(task_id="JOBdup")],
+            ),
+            DuplicateIdError,
+        ),
+        (
+            lambda p: flow(
+                p.tsum.s().set(task_id="JOBsame"), [p.add.s(1, 1).set(task_id="JOBsame")]
+            ),
+            DuplicateIdError,
+        ),
     ],
 )
 def test_bad_ids_raise_before_any_redis_command_or_publish(
@@ -105,7 +116,7 @@ def test_unknown_policy_raises_at_flow_time_listing_the_allowed(proj: Any) -> No
 
 
 def test_existing_parent_id_is_refused_and_nothing_is_published(
-    proj: Any, probe: Probe, store: redis.Redis  # type: ignore[type-arg]
+    proj: Any, probe: Probe, store: redis.Redis
 ) -> None:
     gate = f"gate:{uuid.uuid4().hex}"
     parent_id = jid()

@@ -58,7 +58,7 @@ def test_large_flow_of_20000_children_end_to_end(
 
 
 @pytest.fixture
-def private_redis() -> Iterator[redis.Redis]:  # type: ignore[type-arg]
+def private_redis() -> Iterator[redis.Redis]:
     """A redis-server of this test alone: its SLOWLOG holds no other test's commands."""
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url(0))
@@ -69,7 +69,7 @@ def private_redis() -> Iterator[redis.Redis]:  # type: ignore[type-arg]
 @pytest.mark.timeout(300)
 def test_large_enqueue_of_100000_children_keeps_every_script_call_short(
     proj: Any,
-    private_redis: redis.Redis,  # type: ignore[type-arg]
+    private_redis: redis.Redis,
     record_property: Callable[[str, object], None],
 ) -> None:
     """The chunked path's scripts, at the default chunk size, each hold Redis only briefly.

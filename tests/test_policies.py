@@ -18,12 +18,12 @@ def tag() -> str:
     return uuid.uuid4().hex
 
 
-def ran(store: redis.Redis, name: str) -> int:  # type: ignore[type-arg]
+def ran(store: redis.Redis, name: str) -> int:
     return int(store.get(f"test:ran:{name}") or 0)
 
 
 def test_fail_policy_fails_the_parent_names_the_child_and_runs_error_callbacks(
-    proj: Any, worker: Any, store: redis.Redis  # type: ignore[type-arg]
+    proj: Any, worker: Any, store: redis.Redis
 ) -> None:
     t, gate = tag(), f"gate:{tag()}"
     bad = proj.boom.s("disk full")
@@ -46,9 +46,7 @@ def test_fail_policy_fails_the_parent_names_the_child_and_runs_error_callbacks(
     assert ran(store, f"collect:{t}") == 0
 
 
-def test_ignore_policy_resolves_the_child_and_records_its_error(
-    proj: Any, worker: Any
-) -> None:
+def test_ignore_policy_resolves_the_child_and_records_its_error(proj: Any, worker: Any) -> None:
     bad = proj.boom.s("bad page").set(parent_policy="ignore")
     f = flow(proj.reads_own.s(), [proj.add.s(1, 1), bad, proj.add.s(2, 2)])
     f.freeze()  # assigns every job id, so the test knows the bad child's
@@ -79,7 +77,7 @@ def test_remove_policy_resolves_the_child_and_records_nothing(proj: Any, worker:
 
 
 def test_continue_policy_releases_the_parent_at_once_and_never_again(
-    proj: Any, worker: Any, store: redis.Redis  # type: ignore[type-arg]
+    proj: Any, worker: Any, store: redis.Redis
 ) -> None:
     t, gate = tag(), f"gate:{tag()}"
     slow = proj.gated.s(7, gate)
@@ -95,7 +93,7 @@ def test_continue_policy_releases_the_parent_at_once_and_never_again(
 
 
 def test_retries_that_end_in_success_count_the_child_once(
-    proj: Any, worker: Any, store: redis.Redis  # type: ignore[type-arg]
+    proj: Any, worker: Any, store: redis.Redis
 ) -> None:
     child = proj.retry_until.s(5, 3)
     f = flow(proj.tsum.s(), [child, proj.add.s(1, 1)])
@@ -141,7 +139,7 @@ def test_a_child_past_its_hard_time_limit_is_a_failure_under_its_policy(
 
 
 def test_cancel_revokes_outstanding_children_and_the_parent_never_runs(
-    proj: Any, worker: Any, store: redis.Redis  # type: ignore[type-arg]
+    proj: Any, worker: Any, store: redis.Redis
 ) -> None:
     t, gate = tag(), f"gate:{tag()}"
     res = flow(proj.collect.s(tag=t), [proj.add.s(1, 1), proj.gated.s(2, gate)]).apply_async()

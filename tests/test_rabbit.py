@@ -126,7 +126,7 @@ def test_rabbit_parent_is_held_while_gated_children_run(
     proj: Any,
     rabbit_app: Any,
     queues: Queues,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     tag = uuid.uuid4().hex
     gates = [f"gate:{tag}:{i}" for i in range(3)]
@@ -179,7 +179,7 @@ def test_rabbit_cross_queue_children(
     proj: Any,
     rabbit_app: Any,
     queues: Queues,
-    store: redis.Redis,  # type: ignore[type-arg]
+    store: redis.Redis,
 ) -> None:
     a = proj.add.s(1, 1).set(queue=queues.a)
     b = proj.add.s(2, 2).set(queue=queues.b)

@@ -49,7 +49,7 @@ def fast_recovery(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def queue(env: Env, store: redis.Redis) -> Iterator[str]:  # type: ignore[type-arg]
+def queue(env: Env, store: redis.Redis) -> Iterator[str]:
     """A queue of this test's own; its flow keys and broker messages are removed afterwards."""
     name = f"rec-{uuid.uuid4().hex[:10]}"
     yield name

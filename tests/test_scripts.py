@@ -20,7 +20,7 @@ LEASE = 60_000
 
 
 @pytest.fixture
-def db(env: Env) -> Iterator[redis.Redis]:  # type: ignore[type-arg]
+def db(env: Env) -> Iterator[redis.Redis]:
     # A database of its own, so DBSIZE speaks of this test alone.
     client = redis.Redis.from_url(f"{env.base}/14")
     client.flushdb()
@@ -34,7 +34,7 @@ def queue() -> str:
 
 
 @pytest.fixture
-def scripts(db: redis.Redis) -> Scripts:  # type: ignore[type-arg]
+def scripts(db: redis.Redis) -> Scripts:
     return Scripts(db, Keyspace("emq"))
 
 
@@ -57,12 +57,12 @@ def run_child(scripts: Scripts, queue: str, parent: str, child: str, value: byte
     )
 
 
-def zmembers(db: redis.Redis, key: str) -> set[str]:  # type: ignore[type-arg]
+def zmembers(db: redis.Redis, key: str) -> set[str]:
     return {m.decode() for m in db.zrange(key, 0, -1)}
 
 
 def test_enqueue_flow_holds_the_parent_and_makes_children_claimable(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+    db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     parent, children = enqueue(scripts, queue, 3)
     row = db.hgetall(f"emq:{{{queue}}}:{parent}")
@@ -81,7 +81,7 @@ def test_enqueue_flow_holds_the_parent_and_makes_children_claimable(
 
 @pytest.mark.parametrize("bad", ["parent", "child"])
 def test_emqkind_refuses_before_any_write(
-    db: redis.Redis, scripts: Scripts, queue: str, bad: str  # type: ignore[type-arg]
+    db: redis.Redis, scripts: Scripts, queue: str, bad: str
 ) -> None:
     # Call the raw script (the host gate would refuse first) to show the second wall holds.
     keyspace = Keyspace("emq")
@@ -100,7 +100,7 @@ def test_emqkind_refuses_before_any_write(
     assert db.dbsize() == before
 
 
-def test_every_script_repeats_the_kind_gate(scripts: Scripts, db: redis.Redis) -> None:  # type: ignore[type-arg]
+def test_every_script_repeats_the_kind_gate(scripts: Scripts, db: redis.Redis) -> None:
     for name, argv in [
         ("claim", ["BAD", "t", "1000"]),
         ("complete", ["BAD", "t", "10", "0", "", "v"]),
@@ -114,7 +114,7 @@ def test_every_script_repeats_the_kind_gate(scripts: Scripts, db: redis.Redis) -
 
 
 def test_existing_parent_is_refused_and_nothing_changes(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+    db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     parent, _ = enqueue(scripts, queue, 2)
     before = {k: db.dump(k) for k in db.keys("*")}
@@ -124,7 +124,7 @@ def test_existing_parent_is_refused_and_nothing_changes(
 
 
 def test_existing_child_is_refused_and_nothing_changes(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+    db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     _, children = enqueue(scripts, queue, 2)
     before = {k: db.dump(k) for k in db.keys("*")}
@@ -134,7 +134,7 @@ def test_existing_child_is_refused_and_nothing_changes(
 
 
 def test_claim_moves_pending_to_active_with_a_new_token(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+    db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     _, (child,) = enqueue(scripts, queue, 1)
     assert scripts.claim(queue, child, "t1", LEASE) == ("claimed", 1)
@@ -145,10 +145,8 @@ def test_claim_moves_pending_to_active_with_a_new_token(
     assert db.hget(f"emq:{{{queue}}}:{child}", "token") == b"t2"
 
 
-def test_stale_token_changes_nothing(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
-) -> None:
-    parent, (child, other) = enqueue(scripts, queue, 2)
+def test_stale_token_changes_nothing(db: redis.Redis, scripts: Scripts, queue: str) -> None:
+    parent, (child, _other) = enqueue(scripts, queue, 2)
     scripts.claim(queue, child, "old", LEASE)
     scripts.claim(queue, child, "new", LEASE)
     before = {k: db.dump(k) for k in db.keys("*")}
@@ -166,7 +164,7 @@ def test_stale_token_changes_nothing(
 
 
 def test_second_complete_of_the_same_child_does_not_decrement(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+    db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     parent, (child, _) = enqueue(scripts, queue, 2)
     token = "t"
@@ -186,9 +184,7 @@ def test_second_complete_of_the_same_child_does_not_decrement(
     assert db.hgetall(f"emq:{{{queue}}}:{parent}:processed") == {child.encode(): b"1"}
 
 
-def test_release_happens_exactly_at_zero(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
-) -> None:
+def test_release_happens_exactly_at_zero(db: redis.Redis, scripts: Scripts, queue: str) -> None:
     parent, children = enqueue(scripts, queue, 3)
     pending = f"emq:{{{queue}}}:pending"
     statuses = []
@@ -201,9 +197,7 @@ def test_release_happens_exactly_at_zero(
     assert db.get(f"emq:{{{queue}}}:{parent}:dependencies") == b"0"
 
 
-def test_dispatch_hands_out_the_parent_once(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
-) -> None:
+def test_dispatch_hands_out_the_parent_once(db: redis.Redis, scripts: Scripts, queue: str) -> None:
     parent, children = enqueue(scripts, queue, 2)
     assert scripts.dispatch(queue, parent) is None  # still held
     for child in children:
@@ -218,9 +212,7 @@ def test_dispatch_hands_out_the_parent_once(
     assert scripts.dispatch(queue, parent, redispatch_after_ms=60_000) is None
 
 
-def test_retry_moves_active_back_to_pending(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
-) -> None:
+def test_retry_moves_active_back_to_pending(db: redis.Redis, scripts: Scripts, queue: str) -> None:
     _, (child,) = enqueue(scripts, queue, 1)
     scripts.claim(queue, child, "t", LEASE)
     assert scripts.retry(queue, child, "t") == "retried"
@@ -231,7 +223,7 @@ def test_retry_moves_active_back_to_pending(
 
 
 def test_finished_rows_expire_and_sets_are_trimmed(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+    db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     parent, children = enqueue(scripts, queue, 2)
     for child in children:
@@ -250,9 +242,7 @@ def test_finished_rows_expire_and_sets_are_trimmed(
     assert zmembers(db, f"emq:{{{queue}}}:active") == set()
 
 
-def test_noscript_falls_back_to_eval(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
-) -> None:
+def test_noscript_falls_back_to_eval(db: redis.Redis, scripts: Scripts, queue: str) -> None:
     parent, (child,) = enqueue(scripts, queue, 1)
     db.script_flush()
     assert scripts.claim(queue, child, "t", LEASE) == ("claimed", 1)
@@ -265,7 +255,7 @@ def test_noscript_falls_back_to_eval(
 
 
 def test_dispatch_of_many_values_reads_them_in_chunks(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+    db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     parent, children = enqueue(scripts, queue, 5)
     for child in children:
@@ -278,7 +268,7 @@ def test_dispatch_of_many_values_reads_them_in_chunks(
 
 
 def test_enqueue_of_a_thousand_children_spans_every_slice(
-    db: redis.Redis, scripts: Scripts, queue: str  # type: ignore[type-arg]
+    db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     parent, children = enqueue(scripts, queue, 1000)
     assert db.zcard(f"emq:{{{queue}}}:pending") == 1000
