@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import EchoMQError
 from .keyspace import check_id
-from .reads import UnknownFlowError
+from .reads import UnknownFlowError, scan_queues
 from .state import EchoMQ
 
 # A job in one of these states will not change again (until its keys expire).
@@ -138,7 +138,7 @@ def locate_job(state: EchoMQ, job_id: str, queue: str | None = None) -> str:
     located = _text(client.get(keys.locator_key(job_id)))
     if located is not None and client.exists(keys.job_key(located, job_id)):
         return located
-    found = _scan_queues(state, job_id)
+    found = scan_queues(state, job_id)
     if found is not None:
         return found
     if located is not None:
@@ -146,16 +146,6 @@ def locate_job(state: EchoMQ, job_id: str, queue: str | None = None) -> str:
             f"flow {job_id!r} has expired or was forgotten (its keys are gone from Redis)"
         )
     raise UnknownFlowError(f"no job {job_id!r} in Redis (never started, or expired)")
-
-
-def _scan_queues(state: EchoMQ, job_id: str) -> str | None:
-    """The queue among those that hold flows whose slot has ``job_id``'s row (one round trip)."""
-    keys, client = state.keys, state.client
-    names = sorted(filter(None, (_text(q) for q in client.smembers(keys.queues_key()))))
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        pipe.exists(keys.job_key(name, job_id))
-    return next((name for name, there in zip(names, pipe.execute(), strict=True) if there), None)
 
 
 def _row(fields: list[Any]) -> dict[str, Any]:
@@ -285,7 +275,7 @@ def _build(
         if child_row["state"] is None:
             # A child routed to another queue has its row on that queue's slot; it is found
             # among the queues that hold flows. One gone for good reads as "missing".
-            elsewhere = _scan_queues(state, cid)
+            elsewhere = scan_queues(state, cid)
             if elsewhere is not None:
                 child_queue = elsewhere
                 child_row = _row(client.hmget(keys.job_key(child_queue, cid), _ROW_FIELDS))
@@ -357,7 +347,7 @@ def read_progress(
     states: list[str] = []
     for cid, raw in zip(child_ids, raw_states, strict=True):
         if raw is None and cid not in cache:
-            found = _scan_queues(state, cid)
+            found = scan_queues(state, cid)
             cache[cid] = found or where
             if found is not None:
                 raw = client.hget(keys.job_key(found, cid), "state")

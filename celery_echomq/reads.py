@@ -1,8 +1,8 @@
 """Pure reads of a flow's state: plain reads of its keys, never a write.
 
 Each takes the parent's job id. The queue whose slot holds the flow is found from, in order:
-the ``queue`` argument, the current task's own headers (a parent reading its own flow), and
-the flow's locator key written when it started.
+the ``queue`` argument, the current task's own headers (a parent reading its own flow), the
+flow's locator key written when it started, and a look at every queue that holds flows.
 """
 
 from __future__ import annotations
@@ -35,9 +35,28 @@ def locate(state: EchoMQ, job_id: str, queue: str | None = None) -> str:
         if own:
             return str(own)
     found = state.client.get(state.keys.locator_key(job_id))
-    if found is None:
+    if found is not None:
+        return found.decode() if isinstance(found, bytes) else str(found)
+    scanned = scan_queues(state, job_id)
+    if scanned is None:
         raise UnknownFlowError(f"no flow {job_id!r} in Redis (never started, or expired)")
-    return found.decode() if isinstance(found, bytes) else str(found)
+    return scanned
+
+
+def scan_queues(state: EchoMQ, job_id: str) -> str | None:
+    """The queue, among those that hold flows, whose slot has ``job_id``'s row (one round trip).
+
+    What finds a job without a locator: a child, or a flow whose producer died before writing
+    its locator.
+    """
+    keys, client = state.keys, state.client
+    names = sorted(
+        q.decode() if isinstance(q, bytes) else str(q) for q in client.smembers(keys.queues_key())
+    )
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(keys.job_key(name, job_id))
+    return next((name for name, there in zip(names, pipe.execute(), strict=True) if there), None)
 
 
 def _state(app: Any) -> EchoMQ:

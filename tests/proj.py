@@ -66,12 +66,7 @@ def noargs() -> str:
 @app.task
 def gated(x: int, gate: str) -> int:
     """Block until the key ``gate`` exists (the test opens it), then return x."""
-    client = _store()
-    deadline = time.monotonic() + 120
-    while not client.exists(gate):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"gate {gate} never opened")
-        time.sleep(0.05)
+    _wait_gate(gate)
     return x
 
 
@@ -83,7 +78,7 @@ def boom(message: str = "boom") -> None:
 @app.task
 def gated_boom(gate: str, message: str = "boom") -> None:
     """Fail once ``gate`` opens: a failure the test can order after other children."""
-    gated(0, gate)
+    _wait_gate(gate)
     raise ValueError(message)
 
 
@@ -149,6 +144,7 @@ def _delivery(task_id: str) -> int:
 
 
 def _wait_gate(gate: str) -> None:
+    """Block until the key ``gate`` exists (the test opens it)."""
     client = _store()
     deadline = time.monotonic() + 120
     while not client.exists(gate):
