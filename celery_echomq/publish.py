@@ -63,6 +63,7 @@ def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
     """Publish each job dict (task, args, kwargs, options with ``task_id``) in one batch."""
     amqp = app.amqp
     current = app.current_worker_task
+    declared: set[str] = set()
     with app.producer_or_acquire(None) as producer, _batch(producer):
         for job in jobs:
             name = job["task"]
@@ -88,6 +89,13 @@ def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
             if expiration is not None:
                 options["expiration"] = expiration
             routed = amqp.router.route(options, name, args, kwargs, task)
+            queue = routed.get("queue")
+            queue_name = str(getattr(queue, "name", queue))
+            if queue_name in declared:
+                # Declared by an earlier message of this batch: kombu would copy and re-bind
+                # the Queue entity for every message before its cache answers.
+                routed["declare"] = []
+            declared.add(queue_name)
             message = amqp.create_task_message(
                 task_id,
                 name,

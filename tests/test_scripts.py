@@ -279,3 +279,24 @@ def test_enqueue_of_a_thousand_children_spans_every_slice(
     with pytest.raises(FlowExistsError, match=children[-1]):
         scripts.enqueue_flow(queue, jid(), b"p", clash)
     assert db.dbsize() == before
+
+
+def test_chunked_path_open_add_seal_and_a_repeated_add_writes_nothing(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent = jid()
+    children = [(jid(), b"c", "") for _ in range(3)]
+    assert scripts.open_flow(queue, parent, b"p", 3, "fail") == 4  # N + 1 until sealed
+    ref = ParentRef(parent, queue)
+    assert scripts.add_children(queue, ref, children[:2]) == 2
+    assert scripts.add_children(queue, ref, children) == 1  # the first two exist: skipped
+    assert db.zcard(f"emq:{{{queue}}}:pending") == 3
+    # Every child completes before the seal: the extra unit still holds the parent.
+    for cid, _, _ in children:
+        assert run_child(scripts, queue, parent, cid, b"1") == "credited"
+    assert db.hget(f"emq:{{{queue}}}:{parent}", "state") == b"awaiting_children"
+    assert scripts.seal_flow(queue, parent) == "released"
+    assert scripts.seal_flow(queue, parent) == "noop"
+    # Another flow cannot add a row that belongs to this one.
+    with pytest.raises(FlowExistsError):
+        scripts.add_children(queue, ParentRef(jid(), queue), children[:1])

@@ -23,21 +23,34 @@ for i = 1, k do
     return redis.error_reply('EMQKIND job id must be JOB-namespaced')
   end
 end
+-- One variadic EXISTS per slice (Lua's unpack has a stack limit); only a slice with a hit
+-- (a chunk sent again, or another flow's row) is looked at row by row.
+local SLICE = 500
 local fresh = {}
-for i = 1, k do
-  local owner = redis.call('HGET', KEYS[1 + i], 'parent')
-  if owner == false then
-    if redis.call('EXISTS', KEYS[1 + i]) == 1 then
-      return redis.error_reply('EMQEXISTS ' .. ARGV[1 + 3 * i])
+for first = 1, k, SLICE do
+  local last = math.min(first + SLICE - 1, k)
+  if redis.call('EXISTS', unpack(KEYS, first + 1, last + 1)) == 0 then
+    for i = first, last do
+      fresh[#fresh + 1] = i
     end
-    fresh[#fresh + 1] = i
-  elseif owner ~= ARGV[1] then
-    return redis.error_reply('EMQEXISTS ' .. ARGV[1 + 3 * i])
+  else
+    for i = first, last do
+      local owner = redis.call('HGET', KEYS[1 + i], 'parent')
+      if owner == false then
+        if redis.call('EXISTS', KEYS[1 + i]) == 1 then
+          return redis.error_reply('EMQEXISTS ' .. ARGV[1 + 3 * i])
+        end
+        fresh[#fresh + 1] = i
+      elseif owner ~= ARGV[1] then
+        return redis.error_reply('EMQEXISTS ' .. ARGV[1 + 3 * i])
+      end
+    end
   end
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-for _, i in ipairs(fresh) do
+local members = {}
+for n, i in ipairs(fresh) do
   local row = KEYS[1 + i]
   redis.call('HSET', row, 'state', 'pending', 'attempts', '0', 'payload', ARGV[2 + 3 * i],
     'parent', ARGV[1])
@@ -47,6 +60,11 @@ for _, i in ipairs(fresh) do
   if ARGV[3 + 3 * i] ~= '' then
     redis.call('HSET', row, 'parent_policy', ARGV[3 + 3 * i])
   end
-  redis.call('ZADD', KEYS[1], now, ARGV[1 + 3 * i])
+  members[#members + 1] = now
+  members[#members + 1] = ARGV[1 + 3 * i]
+  if #members >= 2 * SLICE or n == #fresh then
+    redis.call('ZADD', KEYS[1], unpack(members))
+    members = {}
+  end
 end
 return #fresh
