@@ -1,0 +1,855 @@
+"""flow vs chord vs a plain group, on one private Redis and one real prefork `celery worker`.
+
+    python3 dev.py bench                 # the default run (a few minutes)
+    python3 dev.py bench --quick         # a smoke run (under a minute)
+    python benchmarks/bench.py --sizes 20x50,2x1000 --rounds 5
+
+Every number is taken side by side: the modes run interleaved (the order rotates each round)
+against the same worker, and the report gives medians and the per-round paired ratios, since
+the machine is shared and an absolute time alone says little. Results go to
+benchmarks/results/bench-<time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import redis
+from celery import chord, group
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(HERE), str(ROOT)]
+
+import bench_app  # noqa: E402 - needs the path above
+import worker_variants  # noqa: E402
+
+from celery_echomq import flow  # noqa: E402
+from celery_echomq.embedded import RedisServer  # noqa: E402
+
+MODES = ("group", "chord", "flow")
+HOLD_QUEUE = "bench_hold"  # no worker consumes it: what is enqueued there stays held
+PLAIN_QUEUES = {"install": "plain_on", "no_install": "plain_off"}
+DEFAULT_SIZES = "200x5,20x50,2x1000,1x10000"
+QUICK_SIZES = "40x5,4x50,1x500"
+# What the benchmark itself sends to read the counters, never part of a mode's cost; its
+# result polls (EXISTS) are counted and subtracted instead, since the scripts use EXISTS too.
+OWN_COMMANDS = frozenset({"info", "memory", "scan", "flushdb"})
+
+
+@dataclass(frozen=True)
+class Size:
+    flows: int
+    children: int
+
+    @property
+    def total(self) -> int:
+        return self.flows * self.children
+
+    @property
+    def label(self) -> str:
+        return f"{self.flows}x{self.children}"
+
+
+def parse_sizes(text: str) -> list[Size]:
+    sizes = []
+    for part in text.split(","):
+        flows, _, children = part.strip().lower().partition("x")
+        if not flows.isdigit() or not children.isdigit() or int(flows) < 1 or int(children) < 1:
+            raise argparse.ArgumentTypeError(f"size {part!r} is not KxN (e.g. 20x50)")
+        sizes.append(Size(int(flows), int(children)))
+    return sizes
+
+
+# --- Redis counters ---------------------------------------------------------------------
+
+
+def command_counts(admin: redis.Redis) -> dict[str, int]:  # type: ignore[type-arg]
+    stats = admin.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
+
+
+def command_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    delta = {k: v - before.get(k, 0) for k, v in after.items() if k not in OWN_COMMANDS}
+    return {k: v for k, v in sorted(delta.items()) if v}
+
+
+def settle(admin: redis.Redis, quiet: float = 0.3, limit: float = 3.0) -> None:  # type: ignore[type-arg]
+    """Wait until the worker stops issuing commands: the work after a result is ready (the
+    flow parent's own completion, acks) belongs to the run that caused it."""
+    start = last_change = time.monotonic()
+    last = sum(command_delta({}, command_counts(admin)).values())
+    while time.monotonic() - start < limit:
+        time.sleep(0.05)
+        now = sum(command_delta({}, command_counts(admin)).values())
+        if now != last:
+            last, last_change = now, time.monotonic()
+        elif time.monotonic() - last_change >= quiet:
+            return
+
+
+def all_keys(admin_for: Callable[[int], Any]) -> dict[int, set[bytes]]:
+    dbs = (bench_app.BROKER_DB, bench_app.BACKEND_DB, bench_app.STORE_DB)
+    return {db: set(admin_for(db).scan_iter(count=1000)) for db in dbs}
+
+
+# --- workers ----------------------------------------------------------------------------
+
+
+class Worker:
+    """A real `celery -A bench_app worker` (prefork) in its own process group."""
+
+    def __init__(
+        self,
+        url: str,
+        queue: str,
+        *,
+        install: bool = True,
+        concurrency: int = 2,
+        profile_dir: Path | None = None,
+        extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = f"bench-{queue}-{uuid.uuid4().hex[:6]}"
+        self.dir = Path(tempfile.mkdtemp(prefix="echomq-bench-"))
+        self.ready_file = self.dir / "ready"
+        self.log = self.dir / "worker.log"
+        env = dict(os.environ)
+        env.update(
+            {
+                bench_app.ENV_URL: url,
+                bench_app.ENV_INSTALL: "1" if install else "0",
+                bench_app.ENV_READY: str(self.ready_file),
+                "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")]),
+            }
+        )
+        if profile_dir is not None:
+            env[bench_app.ENV_PROFILE] = str(profile_dir)
+        env.update(extra_env or {})
+        cmd = [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "bench_app",
+            "worker",
+            "-P",
+            "prefork",
+            "-c",
+            str(concurrency),
+            "-Q",
+            queue,
+            "-n",
+            f"{self.name}@%h",
+            "--loglevel",
+            "WARNING",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ]
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                cmd,
+                cwd=HERE,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited early:\n{self.output()}")
+            if self.ready_file.exists():
+                return
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"worker not ready in {timeout:.0f} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_bytes().decode(errors="replace")[-4000:]
+
+    def pids(self) -> list[int]:
+        """The main process and its pool processes."""
+        out = subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
+        ).stdout
+        return [self.proc.pid, *(int(p) for p in out.split())]
+
+    def stop(self) -> None:
+        # A warm shutdown lets the pool processes write their profiles; the group kill after
+        # it makes sure no pool process outlives the benchmark.
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(15)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --- the three modes ----------------------------------------------------------------------
+
+
+def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
+    """K canvases of N trivial children; built before the clock starts, as a caller would."""
+    opts = {"queue": queue} if queue else {}
+    canvases: list[Any] = []
+    for _ in range(size.flows):
+        children = [bench_app.add.s(i, i).set(**opts) for i in range(size.children)]
+        parent = bench_app.tsum.s().set(**opts)
+        if mode == "group":
+            canvases.append(group(children))
+        elif mode == "chord":
+            canvases.append(chord(children, parent))
+        elif mode.startswith("flow"):
+            canvases.append(flow(parent, children))
+        else:
+            raise ValueError(mode)
+    return canvases
+
+
+def expected(mode: str, size: Size) -> Any:
+    values = [2 * i for i in range(size.children)]
+    return values if mode == "group" else sum(values)
+
+
+@dataclass
+class Run:
+    mode: str
+    size: str
+    round: int
+    children: int
+    enqueue_s: float
+    e2e_s: float
+    commands: int
+    by_command: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def enqueue_rate(self) -> float:
+        return self.children / self.enqueue_s
+
+    @property
+    def e2e_rate(self) -> float:
+        return self.children / self.e2e_s
+
+    @property
+    def commands_per_child(self) -> float:
+        return self.commands / self.children
+
+
+ModeHook = Callable[[str], contextlib.AbstractContextManager[None]]
+
+
+class Waiter:
+    """Waits for result keys to appear in the result backend, one EXISTS per chunk and poll.
+
+    Every mode is timed to the moment its results are stored, with the same cheap poll, so
+    the clock does not also measure how a client collects results (``GroupResult.get`` decodes
+    all N values, a chord's ``get`` one). The values are checked after the clock stops.
+    """
+
+    CHUNK = 256
+
+    def __init__(self, backend_client: Any) -> None:
+        self.client = backend_client
+        self.polls = 0
+
+    def wait(self, task_ids: Sequence[str], timeout: float) -> None:
+        keys = [bench_app.app.backend.get_key_for_task(t) for t in task_ids]
+        deadline = time.monotonic() + timeout
+        while keys:
+            chunk = keys[: self.CHUNK]
+            self.polls += 1
+            if self.client.exists(*chunk) == len(chunk):
+                del keys[: self.CHUNK]
+                continue
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(keys)} results not stored within {timeout:.0f} s")
+            time.sleep(0.005)
+
+
+def result_ids(mode: str, res: Any) -> list[str]:
+    return [r.id for r in res.results] if mode == "group" else [res.id]
+
+
+def run_once(
+    admin: redis.Redis,  # type: ignore[type-arg]
+    waiter: Waiter,
+    mode: str,
+    size: Size,
+    rnd: int,
+    hook: ModeHook,
+    queue: str | None = None,
+) -> Run:
+    canvases = build(mode, size, queue)
+    timeout = max(120.0, size.total / 20)
+    settle(admin)
+    before = command_counts(admin)
+    polls = waiter.polls
+    with hook(mode):
+        t0 = time.perf_counter()
+        results = [c.apply_async() for c in canvases]
+        t1 = time.perf_counter()
+    waiter.wait([i for res in results for i in result_ids(mode, res)], timeout)
+    t2 = time.perf_counter()
+    settle(admin)
+    delta = command_delta(before, command_counts(admin))
+    delta["exists"] = delta.get("exists", 0) - (waiter.polls - polls)
+    delta = {k: v for k, v in delta.items() if v}
+    # After the counters: reading the values also drains the producer's result subscriptions.
+    for res in results:
+        value = res.get(timeout=timeout)
+        if value != expected(mode, size):
+            raise AssertionError(f"{mode} {size.label}: wrong value {str(value)[:80]}")
+    return Run(mode, size.label, rnd, size.total, t1 - t0, t2 - t0, sum(delta.values()), delta)
+
+
+def rotated(items: Sequence[str], rnd: int) -> list[str]:
+    """Round r starts at item r, so no mode always runs first (or last) after a quiet spell."""
+    k = rnd % len(items)
+    return [*items[k:], *items[:k]]
+
+
+# --- held memory (no worker) --------------------------------------------------------------
+
+
+@dataclass
+class Held:
+    mode: str
+    size: str
+    children: int
+    used_memory: int
+    key_bytes: int
+    keys: int
+
+    @property
+    def used_memory_per_child(self) -> float:
+        return self.used_memory / self.children
+
+    @property
+    def key_bytes_per_child(self) -> float:
+        return self.key_bytes / self.children
+
+
+def clear_held(admin_for: Callable[[int], Any]) -> None:
+    # Only what a held run leaves: the broker's queue bindings must survive for later sends.
+    admin_for(bench_app.BROKER_DB).delete(HOLD_QUEUE)
+    admin_for(bench_app.BACKEND_DB).flushdb()
+    admin_for(bench_app.STORE_DB).flushdb()
+
+
+def measure_held(admin_for: Callable[[int], Any], mode: str, size: Size, hook: ModeHook) -> Held:
+    admin = admin_for(0)
+    canvases = build(mode, size, queue=HOLD_QUEUE)
+    clear_held(admin_for)
+    keys_before = all_keys(admin_for)
+    time.sleep(0.1)
+    mem_before = int(admin.info("memory")["used_memory"])
+    with hook(mode):
+        for c in canvases:
+            c.apply_async()
+    time.sleep(0.1)
+    mem_after = int(admin.info("memory")["used_memory"])
+    key_bytes = count = 0
+    for db, keys in all_keys(admin_for).items():
+        for key in keys - keys_before[db]:
+            key_bytes += int(admin_for(db).memory_usage(key, samples=0) or 0)
+            count += 1
+    clear_held(admin_for)
+    return Held(mode, size.label, size.total, mem_after - mem_before, key_bytes, count)
+
+
+# --- plain tasks with and without install --------------------------------------------------
+
+
+@dataclass
+class PlainRun:
+    variant: str
+    round: int
+    tasks: int
+    e2e_s: float
+    commands: int
+
+    @property
+    def rate(self) -> float:
+        return self.tasks / self.e2e_s
+
+
+def plain_once(
+    admin: redis.Redis,  # type: ignore[type-arg]
+    waiter: Waiter,
+    variant: str,
+    tasks: int,
+    rnd: int,
+) -> PlainRun:
+    queue = PLAIN_QUEUES[variant]
+    timeout = max(120.0, tasks / 20)
+    settle(admin)
+    before = command_counts(admin)
+    polls = waiter.polls
+    t0 = time.perf_counter()
+    results = [bench_app.add.apply_async((i, i), queue=queue) for i in range(tasks)]
+    waiter.wait([r.id for r in results], timeout)
+    elapsed = time.perf_counter() - t0
+    settle(admin)
+    delta = command_delta(before, command_counts(admin))
+    commands = sum(delta.values()) - (waiter.polls - polls)
+    for i, res in enumerate(results):
+        if res.get(timeout=timeout) != 2 * i:
+            raise AssertionError(f"plain task {i} returned a wrong value")
+    return PlainRun(variant, rnd, tasks, elapsed, commands)
+
+
+# --- summary ------------------------------------------------------------------------------
+
+
+def med(values: Sequence[float]) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def quartiles(values: Sequence[float]) -> tuple[float, float]:
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (float("nan"), float("nan"))
+    q = statistics.quantiles(values, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def paired(runs: list[Run], num: str, den: str, metric: Callable[[Run], float]) -> list[float]:
+    """Per-round ratios of two modes: both ran in the same round, under the same load."""
+    by = {(r.mode, r.round): r for r in runs}
+    rounds = sorted({r.round for r in runs})
+    return [
+        metric(by[(num, k)]) / metric(by[(den, k)])
+        for k in rounds
+        if (num, k) in by and (den, k) in by
+    ]
+
+
+METRICS: dict[str, Callable[[Run], float]] = {
+    "enqueue_children_per_s": lambda r: r.enqueue_rate,
+    "e2e_children_per_s": lambda r: r.e2e_rate,
+    "commands_per_child": lambda r: r.commands_per_child,
+}
+
+
+def summarize(runs: list[Run], modes: Sequence[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {"modes": {}, "ratios": {}}
+    for mode in modes:
+        mine = [r for r in runs if r.mode == mode]
+        out["modes"][mode] = {name: med([f(r) for r in mine]) for name, f in METRICS.items()}
+        top: dict[str, int] = {}
+        for r in mine:
+            for cmd, n in r.by_command.items():
+                top[cmd] = top.get(cmd, 0) + n
+        out["modes"][mode]["commands_per_child_by_command"] = {
+            cmd: round(n / sum(r.children for r in mine), 3)
+            for cmd, n in sorted(top.items(), key=lambda kv: -kv[1])
+        }
+    for num in modes:
+        for den in modes:
+            if not num.startswith("flow") or den not in ("group", "chord", "flow"):
+                continue
+            if num == den or (num == "flow" and den.startswith("flow")):
+                continue
+            key = f"{num}/{den}"
+            out["ratios"][key] = {}
+            for name, f in METRICS.items():
+                values = paired(runs, num, den, f)
+                out["ratios"][key][name] = {
+                    "median": med(values),
+                    "min": min(values, default=float("nan")),
+                    "max": max(values, default=float("nan")),
+                }
+    return out
+
+
+def fmt_rate(x: float) -> str:
+    return f"{x:,.0f}"
+
+
+def fmt_ratio(r: dict[str, float]) -> str:
+    return f"{r['median']:.2f}x [{r['min']:.2f}-{r['max']:.2f}]"
+
+
+def render(report: dict[str, Any]) -> str:
+    lines: list[str] = []
+    modes = report["modes"]
+    keys = [k for summary in report["sizes"].values() for k in summary["ratios"]]
+    w = max(len(x) for x in [*modes, *keys]) + 2
+    head = (
+        f"{'size':<9}{'mode':<{w}}{'enqueue ch/s':>14}{'e2e ch/s':>12}{'cmds/child':>12}"
+        f"{'held B/child':>14}"
+    )
+    lines += [head, "-" * len(head)]
+    for label, summary in report["sizes"].items():
+        held = report["held"].get(label, {})
+        for mode in modes:
+            m = summary["modes"][mode]
+            h = held.get(mode)
+            lines.append(
+                f"{label:<9}{mode:<{w}}{fmt_rate(m['enqueue_children_per_s']):>14}"
+                f"{fmt_rate(m['e2e_children_per_s']):>12}{m['commands_per_child']:>12.1f}"
+                f"{(f'{h:,.0f}' if h is not None else '-'):>14}"
+            )
+        for key, ratios in summary["ratios"].items():
+            num, den = key.split("/")
+            hr = held[num] / held[den] if held.get(num) and held.get(den) else None
+            lines.append(
+                f"{'':<9}{key:<{w}}{ratios['enqueue_children_per_s']['median']:>13.2f}x"
+                f"{ratios['e2e_children_per_s']['median']:>11.2f}x"
+                f"{ratios['commands_per_child']['median']:>11.2f}x"
+                f"{(f'{hr:.2f}x' if hr else '-'):>14}"
+            )
+        lines.append("")
+    lines.append("ch/s = children per second, median of the rounds; a ratio is the median of the")
+    lines.append("per-round paired ratios (both modes ran in the same round); held B/child = INFO")
+    lines.append("used_memory delta per enqueued child that no worker consumed.")
+    return "\n".join(lines)
+
+
+def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+
+    def add(name: str, size: str, value: float, ok: bool, spread: str = "") -> None:
+        rows.append({"target": name, "size": size, "value": value, "met": ok, "spread": spread})
+
+    for label, summary in report["sizes"].items():
+        n = int(label.split("x")[1])
+        ratios = summary["ratios"]
+        for mode in report["modes"]:
+            fc, fg = ratios.get(f"{mode}/chord"), ratios.get(f"{mode}/group")
+            if fc is None or fg is None:
+                continue
+            tag = "flow" if mode == "flow" else f"{mode} (proposal)"
+            if n >= 50:
+                r = fc["enqueue_children_per_s"]
+                add(
+                    f"{tag} enqueue >= 3x chord", label, r["median"], r["median"] >= 3, fmt_ratio(r)
+                )
+            r = fc["e2e_children_per_s"]
+            add(f"{tag} e2e >= chord", label, r["median"], r["median"] >= 1, fmt_ratio(r))
+            r = fg["e2e_children_per_s"]
+            add(f"{tag} e2e >= 0.9x group", label, r["median"], r["median"] >= 0.9, fmt_ratio(r))
+            r = fc["commands_per_child"]
+            add(f"{tag} cmds/child <= chord", label, r["median"], r["median"] <= 1, fmt_ratio(r))
+    plain = report.get("plain")
+    if plain:
+        r = plain["ratio"]
+        # The question is whether install slows plain tasks: met when the middle half of the
+        # paired rounds straddles 1.0 or the median is no more than 5% below it (faster is
+        # noise too). Min-max alone would accept anything on a busy machine.
+        ok = r["q1"] <= 1 <= r["q3"] or r["median"] >= 0.95
+        add(
+            "plain task/s, install / without",
+            f"{plain['tasks']} tasks",
+            r["median"],
+            ok,
+            f"{fmt_ratio(r)}, middle half [{r['q1']:.2f}-{r['q3']:.2f}]",
+        )
+        cmds = plain["commands_per_task_install"] / plain["commands_per_task_no_install"]
+        add(
+            "plain task Redis cmds, install / without",
+            f"{plain['tasks']} tasks",
+            cmds,
+            abs(cmds - 1) < 0.005,
+            f"{plain['commands_per_task_install']:.2f} vs "
+            f"{plain['commands_per_task_no_install']:.2f} per task",
+        )
+    return rows
+
+
+def render_targets(rows: list[dict[str, Any]]) -> str:
+    w = max([len("target"), *(len(row["target"]) for row in rows)]) + 2
+    head = f"{'target':<{w}}{'size':<13}{'ratio':>8}  {'met':<5}{'rounds: median [min-max]'}"
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        lines.append(
+            f"{row['target']:<{w}}{row['size']:<13}{row['value']:>7.2f}x  "
+            f"{'yes' if row['met'] else 'NO':<5}{row['spread']}"
+        )
+    return "\n".join(lines)
+
+
+# --- main ---------------------------------------------------------------------------------
+
+
+class Deadline(BaseException):
+    """Like KeyboardInterrupt: library code that retries on Exception must not swallow it."""
+
+
+def _on_signal(signum: int, _frame: FrameType | None) -> None:
+    raise Deadline(f"stopped by signal {signum}")
+
+
+@contextlib.contextmanager
+def no_hook(_mode: str) -> Iterator[None]:
+    yield
+
+
+def release_results() -> None:
+    """Before the private Redis stops: a result object collected later would try to
+    unsubscribe from a server that is gone (and print a traceback at interpreter exit)."""
+    gc.collect()
+    consumer = getattr(bench_app.app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.cancel_for = lambda task_id: None
+
+
+def machine() -> dict[str, Any]:
+    import celery
+    import kombu
+
+    mem = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    # The library is installed editable: the commit (and whether the tree had local changes)
+    # says which code was measured.
+    git = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "celery_echomq"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    return {
+        "commit": f"{git}{'+local changes' if dirty else ''}",
+        "cpus": os.cpu_count(),
+        "memory_gib": round(mem / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "celery": celery.__version__,
+        "kombu": kombu.__version__,
+        "redis_py": redis.__version__,
+    }
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 rounds")
+    p.add_argument("--sizes", type=parse_sizes, help=f"KxN,... (default {DEFAULT_SIZES})")
+    p.add_argument("--rounds", type=int, help="interleaved rounds per size (default 5)")
+    p.add_argument("--plain-tasks", type=int, help="tasks per plain-task round (default 1000)")
+    p.add_argument("--no-plain", action="store_true", help="skip the install/no-install ratio")
+    p.add_argument(
+        "--proposals",
+        action="store_true",
+        help="also run flow+claim, the worker-side prototype of PROPOSALS.md (own worker)",
+    )
+    p.add_argument("--no-held", action="store_true", help="skip the held-memory phase")
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench-*.json)")
+    p.add_argument("--max-seconds", type=int, default=1500, help="stop everything after this long")
+    args = p.parse_args(argv)
+    if args.sizes is None:
+        args.sizes = parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 5
+    if args.plain_tasks is None:
+        args.plain_tasks = 300 if args.quick else 1000
+    if args.rounds < 1 or args.plain_tasks < 1:
+        p.error("--rounds and --plain-tasks must be positive")
+    return args
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    modes: Sequence[str] = MODES
+    hook: ModeHook = no_hook
+    variant_of: dict[str, str] = {}
+    if args.proposals:
+        import proposals
+
+        modes, hook = (*MODES, *proposals.BENCH_MODES), proposals.hook
+        variant_of = proposals.WORKER_VARIANTS
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
+        signal.signal(sig, _on_signal)
+    signal.alarm(args.max_seconds)
+    started = time.time()
+    report: dict[str, Any] = {
+        "machine": machine(),
+        "config": {
+            "sizes": [s.label for s in args.sizes],
+            "rounds": args.rounds,
+            "plain_tasks": args.plain_tasks,
+            "modes": list(modes),
+            "worker": "celery worker -P prefork -c 2 --loglevel WARNING "
+            "--without-gossip --without-mingle --without-heartbeat",
+        },
+        "modes": list(modes),
+        "sizes": {},
+        "held": {},
+        "held_detail": [],
+        "runs": [],
+    }
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(RedisServer())
+        stack.callback(release_results)
+        base = f"redis://127.0.0.1:{server.port}"
+        bench_app.configure(base)
+        clients: dict[int, Any] = {}
+
+        def admin_for(db: int) -> Any:
+            if db not in clients:
+                clients[db] = redis.Redis.from_url(f"{base}/{db}")
+            return clients[db]
+
+        admin = admin_for(0)
+        waiter = Waiter(admin_for(bench_app.BACKEND_DB))
+        report["machine"]["redis_server"] = admin.info("server")["redis_version"]
+        log(f"bench: private redis-server on {base}")
+
+        if not args.no_held:
+            log("bench: held memory (no worker consuming)")
+            for mode in MODES:  # warm up allocations, script cache and queue bindings
+                measure_held(admin_for, mode, Size(1, 5), hook)
+            for size in args.sizes:
+                per_mode: dict[str, float] = {}
+                for mode in MODES:
+                    held = measure_held(admin_for, mode, size, hook)
+                    report["held_detail"].append({**asdict(held)})
+                    per_mode[mode] = held.used_memory_per_child
+                report["held"][size.label] = per_mode
+
+        log("bench: group / chord / flow against one worker")
+        worker = Worker(base, "celery")
+        stack.callback(worker.stop)
+        # A prototype that changes the worker gets a worker (and a queue) of its own, idle
+        # while the other modes run.
+        queues: dict[str, str] = {}
+        variant_workers: list[Worker] = []
+        for mode, variant in variant_of.items():
+            queues[mode] = f"celery_{variant}"
+            w = Worker(base, queues[mode], extra_env={worker_variants.VARIANT_ENV: variant})
+            stack.callback(w.stop)
+            variant_workers.append(w)
+        for mode in modes:
+            run_once(admin, waiter, mode, Size(5, 20), -1, hook, queues.get(mode))
+        runs: list[Run] = []
+        for size in args.sizes:
+            size_runs: list[Run] = []
+            for rnd in range(args.rounds):
+                for mode in rotated(modes, rnd):
+                    run = run_once(admin, waiter, mode, size, rnd, hook, queues.get(mode))
+                    size_runs.append(run)
+                    log(
+                        f"  {size.label:<8} round {rnd} {mode:<12} enqueue "
+                        f"{run.enqueue_rate:>9,.0f} ch/s  e2e {run.e2e_rate:>7,.0f} ch/s  "
+                        f"{run.commands_per_child:5.1f} cmds/child"
+                    )
+            report["sizes"][size.label] = summarize(size_runs, modes)
+            runs += size_runs
+        report["runs"] = [
+            {**asdict(r), "enqueue_rate": r.enqueue_rate, "e2e_rate": r.e2e_rate} for r in runs
+        ]
+        for w in (worker, *variant_workers):
+            w.stop()
+
+        if not args.no_plain:
+            log("bench: plain tasks, worker with install vs without (interleaved)")
+            workers = {
+                v: Worker(base, q, install=(v == "install")) for v, q in PLAIN_QUEUES.items()
+            }
+            for w in workers.values():
+                stack.callback(w.stop)
+            for v in workers:
+                plain_once(admin, waiter, v, 50, -1)
+            plain: list[PlainRun] = []
+            # Short rounds, many pairs: a burst of someone else's load spoils one pair, not
+            # the median.
+            for rnd in range(args.rounds * 2 + 1):
+                for v in rotated(list(workers), rnd):
+                    run_p = plain_once(admin, waiter, v, args.plain_tasks, rnd)
+                    plain.append(run_p)
+                    log(f"  plain round {rnd} {v:<11} {run_p.rate:>7,.0f} tasks/s")
+            for w in workers.values():
+                w.stop()
+            by = {(r.variant, r.round): r for r in plain}
+            ratios = [
+                by[("install", k)].rate / by[("no_install", k)].rate
+                for k in sorted({r.round for r in plain})
+            ]
+            report["plain"] = {
+                "tasks": args.plain_tasks,
+                "rate_install": med([r.rate for r in plain if r.variant == "install"]),
+                "rate_no_install": med([r.rate for r in plain if r.variant == "no_install"]),
+                "commands_per_task_install": med(
+                    [r.commands / r.tasks for r in plain if r.variant == "install"]
+                ),
+                "commands_per_task_no_install": med(
+                    [r.commands / r.tasks for r in plain if r.variant == "no_install"]
+                ),
+                "ratio": {
+                    "median": med(ratios),
+                    "min": min(ratios),
+                    "max": max(ratios),
+                    "q1": quartiles(ratios)[0],
+                    "q3": quartiles(ratios)[1],
+                },
+                "runs": [asdict(r) for r in plain],
+            }
+    signal.alarm(0)
+    report["elapsed_s"] = round(time.time() - started, 1)
+    report["targets"] = targets(report)
+
+    table = render(report)
+    print(table)
+    if report.get("plain"):
+        p = report["plain"]
+        print(
+            f"\nplain task, worker with install / without: {fmt_ratio(p['ratio'])} "
+            f"({fmt_rate(p['rate_install'])} vs {fmt_rate(p['rate_no_install'])} tasks/s, "
+            f"{p['commands_per_task_install']:.1f} vs {p['commands_per_task_no_install']:.1f} "
+            "cmds/task)"
+        )
+    print()
+    print(render_targets(report["targets"]))
+    out = args.out or HERE / "results" / time.strftime("bench-%Y%m%d-%H%M%S.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    m = report["machine"]
+    print(
+        f"\n{m['cpus']} cores, {m['memory_gib']} GiB, Python {m['python']}, Celery {m['celery']}, "
+        f"kombu {m['kombu']}, redis-py {m['redis_py']}, redis-server {m['redis_server']}, "
+        f"commit {m['commit']}"
+    )
+    print(f"{report['elapsed_s']:.0f} s; JSON: {out}")
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Deadline as exc:
+        log(f"bench: {exc}; worker and redis-server stopped")
+        sys.exit(1)

@@ -1,0 +1,88 @@
+"""The Celery app the benchmark's producer and its `celery worker` subprocesses share.
+
+The worker subprocess imports this module with the environment that ``bench.py`` sets, so both
+sides agree on the Redis server and on whether celery-echomq is installed. Broker, result
+backend and flow store are three databases of one private Redis, so one ``INFO commandstats``
+covers all three.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import os
+from pathlib import Path
+from typing import Any
+
+import worker_variants
+from celery import Celery, signals
+
+import celery_echomq
+
+ENV_URL = "ECHOMQ_BENCH_REDIS"
+ENV_INSTALL = "ECHOMQ_BENCH_INSTALL"
+ENV_PROFILE = "ECHOMQ_BENCH_PROFILE_DIR"
+ENV_READY = "ECHOMQ_BENCH_READY_FILE"
+BROKER_DB, BACKEND_DB, STORE_DB = 0, 1, 2
+
+app = Celery("bench_app")
+
+
+def configure(url: str, *, install: bool = True) -> Celery:
+    """Point the app at ``url``; ``install=False`` is the control for the plain-task ratio."""
+    app.conf.update(
+        broker_url=f"{url}/{BROKER_DB}",
+        result_backend=f"{url}/{BACKEND_DB}",
+        echomq_redis_url=f"{url}/{STORE_DB}",
+        broker_connection_retry_on_startup=True,
+        # A held flow may wait a long time in the memory phase; recovery must not re-publish it.
+        echomq_stall_timeout=3600,
+    )
+    if install:
+        celery_echomq.install(app)
+    return app
+
+
+# Without the variable the module is being imported by bench.py, which calls configure itself.
+if os.environ.get(ENV_URL):
+    configure(os.environ[ENV_URL], install=os.environ.get(ENV_INSTALL, "1") == "1")
+    worker_variants.install_from_env()
+
+
+@app.task(name="bench.add")
+def add(x: int, y: int) -> int:
+    return x + y
+
+
+@app.task(name="bench.tsum")
+def tsum(values: list[int]) -> int:
+    return sum(values)
+
+
+# The worker runs at log level WARNING (per-task INFO lines would be measured too), where its
+# "ready." line is not logged; a file tells bench.py instead.
+@signals.worker_ready.connect
+def _announce_ready(**_: Any) -> None:
+    path = os.environ.get(ENV_READY)
+    if path:
+        Path(path).write_text(str(os.getpid()))
+
+
+# Worker-side profile: each pool process profiles itself from fork to shutdown, so the numbers
+# cover the task path (signals, scripts, result store) and not the parent's event loop.
+_profiler: cProfile.Profile | None = None
+
+
+@signals.worker_process_init.connect
+def _start_profile(**_: Any) -> None:
+    global _profiler
+    if os.environ.get(ENV_PROFILE):
+        _profiler = cProfile.Profile()
+        _profiler.enable()
+
+
+@signals.worker_process_shutdown.connect
+def _dump_profile(**_: Any) -> None:
+    directory = os.environ.get(ENV_PROFILE)
+    if _profiler is not None and directory:
+        _profiler.disable()
+        _profiler.dump_stats(str(Path(directory) / f"pool-{os.getpid()}.prof"))
