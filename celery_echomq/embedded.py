@@ -196,11 +196,11 @@ class RedisClusterServer:
                 last = CLUSTER_SLOTS - 1 if i == self.masters - 1 else first + share - 1
                 # Distinct config epochs up front, as redis-cli does: no epoch collision to
                 # resolve before the slot owners agree.
-                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
-                client.execute_command("CLUSTER", "ADDSLOTS", *range(first, last + 1))
+                client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)  # type: ignore[no-untyped-call]
+                client.execute_command("CLUSTER", "ADDSLOTS", *range(first, last + 1))  # type: ignore[no-untyped-call]
                 self.slot_ranges.append((first, last, port))
             for port in self.ports[1:]:
-                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)
+                clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)  # type: ignore[no-untyped-call]
             self._wait_ok(clients)
             for client in clients:
                 client.close()

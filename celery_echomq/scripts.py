@@ -73,7 +73,7 @@ class ParentRef:
 class Scripts:
     """The EchoMQ transitions, bound to one Redis client and one keyspace."""
 
-    def __init__(self, client: redis.Redis[bytes], keyspace: Keyspace) -> None:
+    def __init__(self, client: redis.Redis, keyspace: Keyspace) -> None:
         self.keys = keyspace
         self.client = client
         self._scripts: dict[str, Script] = {
