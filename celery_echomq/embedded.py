@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 import time
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 
 def find_redis_server() -> str:
@@ -42,7 +42,32 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class RedisServer:
+_S = TypeVar("_S", bound="_Server")
+
+
+class _Server:
+    """``with Server() as server:`` starts it and always stops it."""
+
+    def start(self) -> _Server:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _S) -> _S:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+class RedisServer(_Server):
     """``with RedisServer() as server: server.url(db)`` runs a private redis-server."""
 
     def __init__(self, port: int | None = None, *extra: str) -> None:
@@ -96,17 +121,6 @@ class RedisServer:
                 self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def __enter__(self) -> RedisServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
 
 CLUSTER_SLOTS = 16384
 # Redis Cluster's node-to-node bus listens on the client port + 10000.
@@ -139,7 +153,7 @@ def free_cluster_port(exclude: tuple[int, ...] = (), attempts: int = 500) -> int
     raise RuntimeError("no free port pair (port, port + 10000) found on 127.0.0.1")
 
 
-class RedisClusterServer:
+class RedisClusterServer(_Server):
     """``with RedisClusterServer() as cluster: cluster.url()`` runs a private Redis Cluster.
 
     ``masters`` redis-server processes (no replicas) on loopback ports, each owning an equal
@@ -228,14 +242,3 @@ class RedisClusterServer:
         for node in self.nodes:
             node.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
-
-    def __enter__(self) -> RedisClusterServer:
-        return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -169,6 +169,19 @@ class Worker:
         self.logfile.close()
 
 
+def worker_pair(
+    env: Env, first: str, second: str, name: str, extra_env: dict[str, str]
+) -> tuple[Worker, Worker]:
+    """A worker on ``first`` (concurrency 2) and one on ``second`` (1); none left if one fails."""
+    one = Worker(env, queues=first, concurrency=2, name=f"{name}-1", extra_env=extra_env)
+    try:
+        two = Worker(env, queues=second, concurrency=1, name=f"{name}-2", extra_env=extra_env)
+    except BaseException:
+        one.stop()
+        raise
+    return one, two
+
+
 @pytest.fixture(scope="session")
 def worker(env: Env, proj: Any) -> Iterator[Worker]:
     w = Worker(env, name="session")

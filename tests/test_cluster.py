@@ -24,7 +24,7 @@ from redis.cluster import RedisCluster as _RedisCluster
 from celery_echomq import FlowFailed, flow, get_state
 from celery_echomq.state import _ATTR, EchoMQ, make_client
 
-from .conftest import ROOT, Env, Worker
+from .conftest import ROOT, Env, Worker, worker_pair
 
 TIMEOUT = 90
 # redis-py's cluster client, as make_client returns it for a redis+cluster:// URL (generic
@@ -93,21 +93,13 @@ def cluster_workers(
     env: Env, proj: Any, redis_cluster: str, queues: Queues
 ) -> Iterator[tuple[Worker, Worker]]:
     """A worker on the parents' queue and one on the two others, both storing in the cluster."""
-    extra = {"ECHOMQ_T_STORE": redis_cluster}
-    first = Worker(
-        env, queues=queues.parent, concurrency=2, name=f"{queues.parent}-p", extra_env=extra
+    first, second = worker_pair(
+        env,
+        queues.parent,
+        f"{queues.a},{queues.b}",
+        queues.parent,
+        {"ECHOMQ_T_STORE": redis_cluster},
     )
-    try:
-        second = Worker(
-            env,
-            queues=f"{queues.a},{queues.b}",
-            concurrency=1,
-            name=f"{queues.parent}-ab",
-            extra_env=extra,
-        )
-    except BaseException:
-        first.stop()
-        raise
     yield first, second
     second.stop()
     first.stop()

@@ -21,7 +21,7 @@ from kombu.pools import ProducerPool
 
 from celery_echomq import FlowFailed, flow
 
-from .conftest import Env, Worker, wait_for
+from .conftest import Env, Worker, wait_for, worker_pair
 
 RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
 TIMEOUT = 90
@@ -61,22 +61,10 @@ def queues() -> Iterator[Queues]:
 
 @pytest.fixture(scope="module")
 def rabbit_workers(env: Env, proj: Any, queues: Queues) -> Iterator[tuple[Worker, Worker]]:
-    extra = {"ECHOMQ_T_BROKER": RABBIT}
     # Named after this run's queues: the RabbitMQ is shared, and so are its pidbox queues.
-    main = Worker(
-        env, queues=queues.main, concurrency=2, name=f"{queues.main}-main", extra_env=extra
+    main, other = worker_pair(
+        env, queues.main, f"{queues.a},{queues.b}", queues.main, {"ECHOMQ_T_BROKER": RABBIT}
     )
-    try:
-        other = Worker(
-            env,
-            queues=f"{queues.a},{queues.b}",
-            concurrency=1,
-            name=f"{queues.main}-ab",
-            extra_env=extra,
-        )
-    except BaseException:
-        main.stop()
-        raise
     assert "amqp://guest:**@127.0.0.1:5672//" in main.output()
     yield main, other
     other.stop()
