@@ -10,9 +10,6 @@ import time, so that the example process and its worker agree.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,7 +17,7 @@ from pathlib import Path
 from celery import Celery
 
 import celery_echomq
-from celery_echomq.embedded import RedisServer
+from celery_echomq.embedded import RedisServer, WorkerProcess
 
 HERE = Path(__file__).resolve().parent
 ENV_VAR = "ECHOMQ_EXAMPLE_REDIS"
@@ -53,39 +50,16 @@ def local_worker(
     with RedisServer() as server:
         url = f"redis://127.0.0.1:{server.port}"
         path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
-        env = {**os.environ, ENV_VAR: url, "PYTHONPATH": path}
-        log = Path(server.dir) / "worker.log"
-        with open(log, "wb") as out:
-            worker = subprocess.Popen(
-                [
-                    sys.executable, "-m", "celery", "-A", module, "worker", "-P", "prefork",
-                    "-c", str(concurrency), "--loglevel", "INFO",
-                    "--without-gossip", "--without-mingle", "--without-heartbeat",
-                ],
-                env=env, cwd=HERE, stdout=out, stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        try:
-            _wait_ready(worker, log, ready_timeout)
+        # Waiting for "ready" is not needed for correctness (messages wait in the broker); it
+        # turns a worker that cannot start into an error with its log.
+        with WorkerProcess(
+            module,
+            log=Path(server.dir) / "worker.log",
+            cwd=HERE,
+            env={**os.environ, ENV_VAR: url, "PYTHONPATH": path},
+            concurrency=concurrency,
+            ready_timeout=ready_timeout,
+        ) as worker:
             configure(app, url)
             print(f"redis-server on {url}, celery worker pid {worker.pid} (x{concurrency})")
             yield url
-        finally:
-            worker.terminate()
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-                worker.wait()
-
-
-def _wait_ready(worker: subprocess.Popen[bytes], log: Path, timeout: float) -> None:
-    # Waiting is not needed for correctness (messages wait in the broker); it turns a worker
-    # that cannot start into an error with its log instead of a flow that never finishes.
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if worker.poll() is not None:
-            raise RuntimeError(f"celery worker exited early:\n{log.read_text(errors='replace')}")
-        if b" ready." in log.read_bytes():
-            return
-        time.sleep(0.1)
-    raise RuntimeError(f"celery worker not ready in {timeout}s:\n{log.read_text(errors='replace')}")

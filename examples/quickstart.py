@@ -10,7 +10,6 @@ the children's progress and the parent's result. Everything stops when it ends.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,36 +49,14 @@ def merge(values: list[int]) -> dict[str, object]:
 
 
 def main() -> int:
-    from celery_echomq.embedded import RedisServer
+    from celery_echomq.embedded import RedisServer, WorkerProcess
 
+    here = Path(__file__).parent
     with RedisServer() as server:
         url = f"redis://127.0.0.1:{server.port}"
-        env = {**os.environ, "QUICKSTART_REDIS": url, "PYTHONPATH": str(Path(__file__).parent)}
         log = Path(server.dir) / "worker.log"
-        with open(log, "wb") as out:
-            worker = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "celery",
-                    "-A",
-                    "quickstart",
-                    "worker",
-                    "-P",
-                    "prefork",
-                    "-c",
-                    "2",
-                    "--loglevel",
-                    "INFO",
-                    "--without-gossip",
-                    "--without-mingle",
-                ],
-                env=env,
-                cwd=Path(__file__).parent,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        try:
+        env = {**os.environ, "QUICKSTART_REDIS": url, "PYTHONPATH": str(here)}
+        with WorkerProcess("quickstart", log=log, cwd=here, env=env, concurrency=2) as worker:
             configure(url)
             print(f"redis-server on {url}, celery worker pid {worker.pid} (prefork, 2 processes)")
             res = flow(merge.s(), [fetch.s(i) for i in range(8)]).apply_async()
@@ -96,9 +73,6 @@ def main() -> int:
             released = [line for line in log.read_text().splitlines() if "echomq:" in line]
             print("worker log:", *(line.split("] ", 1)[-1] for line in released), sep="\n  ")
             return 0
-        finally:
-            worker.terminate()
-            worker.wait(30)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,7 @@ subprocesses running tests/proj.py."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -18,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_echomq.embedded import RedisServer
+from celery_echomq.embedded import RedisServer, WorkerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 # Worker logs of this test session (kept after the run for reading a failure).
@@ -83,8 +79,8 @@ def store(env: Env) -> redis.Redis:
     return redis.Redis.from_url(env.store)
 
 
-class Worker:
-    """A real `celery worker` subprocess (prefork) running tests/proj.py."""
+class Worker(WorkerProcess):
+    """A real `celery worker` subprocess (prefork) running tests/proj.py, started at once."""
 
     def __init__(
         self,
@@ -97,76 +93,17 @@ class Worker:
         extra_env: dict[str, str] | None = None,
     ) -> None:
         self.name = name or f"w{uuid.uuid4().hex[:8]}"
-        self.log = LOGDIR / f"{self.name}.log"
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
+        super().__init__(
             "tests.proj",
-            "worker",
-            "-P",
-            pool,
-            "-c",
-            str(concurrency),
-            "-Q",
-            queues,
-            "-n",
-            f"{self.name}@%h",
-            "--loglevel",
-            "INFO",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        ]
-        self.logfile = open(self.log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            cmd,
+            log=LOGDIR / f"{self.name}.log",
             cwd=ROOT,
             env=env.environ(**(extra_env or {})),
-            stdout=self.logfile,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+            queues=queues,
+            concurrency=concurrency,
+            name=self.name,
+            pool=pool,
         )
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited early:\n{self.output()}")
-            if b" ready." in self.log.read_bytes():
-                return
-            time.sleep(0.1)
-        raise RuntimeError(f"worker not ready in 60 s:\n{self.output()}")
-
-    def output(self) -> str:
-        return self.log.read_bytes().decode(errors="replace")
-
-    def pool_pids(self) -> list[int]:
-        out = subprocess.run(
-            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
-        ).stdout
-        return [int(p) for p in out.split()]
-
-    def kill(self) -> None:
-        """SIGKILL the whole worker (main process and pool), as a crash would."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-        self.logfile.close()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.logfile.close()
+        self.start()
 
 
 def worker_pair(
