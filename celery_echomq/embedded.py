@@ -174,7 +174,6 @@ class RedisClusterServer(_Server):
         self.dir = tempfile.mkdtemp(prefix="echomq-cluster-")
         self.nodes: list[RedisServer] = []
         # (first slot, last slot, port) for each master, in slot order.
-        self.slot_ranges: list[tuple[int, int, int]] = []
 
     @property
     def ports(self) -> list[int]:
@@ -183,12 +182,6 @@ class RedisClusterServer(_Server):
     def url(self) -> str:
         """The ``echomq_redis_url`` for this cluster (any one node; the client finds the rest)."""
         return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
-
-    def port_for_slot(self, slot: int) -> int:
-        for first, last, port in self.slot_ranges:
-            if first <= slot <= last:
-                return port
-        raise ValueError(f"slot {slot} is outside 0..{CLUSTER_SLOTS - 1}")
 
     def start(self) -> RedisClusterServer:
         import redis
@@ -210,14 +203,13 @@ class RedisClusterServer(_Server):
                 node.start()
             clients = [redis.Redis(host="127.0.0.1", port=port) for port in self.ports]
             share = CLUSTER_SLOTS // self.masters
-            for i, (client, port) in enumerate(zip(clients, self.ports, strict=True)):
+            for i, client in enumerate(clients):
                 first = i * share
                 last = CLUSTER_SLOTS - 1 if i == self.masters - 1 else first + share - 1
                 # Distinct config epochs up front, as redis-cli does: no epoch collision to
                 # resolve before the slot owners agree.
                 client.execute_command("CLUSTER", "SET-CONFIG-EPOCH", i + 1)  # type: ignore[no-untyped-call]
                 client.execute_command("CLUSTER", "ADDSLOTS", *range(first, last + 1))  # type: ignore[no-untyped-call]
-                self.slot_ranges.append((first, last, port))
             for port in self.ports[1:]:
                 clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", port)  # type: ignore[no-untyped-call]
             self._wait_ok(clients)
