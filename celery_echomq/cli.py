@@ -273,13 +273,14 @@ def watch(
 def recover(ctx: click.Context, queues: tuple[str, ...], as_json: bool) -> None:
     """Run one recovery pass: what the worker step runs every echomq_recovery_interval.
 
-    Re-publishes jobs whose message was lost, settles jobs whose worker died (from Celery's
-    result backend) and dispatches released parents that never started. Prints one line per
-    repair. Safe beside running workers: every repair is an idempotent transition.
+    Re-publishes jobs whose message is gone, settles jobs whose worker died (from Celery's
+    result backend) and dispatches released parents that never started. It looks twice, a
+    moment apart: evidence that a message is gone must hold at both looks. Prints one line
+    per repair. Safe beside running workers: every repair is an idempotent transition.
     """
-    from .recovery import run_pass
+    from .recovery import recover_now
 
-    repairs = run_pass(_state(ctx), queues=queues or None)
+    repairs = recover_now(_state(ctx), queues=queues or None)
     if as_json:
         _emit_json({"repairs": repairs})
         return
@@ -293,7 +294,8 @@ def recover(ctx: click.Context, queues: tuple[str, ...], as_json: bool) -> None:
 @click.pass_context
 @_errors
 def stats(ctx: click.Context, as_json: bool) -> None:
-    """Per queue that holds flows: pending, active, held parents and failed jobs."""
+    """Per queue that holds flows: pending, active, held parents and failed jobs; messages
+    recovery re-published and duplicate deliveries skipped (both counted since the start)."""
     rows = queue_stats(_state(ctx))
     if as_json:
         _emit_json({"queues": [dataclasses.asdict(row) for row in rows]})
@@ -302,11 +304,14 @@ def stats(ctx: click.Context, as_json: bool) -> None:
         click.echo("no queue holds flows yet")
         return
     width = max(len("queue"), *(len(row.queue) for row in rows))
-    click.echo(f"{'queue':<{width}}  {'pending':>7}  {'active':>6}  {'held':>6}  {'failed':>6}")
+    click.echo(
+        f"{'queue':<{width}}  {'pending':>7}  {'active':>6}  {'held':>6}  {'failed':>6}  "
+        f"{'republished':>11}  {'skipped':>7}"
+    )
     for row in rows:
         click.echo(
             f"{row.queue:<{width}}  {row.pending:>7}  {row.active:>6}  {row.held:>6}  "
-            f"{row.failed:>6}"
+            f"{row.failed:>6}  {row.republished:>11}  {row.skipped:>7}"
         )
 
 

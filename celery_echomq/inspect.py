@@ -103,6 +103,8 @@ class QueueStats:
     active: int  # claimed and running (or lost, until recovery notices)
     held: int  # parents awaiting their children
     failed: int  # jobs that failed for good within the result TTL
+    republished: int = 0  # messages recovery re-published (or dispatched again), ever
+    skipped: int = 0  # duplicate deliveries acknowledged without running their body, ever
 
 
 def _text(value: Any) -> str | None:
@@ -396,7 +398,8 @@ def held_parents(state: EchoMQ, queue: str) -> list[str]:
 
 
 def queue_stats(state: EchoMQ) -> list[QueueStats]:
-    """Per queue that holds flows (``emq:queues``): pending, active, held and failed jobs."""
+    """Per queue that holds flows (``emq:queues``): pending, active, held and failed jobs, and
+    how many messages recovery re-published and how many duplicate deliveries were skipped."""
     keys, client = state.keys, state.client
     names = sorted(filter(None, (_text(q) for q in client.smembers(keys.queues_key()))))
     stats: list[QueueStats] = []
@@ -404,9 +407,18 @@ def queue_stats(state: EchoMQ) -> list[QueueStats]:
         pipe = client.pipeline(transaction=False)
         for set_name in ("pending", "active", "failed"):
             pipe.zcard(keys.queue_key(name, set_name))
-        pending, active, failed = pipe.execute()
+        pipe.hmget(keys.queue_key(name, "counters"), "republished", "duplicates_skipped")
+        pending, active, failed, (republished, skipped) = pipe.execute()
         stats.append(
-            QueueStats(name, int(pending), int(active), len(held_parents(state, name)), int(failed))
+            QueueStats(
+                name,
+                int(pending),
+                int(active),
+                len(held_parents(state, name)),
+                int(failed),
+                int(republished or 0),
+                int(skipped or 0),
+            )
         )
     return stats
 

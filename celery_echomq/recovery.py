@@ -1,18 +1,31 @@
-"""Recovery: nothing lost, nothing counted twice (DESIGN section 5).
+"""Recovery: nothing lost, nothing counted twice, and nothing re-run on a guess.
 
 A signal receiver can fail (Redis unreachable), a worker can die mid-task or between two steps,
 a producer can die between its EVAL and its publishes, and a broker can lose messages. None of
-that may leave a flow waiting forever. :func:`run_pass` looks at every queue in ``emq:queues``
-and repairs what it finds:
+that may leave a flow waiting forever; and a job that is only waiting (a backlog, a long task,
+a prefetched message) must never be taken for a lost one. So every repair acts on evidence:
 
-(a) a child ``pending`` past the stall timeout without a claim: its message was lost, so it is
-    re-published from its stored payload (and re-scored, so the next pass does not repeat it);
-(b) a job ``active`` past its deadline: its worker is gone. Celery's result backend says how
-    its body ended: SUCCESS -> complete it with that value, FAILURE -> fail it (the child's
-    policy applies), anything else -> re-publish it;
-(c) a released parent not started within the stall timeout (never dispatched, or its dispatch
-    was lost): dispatch it again. The dispatch script refuses one dispatched less than a stall
-    timeout ago, so a dispatch still on its way is not duplicated;
+- A **lease** says a holder is alive. A worker renews, every few seconds, the leases of the flow
+  jobs it runs (their deadlines in the active set) and of those it has received but not started
+  (prefetched, or waiting for an eta: the reserved set). A lease lapses a stall timeout after
+  its holder's last renewal, and ends at once when the worker sees the pool process that held
+  it die (drop.lua).
+- A job's **message is gone** when the job is pending past the stall timeout, no live worker
+  holds it, and either the queue has since delivered a job of the same priority that became
+  pending more than a stall timeout after it (brokers deliver a queue in order: it was
+  overtaken), or the broker reports the queue empty. Both must still hold, for the same job,
+  at a second look at least :data:`HOLD_MS` later: a worker leases what it has just fetched
+  within that time.
+
+:func:`run_pass` looks at every queue in ``emq:queues`` and repairs what the evidence shows:
+
+(a) a pending child whose message is gone: re-published from its stored payload;
+(b) a job whose holder's lease lapsed: Celery's result backend says how its body ended:
+    SUCCESS -> complete it with that value, FAILURE -> fail it (the child's policy applies),
+    anything else -> re-publish it. A job handed over to a replacement (``Task.replace``) is
+    completed or failed from the replacement's result as soon as the backend has it;
+(c) a released parent never dispatched a stall timeout after its release, or dispatched and
+    its message gone: dispatched (again);
 (d) a parent failed by its child whose FAILURE never reached the result backend (its worker
     died between fail.lua and ``flows.parent_failed``), or a failed nested flow whose failure
     never reached its outer flow: record it, carry it;
@@ -21,13 +34,16 @@ and repairs what it finds:
 (f) a flow of the chunked path still open past the stall timeout (its producer died between
     open_flow and seal_flow): seal it if every child was written, else fail it.
 
+No storm: a job is re-published at most once per stall timeout, doubling for each earlier
+re-publish (requeue.lua), a pass re-publishes at most :data:`BUDGET` jobs per queue, and each
+re-publish is logged and counted in the queue's ``republished`` counter (``echomq stats``).
+
 Every repair is an atomic transition script that re-checks what the pass saw (state, token,
 deadline, score), so two passes at once (two workers, or a worker and ``celery echomq
-recover``) cost duplicate work at most, never a double credit. Task bodies stay at-least-once:
-a job re-published because it *looked* lost may run twice; its credit still counts once.
+recover``) cost duplicate work at most, never a double credit.
 
-:class:`RecoveryStep` runs the pass in every worker, one worker at a time under a Redis lease,
-and renews the deadlines of the flow jobs that worker is running: a long task is not a lost one.
+:class:`RecoveryLoop` runs in every worker: it renews that worker's leases, ends those of its
+dead pool processes, and runs the pass, one worker at a time under a Redis lease.
 """
 
 from __future__ import annotations
@@ -39,6 +55,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -63,6 +80,7 @@ from .flows import (
 )
 from .keyspace import check_id, check_queue
 from .scripts import ParentRef
+from .signals import holder_prefix, pid_alive
 from .state import EchoMQ, find_state
 
 logger = logging.getLogger("celery_echomq")
@@ -70,6 +88,12 @@ logger = logging.getLogger("celery_echomq")
 LEASE = "recovery"
 # Entries read from each set of each queue per pass: a pass stays short; the next takes the rest.
 BATCH = 500
+# Re-publishes per queue per pass: recovery never floods a queue that is already struggling.
+BUDGET = 100
+# How often a worker looks at what it holds: a job it has just fetched is leased within this.
+TICK = 0.5
+# Evidence that a message is gone must hold at two looks this far apart (see above).
+HOLD_MS = 1500
 # The recovery lease outlives a pass by far; a holder that dies mid-pass delays the next pass
 # by at most this long (or three intervals, if longer).
 LEASE_MIN_MS = 10_000
@@ -224,6 +248,14 @@ def run_pass(
     return repairs
 
 
+def recover_now(state: EchoMQ, *, queues: Iterable[str] | None = None) -> list[str]:
+    """Two passes :data:`HOLD_MS` apart: what ``celery echomq recover`` runs. The first look
+    records the evidence that a message is gone; the second confirms it and re-publishes."""
+    repairs = run_pass(state, queues=queues)
+    time.sleep(HOLD_MS / 1000 + 0.1)
+    return repairs + run_pass(state, queues=queues)
+
+
 def _overdue(
     state: EchoMQ, queue: str, set_name: str, before_ms: int, batch: int
 ) -> list[tuple[str, float]]:
@@ -257,35 +289,163 @@ def _guarded(
 # --- (a) and (c) -------------------------------------------------------------------------------
 
 
+def broker_backlog(app: Any, queue: str) -> int | None:
+    """Messages ready in the broker's queue ``queue`` (a passive declare, which every kombu
+    transport answers: AMQP's message count, the Redis transport's LLEN over its priority
+    lists); 0 when the queue does not exist; None when the broker cannot be asked."""
+    try:
+        with app.connection_for_read() as conn:
+            channel = conn.channel()
+            try:
+                _, count, _ = channel.queue_declare(queue=queue, passive=True)
+                return int(count)
+            except conn.channel_errors:
+                return 0  # no such queue: nothing is waiting in it
+            finally:
+                with contextlib.suppress(Exception):
+                    channel.close()
+    except Exception as exc:
+        logger.warning("echomq recovery: cannot read the backlog of %s: %r", queue, exc)
+        return None
+
+
+def _priority(job: dict[str, Any]) -> int:
+    try:
+        return int((job.get("options") or {}).get("priority") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+class _Evidence:
+    """What one pass knows of one queue: claim marks, leases, and (asked once, lazily) whether
+    the broker's queue is empty."""
+
+    def __init__(self, state: EchoMQ, queue: str, now: int) -> None:
+        self.state, self.queue, self.now = state, queue, now
+        marks = state.client.hgetall(state.keys.queue_key(queue, "marks"))
+        self.marks = {_text(k): float(v) for k, v in marks.items()}
+        self._empty: bool | None = None
+
+    def overtaken(self, since: float, priority: int) -> bool:
+        """The queue delivered a job of this priority that became pending more than a stall
+        timeout after ``since``."""
+        return self.marks.get(str(priority), 0.0) > since + self.state.settings.stall_ms
+
+    def could_be_overtaken(self, since: float) -> bool:
+        return max(self.marks.values(), default=0.0) > since + self.state.settings.stall_ms
+
+    def empty(self) -> bool:
+        if self._empty is None:
+            self._empty = broker_backlog(self.state.app, self.queue) == 0
+        return self._empty
+
+
 def _lost_pending(state: EchoMQ, queue: str, batch: int) -> list[str]:
-    """(a) children pending past the stall timeout, and (c) released parents not started."""
-    client, stall = state.client, state.settings.stall_ms
+    """(a) children whose message is gone, and (c) released parents not started."""
+    client, keys, stall = state.client, state.keys, state.settings.stall_ms
     now = _now_ms(client)
+    client.zremrangebyscore(keys.queue_key(queue, "reserved"), "-inf", now)
     due = _overdue(state, queue, "pending", now - stall, batch)
     if not due:
         return []
-    # A row with a counter is a flow parent: released (pending) means dispatch, not re-publish.
+    fields = ("dispatched", "suspect")
     pipe = client.pipeline(transaction=False)
     for job_id, _ in due:
-        pipe.exists(state.keys.flow_keys(queue, job_id)[0])
-    is_parent = pipe.execute()
-    repairs = []
-    for (job_id, since), parent in zip(due, is_parent, strict=True):
-        waited = (now - since) / 1000
-        if parent:
-            line = _guarded("released parent", _redispatch, state, queue, job_id, waited)
+        pipe.hmget(keys.job_key(queue, job_id), fields)
+        pipe.zscore(keys.queue_key(queue, "reserved"), job_id)
+        pipe.exists(keys.flow_keys(queue, job_id)[0])
+    replies = pipe.execute()
+    seen = _Evidence(state, queue, now)
+    repairs: list[str] = []
+    for i, (job_id, since) in enumerate(due):
+        if len(repairs) >= BUDGET:
+            logger.warning(
+                "echomq recovery: %s: re-publish budget (%d) spent; the next pass goes on",
+                queue,
+                BUDGET,
+            )
+            break
+        (dispatched, suspect), held, is_parent = replies[3 * i : 3 * i + 3]
+        if held is not None and float(held) > now:
+            continue  # a live worker has it (prefetched, or waiting for its eta)
+        if is_parent and dispatched is None:
+            # Released and never published: its releaser died before dispatching it.
+            line = _guarded("released parent", _redispatch, state, queue, job_id, now, since, 0)
         else:
-            line = _guarded("pending child", _republish_pending, state, queue, job_id, now, since)
+            if dispatched is not None:
+                since = max(since, float(dispatched))  # its message is the latest dispatch's
+                if now - since < stall:
+                    continue
+            # In a backlog this is where a pass ends: one broker question, no payload read.
+            if not seen.could_be_overtaken(since) and not seen.empty():
+                continue
+            line = _guarded(
+                "pending job",
+                _maybe_lost,
+                state,
+                queue,
+                job_id,
+                now,
+                since,
+                suspect,
+                is_parent,
+                seen,
+            )
         if line:
             repairs.append(line)
     return repairs
 
 
-def _redispatch(state: EchoMQ, queue: str, parent_id: str, waited: float) -> str | None:
-    if not dispatch_parent(state, queue, parent_id, redispatch_after_ms=state.settings.stall_ms):
+def _maybe_lost(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    now: int,
+    since: float,
+    suspect: Any,
+    is_parent: bool,
+    seen: _Evidence,
+) -> str | None:
+    """Re-publish (dispatch, for a parent) a pending job if the evidence shows its message is
+    gone, and held at an earlier look too."""
+    stall = state.settings.stall_ms
+    job = _decode(
+        state, queue, job_id, state.client.hget(state.keys.job_key(queue, job_id), "payload")
+    )
+    if job is not None:
+        if now - since < stall + _delay_ms(job, since):
+            return None  # a delayed message, not a late one (yet)
+        if not (seen.overtaken(since, _priority(job)) or seen.empty()):
+            return None  # waiting behind jobs of a higher priority, or in a backlog
+    if not _confirmed(state, queue, job_id, suspect, now):
+        return None
+    if is_parent:
+        return _redispatch(state, queue, job_id, now, since, stall)
+    return _republish_pending(state, queue, job_id, now, since, job)
+
+
+def _confirmed(state: EchoMQ, queue: str, job_id: str, suspect: Any, now: int) -> bool:
+    """Whether the evidence against ``job_id`` held at an earlier look, :data:`HOLD_MS` to a
+    few stall timeouts ago; else this look is recorded as the first one."""
+    first = float(suspect) if suspect is not None else None
+    if first is not None and HOLD_MS <= now - first <= HOLD_MS + 4 * state.settings.stall_ms:
+        return True
+    if first is None or now - first > HOLD_MS:
+        state.client.hset(state.keys.job_key(queue, job_id), "suspect", now)
+    return False
+
+
+def _redispatch(
+    state: EchoMQ, queue: str, parent_id: str, now: int, since: float, after_ms: int
+) -> str | None:
+    if not dispatch_parent(state, queue, parent_id, redispatch_after_ms=after_ms):
         return None
     _keep_locator(state, queue, parent_id)
-    return f"{queue}: dispatched parent {parent_id} (released {waited:.1f}s ago, never started)"
+    state.client.hdel(state.keys.job_key(queue, parent_id), "suspect")
+    state.client.hincrby(state.keys.queue_key(queue, "counters"), "republished", 1)
+    waited = (now - since) / 1000
+    why = "never dispatched" if after_ms == 0 else "its message is gone"
+    return f"{queue}: dispatched parent {parent_id} (released {waited:.1f}s ago, {why})"
 
 
 def _delay_ms(job: dict[str, Any], since_ms: float) -> int:
@@ -309,18 +469,14 @@ def _delay_ms(job: dict[str, Any], since_ms: float) -> int:
 
 
 def _republish_pending(
-    state: EchoMQ, queue: str, job_id: str, now: int, since: float
+    state: EchoMQ, queue: str, job_id: str, now: int, since: float, seen: dict[str, Any] | None
 ) -> str | None:
     stall = state.settings.stall_ms
-    seen = _decode(
-        state, queue, job_id, state.client.hget(state.keys.job_key(queue, job_id), "payload")
-    )
     delay = _delay_ms(seen, since) if seen is not None else 0
-    if now - since < stall + delay:
-        return None  # a delayed message, not a lost one (yet)
-    # The script re-checks the age (with the same delay): another pass may have requeued it.
-    # A refused payload is re-scored too, so it is reported once per stall timeout and never
-    # blocks the head of the pending set.
+    # The script re-checks the age (with the same delay, and its backoff) and the leases:
+    # another pass may have requeued it, a worker may have fetched it since. A refused payload
+    # is re-scored too, so it is reported once per stall timeout and never blocks the head of
+    # the pending set.
     status, payload = state.scripts.requeue(queue, job_id, stall + delay, "pending")
     if status != "requeued" or seen is None:
         return None
@@ -337,7 +493,7 @@ def _republish_pending(
     if ref is not None:
         _keep_locator(state, ref.queue, ref.id)
         of = f" of parent {ref.id}"
-    return f"{queue}: re-published {job_id}{of} (pending {waited:.1f}s without a claim)"
+    return f"{queue}: re-published {job_id}{of} (pending {waited:.1f}s; its message is gone)"
 
 
 # --- (b) ---------------------------------------------------------------------------------------
@@ -355,27 +511,40 @@ def _backend_outcome(state: EchoMQ, job_id: str) -> tuple[str | None, Any]:
 
 
 def _lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
-    """(b) jobs active past their deadline: their worker died (or could not reach Redis)."""
+    """(b) jobs whose holder's lease lapsed (its worker died, or could not reach Redis), and
+    jobs handed over to a replacement task, due for a look at the result backend."""
     client = state.client
     due = _overdue(state, queue, "active", _now_ms(client), batch)
     if not due:
         return []
     pipe = client.pipeline(transaction=False)
     for job_id, _ in due:
-        pipe.hmget(state.keys.job_key(queue, job_id), "state", "token", "payload")
+        pipe.hmget(state.keys.job_key(queue, job_id), "state", "token", "payload", "replaced")
     rows = pipe.execute()
-    repairs = []
-    for (job_id, _), (row_state, token, payload) in zip(due, rows, strict=True):
+    repairs: list[str] = []
+    for (job_id, _), (row_state, token, payload, replaced) in zip(due, rows, strict=True):
         if row_state is None or _text(row_state) != "active":
             continue
-        token_text = _text(token or b"")
-        line = _guarded("active job", _repair_active, state, queue, job_id, token_text, payload)
+        if len(repairs) >= BUDGET:
+            break
+        line = _guarded(
+            "active job",
+            _repair_active,
+            state,
+            queue,
+            job_id,
+            _text(token or b""),
+            payload,
+            replaced is not None,
+        )
         if line:
             repairs.append(line)
     return repairs
 
 
-def _repair_active(state: EchoMQ, queue: str, job_id: str, token: str, payload: Any) -> str | None:
+def _repair_active(
+    state: EchoMQ, queue: str, job_id: str, token: str, payload: Any, replaced: bool = False
+) -> str | None:
     job = _decode(state, queue, job_id, payload)
     if job is None:
         # Refused: push its deadline back, so it is reported once per stall timeout.
@@ -402,6 +571,12 @@ def _repair_active(state: EchoMQ, queue: str, job_id: str, token: str, payload: 
         error = error_text(result) if isinstance(result, BaseException) else str(result)
         failed = settle_failure(state, queue, job_id, token, error, is_parent, parent)
         return f"{queue}: failed {job_id} from its FAILURE result ({failed}): {error}"
+    if replaced:
+        # Its replacement has not finished: look again next pass. Whether the replacement's
+        # messages arrive is Celery's business, as for a chord whose header task replaced
+        # itself; this job is not re-run.
+        state.scripts.extend(queue, [job_id], int(state.settings.recovery_interval * 1000))
+        return None
     requeued, stored = state.scripts.requeue(
         queue, job_id, state.settings.stall_ms, "active", token
     )
@@ -414,7 +589,7 @@ def _repair_active(state: EchoMQ, queue: str, job_id: str, token: str, payload: 
         job = _with_values(state, queue, job_id, job)
     publish(state.app, [job])
     return (
-        f"{queue}: re-published {job_id} (active past its deadline; result backend: "
+        f"{queue}: re-published {job_id} (its holder's lease lapsed; result backend: "
         f"{status or 'none'})"
     )
 
@@ -640,28 +815,81 @@ def leased_pass(
             state.scripts.lease_release(LEASE, holder)
 
 
-def extend_running(state: EchoMQ) -> int:
-    """Push back the deadlines of the flow jobs this worker is running; how many moved."""
-    from celery.worker.state import active_requests
+@dataclass(frozen=True)
+class Held:
+    """A flow job this worker holds: running in pool process ``pid``, or received, not started."""
 
-    by_queue: dict[str, list[str]] = {}
-    # A copy: the worker's event loop adds and removes requests while this thread reads.
-    for request in list(active_requests):
-        headers = getattr(request, "request_dict", None) or {}
-        queue = headers.get(H_QUEUE)
-        if queue:
-            by_queue.setdefault(str(queue), []).append(str(request.id))
+    queue: str
+    running: bool
+    pid: int | None
+
+
+def held_jobs() -> dict[str, Held]:
+    """The flow jobs this worker holds now, by id (Celery's worker state, read in its main
+    process): running, prefetched and waiting for a pool process, or waiting for an eta."""
+    from celery.worker import state as worker_state
+
+    held: dict[str, Held] = {}
+    # Copies: the worker's event loop adds and removes requests while this thread reads.
+    groups = (
+        (True, list(worker_state.active_requests)),
+        (False, list(worker_state.reserved_requests)),
+        (False, list(getattr(worker_state, "scheduled_requests", ()))),
+    )
+    for running, requests in groups:
+        for request in requests:
+            headers = getattr(request, "request_dict", None) or {}
+            queue = headers.get(H_QUEUE)
+            if queue and str(request.id) not in held:
+                pid = getattr(request, "worker_pid", None) if running else None
+                held[str(request.id)] = Held(str(queue), running, pid)
+    return held
+
+
+def renew(state: EchoMQ, jobs: dict[str, Held]) -> int:
+    """Renew this worker's leases on ``jobs``; how many moved."""
+    by_queue: dict[str, tuple[list[str], list[str]]] = {}
+    for job_id, job in jobs.items():
+        running, waiting = by_queue.setdefault(job.queue, ([], []))
+        (running if job.running else waiting).append(job_id)
     moved = 0
-    for queue, ids in by_queue.items():
-        moved += state.scripts.extend(queue, ids, state.settings.stall_ms)
+    for queue, (running, waiting) in by_queue.items():
+        moved += state.scripts.extend(queue, running, state.settings.stall_ms, waiting)
     return moved
 
 
-class RecoveryLoop:
-    """A daemon thread in the worker's main process: renew deadlines, run leased passes.
+def drop_dead(state: EchoMQ, jobs: dict[str, Held]) -> list[str]:
+    """End the leases of ``jobs``, whose pool processes this worker saw die; one line each."""
+    lines = []
+    for job_id, job in jobs.items():
+        if job.pid is None:
+            continue
+        status, payload = state.scripts.drop(job.queue, job_id, holder_prefix(job.pid))
+        if status == "noop":
+            continue
+        if status == "requeued":
+            # A duplicate was skipped while this holder looked alive: no message is left.
+            found = _decode(state, job.queue, job_id, payload)
+            if found is not None:
+                if "children" in found:
+                    found = _with_values(state, job.queue, job_id, found)
+                publish(state.app, [found])
+            line = f"{job.queue}: re-published {job_id} (its pool process {job.pid} died)"
+        else:
+            line = f"{job.queue}: lease of {job_id} ended (its pool process {job.pid} died)"
+        logger.warning("echomq recovery: %s", line)
+        lines.append(line)
+    return lines
 
-    A thread rather than the worker's timer: the timer's callbacks run on the event loop, and a
-    pass makes blocking calls to Redis and the result backend.
+
+class RecoveryLoop:
+    """A daemon thread in the worker's main process: leases and leased recovery passes.
+
+    Every :data:`TICK` it compares the flow jobs the worker holds with the last look: a job it
+    has just received is leased at once, a job whose pool process died has its lease ended at
+    once; every third of a stall timeout it renews all its leases; every recovery interval it
+    runs a pass. A thread rather than the worker's timer: the timer's callbacks run on the
+    event loop, and a pass makes blocking calls to Redis, the broker and the result backend.
     """
 
     def __init__(self, state: EchoMQ, name: str, app: Any = None) -> None:
@@ -671,8 +899,10 @@ class RecoveryLoop:
         settings = state.settings
         self.interval = settings.recovery_interval
         # Renew at least three times per stall timeout, so one slow renewal never lets the
-        # deadline of a running job lapse.
+        # lease of a live job lapse.
         self.renew_every = min(settings.recovery_interval, settings.stall_timeout / 3)
+        self.tick = min(TICK, self.renew_every)
+        self._held: dict[str, Held] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -696,20 +926,48 @@ class RecoveryLoop:
             return None
         return {str(name) for name in self.app.amqp.queues.consume_from}
 
+    def look(self, renew_all: bool) -> None:
+        """One tick: lease what is new (or everything), end the leases of dead holders."""
+        now = held_jobs()
+        before, self._held = self._held, now
+        gone = {
+            job_id: job
+            for job_id, job in before.items()
+            if job.running
+            and job.pid is not None
+            and (job_id not in now or now[job_id].pid != job.pid)
+            and not pid_alive(job.pid)
+        }
+        if gone:
+            drop_dead(self.state, gone)
+        fresh = (
+            now
+            if renew_all
+            else {job_id: job for job_id, job in now.items() if before.get(job_id) != job}
+        )
+        if fresh:
+            renew(self.state, fresh)
+
     def _run(self) -> None:
-        next_pass = time.monotonic()  # a worker that starts after a crash repairs at once
+        start = time.monotonic()
+        next_pass = start  # a worker that starts after a crash repairs at once
+        next_renew = start
         while not self._stop.is_set():
+            renew_all = time.monotonic() >= next_renew
+            if renew_all:
+                next_renew = time.monotonic() + self.renew_every
             try:
-                extend_running(self.state)
+                self.look(renew_all)
             except Exception as exc:
-                logger.warning("echomq recovery: could not renew deadlines: %s", exc)
+                logger.warning("echomq recovery: could not renew leases: %s", exc)
+                self._held = {}  # lease everything again at the next tick
             if time.monotonic() >= next_pass:
                 next_pass = time.monotonic() + self.interval
                 try:
                     leased_pass(self.state, self.holder, self.queues())
                 except Exception as exc:
                     logger.warning("echomq recovery: pass failed: %r", exc)
-            self._stop.wait(max(0.0, min(self.renew_every, next_pass - time.monotonic())))
+            self._stop.wait(self.tick)
 
 
 class RecoveryStep(bootsteps.StartStopStep):  # type: ignore[misc]

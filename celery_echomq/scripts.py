@@ -32,9 +32,12 @@ TRANSITIONS = (
     "add_children",
     "seal_flow",
     "credit",
-    # recovery.py's: take back a lost job, renew a live job's deadline, give up the lease
+    # recovery.py's: take back a lost job, renew a live worker's leases, end a dead holder's
+    # lease, watch a job replaced by another task, give up the recovery lease
     "requeue",
     "extend",
+    "drop",
+    "hand_over",
     "lease_release",
     "abandon_flow",
 )
@@ -126,14 +129,28 @@ class Scripts:
             argv.append(outer)
         return int(self._run("enqueue_flow", keys, argv))
 
-    def claim(self, queue: str, job_id: str, token: str, lease_ms: int) -> tuple[str, int]:
+    def claim(
+        self,
+        queue: str,
+        job_id: str,
+        token: str,
+        lease_ms: int,
+        *,
+        priority: int = 0,
+        force: bool = False,
+    ) -> tuple[str, int, str]:
+        """``(status, attempts, holder)``: see claim.lua (holder: the live token when busy)."""
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "marks"),
+            self.keys.queue_key(queue, "reserved"),
+            self.keys.queue_key(queue, "counters"),
         ]
-        status, attempts = self._run("claim", keys, [job_id, token, str(lease_ms)])
-        return _text(status), int(attempts)
+        argv = [job_id, token, str(lease_ms), str(priority), "1" if force else "0"]
+        status, attempts, holder = self._run("claim", keys, argv)
+        return _text(status), int(attempts), _text(holder)
 
     def complete(
         self,
@@ -273,13 +290,13 @@ class Scripts:
         )
         return _text(status), _text(applied)
 
-    def retry(self, queue: str, job_id: str, token: str) -> str:
+    def retry(self, queue: str, job_id: str, token: str, due_in_ms: int = 0) -> str:
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
         ]
-        return _text(self._run("retry", keys, [job_id, token])[0])
+        return _text(self._run("retry", keys, [job_id, token, str(max(0, due_in_ms))])[0])
 
     def dispatch(
         self, queue: str, parent_id: str, redispatch_after_ms: int = 0, inline_max: int = 1000
@@ -327,17 +344,41 @@ class Scripts:
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "reserved"),
+            self.keys.queue_key(queue, "counters"),
         ]
         reply = self._run("requeue", keys, [job_id, str(stall_ms), seen_state, token])
         status = _text(reply[0])
         return (status, reply[1]) if status == "requeued" else (status, None)
 
-    def extend(self, queue: str, job_ids: Sequence[str], lease_ms: int) -> int:
-        """Push the deadlines of ``job_ids`` (still active on ``queue``) to now + ``lease_ms``."""
-        if not job_ids:
+    def extend(
+        self, queue: str, running: Sequence[str], lease_ms: int, held: Sequence[str] = ()
+    ) -> int:
+        """Renew this worker's leases on ``queue``: the deadlines of the ``running`` jobs (still
+        active) and the holds on the ``held`` ones (received, not started), to now + lease."""
+        if not running and not held:
             return 0
-        keys = [self.keys.queue_key(queue, "active")]
-        return int(self._run("extend", keys, [str(lease_ms), *job_ids]))
+        keys = [self.keys.queue_key(queue, "active"), self.keys.queue_key(queue, "reserved")]
+        argv = [str(lease_ms), str(len(running)), *running, *held]
+        return int(self._run("extend", keys, argv))
+
+    def drop(self, queue: str, job_id: str, holder_prefix: str) -> tuple[str, bytes | None]:
+        """End the lease of a holder known dead: ``("lapsed", None)``, ``("requeued", payload)``
+        (the host re-publishes it) or ``("noop", None)``."""
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "counters"),
+        ]
+        reply = self._run("drop", keys, [job_id, holder_prefix])
+        status = _text(reply[0])
+        return (status, reply[1]) if status == "requeued" else (status, None)
+
+    def hand_over(self, queue: str, job_id: str, token: str) -> str:
+        """The job was replaced (Task.replace): its outcome is the replacement's."""
+        keys = [self.keys.job_key(queue, job_id), self.keys.queue_key(queue, "active")]
+        return _text(self._run("hand_over", keys, [job_id, token])[0])
 
     def lease_release(self, name: str, token: str) -> bool:
         """Give up the lease ``name`` if ``token`` still holds it."""

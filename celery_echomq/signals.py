@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import uuid
 from collections import OrderedDict
+from datetime import datetime, timezone
 from typing import Any
 
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals
+from celery.app.task import Task
+from celery.exceptions import Ignore
 
 from .flows import (
     H_FLOW,
@@ -30,6 +35,39 @@ logger = logging.getLogger("celery_echomq")
 # The token each running flow job was claimed with, by task id, in this (pool) process.
 _tokens: dict[str, str] = {}
 
+# Deliveries whose claim found the job running elsewhere or finished: their body is skipped.
+_skip: set[str] = set()
+
+# Tokens name their holder ("host|pid|random"), so a worker can end the lease of a pool
+# process it saw die, and a claim can tell a dead holder on this host from a live one.
+HOST = socket.gethostname().replace("|", "_")
+
+
+def new_token() -> str:
+    return f"{HOST}|{os.getpid()}|{uuid.uuid4().hex}"
+
+
+def holder_prefix(pid: int) -> str:
+    return f"{HOST}|{pid}|"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holder_dead(token: str) -> bool:
+    """Whether ``token``'s holder is a pool process of this host that no longer exists."""
+    host, _, rest = token.partition("|")
+    pid = rest.partition("|")[0]
+    return host == HOST and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid))
+
+
 # In the worker's main process: the headers of flow jobs it received, by task id. A hard
 # time limit reports the failure there, where no task request is on the stack.
 _received: OrderedDict[str, Any] = OrderedDict()
@@ -42,23 +80,52 @@ def _flow_state(task: Any, request: Any) -> EchoMQ | None:
     return find_state(task.app)
 
 
+def _priority(request: Any) -> int:
+    # Brokers deliver a queue in order within one priority: the claim mark is kept per priority.
+    try:
+        return int((getattr(request, "delivery_info", None) or {}).get("priority") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any) -> None:
     request = task.request
     state = _flow_state(task, request)
     if state is None:
         return
-    token = f"{os.getpid()}-{uuid.uuid4().hex}"
-    status, attempts = state.scripts.claim(
-        getattr(request, H_QUEUE), task_id, token, state.settings.stall_ms
-    )
+    queue, token = getattr(request, H_QUEUE), new_token()
+    lease, priority = state.settings.stall_ms, _priority(request)
+    status, attempts, holder = state.scripts.claim(queue, task_id, token, lease, priority=priority)
+    if status == "busy" and _holder_dead(holder):
+        # Its pool process died on this host (acks late: this is the broker's redelivery):
+        # the holder is known dead, so its lease does not have to lapse first.
+        status, attempts, holder = state.scripts.claim(
+            queue, task_id, token, lease, priority=priority, force=True
+        )
     if status in ("claimed", "taken_over"):
         _tokens[task_id] = token
-    if status == "claimed":
-        logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
-    else:
-        # A redelivery (taken_over), or a delivery of a job already finished: its body runs
-        # (bodies are at-least-once) but its completion will not be counted again.
-        logger.info("echomq: claim %s -> %s (attempt %d)", task_id, status, attempts)
+        if status == "claimed":
+            logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
+        else:
+            logger.info("echomq: claim %s -> taken over (attempt %d)", task_id, attempts)
+    elif status in ("busy", "done", "failed", "cancelled", "held"):
+        # A duplicate delivery: the job runs under a live lease elsewhere, or it is finished,
+        # or (a parent) it still waits for its children. Its body is skipped and its message
+        # acknowledged; the holder's outcome is the job's.
+        _skip.add(task_id)
+        logger.info("echomq: skip duplicate delivery of %s (%s)", task_id, status)
+
+
+def skip_duplicate(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
+    """``Task.before_start`` for every task: a duplicate's body ends here, as ``Ignore``.
+
+    A signal receiver cannot stop a task (Celery logs and swallows its exceptions), while
+    ``before_start`` runs inside the task's trace, where ``Ignore`` acknowledges the message
+    and stores nothing. For a task that is not a flow job this is one set lookup.
+    """
+    if task_id in _skip:
+        _skip.discard(task_id)
+        raise Ignore(f"echomq: duplicate delivery of {task_id} skipped")
 
 
 def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
@@ -84,12 +151,15 @@ def on_failure(
     sender: Any = None, task_id: str = "", exception: BaseException | None = None, **_: Any
 ) -> None:
     request = sender.request
-    if getattr(request, "id", None) == task_id:
-        token = _tokens.pop(task_id, None)
-    else:
-        # The main process after a hard time limit: the pool process that held the token is
-        # gone, so the failure applies whatever token the row has.
-        request, token = _received.pop(task_id, None), ""
+    token = _tokens.pop(task_id, None)
+    if token is None and isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
+        # Reported by the worker's main process: the pool process that held the token was
+        # killed (acks early: the message is gone with it) or hit its hard time limit. The
+        # failure applies whatever token the row has, at once, as a chord's header fails then.
+        if getattr(request, "id", None) != task_id:
+            request = _received.get(task_id)  # Celery versions that push no request context
+        token = ""
+    _received.pop(task_id, None)
     state = _flow_state(sender, request)
     if state is None or token is None:
         return
@@ -104,14 +174,46 @@ def on_failure(
     )
 
 
-def on_retry(sender: Any = None, request: Any = None, **_: Any) -> None:
+def _due_in_ms(reason: Any) -> int:
+    """How long until a retry's message is due: its countdown or eta (Retry.when)."""
+    when = getattr(reason, "when", None)
+    if isinstance(when, (int, float)):
+        return int(when * 1000)
+    if isinstance(when, datetime):
+        aware = when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+        return int((aware - datetime.now(timezone.utc)).total_seconds() * 1000)
+    return 0
+
+
+def on_retry(sender: Any = None, request: Any = None, reason: Any = None, **_: Any) -> None:
     state = _flow_state(sender, request)
     if state is None:
         return
     token = _tokens.pop(request.id, None)
     if token is not None:
-        status = state.scripts.retry(getattr(request, H_QUEUE), request.id, token)
+        status = state.scripts.retry(
+            getattr(request, H_QUEUE), request.id, token, _due_in_ms(reason)
+        )
         logger.info("echomq: retry %s -> %s", request.id, status)
+
+
+def on_postrun(
+    sender: Any = None, task_id: str = "", state: str = "", retval: Any = None, **_: Any
+) -> None:
+    if task_id in _skip:
+        _skip.discard(task_id)  # skipped before before_start ran (e.g. it was overridden)
+        return
+    if state != "IGNORED":
+        return
+    request = sender.request
+    store = _flow_state(sender, request)
+    token = _tokens.pop(task_id, None)
+    if store is None or token is None:
+        return
+    # Ignore without a duplicate: the body replaced itself (Task.replace) or chose to leave its
+    # state to another task. The job waits for the outcome stored under its id.
+    status = store.scripts.hand_over(getattr(request, H_QUEUE), task_id, token)
+    logger.info("echomq: %s handed over to its replacement (%s)", task_id, status)
 
 
 class _Headers:
@@ -164,3 +266,8 @@ def connect() -> None:
     signals.task_retry.connect(on_retry, weak=False, dispatch_uid="echomq_retry")
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="echomq_revoked")
     signals.task_received.connect(on_received, weak=False, dispatch_uid="echomq_received")
+    signals.task_postrun.connect(on_postrun, weak=False, dispatch_uid="echomq_postrun")
+    # On Celery's base class, so that tasks with a custom base get it too; Celery's tracer
+    # calls an overridden before_start (see celery.app.trace.task_has_custom).
+    if Task.before_start is not skip_duplicate:
+        Task.before_start = skip_duplicate

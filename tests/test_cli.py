@@ -337,11 +337,31 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
     assert out.exit_code == 0, out.output
     mine = [q for q in json.loads(out.stdout)["queues"] if q["queue"] == queue]
     # One worker process: the gated child runs, its sibling waits, the parent is held.
-    assert mine == [{"queue": queue, "pending": 1, "active": 1, "held": 1, "failed": 0}]
+    assert mine == [
+        {
+            "queue": queue,
+            "pending": 1,
+            "active": 1,
+            "held": 1,
+            "failed": 0,
+            "republished": 0,
+            "skipped": 0,
+        }
+    ]
 
     text = echomq("stats")
-    assert text.stdout.splitlines()[0].split() == ["queue", "pending", "active", "held", "failed"]
-    assert [queue, "1", "1", "1", "0"] in [line.split() for line in text.stdout.splitlines()]
+    assert text.stdout.splitlines()[0].split() == [
+        "queue",
+        "pending",
+        "active",
+        "held",
+        "failed",
+        "republished",
+        "skipped",
+    ]
+    assert [queue, "1", "1", "1", "0", "0", "0"] in [
+        line.split() for line in text.stdout.splitlines()
+    ]
 
     store.set(gate, 1)
     assert settle(held, queue) == 3
@@ -352,7 +372,17 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
         q for q in json.loads(echomq("stats", "--json").stdout)["queues"] if q["queue"] == queue
     ]
     # The failed child and its failed parent are both in the queue's failed set.
-    assert after == [{"queue": queue, "pending": 0, "active": 0, "held": 0, "failed": 2}]
+    assert after == [
+        {
+            "queue": queue,
+            "pending": 0,
+            "active": 0,
+            "held": 0,
+            "failed": 2,
+            "republished": 0,
+            "skipped": 0,
+        }
+    ]
 
 
 # --- forget -----------------------------------------------------------------------------------

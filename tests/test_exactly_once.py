@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -58,27 +59,37 @@ def successes(worker: Any, job_id: str) -> int:
 # --- one child, two deliveries -----------------------------------------------------------------
 
 
-def test_duplicate_delivery_after_the_first_completed_the_first_completion_wins(
+def skipped(worker: Any, job_id: str, why: str) -> bool:
+    return f"skip duplicate delivery of {job_id} ({why})" in worker.output()
+
+
+def counters(client: Any, queue: str) -> dict[str, int]:
+    raw = client.hgetall(f"emq:{{{queue}}}:counters")
+    return {k.decode(): int(v) for k, v in raw.items()}
+
+
+def test_a_duplicate_delivery_after_the_first_completed_is_skipped(
     proj: Any, store: Any, queue: str, start_worker: Any
 ) -> None:
     tag, dup = uuid.uuid4().hex, new_job_id()
     w = start_worker(queues=queue)
-    # The first delivery re-sends its own message to arrive a second later, after it completed;
-    # the second delivery returns another value (42, not 41).
+    # The first delivery re-sends its own message to arrive a second later, after it completed.
     kids = [proj.redeliver.s(4, countdown=1.0).set(task_id=dup), proj.add.s(1, 1)]
     res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
     value = res.get(timeout=90)
-    wait_for(lambda: successes(w, dup) == 2, timeout=60)
+    wait_for(lambda: skipped(w, dup, "done"), timeout=60)
 
     assert value == {"values": [41, 2], "tag": tag}
-    assert res.children_values()[dup] == 41 == value["values"][0]
+    assert res.children_values()[dup] == 41
     assert res.dependencies() == (0, 2)
     assert runs(store, f"collect:{tag}") == 1
-    assert int(store.get(f"test:delivery:{dup}")) == 2  # the body ran twice: at-least-once
-    assert row(store, queue, dup)["attempts"] == "1"  # the duplicate's claim found it done
+    assert int(store.get(f"test:delivery:{dup}")) == 1  # the duplicate's body did not run
+    assert row(store, queue, dup)["attempts"] == "1"
+    assert counters(store, queue).get("duplicates_skipped") == 1
+    assert counters(store, queue).get("republished", 0) == 0
 
 
-def test_duplicate_delivery_racing_the_first_is_credited_once(
+def test_a_duplicate_delivery_racing_the_first_is_skipped(
     proj: Any, store: Any, queue: str, start_worker: Any
 ) -> None:
     tag, dup = uuid.uuid4().hex, new_job_id()
@@ -86,36 +97,109 @@ def test_duplicate_delivery_racing_the_first_is_credited_once(
     kids = [proj.redeliver.s(4).set(task_id=dup), proj.add.s(1, 1)]
     res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
     value = res.get(timeout=90)
-    wait_for(lambda: successes(w, dup) == 2, timeout=60)
+    # The copy arrives while the first runs (busy) or after it finished (done): either way
+    # its body is skipped.
+    wait_for(lambda: skipped(w, dup, "busy") or skipped(w, dup, "done"), timeout=60)
 
-    # Whichever delivery held the claim when it completed was credited; the other one changed
-    # nothing. The parent's argument and children_values() agree on which.
-    credited = res.children_values()[dup]
-    assert credited in (41, 42)
-    assert value == {"values": [credited, 2], "tag": tag}
+    assert value == {"values": [41, 2], "tag": tag}
+    assert res.children_values()[dup] == 41
     assert res.dependencies() == (0, 2)
     assert runs(store, f"collect:{tag}") == 1
+    assert int(store.get(f"test:delivery:{dup}")) == 1
 
 
-def test_two_deliveries_running_at_the_same_time(
+def test_a_second_copy_of_a_running_childs_message_is_not_run(
     proj: Any, store: Any, queue: str, start_worker: Any
 ) -> None:
     tag, dup, gate = uuid.uuid4().hex, new_job_id(), f"test:gate:{uuid.uuid4().hex}"
     w = start_worker(queues=queue, concurrency=3)
     kids = [proj.redeliver.s(4, gate=gate).set(task_id=dup), proj.add.s(1, 1)]
     res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
-    wait_for(lambda: int(store.get(f"test:started:{dup}") or 0) == 2, timeout=60)
-    # Both run now; the second delivery's claim took the job over with a new token.
+    # The first delivery runs (blocked on the gate) and sends a copy of its own message; the
+    # copy finds the holder's lease live: acknowledged and skipped, its body never starts.
+    wait_for(lambda: skipped(w, dup, "busy"), timeout=60)
+    assert int(store.get(f"test:started:{dup}") or 0) == 1
     assert row(store, queue, dup)["state"] == "active"
-    assert row(store, queue, dup)["attempts"] == "2"
+    assert row(store, queue, dup)["attempts"] == "1"
+    assert row(store, queue, dup)["skipped"] == "1"
     store.set(gate, 1)
 
     value = res.get(timeout=90)
-    wait_for(lambda: successes(w, dup) == 2, timeout=60)
-    assert value == {"values": [42, 2], "tag": tag}  # the current token's delivery counts
-    assert res.children_values()[dup] == 42
+    assert value == {"values": [41, 2], "tag": tag}
+    assert res.children_values()[dup] == 41
     assert res.dependencies() == (0, 2)
     assert runs(store, f"collect:{tag}") == 1
+    assert int(store.get(f"test:delivery:{dup}")) == 1
+    assert int(store.get(f"test:started:{dup}")) == 1
+
+
+def test_a_copy_takes_over_only_once_the_holders_lease_lapsed(
+    proj: Any, env: Env, store: Any, queue: str, start_worker: Any
+) -> None:
+    from celery_echomq.flows import publish
+
+    tag, slow, gate = uuid.uuid4().hex, new_job_id(), f"test:gate:{uuid.uuid4().hex}"
+    stall = {"ECHOMQ_T_STALL": "3", "ECHOMQ_T_RECOVERY_INTERVAL": "0.5"}
+    holder = start_worker(queues=queue, concurrency=1, name="holder", extra_env=stall)
+    kids = [proj.gated.s(7, gate).set(task_id=slow)]
+    res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
+    wait_for(lambda: row(store, queue, slow).get("state") == "active", timeout=60)
+    # Copies of the child's message go to a queue only the other worker consumes (the job's
+    # row stays where its headers say), so the holder's worker cannot be the one that gets them.
+    side = f"{queue}-side"
+    other = start_worker(queues=side, concurrency=1, name="other", extra_env=stall)
+    copy = get_state(proj.app).loads(store.hget(f"emq:{{{queue}}}:{slow}", "payload"))
+    copy["options"]["queue"] = side
+    try:
+        # The holder's worker is alive and renews its lease: a copy is skipped.
+        time.sleep(4)  # longer than a stall timeout: only renewals keep the lease live
+        publish(proj.app, [copy])
+        wait_for(lambda: skipped(other, slow, "busy"), timeout=30)
+        assert row(store, queue, slow)["attempts"] == "1"
+
+        # The holder's main process stops (SIGSTOP: alive but silent): its lease lapses, and
+        # the next copy takes the job over.
+        os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            wait_for(
+                lambda: (store.zscore(f"emq:{{{queue}}}:active", slow) or 0) < time.time() * 1000,
+                timeout=30,
+            )
+            publish(proj.app, [copy])
+            wait_for(lambda: row(store, queue, slow).get("attempts") == "2", timeout=30)
+            assert f"claim {slow} -> taken over" in other.output()
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        # Both bodies finish; only the current token's completion counts.
+        store.set(gate, 1)
+        assert res.get(timeout=60) == {"values": [7], "tag": tag}
+        assert runs(store, f"collect:{tag}") == 1
+        assert res.dependencies() == (0, 1)
+    finally:
+        redis.Redis.from_url(env.broker).delete(side)
+
+
+def test_a_pool_process_killed_with_acks_early_fails_its_flow_at_once(
+    proj: Any, store: Any, queue: str, start_worker: Any
+) -> None:
+    tag, hung = uuid.uuid4().hex, new_job_id()
+    # Celery's default (acks early): the worker reports WorkerLostError for a killed pool
+    # process, and the child fails under its policy then, as a chord's header task does. The
+    # stall timeout is far longer than the wait below: no recovery pass is involved.
+    w = start_worker(queues=queue, extra_env={"ECHOMQ_T_STALL": "300"})
+    kids = [proj.hang_first.s(6).set(task_id=hung), proj.add.s(1, 1)]
+    res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
+    wait_for(lambda: store.exists(f"test:pid:{hung}"), timeout=60)
+    pid = int(store.get(f"test:pid:{hung}"))
+    assert pid in w.pool_pids()
+    os.kill(pid, signal.SIGKILL)
+
+    with pytest.raises(celery_echomq.FlowFailed) as failed:
+        res.get(timeout=60)
+    assert failed.value.child_id == hung
+    assert "WorkerLostError" in failed.value.error
+    assert row(store, queue, hung)["state"] == "failed"
+    assert runs(store, f"collect:{tag}") == 0
 
 
 def test_pool_process_killed_mid_child_is_redelivered_and_credited_once(
@@ -162,8 +246,9 @@ def test_a_completion_with_a_stale_token_changes_nothing(proj: Any, store: Any, 
             celery_echomq.children_values(parent, app=proj.app, queue=queue),
         )
 
-    assert scripts.claim(queue, c1, "A", 60_000) == ("claimed", 1)
-    assert scripts.claim(queue, c1, "B", 60_000) == ("taken_over", 2)  # a redelivery
+    assert scripts.claim(queue, c1, "A", 60_000) == ("claimed", 1, "")
+    # A redelivery once A's holder is known dead.
+    assert scripts.claim(queue, c1, "B", 60_000, force=True) == ("taken_over", 2, "A")
 
     # Delivery A is stale now: none of its transitions changes anything.
     assert complete("A", 1) == "stale"

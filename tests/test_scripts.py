@@ -137,18 +137,26 @@ def test_claim_moves_pending_to_active_with_a_new_token(
     db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     _, (child,) = enqueue(scripts, queue, 1)
-    assert scripts.claim(queue, child, "t1", LEASE) == ("claimed", 1)
+    assert scripts.claim(queue, child, "t1", LEASE) == ("claimed", 1, "")
     assert zmembers(db, f"emq:{{{queue}}}:pending") == set()
     assert zmembers(db, f"emq:{{{queue}}}:active") == {child}
-    # A redelivery takes over with a new token; the old token is stale from now on.
-    assert scripts.claim(queue, child, "t2", LEASE) == ("taken_over", 2)
+    # A second delivery while t1's lease is live is a duplicate: nothing changes but the count.
+    assert scripts.claim(queue, child, "t2", LEASE) == ("busy", 1, "t1")
+    assert db.hget(f"emq:{{{queue}}}:{child}", "token") == b"t1"
+    assert db.hget(f"emq:{{{queue}}}:counters", "duplicates_skipped") == b"1"
+    # Once the holder is known dead, a redelivery takes over with a new token; the old token
+    # is stale from now on.
+    assert scripts.claim(queue, child, "t2", LEASE, force=True) == ("taken_over", 2, "t1")
     assert db.hget(f"emq:{{{queue}}}:{child}", "token") == b"t2"
+    # So does one after the lease lapsed.
+    db.zadd(f"emq:{{{queue}}}:active", {child: 1})
+    assert scripts.claim(queue, child, "t3", LEASE) == ("taken_over", 3, "t2")
 
 
 def test_stale_token_changes_nothing(db: redis.Redis, scripts: Scripts, queue: str) -> None:
     parent, (child, _other) = enqueue(scripts, queue, 2)
     scripts.claim(queue, child, "old", LEASE)
-    scripts.claim(queue, child, "new", LEASE)
+    scripts.claim(queue, child, "new", LEASE, force=True)
     before = {k: db.dump(k) for k in db.keys("*")}
     ref = ParentRef(parent, queue)
     assert (
@@ -219,7 +227,7 @@ def test_retry_moves_active_back_to_pending(db: redis.Redis, scripts: Scripts, q
     assert db.hget(f"emq:{{{queue}}}:{child}", "state") == b"pending"
     assert zmembers(db, f"emq:{{{queue}}}:pending") == {child}
     assert zmembers(db, f"emq:{{{queue}}}:active") == set()
-    assert scripts.claim(queue, child, "t2", LEASE) == ("claimed", 2)
+    assert scripts.claim(queue, child, "t2", LEASE) == ("claimed", 2, "")
 
 
 def test_finished_rows_expire_and_sets_are_trimmed(
@@ -245,7 +253,7 @@ def test_finished_rows_expire_and_sets_are_trimmed(
 def test_noscript_falls_back_to_eval(db: redis.Redis, scripts: Scripts, queue: str) -> None:
     parent, (child,) = enqueue(scripts, queue, 1)
     db.script_flush()
-    assert scripts.claim(queue, child, "t", LEASE) == ("claimed", 1)
+    assert scripts.claim(queue, child, "t", LEASE) == ("claimed", 1, "")
     db.script_flush()
     ref = ParentRef(parent, queue)
     assert (

@@ -1,41 +1,71 @@
--- claim: a worker starts a job (task_prerun): pending -> active under a new token.
+-- claim: a worker starts a job (task_prerun): pending -> active under a new token and a lease.
 --
 -- KEYS[1]  the job row
 -- KEYS[2]  the queue's pending set
--- KEYS[3]  the queue's active set (score: the deadline after which recovery treats the job as lost)
+-- KEYS[3]  the queue's active set (score: when the holder's lease lapses)
+-- KEYS[4]  the queue's claim marks (hash: priority -> the latest pending-since of a job the
+--          queue has delivered): the evidence recovery reads to tell a backlog from a loss
+-- KEYS[5]  the queue's reserved set (score: when a worker's hold on a prefetched job lapses)
+-- KEYS[6]  the queue's counters (hash)
 -- ARGV[1]  job id
 -- ARGV[2]  the new token
--- ARGV[3]  lease in ms: the deadline is server time + lease
+-- ARGV[3]  lease in ms: the holder's lease lapses at server time + lease unless renewed
+-- ARGV[4]  the delivery's priority ('0' when none): the claim mark to advance
+-- ARGV[5]  '1' to take over a live lease: the caller knows the holder is dead
 --
--- Reply: {status, attempts}
+-- Reply: {status, attempts, holder}
 --   "claimed"     pending -> active
---   "taken_over"  it was active under another token (a redelivery): that token is now stale
---   "done" | "failed" | "cancelled"   already finished: nothing changed
+--   "taken_over"  it was active under another token whose lease had lapsed (or whose holder
+--                 the caller knows to be dead): that token is now stale
+--   "busy"        active under a live lease (or handed over to a replacement task): this
+--                 delivery is a duplicate; nothing changed but the row's 'skipped' count;
+--                 holder is the live token
+--   "done" | "failed" | "cancelled"   already finished: nothing changed but the counters
 --   "held"        a parent still awaiting its children: nothing changed
 --   "missing"     no row (never written, or expired): nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
   return redis.error_reply('EMQKIND job id must be JOB-namespaced')
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'attempts')
+local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced')
 local state = row[1]
 if not state then
-  return {'missing', 0}
+  return {'missing', 0, ''}
 end
 if state == 'awaiting_children' then
-  return {'held', 0}
+  return {'held', 0, ''}
 end
+local attempts = tonumber(row[2]) or 0
 if state ~= 'pending' and state ~= 'active' then
-  return {state, 0}
+  redis.call('HINCRBY', KEYS[6], 'duplicates_skipped', 1)
+  return {state, attempts, ''}
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local attempts = (tonumber(row[2]) or 0) + 1
+if state == 'active' and ARGV[5] ~= '1' then
+  local lease = tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or '0')
+  if row[4] or lease > now then
+    redis.call('HINCRBY', KEYS[1], 'skipped', 1)
+    redis.call('HINCRBY', KEYS[6], 'duplicates_skipped', 1)
+    return {'busy', attempts, row[3] or ''}
+  end
+end
+if state == 'pending' then
+  -- Brokers deliver one queue (per priority) in order: this delivery shows that every job of
+  -- the same priority that became pending well before it has been delivered too.
+  local since = redis.call('ZSCORE', KEYS[2], ARGV[1])
+  if since and tonumber(since) > tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or '0') then
+    redis.call('HSET', KEYS[4], ARGV[4], since)
+  end
+  redis.call('ZREM', KEYS[2], ARGV[1])
+end
+attempts = attempts + 1
 redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'started', now,
   'attempts', attempts)
-redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('HDEL', KEYS[1], 'skipped', 'replaced', 'suspect')
+redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
 if state == 'active' then
-  return {'taken_over', attempts}
+  return {'taken_over', attempts, row[3] or ''}
 end
-return {'claimed', attempts}
+return {'claimed', attempts, ''}

@@ -1,26 +1,38 @@
--- extend: a live worker pushes back the deadlines of the flow jobs it is running, so recovery
--- never takes a long task for a lost one (as BullMQ's workers renew their job locks).
+-- extend: a live worker renews its leases: on the flow jobs it is running (their deadlines in
+-- the active set) and on those it has received but not started yet (prefetched, or waiting
+-- for an eta), so recovery never takes a long task, or a job in a worker's buffer, for a lost
+-- one (as BullMQ's workers renew their job locks).
 --
--- KEYS[1]   the queue's active set (score: the deadline after which recovery treats a job as lost)
--- ARGV[1]   lease in ms: each deadline becomes at least server time + lease
--- ARGV[2..] the ids of the jobs this worker is running on that queue
+-- KEYS[1]   the queue's active set (score: when the holder's lease lapses)
+-- KEYS[2]   the queue's reserved set (score: when the worker's hold on a received job lapses)
+-- ARGV[1]   lease in ms: each lease becomes at least server time + lease
+-- ARGV[2]   n, the number of running job ids that follow
+-- ARGV[3..] n ids of the jobs this worker is running on that queue, then the ids of the jobs
+--           it holds without running them yet
 --
--- Reply: the number of deadlines moved. A job that is not in the active set (finished, failed,
---        retried, or not claimed yet) is left out: this script never makes a job active, and
---        never shortens a deadline.
+-- Reply: the number of leases moved. A running job that is not in the active set (finished,
+-- failed, retried, or not claimed yet) is left out: this script never makes a job active, and
+-- never shortens a lease. A held job's entry is dropped by the claim that starts it, and
+-- lapses on its own if its worker dies.
 -- Errors: "EMQKIND ..." a non-JOB id (checked for every id before any write).
-for i = 2, #ARGV do
+for i = 3, #ARGV do
   if string.sub(ARGV[i], 1, 3) ~= 'JOB' then
     return redis.error_reply('EMQKIND job id must be JOB-namespaced')
   end
 end
 local t = redis.call('TIME')
 local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+local running = 2 + tonumber(ARGV[2])
 local moved = 0
-for i = 2, #ARGV do
-  local current = redis.call('ZSCORE', KEYS[1], ARGV[i])
-  if current and tonumber(current) < deadline then
-    redis.call('ZADD', KEYS[1], deadline, ARGV[i])
+for i = 3, #ARGV do
+  local current = redis.call('ZSCORE', KEYS[i <= running and 1 or 2], ARGV[i])
+  if i <= running then
+    if current and tonumber(current) < deadline then
+      redis.call('ZADD', KEYS[1], deadline, ARGV[i])
+      moved = moved + 1
+    end
+  elseif not current or tonumber(current) < deadline then
+    redis.call('ZADD', KEYS[2], deadline, ARGV[i])
     moved = moved + 1
   end
 end

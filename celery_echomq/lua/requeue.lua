@@ -1,38 +1,47 @@
--- requeue: recovery takes back a job whose message was lost, so the host can re-publish it.
--- Two cases (DESIGN section 5):
---   pending  a child pending past the stall timeout and never claimed (a lost message, or a
---            producer that died between enqueue_flow and its publishes);
---   active   a job active past its deadline whose result backend holds no outcome (its worker
---            died mid-task and the message is gone).
+-- requeue: recovery takes back a job whose message is gone, so the host can re-publish it.
+-- The host calls it only on evidence (see recovery.py); this script re-checks, atomically, what
+-- that evidence rests on, and bounds how often one job is re-published.
+--   pending  a job pending past the stall timeout that no live worker holds, where the queue
+--            has since delivered later jobs or is empty (a lost message, or a producer that
+--            died between enqueueing and publishing);
+--   active   a job whose holder's lease lapsed and whose result backend holds no outcome (its
+--            worker died mid-task and its message is gone).
 -- The job is re-scored in the same step that hands out its payload: a second pass (another
--- worker, the CLI) sees it fresh and does not re-publish it again before another stall timeout.
+-- worker, the CLI) sees it fresh and does not re-publish it again within the backoff.
 --
 -- KEYS[1]  the job row
 -- KEYS[2]  the queue's pending set
 -- KEYS[3]  the queue's active set
+-- KEYS[4]  the queue's reserved set (jobs a live worker holds without running them yet)
+-- KEYS[5]  the queue's counters (hash): 'republished' counts every requeue
 -- ARGV[1]  job id
--- ARGV[2]  ms after which the job counts as lost: the stall timeout (plus, for a child sent
---          with a countdown or an eta, that delay)
+-- ARGV[2]  ms after which the job counts as stalled: the stall timeout (plus, for a child sent
+--          with a countdown or an eta, that delay); doubled for each earlier re-publish of the
+--          job, up to 16 times
 -- ARGV[3]  the state the caller found: 'pending' or 'active'
--- ARGV[4]  for 'active', the token the caller found (the claim whose worker is presumed lost)
+-- ARGV[4]  for 'active', the token the caller found (the claim whose holder is presumed lost)
 --
 -- Reply:
---   {"requeued", payload}  re-scored: pending -> score now; active -> deadline now + stall
---                 timeout (the job stays active: its next delivery's claim takes it over with a
---                 new token). The host re-publishes payload (a flow parent with its children's
---                 values, which it reads from :processed in chunks, as dispatch does).
---   {"fresh"}     not stalled (claimed, retried or requeued since the caller looked): nothing changed
+--   {"requeued", payload}  pending, scored now (an active job leaves the active set: the
+--                 lapsed holder's token can no longer complete it, and the re-published
+--                 delivery claims it as a first one). The host re-publishes payload (a flow
+--                 parent with its children's values, which it reads from :processed in
+--                 chunks, as dispatch does).
+--   {"fresh"}     not stalled (claimed, retried, renewed or requeued since the caller looked)
+--   {"held"}      a live worker holds it (its reserved lease has not lapsed): nothing changed
 --   {"stale"}     active under another token than the caller found: nothing changed
---   {"missing"}   no row (expired or deleted): its stray entries in both sets are removed
+--   {"missing"}   no row (expired or deleted): its stray entries in the sets are removed
 --   {"<state>"}   the job is no longer in the state the caller found: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
   return redis.error_reply('EMQKIND job id must be JOB-namespaced')
 end
-local state = redis.call('HGET', KEYS[1], 'state')
+local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'requeued')
+local state = row[1]
 if not state then
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('ZREM', KEYS[4], ARGV[1])
   return {'missing'}
 end
 if state ~= ARGV[3] or (state ~= 'pending' and state ~= 'active') then
@@ -40,22 +49,29 @@ if state ~= ARGV[3] or (state ~= 'pending' and state ~= 'active') then
 end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local stall = tonumber(ARGV[2])
+local stall = tonumber(ARGV[2]) * math.min(2 ^ (tonumber(row[3]) or 0), 16)
 if state == 'pending' then
   local since = redis.call('ZSCORE', KEYS[2], ARGV[1])
   if since and now - tonumber(since) < stall then
     return {'fresh'}
   end
-  redis.call('ZADD', KEYS[2], now, ARGV[1])
+  if tonumber(redis.call('ZSCORE', KEYS[4], ARGV[1]) or '0') > now then
+    return {'held'}
+  end
 else
-  if redis.call('HGET', KEYS[1], 'token') ~= ARGV[4] then
+  if row[2] ~= ARGV[4] then
     return {'stale'}
   end
   local deadline = redis.call('ZSCORE', KEYS[3], ARGV[1])
   if deadline and tonumber(deadline) > now then
     return {'fresh'}
   end
-  redis.call('ZADD', KEYS[3], now + stall, ARGV[1])
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', 'pending')
+  redis.call('HDEL', KEYS[1], 'skipped', 'replaced')
 end
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('HDEL', KEYS[1], 'suspect')
 redis.call('HINCRBY', KEYS[1], 'requeued', 1)
+redis.call('HINCRBY', KEYS[5], 'republished', 1)
 return {'requeued', redis.call('HGET', KEYS[1], 'payload')}

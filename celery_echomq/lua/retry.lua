@@ -5,6 +5,9 @@
 -- KEYS[3]  the queue's active set
 -- ARGV[1]  job id
 -- ARGV[2]  the token of the delivery that is retrying
+-- ARGV[3]  ms until the retry is due (its countdown or eta; '0' when none): the job's
+--          pending score is when it is due, so recovery does not take a long countdown for a
+--          lost message
 --
 -- Reply: {status}
 --   "retried"   active -> pending; attempts stay counted on the row
@@ -24,5 +27,6 @@ end
 local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'state', 'pending')
 redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
+local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3] or '0')
+redis.call('ZADD', KEYS[2], due, ARGV[1])
 return {'retried'}

@@ -1,0 +1,39 @@
+-- drop: the worker that ran a job saw its pool process die (SIGKILL, OOM): the holder is known
+-- dead, so its lease ends now rather than when it would have lapsed.
+--
+-- KEYS[1]  the job row
+-- KEYS[2]  the queue's active set
+-- KEYS[3]  the queue's pending set
+-- KEYS[4]  the queue's counters (hash)
+-- ARGV[1]  job id
+-- ARGV[2]  the dead holder's token prefix ("host|pid|"): a claim made since by anyone else
+--          is left alone
+--
+-- Reply:
+--   {"lapsed"}             the lease ends now: the broker's redelivery (acks late) claims it
+--                          at once; without one, recovery's next pass settles it
+--   {"requeued", payload}  a duplicate delivery was skipped while the dead holder looked
+--                          alive, so no message is left for it: the job is pending again and
+--                          the host re-publishes payload
+--   {"noop"}               not active under that holder (finished, retried, claimed anew)
+-- Errors: "EMQKIND ..." a non-JOB id.
+if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
+  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+end
+local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'skipped')
+if row[1] ~= 'active' or string.sub(row[2] or '', 1, #ARGV[2]) ~= ARGV[2] then
+  return {'noop'}
+end
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+if row[3] then
+  redis.call('HDEL', KEYS[1], 'skipped')
+  redis.call('HSET', KEYS[1], 'state', 'pending')
+  redis.call('HINCRBY', KEYS[1], 'requeued', 1)
+  redis.call('HINCRBY', KEYS[4], 'republished', 1)
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZADD', KEYS[3], now, ARGV[1])
+  return {'requeued', redis.call('HGET', KEYS[1], 'payload')}
+end
+redis.call('ZADD', KEYS[2], now, ARGV[1])
+return {'lapsed'}

@@ -1,0 +1,30 @@
+-- hand_over: a job's body replaced itself (Celery's Task.replace): the replacement runs under
+-- the same task id and stores the job's outcome in the result backend. The job stays active,
+-- held by the replacement, until recovery reads that outcome and completes or fails it with
+-- this token, as a chord's counter waits for the replacement's result.
+--
+-- KEYS[1]  the job row
+-- KEYS[2]  the queue's active set
+-- ARGV[1]  job id
+-- ARGV[2]  the token of the delivery that was replaced
+--
+-- Reply: {status}
+--   "handed_over"  marked 'replaced', and due at once for recovery's next look at the backend;
+--                  a claim of any other delivery of the job answers "busy" from now on
+--   "stale"        another delivery holds the job: nothing changed
+--   "<state>"      the job is not active: nothing changed
+-- Errors: "EMQKIND ..." a non-JOB id.
+if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
+  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+end
+local row = redis.call('HMGET', KEYS[1], 'state', 'token')
+if row[1] ~= 'active' then
+  return {row[1] or 'missing'}
+end
+if row[2] ~= ARGV[2] then
+  return {'stale'}
+end
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'replaced', '1')
+redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
+return {'handed_over'}
