@@ -131,6 +131,28 @@ def sleep_then(x: int, seconds: float) -> int:
     return x
 
 
+@app.task(bind=True)
+def replaced_by(self: Any, kind: str, x: int) -> Any:
+    """A child that replaces itself (Task.replace) with a task, a chain, a group or a chord."""
+    from celery import chain, chord, group
+
+    mark(f"replaced_by:{self.request.id}")
+    replacements = {
+        "task": lambda: add.s(x, 100),
+        "chain": lambda: chain(add.s(x, 1), add.s(100)),
+        "group": lambda: group(add.s(x, 1), add.s(x, 2)),
+        "chord": lambda: chord([add.s(x, 1), add.s(x, 2)], tsum.s()),
+    }
+    raise self.replace(replacements[kind]())
+
+
+@app.task(bind=True)
+def replaced_parent(self: Any, values: list[int]) -> Any:
+    """A flow parent that replaces itself: its value is the replacement's."""
+    mark(f"replaced_parent:{self.request.id}")
+    raise self.replace(tsum.si([v * 10 for v in values]))
+
+
 # --- Tasks of tests/test_exactly_once.py and tests/test_recovery.py ---------------------------
 
 

@@ -107,9 +107,13 @@ def test_every_script_repeats_the_kind_gate(scripts: Scripts, db: redis.Redis) -
         ("fail", ["BAD", "", "E: x", "10", "0", ""]),
         ("retry", ["BAD", "t"]),
         ("dispatch", ["BAD", "0"]),
+        ("requeue", ["BAD", "1000", "pending", ""]),
+        ("extend", ["1000", "1", "JOBok", "BAD"]),
+        ("drop", ["BAD", "host|1|"]),
+        ("hand_over", ["BAD", "t"]),
     ]:
         with pytest.raises(KindError):
-            scripts._run(name, ["emq:{q}:x"] * 3, argv)
+            scripts._run(name, ["emq:{q}:x"] * 6, argv)
     assert db.dbsize() == 0
 
 
@@ -308,3 +312,126 @@ def test_chunked_path_open_add_seal_and_a_repeated_add_writes_nothing(
     # Another flow cannot add a row that belongs to this one.
     with pytest.raises(FlowExistsError):
         scripts.add_children(queue, ParentRef(jid(), queue), children[:1])
+
+
+# --- leases and evidence (recovery's scripts) -----------------------------------------------------
+
+
+def now_ms(db: redis.Redis) -> int:
+    seconds, micros = db.time()
+    return int(seconds) * 1000 + int(micros) // 1000
+
+
+def test_claim_marks_how_far_the_queue_has_delivered_per_priority(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    _, (first, second) = enqueue(scripts, queue, 2)
+    since = db.zscore(f"emq:{{{queue}}}:pending", first)
+    scripts.claim(queue, first, "a", LEASE)
+    scripts.claim(queue, second, "b", LEASE, priority=5)
+    assert db.hgetall(f"emq:{{{queue}}}:marks") == {
+        b"0": str(int(since)).encode(),
+        b"5": str(int(since)).encode(),
+    }
+    # A redelivery of a running job leaves the marks alone (it was not pending).
+    scripts.claim(queue, first, "c", LEASE, force=True)
+    assert db.hget(f"emq:{{{queue}}}:marks", "0") == str(int(since)).encode()
+
+
+def test_extend_renews_running_jobs_and_holds_received_ones(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    _, (running, waiting, done) = enqueue(scripts, queue, 3)
+    scripts.claim(queue, running, "r", 1000)
+    before = db.zscore(f"emq:{{{queue}}}:active", running)
+    assert scripts.extend(queue, [running, done], LEASE, [waiting]) == 2
+    assert db.zscore(f"emq:{{{queue}}}:active", running) >= before + LEASE - 1000
+    assert db.zscore(f"emq:{{{queue}}}:active", done) is None  # never makes a job active
+    assert db.zscore(f"emq:{{{queue}}}:reserved", waiting) >= now_ms(db) + LEASE - 1000
+    # The claim that starts a held job ends its hold.
+    scripts.claim(queue, waiting, "w", LEASE)
+    assert db.zscore(f"emq:{{{queue}}}:reserved", waiting) is None
+
+
+def test_requeue_refuses_a_held_job_and_backs_off(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    _, (child,) = enqueue(scripts, queue, 1)
+    pending, stall = f"emq:{{{queue}}}:pending", 10_000
+    db.zadd(pending, {child: now_ms(db) - stall - 1})
+    db.zadd(f"emq:{{{queue}}}:reserved", {child: now_ms(db) + LEASE})
+    assert scripts.requeue(queue, child, stall, "pending") == ("held", None)
+    db.delete(f"emq:{{{queue}}}:reserved")
+    assert scripts.requeue(queue, child, stall, "pending") == (
+        "requeued",
+        f"payload-{child}".encode(),
+    )
+    assert db.hget(f"emq:{{{queue}}}:counters", "republished") == b"1"
+    assert scripts.requeue(queue, child, stall, "pending")[0] == "fresh"  # re-scored
+    # Once re-published, the job must wait twice as long before the next re-publish.
+    db.zadd(pending, {child: now_ms(db) - int(1.5 * stall)})
+    assert scripts.requeue(queue, child, stall, "pending")[0] == "fresh"
+    db.zadd(pending, {child: now_ms(db) - 2 * stall - 1})
+    assert scripts.requeue(queue, child, stall, "pending")[0] == "requeued"
+    assert db.hget(f"emq:{{{queue}}}:{child}", "requeued") == b"2"
+
+
+def test_requeue_of_a_lapsed_active_job_makes_it_pending(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    _, (child,) = enqueue(scripts, queue, 1)
+    scripts.claim(queue, child, "gone", LEASE)
+    assert scripts.requeue(queue, child, LEASE, "active", "gone")[0] == "fresh"  # lease live
+    db.zadd(f"emq:{{{queue}}}:active", {child: 1})
+    assert scripts.requeue(queue, child, LEASE, "active", "other")[0] == "stale"
+    assert scripts.requeue(queue, child, LEASE, "active", "gone")[0] == "requeued"
+    assert db.hget(f"emq:{{{queue}}}:{child}", "state") == b"pending"
+    assert zmembers(db, f"emq:{{{queue}}}:active") == set()
+    # The re-published delivery claims it as a first one; the lapsed holder's token is stale.
+    assert scripts.claim(queue, child, "new", LEASE) == ("claimed", 2, "")
+
+
+def test_drop_ends_the_lease_of_a_holder_known_dead(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    _, (child, other) = enqueue(scripts, queue, 2)
+    scripts.claim(queue, child, "host|42|x", LEASE)
+    assert scripts.drop(queue, child, "host|41|") == ("noop", None)  # another holder's
+    assert scripts.drop(queue, child, "host|42|") == ("lapsed", None)
+    assert db.zscore(f"emq:{{{queue}}}:active", child) <= now_ms(db)
+    assert scripts.claim(queue, child, "new", LEASE) == ("taken_over", 2, "host|42|x")
+    assert scripts.drop(queue, child, "host|42|") == ("noop", None)  # claimed anew since
+
+    # A duplicate was skipped while the holder looked alive: no message is left, so the job is
+    # pending again and its payload handed out to re-publish.
+    scripts.claim(queue, other, "host|7|x", LEASE)
+    assert scripts.claim(queue, other, "dup", LEASE)[0] == "busy"
+    assert scripts.drop(queue, other, "host|7|") == ("requeued", f"payload-{other}".encode())
+    assert db.hget(f"emq:{{{queue}}}:{other}", "state") == b"pending"
+    assert other in zmembers(db, f"emq:{{{queue}}}:pending")
+    assert db.hget(f"emq:{{{queue}}}:counters", "republished") == b"1"
+
+
+def test_hand_over_keeps_a_replaced_job_for_its_replacements_outcome(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (child,) = enqueue(scripts, queue, 1)
+    scripts.claim(queue, child, "t", LEASE)
+    assert scripts.hand_over(queue, child, "other") == "stale"
+    assert scripts.hand_over(queue, child, "t") == "handed_over"
+    db.zadd(f"emq:{{{queue}}}:active", {child: 1})  # even past its lease
+    assert scripts.claim(queue, child, "dup", LEASE)[0] == "busy"  # the replacement holds it
+    ref = ParentRef(parent, queue)
+    assert (
+        scripts.complete(queue, child, "t", ttl=TTL, is_parent=False, parent=ref, value=b"9")
+        == "released"
+    )
+
+
+def test_a_retry_is_pending_from_when_it_is_due(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    _, (child,) = enqueue(scripts, queue, 1)
+    scripts.claim(queue, child, "t", LEASE)
+    assert scripts.retry(queue, child, "t", 30_000) == "retried"
+    assert db.zscore(f"emq:{{{queue}}}:pending", child) >= now_ms(db) + 29_000
