@@ -132,6 +132,14 @@ def sleep_then(x: int, seconds: float) -> int:
 
 
 @app.task(bind=True)
+def slow_child(self: Any, x: int, seconds: float) -> int:
+    """Count this run of this job id, then take ``seconds``: a queue of them is a backlog."""
+    mark(f"slow:{self.request.id}")
+    time.sleep(seconds)
+    return x
+
+
+@app.task(bind=True)
 def replaced_by(self: Any, kind: str, x: int) -> Any:
     """A child that replaces itself (Task.replace) with a task, a chain, a group or a chord."""
     from celery import chain, chord, group

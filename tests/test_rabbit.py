@@ -9,6 +9,7 @@ end), and every flow is routed there.
 from __future__ import annotations
 
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -183,3 +184,54 @@ def test_rabbit_cross_queue_children(
         idb.encode(): b"done",
     }
     assert store.hget(f"emq:{{{queues.a}}}:{ida}", "state") == b"done"
+
+
+@pytest.mark.e2e
+def test_rabbit_a_backlog_of_ten_stall_timeouts_republishes_nothing(
+    proj: Any, rabbit_app: Any, env: Env, queues: Queues, store: redis.Redis, start_worker: Any
+) -> None:
+    from .test_backlog import FAST, STALL, check_each_ran_once, counters, send_flows
+
+    # A queue of its own, consumed by one worker of one pool process with a stall timeout of
+    # one second: recovery asks RabbitMQ how many messages wait (a passive declare).
+    q = f"{queues.main}bl"
+    try:
+        started = time.monotonic()
+        sent = send_flows(proj, q, flows=4, size=28, seconds=0.1)
+        w = start_worker(
+            queues=q, concurrency=1, name=f"{q}-w", extra_env={"ECHOMQ_T_BROKER": RABBIT, **FAST}
+        )
+        check_each_ran_once(store, sent, timeout=120)
+        assert time.monotonic() - started > 10 * float(STALL)
+        assert counters(store, q).get("republished", 0) == 0
+        assert "re-published" not in w.output()
+    finally:
+        with Connection(RABBIT, connect_timeout=5) as conn:  # type: ignore[no-untyped-call]
+            channel = conn.channel()
+            channel.queue_delete(q)
+            channel.exchange_delete(q)
+
+
+@pytest.mark.e2e
+def test_rabbit_messages_purged_from_the_queue_are_republished_once(
+    proj: Any, rabbit_app: Any, env: Env, queues: Queues, store: redis.Redis, start_worker: Any
+) -> None:
+    from .test_backlog import FAST, check_each_ran_once, counters, send_flows
+
+    q = f"{queues.main}lost"
+    try:
+        sent = send_flows(proj, q, flows=1, size=5, seconds=0.0)
+        with Connection(RABBIT, connect_timeout=5) as conn:  # type: ignore[no-untyped-call]
+            assert conn.channel().queue_purge(q) == 5  # the broker lost every child
+        w = start_worker(
+            queues=q, concurrency=1, name=f"{q}-w", extra_env={"ECHOMQ_T_BROKER": RABBIT, **FAST}
+        )
+        # RabbitMQ reports the queue empty and no worker holds them: gone, re-published.
+        check_each_ran_once(store, sent, timeout=90)
+        assert counters(store, q).get("republished", 0) == 5
+        assert w.output().count("re-published") == 5
+    finally:
+        with Connection(RABBIT, connect_timeout=5) as conn:  # type: ignore[no-untyped-call]
+            channel = conn.channel()
+            channel.queue_delete(q)
+            channel.exchange_delete(q)
