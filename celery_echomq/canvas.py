@@ -11,11 +11,22 @@ from celery.canvas import Signature, group, maybe_signature
 from celery.result import AsyncResult
 
 from . import reads
-from .flows import cancel_flow, check_policy, new_job_id, plan_flow, start_flow
+from .flows import H_QUEUE, cancel_flow, check_policy, new_job_id, plan_flow, start_flow
 from .reads import locate
 from .state import get_state
 
 FLOW_TASK = "celery_echomq.flow"
+
+
+def _replaced_job(task_id: Any, options: dict[str, Any]) -> tuple[str, str] | None:
+    """``(queue, id)`` of the flow job this flow replaces (``Task.replace``), else None."""
+    from celery import current_task
+
+    if not task_id or "replaced_task_nesting" not in options or current_task is None:
+        return None
+    request = current_task.request
+    queue = getattr(request, H_QUEUE, None)
+    return (str(queue), str(task_id)) if queue and request.id == task_id else None
 
 
 def _signatures(children: Any, app: Any) -> list[Signature]:
@@ -167,15 +178,26 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         for name in ("producer", "connection", "add_to_parent"):
             merged.pop(name, None)
         partial = () if self.immutable else (*tuple(args or ()), *self.args)
+        parent = self.parent
+        replaced = _replaced_job(merged.get("task_id") or parent.options.get("task_id"), merged)
+        if replaced is not None:
+            # Task.replace(flow): Celery gives the replacement the replaced task's id, which
+            # names the replaced flow job's own row. The flow's parent takes an id of its own;
+            # the replaced job takes the parent's outcome (recovery reads it from the backend).
+            parent = parent.clone()
+            parent.options["task_id"] = merged["task_id"] = new_job_id()
         plan = plan_flow(
             app,
-            self.parent,
+            parent,
             self.children,
             policy=self.policy,
             args=tuple(partial),
             kwargs=kwargs,
             options=merged,
         )
+        if replaced is not None:
+            queue, job_id = replaced
+            state.client.hset(state.keys.job_key(queue, job_id), "replaced_by", plan.parent_id)
         start_flow(state, plan)
         return FlowResult(plan.parent_id, app=app, queue=plan.queue)
 

@@ -15,7 +15,7 @@ REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://", "unix://", "redis+c
 class Settings:
     redis_url: str
     key_prefix: str = "emq"
-    stall_timeout: float = 300.0
+    stall_timeout: float = 30.0
     result_ttl: int = 86400
     recovery_interval: float = 5.0
     chunk_size: int = 1000
@@ -70,7 +70,7 @@ def read_settings(conf: Any) -> Settings:
     return Settings(
         redis_url=_redis_url(conf),
         key_prefix=str(conf.get("echomq_key_prefix") or "emq"),
-        stall_timeout=_positive(conf, "echomq_stall_timeout", 300.0),
+        stall_timeout=_positive(conf, "echomq_stall_timeout", 30.0),
         result_ttl=int(_positive(conf, "echomq_result_ttl", 86400)),
         recovery_interval=_positive(conf, "echomq_recovery_interval", 5.0),
         chunk_size=int(_positive(conf, "echomq_chunk_size", 1000)),

@@ -346,11 +346,16 @@ def _enqueue_chunked(
             (cid, state.dumps(job), level.child_policies.get(cid, ""))
         )
     parent = ParentRef(level.parent_id, level.queue)
+    open_key = state.keys.queue_key(level.queue, "open")
     for queue, rows in by_queue.items():
         for start in range(0, len(rows), chunk):
             rows_chunk = rows[start : start + chunk]
             scripts.add_children(queue, parent, rows_chunk)
             written.append((queue, "", [cid for cid, _, _ in rows_chunk]))
+            # A producer still writing is alive: recovery takes an open flow for abandoned a
+            # stall timeout after its last chunk, not after its first, however large it is.
+            seconds, micros = state.client.time()
+            state.client.zadd(open_key, {level.parent_id: seconds * 1000 + micros // 1000}, xx=True)
     scripts.seal_flow(level.queue, level.parent_id)
     logger.info(
         "echomq: flow %s opened, %d children added on %d queue(s), sealed",

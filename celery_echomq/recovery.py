@@ -519,10 +519,17 @@ def _lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
         return []
     pipe = client.pipeline(transaction=False)
     for job_id, _ in due:
-        pipe.hmget(state.keys.job_key(queue, job_id), "state", "token", "payload", "replaced")
+        pipe.hmget(
+            state.keys.job_key(queue, job_id),
+            "state",
+            "token",
+            "payload",
+            "replaced",
+            "replaced_by",
+        )
     rows = pipe.execute()
     repairs: list[str] = []
-    for (job_id, _), (row_state, token, payload, replaced) in zip(due, rows, strict=True):
+    for (job_id, _), (row_state, token, payload, replaced, by) in zip(due, rows, strict=True):
         if row_state is None or _text(row_state) != "active":
             continue
         if len(repairs) >= BUDGET:
@@ -535,7 +542,7 @@ def _lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
             job_id,
             _text(token or b""),
             payload,
-            replaced is not None,
+            _text(by) if by else (job_id if replaced is not None else ""),
         )
         if line:
             repairs.append(line)
@@ -543,8 +550,10 @@ def _lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
 
 
 def _repair_active(
-    state: EchoMQ, queue: str, job_id: str, token: str, payload: Any, replaced: bool = False
+    state: EchoMQ, queue: str, job_id: str, token: str, payload: Any, replaced_by: str = ""
 ) -> str | None:
+    """Settle a job whose lease lapsed, from its result in Celery's backend; or a job handed
+    over to a replacement (``replaced_by``: the id the replacement stores its result under)."""
     job = _decode(state, queue, job_id, payload)
     if job is None:
         # Refused: push its deadline back, so it is reported once per stall timeout.
@@ -554,7 +563,7 @@ def _repair_active(
     parent = parent_ref(headers)
     is_parent = bool(getattr(headers, H_FLOW, None))
     try:
-        status, result = _backend_outcome(state, job_id)
+        status, result = _backend_outcome(state, replaced_by or job_id)
     except STORE_ERRORS:
         raise
     except Exception as exc:
@@ -562,16 +571,25 @@ def _repair_active(
         # finished one would be safe for the credit but not for its side effects: wait.
         logger.warning("echomq recovery: result backend unreadable for %s: %s", job_id, exc)
         return None
+    if replaced_by and replaced_by != job_id and status in ("SUCCESS", "FAILURE"):
+        # A flow replaced it under an id of its own: the replaced id resolves too, as
+        # Task.replace promises.
+        if status == "SUCCESS":
+            state.app.backend.mark_as_done(job_id, result)
+        else:
+            state.app.backend.mark_as_failure(job_id, result)
     if status == "SUCCESS":
-        # The body finished and stored its result; only the success signal's transition was
-        # lost. The token makes this the very completion the signal would have made.
+        # The body finished and stored its result (or its replacement did); only the success
+        # signal's transition was lost. The token makes this the very completion the signal
+        # would have made.
         done = settle_success(state, queue, job_id, token, is_parent, parent, state.dumps(result))
-        return f"{queue}: completed {job_id} from its SUCCESS result ({done})"
+        whose = "its replacement's" if replaced_by else "its"
+        return f"{queue}: completed {job_id} from {whose} SUCCESS result ({done})"
     if status == "FAILURE":
         error = error_text(result) if isinstance(result, BaseException) else str(result)
         failed = settle_failure(state, queue, job_id, token, error, is_parent, parent)
         return f"{queue}: failed {job_id} from its FAILURE result ({failed}): {error}"
-    if replaced:
+    if replaced_by:
         # Its replacement has not finished: look again next pass. Whether the replacement's
         # messages arrive is Celery's business, as for a chord whose header task replaced
         # itself; this job is not re-run.

@@ -141,7 +141,8 @@ def slow_child(self: Any, x: int, seconds: float) -> int:
 
 @app.task(bind=True)
 def replaced_by(self: Any, kind: str, x: int) -> Any:
-    """A child that replaces itself (Task.replace) with a task, a chain, a group or a chord."""
+    """A child that replaces itself (Task.replace) with a task, a chain, a group, a chord or a
+    flow."""
     from celery import chain, chord, group
 
     mark(f"replaced_by:{self.request.id}")
@@ -150,6 +151,7 @@ def replaced_by(self: Any, kind: str, x: int) -> Any:
         "chain": lambda: chain(add.s(x, 1), add.s(100)),
         "group": lambda: group(add.s(x, 1), add.s(x, 2)),
         "chord": lambda: chord([add.s(x, 1), add.s(x, 2)], tsum.s()),
+        "flow": lambda: celery_echomq.flow(tsum.s(), [add.s(x, 1), add.s(x, 2)]),
     }
     raise self.replace(replacements[kind]())
 
