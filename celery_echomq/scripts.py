@@ -138,6 +138,7 @@ class Scripts:
         *,
         priority: int = 0,
         force: bool = False,
+        retries: int = 0,
     ) -> tuple[str, int, str]:
         """``(status, attempts, holder)``: see claim.lua (holder: the live token when busy)."""
         keys = [
@@ -148,7 +149,7 @@ class Scripts:
             self.keys.queue_key(queue, "reserved"),
             self.keys.queue_key(queue, "counters"),
         ]
-        argv = [job_id, token, str(lease_ms), str(priority), "1" if force else "0"]
+        argv = [job_id, token, str(lease_ms), str(priority), "1" if force else "0", str(retries)]
         status, attempts, holder = self._run("claim", keys, argv)
         return _text(status), int(attempts), _text(holder)
 

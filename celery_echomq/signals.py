@@ -95,12 +95,15 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         return
     queue, token = getattr(request, H_QUEUE), new_token()
     lease, priority = state.settings.stall_ms, _priority(request)
-    status, attempts, holder = state.scripts.claim(queue, task_id, token, lease, priority=priority)
+    retries = int(getattr(request, "retries", 0) or 0)
+    status, attempts, holder = state.scripts.claim(
+        queue, task_id, token, lease, priority=priority, retries=retries
+    )
     if status == "busy" and _holder_dead(holder):
         # Its pool process died on this host (acks late: this is the broker's redelivery):
         # the holder is known dead, so its lease does not have to lapse first.
         status, attempts, holder = state.scripts.claim(
-            queue, task_id, token, lease, priority=priority, force=True
+            queue, task_id, token, lease, priority=priority, force=True, retries=retries
         )
     if status in ("claimed", "taken_over"):
         _tokens[task_id] = token

@@ -435,3 +435,16 @@ def test_a_retry_is_pending_from_when_it_is_due(
     scripts.claim(queue, child, "t", LEASE)
     assert scripts.retry(queue, child, "t", 30_000) == "retried"
     assert db.zscore(f"emq:{{{queue}}}:pending", child) >= now_ms(db) + 29_000
+
+
+def test_a_retrys_delivery_supersedes_the_delivery_that_sent_it(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    # Celery publishes a retry before the retrying delivery has finished: the retry's claim
+    # must not be taken for a duplicate of it.
+    _, (child,) = enqueue(scripts, queue, 1)
+    scripts.claim(queue, child, "first", LEASE)
+    assert scripts.claim(queue, child, "copy", LEASE)[0] == "busy"
+    assert scripts.claim(queue, child, "retry", LEASE, retries=1) == ("taken_over", 2, "first")
+    assert scripts.retry(queue, child, "first") == "stale"  # the retry signal comes late
+    assert scripts.claim(queue, child, "copy", LEASE, retries=1)[0] == "busy"

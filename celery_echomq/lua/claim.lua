@@ -12,11 +12,14 @@
 -- ARGV[3]  lease in ms: the holder's lease lapses at server time + lease unless renewed
 -- ARGV[4]  the delivery's priority ('0' when none): the claim mark to advance
 -- ARGV[5]  '1' to take over a live lease: the caller knows the holder is dead
+-- ARGV[6]  the delivery's retry count (Celery's request.retries): a retry's message can
+--          arrive before the delivery that sent it has finished; it supersedes that one
 --
 -- Reply: {status, attempts, holder}
 --   "claimed"     pending -> active
---   "taken_over"  it was active under another token whose lease had lapsed (or whose holder
---                 the caller knows to be dead): that token is now stale
+--   "taken_over"  it was active under another token whose lease had lapsed, whose holder the
+--                 caller knows to be dead, or whose delivery this one retries: that token is
+--                 now stale
 --   "busy"        active under a live lease (or handed over to a replacement task): this
 --                 delivery is a duplicate; nothing changed but the row's 'skipped' count;
 --                 holder is the live token
@@ -27,7 +30,7 @@
 if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
   return redis.error_reply('EMQKIND job id must be JOB-namespaced')
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced')
+local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced', 'retries')
 local state = row[1]
 if not state then
   return {'missing', 0, ''}
@@ -40,9 +43,10 @@ if state ~= 'pending' and state ~= 'active' then
   redis.call('HINCRBY', KEYS[6], 'duplicates_skipped', 1)
   return {state, attempts, ''}
 end
+local retries = tonumber(ARGV[6] or '0')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-if state == 'active' and ARGV[5] ~= '1' then
+if state == 'active' and ARGV[5] ~= '1' and retries <= (tonumber(row[5]) or 0) then
   local lease = tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or '0')
   if row[4] or lease > now then
     redis.call('HINCRBY', KEYS[1], 'skipped', 1)
@@ -61,7 +65,7 @@ if state == 'pending' then
 end
 attempts = attempts + 1
 redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'started', now,
-  'attempts', attempts)
+  'attempts', attempts, 'retries', retries)
 redis.call('HDEL', KEYS[1], 'skipped', 'replaced', 'suspect')
 redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
