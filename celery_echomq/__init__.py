@@ -19,6 +19,7 @@ from .errors import (
     InvalidIdError,
     KindError,
     PolicyError,
+    ReplicationError,
     StoreUnavailableError,
 )
 from .reads import Dependencies, UnknownFlowError, children_values, dependencies, ignored_failures
@@ -36,6 +37,7 @@ __all__ = [
     "InvalidIdError",
     "KindError",
     "PolicyError",
+    "ReplicationError",
     "StoreUnavailableError",
     "UnknownFlowError",
     "children_values",

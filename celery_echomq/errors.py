@@ -6,6 +6,8 @@ Input errors are also ``ValueError`` so callers that already guard a canvas with
 
 from __future__ import annotations
 
+import redis.exceptions
+
 
 class EchoMQError(Exception):
     """Base of every celery-echomq error."""
@@ -60,6 +62,31 @@ class FlowCancelled(EchoMQError):
     def __init__(self, message: str = "", flow_id: str = "") -> None:
         super().__init__(message, flow_id)
         self.flow_id = flow_id
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class StoreConnectionError(StoreUnavailableError, redis.exceptions.ConnectionError):
+    """Redis stayed unreachable (or read-only) for longer than ``echomq_store_retry_timeout``.
+
+    Also a ``redis.ConnectionError``, so code that already treats a connection error as "the
+    store is down" (recovery passes, the CLI) treats this one the same way.
+    """
+
+
+class ReplicationError(EchoMQError):
+    """Fewer than ``echomq_min_replicas`` replicas acknowledged a transition in time.
+
+    The transition was applied on the primary (it is not taken back) but may not survive a
+    failover; if a failover loses it, recovery repairs it as it repairs a crashed worker.
+    ``acked`` is how many replicas acknowledged it, ``wanted`` the setting.
+    """
+
+    def __init__(self, message: str = "", acked: int = 0, wanted: int = 0) -> None:
+        super().__init__(message, acked, wanted)
+        self.acked = acked
+        self.wanted = wanted
 
     def __str__(self) -> str:
         return str(self.args[0])

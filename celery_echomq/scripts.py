@@ -15,7 +15,8 @@ from typing import Any
 import redis
 from redis.commands.core import Script
 
-from .errors import FlowExistsError, KindError
+from . import store
+from .errors import FlowExistsError, KindError, StoreConnectionError
 from .keyspace import Keyspace
 
 Value = bytes | str
@@ -76,18 +77,89 @@ class ParentRef:
 class Scripts:
     """The EchoMQ transitions, bound to one Redis client and one keyspace."""
 
-    def __init__(self, client: redis.Redis, keyspace: Keyspace) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keyspace: Keyspace,
+        *,
+        retry_timeout: float = 20.0,
+        min_replicas: int = 0,
+        min_replicas_timeout: float = 1.0,
+    ) -> None:
+        """``retry_timeout``: how long a transition waits for an unreachable store (the
+        client's own retry, see store.py) before :class:`StoreUnavailableError`.
+        ``min_replicas``: WAIT for that many replicas after each transition that must survive
+        a failover, up to ``min_replicas_timeout`` seconds, else :class:`ReplicationError`.
+        """
         self.keys = keyspace
         self.client = client
+        self.retry_timeout = retry_timeout
+        self.min_replicas = min_replicas
+        self.min_replicas_timeout = min_replicas_timeout
+        # Renewing a lease and giving one up need not survive a failover: a lost renewal is
+        # a false stall alarm (a body run twice, never a double count), a lost release a
+        # recovery pass that waits for the lease to expire. Every other script waits.
+        self.unreplicated = frozenset({"extend", "lease_release"})
         self._scripts: dict[str, Script] = {
             name: client.register_script(load_source(name)) for name in TRANSITIONS
         }
 
     def _run(self, name: str, keys: Sequence[str], args: Sequence[Value]) -> Any:
+        # A transition may be sent twice: the client resends it after a connection error or a
+        # READONLY reply (a failover), when the first attempt may have been applied and only
+        # its reply lost. That is safe only because every script is idempotent under its own
+        # checks: it writes nothing unless the job is in the state it moves from and, for a
+        # running job, holds the caller's token (credit: once per child id; enqueue_flow and
+        # open_flow: no row of the flow exists yet). A second run of a transition that landed
+        # changes nothing and says so ("stale", no payload from dispatch, ...): its caller
+        # does nothing more, and what the first run would have had it do (publish a released
+        # parent) is left to recovery, as after a crash.
+        retries = store.retries_here()
+        script = self._scripts[name]
         try:
-            return self._scripts[name](keys=list(keys), args=list(args))
+            if self.min_replicas and name not in self.unreplicated:
+                return store.run_replicated(
+                    self.client,
+                    script,
+                    keys,
+                    args,
+                    replicas=self.min_replicas,
+                    wait_timeout=self.min_replicas_timeout,
+                    retry_timeout=self.retry_timeout,
+                    name=name,
+                )
+            return store.run_script(self.client, script, keys, args, self.retry_timeout)
+        except store.CLUSTER_RETRYABLE as exc:
+            raise StoreConnectionError(
+                f"the flow store is unavailable: {name} failed, retried for up to "
+                f"echomq_store_retry_timeout={self.retry_timeout:g} s "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
         except redis.ResponseError as exc:
             raised = server_error(exc)
+            if (
+                isinstance(raised, FlowExistsError)
+                and name in ("enqueue_flow", "open_flow")
+                and store.retries_here() != retries
+                and str(exc) == f"EMQEXISTS {_text(args[0])}"
+            ):
+                # Refused by our own first attempt, whose reply was lost: the parent row
+                # holds exactly the payload this call sent (a payload carries every job id
+                # of its flow, so no other flow's parent has it).
+                landed = self.client.hget(keys[0], "payload")
+                sent = args[1].encode() if isinstance(args[1], str) else args[1]
+                if landed == sent:
+                    if self.min_replicas:
+                        store.confirm_replicated(
+                            self.client,
+                            keys[0],
+                            "payload",
+                            sent,
+                            replicas=self.min_replicas,
+                            wait_timeout=self.min_replicas_timeout,
+                        )
+                    count = int(_text(args[2]))
+                    return count if name == "enqueue_flow" else count + 1
             if raised is exc:
                 raise
             raise raised from None

@@ -99,7 +99,11 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     status, attempts, holder = state.scripts.claim(
         queue, task_id, token, lease, priority=priority, retries=retries
     )
-    if status == "busy" and _holder_dead(holder):
+    if status == "busy" and holder == token:
+        # The store's client resent this claim after a lost reply (a failover): the first
+        # attempt landed, so the job is this delivery's.
+        status = "claimed"
+    elif status == "busy" and _holder_dead(holder):
         # Its pool process died on this host (acks late: this is the broker's redelivery):
         # the holder is known dead, so its lease does not have to lapse first.
         status, attempts, holder = state.scripts.claim(

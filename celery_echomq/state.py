@@ -10,26 +10,17 @@ import os
 import threading
 from typing import Any, cast
 
-import redis
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
 from .config import Settings, read_settings
 from .errors import ConfigError
 from .keyspace import Keyspace
 from .scripts import Scripts
+from .store import make_client
+
+__all__ = ["EchoMQ", "find_state", "get_state", "install_state", "make_client"]
 
 _ATTR = "_echomq_state"
-
-
-def make_client(url: str) -> Any:
-    """A redis-py client for ``url``; ``redis+cluster://`` gives a ``RedisCluster``."""
-    if url.startswith("redis+cluster://"):
-        from redis.cluster import RedisCluster
-
-        return RedisCluster.from_url("redis://" + url[len("redis+cluster://") :])
-    if url.startswith("redis+socket://"):
-        url = "unix://" + url[len("redis+socket://") :]
-    return redis.Redis.from_url(url, health_check_interval=30)
 
 
 class EchoMQ:
@@ -50,8 +41,15 @@ class EchoMQ:
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
-                    self._client = make_client(self.settings.redis_url)
-                    self._scripts = Scripts(self._client, self.keys)
+                    settings = self.settings
+                    self._client = make_client(settings)
+                    self._scripts = Scripts(
+                        self._client,
+                        self.keys,
+                        retry_timeout=settings.store_retry_timeout,
+                        min_replicas=settings.min_replicas,
+                        min_replicas_timeout=settings.min_replicas_timeout,
+                    )
                     self._pid = os.getpid()
 
     @property

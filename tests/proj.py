@@ -19,6 +19,11 @@ app.conf.update(
     echomq_redis_url=os.environ.get("ECHOMQ_T_STORE", "redis://127.0.0.1:6379/3"),
     echomq_stall_timeout=float(os.environ.get("ECHOMQ_T_STALL", "300")),
     echomq_recovery_interval=float(os.environ.get("ECHOMQ_T_RECOVERY_INTERVAL", "1")),
+    echomq_transport_options={"master_name": os.environ.get("ECHOMQ_T_MASTER_NAME", "")}
+    if os.environ.get("ECHOMQ_T_MASTER_NAME")
+    else {},
+    echomq_min_replicas=int(os.environ.get("ECHOMQ_T_MIN_REPLICAS", "0")),
+    echomq_store_retry_timeout=float(os.environ.get("ECHOMQ_T_STORE_RETRY", "20")),
     task_acks_late=os.environ.get("ECHOMQ_T_ACKS_LATE") == "1",
     task_reject_on_worker_lost=os.environ.get("ECHOMQ_T_ACKS_LATE") == "1",
     worker_prefetch_multiplier=1,

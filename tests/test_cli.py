@@ -205,7 +205,9 @@ def test_an_unreachable_store_is_one_clear_line(env: Env) -> None:
     from celery_echomq.embedded import free_port
 
     # A loopback port nobody listens on: the store is down.
-    out = echomq_process(env, "stats", ECHOMQ_T_STORE=f"redis://127.0.0.1:{free_port()}/13")
+    out = echomq_process(
+        env, "stats", ECHOMQ_T_STORE=f"redis://127.0.0.1:{free_port()}/13", ECHOMQ_T_STORE_RETRY="1"
+    )
     assert out.returncode == 1
     assert out.stderr.startswith("Error: cannot reach the flow store in Redis:")
     assert "Traceback" not in out.stderr

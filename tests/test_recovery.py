@@ -549,7 +549,7 @@ def test_store_unavailable_at_apply_async(
         url = f"redis://127.0.0.1:{free_port()}/13"
     else:
         url = env.store.replace("redis://", "redis://nobody:wrong@")
-    app = side_app(env, url)
+    app = side_app(env, url, echomq_store_retry_timeout=1)
     pid = new_job_id()
     ids, kids = children(proj, 2)
     started = time.monotonic()
