@@ -27,7 +27,7 @@ from .errors import (
 )
 from .keyspace import check_id, check_queue, check_unique
 from .publish import send_jobs
-from .scripts import ParentRef
+from .scripts import UNSETTLED, ParentRef, Status
 from .state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")
@@ -456,10 +456,10 @@ def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = Fal
     status, was, outstanding = state.scripts.cancel(
         queue, parent_id, children, ttl=state.settings.result_ttl
     )
-    if status != "cancelled":
+    if status is not Status.CANCELLED:
         return revoked
     # A released parent's message is on its way: revoke it too, so it never runs.
-    to_revoke = [*outstanding, parent_id] if was == "pending" else outstanding
+    to_revoke = [*outstanding, parent_id] if was is Status.PENDING else outstanding
     if to_revoke:
         state.app.control.revoke(to_revoke, terminate=terminate)
     exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
@@ -482,7 +482,7 @@ def credit_remote(
     outcome: str,
     data: bytes | str,
     policy: str,
-) -> tuple[str, str]:
+) -> tuple[Status, str]:
     """Count a child staged in ``queue``'s outbox on its parent's slot, then unstage it.
 
     Idempotent per child id: recovery repeats it for an outbox entry left by a crash.
@@ -495,16 +495,18 @@ def credit_remote(
     return status, applied
 
 
-def follow(state: EchoMQ, status: str, job_id: str, parent: ParentRef, error: str = "") -> None:
+def follow(state: EchoMQ, status: Status, job_id: str, parent: ParentRef, error: str = "") -> None:
     """Act on what a child's transition made of its parent: publish it, or settle its failure."""
-    if status == "released":
+    if status is Status.RELEASED:
         logger.info("echomq: parent %s released by child %s", parent.id, job_id)
         dispatch_parent(state, parent.queue, parent.id)
-    elif status == "parent_failed":
+    elif status is Status.PARENT_FAILED:
         exc, outer = parent_failed(state, parent.queue, parent.id, job_id, error)
         if outer is not None:
             # A nested flow failed: that is a failed child of the flow it belongs to.
-            settle_failure(state, parent.queue, parent.id, "*", error_text(exc), True, outer)
+            settle_failure(
+                state, parent.queue, parent.id, "", error_text(exc), True, outer, carry=True
+            )
 
 
 def settle_success(
@@ -515,7 +517,7 @@ def settle_success(
     is_parent: bool,
     parent: ParentRef | None,
     value: bytes,
-) -> str:
+) -> Status:
     """A job succeeded: complete it and credit its parent (on whichever slot it lives)."""
     status = state.scripts.complete(
         queue,
@@ -526,8 +528,8 @@ def settle_success(
         parent=parent,
         value=value,
     )
-    if status == "staged" and parent is not None:
-        status, _ = credit_remote(state, queue, job_id, parent, "done", value, "")
+    if status is Status.STAGED and parent is not None:
+        status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")
     if parent is not None:
         follow(state, status, job_id, parent)
     return status
@@ -541,8 +543,14 @@ def settle_failure(
     error: str,
     is_parent: bool,
     parent: ParentRef | None,
-) -> str:
-    """A job failed for good: fail it and apply its parent_policy to the parent."""
+    *,
+    carry: bool = False,
+) -> Status:
+    """A job failed for good: fail it and apply its parent_policy to the parent.
+
+    ``carry``: the job is a nested flow's parent, already failed by one of its own children;
+    apply that failure, once, to the flow it belongs to (see fail.lua).
+    """
     status, policy = state.scripts.fail(
         queue,
         job_id,
@@ -551,10 +559,11 @@ def settle_failure(
         ttl=state.settings.result_ttl,
         is_parent=is_parent,
         parent=parent,
+        carry=carry,
     )
-    if status == "staged" and parent is not None:
-        status, policy = credit_remote(state, queue, job_id, parent, "failed", error, policy)
-    if parent is None or status in ("stale", "finished", "failed", "duplicate"):
+    if status is Status.STAGED and parent is not None:
+        status, policy = credit_remote(state, queue, job_id, parent, Status.FAILED, error, policy)
+    if parent is None or status in UNSETTLED:
         return status
     logger.info("echomq: child %s failed under policy %s: %s", job_id, policy, error)
     follow(state, status, job_id, parent, error)

@@ -60,7 +60,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import redis
-from celery import bootsteps
+from celery import bootsteps, states
 
 from .errors import FlowFailed, InvalidIdError
 from .flows import (
@@ -79,7 +79,7 @@ from .flows import (
     settle_success,
 )
 from .keyspace import check_id, check_queue
-from .scripts import ParentRef
+from .scripts import ParentRef, Status
 from .signals import holder_prefix, pid_alive
 from .state import EchoMQ, find_state
 
@@ -477,8 +477,8 @@ def _republish_pending(
     # another pass may have requeued it, a worker may have fetched it since. A refused payload
     # is re-scored too, so it is reported once per stall timeout and never blocks the head of
     # the pending set.
-    status, payload = state.scripts.requeue(queue, job_id, stall + delay, "pending")
-    if status != "requeued" or seen is None:
+    status, payload = state.scripts.requeue(queue, job_id, stall + delay, Status.PENDING)
+    if status is not Status.REQUEUED or seen is None:
         return None
     job = _decode(state, queue, job_id, payload)
     if job is None:
@@ -530,7 +530,7 @@ def _lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
     rows = pipe.execute()
     repairs: list[str] = []
     for (job_id, _), (row_state, token, payload, replaced, by) in zip(due, rows, strict=True):
-        if row_state is None or _text(row_state) != "active":
+        if row_state is None or _text(row_state) != Status.ACTIVE:
             continue
         if len(repairs) >= BUDGET:
             break
@@ -571,21 +571,21 @@ def _repair_active(
         # finished one would be safe for the credit but not for its side effects: wait.
         logger.warning("echomq recovery: result backend unreadable for %s: %s", job_id, exc)
         return None
-    if replaced_by and replaced_by != job_id and status in ("SUCCESS", "FAILURE"):
+    if replaced_by and replaced_by != job_id and status in (states.SUCCESS, states.FAILURE):
         # A flow replaced it under an id of its own: the replaced id resolves too, as
         # Task.replace promises.
-        if status == "SUCCESS":
+        if status == states.SUCCESS:
             state.app.backend.mark_as_done(job_id, result)
         else:
             state.app.backend.mark_as_failure(job_id, result)
-    if status == "SUCCESS":
+    if status == states.SUCCESS:
         # The body finished and stored its result (or its replacement did); only the success
         # signal's transition was lost. The token makes this the very completion the signal
         # would have made.
         done = settle_success(state, queue, job_id, token, is_parent, parent, state.dumps(result))
         whose = "its replacement's" if replaced_by else "its"
         return f"{queue}: completed {job_id} from {whose} SUCCESS result ({done})"
-    if status == "FAILURE":
+    if status == states.FAILURE:
         error = error_text(result) if isinstance(result, BaseException) else str(result)
         failed = settle_failure(state, queue, job_id, token, error, is_parent, parent)
         return f"{queue}: failed {job_id} from its FAILURE result ({failed}): {error}"
@@ -596,9 +596,9 @@ def _repair_active(
         state.scripts.extend(queue, [job_id], int(state.settings.recovery_interval * 1000))
         return None
     requeued, stored = state.scripts.requeue(
-        queue, job_id, state.settings.stall_ms, "active", token
+        queue, job_id, state.settings.stall_ms, Status.ACTIVE, token
     )
-    if requeued != "requeued":
+    if requeued is not Status.REQUEUED:
         return None
     job = _decode(state, queue, job_id, stored)
     if job is None:
@@ -641,7 +641,7 @@ def _unrecorded_failures(state: EchoMQ, queue: str, batch: int) -> list[str]:
             pipe.hmget(keys.job_key(queue, job_id), fields)
         for job_id, values in zip(ids, pipe.execute(), strict=True):
             row = {name: _text(v) for name, v in zip(fields, values, strict=True) if v is not None}
-            if row.get("state") != "failed" or not (
+            if row.get("state") != Status.FAILED or not (
                 row.get("failed_child") or row.get("abandoned")
             ):
                 continue  # a failed child, or a parent whose own body failed (Celery recorded it)
@@ -678,11 +678,11 @@ def _record_failed_parent(
     else:
         reason = row.get("error", "its producer stopped before the flow was sealed")
         exc = FlowFailed(f"flow {parent_id}: {reason}", "", reason)
-    if status not in (None, "FAILURE"):
+    if status not in (None, states.FAILURE):
         if child:
             # What the failing child's worker would have done: record, run the errbacks, and
             # carry a nested flow's failure to its outer flow.
-            follow(state, "parent_failed", child, ParentRef(parent_id, queue), reason)
+            follow(state, Status.PARENT_FAILED, child, ParentRef(parent_id, queue), reason)
         else:
             _mark_abandoned(state, queue, parent_id, exc, payload)
         why = f"child {child} failed: {reason}" if child else reason
@@ -690,8 +690,10 @@ def _record_failed_parent(
     if row.get("parent") and not row.get("propagated"):
         outer = _outer_ref(state, queue, parent_id, payload)
         if outer is not None:
-            settled = settle_failure(state, queue, parent_id, "*", error_text(exc), True, outer)
-            if settled != "finished":
+            settled = settle_failure(
+                state, queue, parent_id, "", error_text(exc), True, outer, carry=True
+            )
+            if settled is not Status.FINISHED:
                 return f"{queue}: carried the failure of {parent_id} to its flow {outer.id}"
     return None
 
@@ -711,7 +713,7 @@ def _mark_abandoned(
     state.app.backend.mark_as_failure(parent_id, exc)
     outer = _outer_ref(state, queue, parent_id, payload)
     if outer is not None:
-        settle_failure(state, queue, parent_id, "*", error_text(exc), True, outer)
+        settle_failure(state, queue, parent_id, "", error_text(exc), True, outer, carry=True)
 
 
 # --- (e) and (f): the chunked, cross-slot path --------------------------------------------------
@@ -740,18 +742,20 @@ def _credit(state: EchoMQ, queue: str, job_id: str, row: dict[str, Any]) -> str 
     outbox = state.keys.queue_key(queue, "outbox")
     job = _decode(state, queue, job_id, row["payload"]) if row["payload"] is not None else None
     parent = parent_ref(_headers(job)) if job is not None else None
-    row_state = _text(row["state"]) if row["state"] is not None else "missing"
-    if parent is None or row_state not in ("done", "failed"):
+    row_state = _text(row["state"]) if row["state"] is not None else Status.MISSING
+    if parent is None or row_state not in (Status.DONE, Status.FAILED):
         state.client.zrem(outbox, job_id)  # expired, or nothing to credit
         return None
-    if row_state == "done":
-        status, _ = credit_remote(state, queue, job_id, parent, "done", row["value"] or b"", "")
+    if row_state == Status.DONE:
+        status, _ = credit_remote(
+            state, queue, job_id, parent, Status.DONE, row["value"] or b"", ""
+        )
         error = ""
     else:
         error = _text(row["error"] or b"")
         policy = _text(row["parent_policy"] or b"")
-        status, _ = credit_remote(state, queue, job_id, parent, "failed", error, policy)
-    if status == "duplicate":
+        status, _ = credit_remote(state, queue, job_id, parent, Status.FAILED, error, policy)
+    if status is Status.DUPLICATE:
         return None
     follow(state, status, job_id, parent, error)
     return f"{queue}: credited staged {job_id} ({row_state}) to parent {parent.id} ({status})"
@@ -790,9 +794,9 @@ def _seal_or_abandon(state: EchoMQ, queue: str, parent_id: str) -> str | None:
     }
     if job is not None and len(written) == len(children):
         status = state.scripts.seal_flow(queue, parent_id)
-        if status == "noop":
+        if status is Status.NOOP:
             return None
-        if status == "released":
+        if status is Status.RELEASED:
             dispatch_parent(state, queue, parent_id)
         return f"{queue}: sealed flow {parent_id} (every child was written; {status})"
     reason = (
@@ -802,7 +806,7 @@ def _seal_or_abandon(state: EchoMQ, queue: str, parent_id: str) -> str | None:
     status = state.scripts.abandon_flow(
         queue, parent_id, state.settings.stall_ms, reason, ttl=state.settings.result_ttl
     )
-    if status != "abandoned":
+    if status is not Status.ABANDONED:
         return None
     exc = FlowFailed(f"flow {parent_id}: {reason}", "", reason)
     _mark_abandoned(state, queue, parent_id, exc, payload)
@@ -883,9 +887,9 @@ def drop_dead(state: EchoMQ, jobs: dict[str, Held]) -> list[str]:
         if job.pid is None:
             continue
         status, payload = state.scripts.drop(job.queue, job_id, holder_prefix(job.pid))
-        if status == "noop":
+        if status is Status.NOOP:
             continue
-        if status == "requeued":
+        if status is Status.REQUEUED:
             # A duplicate was skipped while this holder looked alive: no message is left.
             found = _decode(state, job.queue, job_id, payload)
             if found is not None:

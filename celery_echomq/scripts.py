@@ -7,10 +7,25 @@ maps the scripts' server errors to Python errors (``EMQKIND`` -> :class:`KindErr
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import Enum
 from importlib import resources
 from typing import Any
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - Python 3.10
+
+    class StrEnum(str, Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return str(self.value).__format__(spec)
+
 
 import redis
 from redis.commands.core import Script
@@ -20,6 +35,55 @@ from .errors import FlowExistsError, KindError, StoreConnectionError
 from .keyspace import Keyspace
 
 Value = bytes | str
+
+
+class Status(StrEnum):
+    """Every status a script replies with (each script's header says which it can give).
+
+    A member is a ``str``, so a reply compares equal to its text; code compares against the
+    members, never against bare strings.
+    """
+
+    # a job's states, also the reply of a transition that found the job in another state
+    PENDING = "pending"
+    ACTIVE = "active"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    AWAITING_CHILDREN = "awaiting_children"
+    MISSING = "missing"  # no row
+    # claim
+    CLAIMED = "claimed"
+    TAKEN_OVER = "taken_over"
+    BUSY = "busy"
+    HELD = "held"  # also requeue: a live worker holds the job it received
+    # complete, fail, credit, seal_flow: the fan-in
+    RELEASED = "released"
+    CREDITED = "credited"
+    STAGED = "staged"
+    PARENT_FAILED = "parent_failed"
+    DUPLICATE = "duplicate"
+    FINISHED = "finished"
+    SEALED = "sealed"
+    # any transition that checks the caller's token
+    STALE = "stale"
+    NOOP = "noop"
+    # retry, requeue, drop, hand_over, abandon_flow
+    RETRIED = "retried"
+    REQUEUED = "requeued"
+    FRESH = "fresh"
+    LAPSED = "lapsed"
+    HANDED_OVER = "handed_over"
+    ABANDONED = "abandoned"
+
+
+# What a claim means for the delivery that made it.
+STARTED = frozenset({Status.CLAIMED, Status.TAKEN_OVER})
+DUPLICATE_DELIVERY = frozenset(
+    {Status.BUSY, Status.DONE, Status.FAILED, Status.CANCELLED, Status.HELD}
+)
+# What settling a finished job can answer when it changed nothing for the parent.
+UNSETTLED = frozenset({Status.STALE, Status.FINISHED, Status.FAILED, Status.DUPLICATE})
 TRANSITIONS = (
     "enqueue_flow",
     "claim",
@@ -44,12 +108,41 @@ TRANSITIONS = (
 )
 
 
+INCLUDE = re.compile(r'^--- @include "([a-z_]+)"$', re.MULTILINE)
+
+
+def _read_lua(*parts: str) -> str:
+    return resources.files(__package__).joinpath("lua", *parts).read_text("utf-8")
+
+
 def load_source(name: str) -> str:
-    return resources.files(__package__).joinpath("lua", f"{name}.lua").read_text("utf-8")
+    """The source of ``lua/<name>.lua`` with its includes expanded.
+
+    A line ``--- @include "piece"`` is replaced by ``lua/includes/piece.lua`` (itself expanded
+    the same way), at most once per script: a piece included twice, directly or through
+    another piece, is written only where it first appears, so each Lua local is defined once.
+    """
+    seen: set[str] = set()
+
+    def expand(source: str) -> str:
+        def piece(match: re.Match[str]) -> str:
+            included = match.group(1)
+            if included in seen:
+                return f"-- ({included} is included above)"
+            seen.add(included)
+            return expand(_read_lua("includes", f"{included}.lua")).rstrip("\n")
+
+        return INCLUDE.sub(piece, source)
+
+    return expand(_read_lua(f"{name}.lua"))
 
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _status(value: Any) -> Status:
+    return Status(_text(value))
 
 
 def server_error(exc: redis.ResponseError) -> Exception:
@@ -211,7 +304,7 @@ class Scripts:
         priority: int = 0,
         force: bool = False,
         retries: int = 0,
-    ) -> tuple[str, int, str]:
+    ) -> tuple[Status, int, str]:
         """``(status, attempts, holder)``: see claim.lua (holder: the live token when busy)."""
         keys = [
             self.keys.job_key(queue, job_id),
@@ -223,7 +316,7 @@ class Scripts:
         ]
         argv = [job_id, token, str(lease_ms), str(priority), "1" if force else "0", str(retries)]
         status, attempts, holder = self._run("claim", keys, argv)
-        return _text(status), int(attempts), _text(holder)
+        return _status(status), int(attempts), _text(holder)
 
     def complete(
         self,
@@ -235,7 +328,7 @@ class Scripts:
         is_parent: bool,
         parent: ParentRef | None,
         value: Value,
-    ) -> str:
+    ) -> Status:
         remote = parent is not None and parent.queue != queue
         keys = [
             self.keys.job_key(queue, job_id),
@@ -256,7 +349,7 @@ class Scripts:
             value,
             "1" if remote else "0",
         ]
-        return _text(self._run("complete", keys, argv)[0])
+        return _status(self._run("complete", keys, argv)[0])
 
     def fail(
         self,
@@ -268,7 +361,14 @@ class Scripts:
         ttl: int,
         is_parent: bool,
         parent: ParentRef | None,
-    ) -> tuple[str, str]:
+        carry: bool = False,
+    ) -> tuple[Status, str]:
+        """Fail a job and apply its failure to its parent under the child's policy.
+
+        ``token`` '' accepts any delivery (revoke, recovery, a hard time limit). ``carry``: the
+        job is a nested flow's parent, failed already by one of its own children; carry that
+        failure, once, to the flow it is a child of (``token`` is not read).
+        """
         remote = parent is not None and parent.queue != queue
         keys = [
             self.keys.job_key(queue, job_id),
@@ -292,9 +392,10 @@ class Scripts:
             "1" if is_parent else "0",
             parent.id if parent else "",
             "1" if remote else "0",
+            "1" if carry else "0",
         ]
         status, policy = self._run("fail", keys, argv)
-        return _text(status), _text(policy)
+        return _status(status), _text(policy)
 
     def open_flow(
         self, queue: str, parent_id: str, payload: Value, n: int, policy: str, outer: str = ""
@@ -328,14 +429,14 @@ class Scripts:
             argv += [cid, payload, policy]
         return int(self._run("add_children", keys, argv))
 
-    def seal_flow(self, queue: str, parent_id: str) -> str:
+    def seal_flow(self, queue: str, parent_id: str) -> Status:
         keys = [
             self.keys.job_key(queue, parent_id),
             self.keys.flow_keys(queue, parent_id)[0],
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "open"),
         ]
-        return _text(self._run("seal_flow", keys, [parent_id])[0])
+        return _status(self._run("seal_flow", keys, [parent_id])[0])
 
     def credit(
         self,
@@ -346,7 +447,7 @@ class Scripts:
         policy: str,
         *,
         ttl: int,
-    ) -> tuple[str, str]:
+    ) -> tuple[Status, str]:
         """Count a child of another slot on its parent's slot, once per child id."""
         deps, processed, ignored = self.keys.flow_keys(parent.queue, parent.id)
         keys = [
@@ -361,15 +462,15 @@ class Scripts:
         status, applied = self._run(
             "credit", keys, [parent.id, child_id, outcome, data, policy, str(ttl)]
         )
-        return _text(status), _text(applied)
+        return _status(status), _text(applied)
 
-    def retry(self, queue: str, job_id: str, token: str, due_in_ms: int = 0) -> str:
+    def retry(self, queue: str, job_id: str, token: str, due_in_ms: int = 0) -> Status:
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
         ]
-        return _text(self._run("retry", keys, [job_id, token, str(max(0, due_in_ms))])[0])
+        return _status(self._run("retry", keys, [job_id, token, str(max(0, due_in_ms))])[0])
 
     def dispatch(
         self, queue: str, parent_id: str, redispatch_after_ms: int = 0, inline_max: int = 1000
@@ -393,7 +494,7 @@ class Scripts:
 
     def cancel(
         self, queue: str, parent_id: str, child_ids: Sequence[str], *, ttl: int
-    ) -> tuple[str, str, list[str]]:
+    ) -> tuple[Status, Status, list[str]]:
         """Cancel a held flow: its status, the parent's state before, and the children that
         were still outstanding."""
         keys = [
@@ -405,12 +506,12 @@ class Scripts:
         ]
         reply = self._run("cancel", keys, [parent_id, str(ttl), *child_ids])
         if len(reply) < 2:
-            return _text(reply[0]), _text(reply[0]), []
-        return _text(reply[0]), _text(reply[1]), [_text(cid) for cid in reply[2:]]
+            return _status(reply[0]), _status(reply[0]), []
+        return _status(reply[0]), _status(reply[1]), [_text(cid) for cid in reply[2:]]
 
     def requeue(
         self, queue: str, job_id: str, stall_ms: int, seen_state: str, token: str = ""
-    ) -> tuple[str, bytes | None]:
+    ) -> tuple[Status, bytes | None]:
         """Take back a lost job: ``("requeued", payload)`` to re-publish, or ``(status, None)``
         when it is not (or no longer) stalled in ``seen_state``."""
         keys = [
@@ -421,8 +522,8 @@ class Scripts:
             self.keys.queue_key(queue, "counters"),
         ]
         reply = self._run("requeue", keys, [job_id, str(stall_ms), seen_state, token])
-        status = _text(reply[0])
-        return (status, reply[1]) if status == "requeued" else (status, None)
+        status = _status(reply[0])
+        return (status, reply[1]) if status is Status.REQUEUED else (status, None)
 
     def extend(
         self, queue: str, running: Sequence[str], lease_ms: int, held: Sequence[str] = ()
@@ -435,7 +536,7 @@ class Scripts:
         argv = [str(lease_ms), str(len(running)), *running, *held]
         return int(self._run("extend", keys, argv))
 
-    def drop(self, queue: str, job_id: str, holder_prefix: str) -> tuple[str, bytes | None]:
+    def drop(self, queue: str, job_id: str, holder_prefix: str) -> tuple[Status, bytes | None]:
         """End the lease of a holder known dead: ``("lapsed", None)``, ``("requeued", payload)``
         (the host re-publishes it) or ``("noop", None)``."""
         keys = [
@@ -445,13 +546,13 @@ class Scripts:
             self.keys.queue_key(queue, "counters"),
         ]
         reply = self._run("drop", keys, [job_id, holder_prefix])
-        status = _text(reply[0])
-        return (status, reply[1]) if status == "requeued" else (status, None)
+        status = _status(reply[0])
+        return (status, reply[1]) if status is Status.REQUEUED else (status, None)
 
-    def hand_over(self, queue: str, job_id: str, token: str) -> str:
+    def hand_over(self, queue: str, job_id: str, token: str) -> Status:
         """The job was replaced (Task.replace): its outcome is the replacement's."""
         keys = [self.keys.job_key(queue, job_id), self.keys.queue_key(queue, "active")]
-        return _text(self._run("hand_over", keys, [job_id, token])[0])
+        return _status(self._run("hand_over", keys, [job_id, token])[0])
 
     def lease_release(self, name: str, token: str) -> bool:
         """Give up the lease ``name`` if ``token`` still holds it."""
@@ -459,7 +560,7 @@ class Scripts:
 
     def abandon_flow(
         self, queue: str, parent_id: str, stall_ms: int, error: str, *, ttl: int
-    ) -> str:
+    ) -> Status:
         """Fail an open flow (chunked path) whose producer stopped before writing every child."""
         deps, processed, ignored = self.keys.flow_keys(queue, parent_id)
         keys = [
@@ -471,6 +572,6 @@ class Scripts:
             self.keys.queue_key(queue, "open"),
             self.keys.queue_key(queue, "failed"),
         ]
-        return _text(
+        return _status(
             self._run("abandon_flow", keys, [parent_id, str(stall_ms), str(ttl), error])[0]
         )

@@ -28,6 +28,7 @@ from .flows import (
     settle_failure,
     settle_success,
 )
+from .scripts import DUPLICATE_DELIVERY, STARTED, Status
 from .state import EchoMQ, find_state
 
 logger = logging.getLogger("celery_echomq")
@@ -99,23 +100,23 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     status, attempts, holder = state.scripts.claim(
         queue, task_id, token, lease, priority=priority, retries=retries
     )
-    if status == "busy" and holder == token:
+    if status is Status.BUSY and holder == token:
         # The store's client resent this claim after a lost reply (a failover): the first
         # attempt landed, so the job is this delivery's.
-        status = "claimed"
-    elif status == "busy" and _holder_dead(holder):
+        status = Status.CLAIMED
+    elif status is Status.BUSY and _holder_dead(holder):
         # Its pool process died on this host (acks late: this is the broker's redelivery):
         # the holder is known dead, so its lease does not have to lapse first.
         status, attempts, holder = state.scripts.claim(
             queue, task_id, token, lease, priority=priority, force=True, retries=retries
         )
-    if status in ("claimed", "taken_over"):
+    if status in STARTED:
         _tokens[task_id] = token
-        if status == "claimed":
+        if status is Status.CLAIMED:
             logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
         else:
             logger.info("echomq: claim %s -> taken over (attempt %d)", task_id, attempts)
-    elif status in ("busy", "done", "failed", "cancelled", "held"):
+    elif status in DUPLICATE_DELIVERY:
         # A duplicate delivery: the job runs under a live lease elsewhere, or it is finished,
         # or (a parent) it still waits for its children. Its body is skipped and its message
         # acknowledged; the holder's outcome is the job's.

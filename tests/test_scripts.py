@@ -11,7 +11,7 @@ import redis
 from celery_echomq import KindError
 from celery_echomq.errors import FlowExistsError
 from celery_echomq.keyspace import Keyspace
-from celery_echomq.scripts import ParentRef, Scripts
+from celery_echomq.scripts import TRANSITIONS, ParentRef, Scripts, load_source
 
 from .conftest import Env
 
@@ -448,3 +448,16 @@ def test_a_retrys_delivery_supersedes_the_delivery_that_sent_it(
     assert scripts.claim(queue, child, "retry", LEASE, retries=1) == ("taken_over", 2, "first")
     assert scripts.retry(queue, child, "first") == "stale"  # the retry signal comes late
     assert scripts.claim(queue, child, "copy", LEASE, retries=1)[0] == "busy"
+
+
+def test_each_script_is_its_file_with_every_include_expanded_once() -> None:
+    for name in TRANSITIONS:
+        source = load_source(name)
+        assert "--- @include" not in source
+        for piece in ("now_ms", "gate_ids", "not_holder", "expire_keys", "release_parent"):
+            assert source.count(f"local function {piece}(") <= 1, (name, piece)
+        if name != "lease_release":  # the one script that takes no job id
+            assert "EMQKIND" in source, name
+    fan_in = load_source("credit")
+    assert fan_in.count("local function settle_child(") == 1
+    assert fan_in.count("local function now_ms(") == 1  # included twice, written once

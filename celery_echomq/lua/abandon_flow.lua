@@ -21,15 +21,17 @@
 --   "noop"       not open (sealed, or abandoned before): nothing changed
 --   "<state>"    open but no longer held (e.g. cancelled): only taken out of the open set
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
 end
 local opened = redis.call('ZSCORE', KEYS[6], ARGV[1])
 if not opened then
   return {'noop'}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 if now - tonumber(opened) < tonumber(ARGV[2]) then
   return {'fresh'}
 end

@@ -14,14 +14,12 @@
 -- Reply: the number of rows written. A row that already exists for this same parent is
 -- left as it is (a repeated add writes nothing twice).
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row of another flow.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
-end
+--- @include "gate"
+--- @include "now_ms"
 local k = tonumber(ARGV[3])
-for i = 1, k do
-  if string.sub(ARGV[1 + 3 * i], 1, 3) ~= 'JOB' then
-    return redis.error_reply('EMQKIND job id must be JOB-namespaced')
-  end
+local refused = gate_ids(1, 1) or gate_ids(4, 1 + 3 * k, 3)
+if refused then
+  return refused
 end
 -- One variadic EXISTS per slice (Lua's unpack has a stack limit); only a slice with a hit
 -- (a chunk sent again, or another flow's row) is looked at row by row.
@@ -47,8 +45,7 @@ for first = 1, k, SLICE do
     end
   end
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local members = {}
 for n, i in ipairs(fresh) do
   local row = KEYS[1 + i]

@@ -18,8 +18,10 @@
 --                children that were still outstanding (the host revokes their messages)
 --   "<state>"    the parent is active, done, failed or already cancelled: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
 end
 local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'awaiting_children' and state ~= 'pending' then

@@ -27,8 +27,11 @@
 --   "held"        a parent still awaiting its children: nothing changed
 --   "missing"     no row (never written, or expired): nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
 end
 local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced', 'retries')
 local state = row[1]
@@ -44,8 +47,7 @@ if state ~= 'pending' and state ~= 'active' then
   return {state, attempts, ''}
 end
 local retries = tonumber(ARGV[6] or '0')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 if state == 'active' and ARGV[5] ~= '1' and retries <= (tonumber(row[5]) or 0) then
   local lease = tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or '0')
   if row[4] or lease > now then

@@ -1,4 +1,4 @@
--- complete: a job succeeded (task_success): active -> done, and the seed's fan-in.
+-- complete: a job succeeded (task_success): active -> done, and its parent's fan-in.
 --
 -- KEYS[1]  the job row
 -- KEYS[2]  the job's queue active set
@@ -28,47 +28,32 @@
 --   "stale"       the token is not the current one: nothing changed
 --   "<state>"     the job is not active (done, failed, pending, ...): nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
-end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token')
-if row[1] ~= 'active' then
-  return {row[1] or 'missing'}
-end
-if row[2] ~= ARGV[2] then
-  return {'stale'}
+--- @include "gate"
+--- @include "expire"
+--- @include "holder"
+--- @include "settle_child"
+local refused = gate_ids(1, 1) or not_holder(KEYS[1], ARGV[2])
+if refused then
+  return refused
 end
 local ttl = tonumber(ARGV[3])
 -- ZREM gives was_active: exactly one completion per active->done transition gets 1.
 local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'done')
-redis.call('EXPIRE', KEYS[1], ttl)
-if ARGV[4] == '1' then
-  redis.call('EXPIRE', KEYS[3], ttl)
-  redis.call('EXPIRE', KEYS[4], ttl)
-  redis.call('EXPIRE', KEYS[5], ttl)
-end
+expire_keys(ttl, ARGV[4] == '1' and {KEYS[1], KEYS[3], KEYS[4], KEYS[5]} or {KEYS[1]})
 if ARGV[7] == '1' then
   if was_active == 1 then
-    local t = redis.call('TIME')
     redis.call('HSET', KEYS[1], 'value', ARGV[6])
-    redis.call('ZADD', KEYS[6], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
+    redis.call('ZADD', KEYS[6], now_ms(), ARGV[1])
     return {'staged'}
   end
   return {'done'}
 end
--- The fan-in branch: fires EXACTLY once per child, inside was_active == 1, so a redelivered or
--- stale completion never re-enters it.
+-- The fan-in: EXACTLY once per child, inside was_active == 1, so a redelivered or stale
+-- completion never re-enters it.
 if KEYS[6] and was_active == 1 then
-  local left = redis.call('DECR', KEYS[7])
-  redis.call('HSET', KEYS[8], ARGV[1], ARGV[6])
-  redis.call('HINCRBY', KEYS[6], 'credited', 1)
-  if left <= 0 and redis.call('HGET', KEYS[6], 'state') == 'awaiting_children' then
-    local t = redis.call('TIME')
-    redis.call('ZADD', KEYS[9], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[5])
-    redis.call('HSET', KEYS[6], 'state', 'pending')
-    return {'released'}
-  end
-  return {'credited'}
+  local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
+    pending = KEYS[9]}
+  return {settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]}
 end
 return {'done'}

@@ -23,51 +23,15 @@
 --   "parent_failed"  policy fail: the parent is failed (the host records FAILURE for it)
 --   "duplicate"      this child was credited before: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' or string.sub(ARGV[2], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "settle_child"
+local refused = gate_ids(1, 2)
+if refused then
+  return refused
 end
 if redis.call('HSETNX', KEYS[5], ARGV[2], ARGV[3]) == 0 then
   return {'duplicate', ''}
 end
-local ttl = tonumber(ARGV[6])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local waiting = redis.call('HGET', KEYS[1], 'state') == 'awaiting_children'
-local policy = ''
-
-local function release()
-  redis.call('ZADD', KEYS[6], now, ARGV[1])
-  redis.call('HSET', KEYS[1], 'state', 'pending')
-  redis.call('EXPIRE', KEYS[5], ttl)
-  return {'released', policy}
-end
-
-if ARGV[3] == 'done' then
-  redis.call('HSET', KEYS[3], ARGV[2], ARGV[4])
-else
-  policy = ARGV[5]
-  if policy == '' then
-    policy = redis.call('HGET', KEYS[1], 'policy') or 'fail'
-  end
-  if policy == 'fail' then
-    if not waiting then
-      return {'credited', policy}
-    end
-    redis.call('HSET', KEYS[1], 'state', 'failed', 'failed_child', ARGV[2],
-      'error', 'child ' .. ARGV[2] .. ' failed: ' .. ARGV[4])
-    redis.call('ZADD', KEYS[7], now, ARGV[1])
-    for i = 1, 5 do
-      redis.call('EXPIRE', KEYS[i], ttl)
-    end
-    return {'parent_failed', policy}
-  end
-  if policy == 'ignore' then
-    redis.call('HSET', KEYS[4], ARGV[2], ARGV[4])
-  end
-end
-local left = redis.call('DECR', KEYS[2])
-redis.call('HINCRBY', KEYS[1], 'credited', 1)
-if waiting and (policy == 'continue' or left <= 0) then
-  return release()
-end
-return {'credited', policy}
+local parent = {id = ARGV[1], row = KEYS[1], deps = KEYS[2], processed = KEYS[3],
+  ignored = KEYS[4], settled = KEYS[5], pending = KEYS[6], failed = KEYS[7]}
+return settle_child(parent, ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]))

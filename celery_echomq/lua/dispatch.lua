@@ -13,14 +13,16 @@
 --        reply is {payload, "inline", id1, value1, id2, value2, ...} with every credited
 --        child's value, or {payload, "scan"} when there are more than ARGV[3] of them.
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
 end
 if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then
   return {}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local last = redis.call('HGET', KEYS[1], 'dispatched')
 if last then
   local after = tonumber(ARGV[2])

@@ -17,15 +17,17 @@
 --                          the host re-publishes payload
 --   {"noop"}               not active under that holder (finished, retried, claimed anew)
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
 end
 local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'skipped')
 if row[1] ~= 'active' or string.sub(row[2] or '', 1, #ARGV[2]) ~= ARGV[2] then
   return {'noop'}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 if row[3] then
   redis.call('HDEL', KEYS[1], 'skipped')
   redis.call('HSET', KEYS[1], 'state', 'pending')

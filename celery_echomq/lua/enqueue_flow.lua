@@ -1,6 +1,6 @@
 -- enqueue_flow: hold a parent and make its N children claimable, in one atomic step on one slot.
--- The seed's @enqueue_flow, plus two guards that keep bad input from writing anything:
--- no row of the flow may already exist, and an empty flow's parent is released at once.
+-- Two guards keep bad input from writing anything: no row of the flow may already exist,
+-- and an empty flow's parent is released at once.
 --
 -- KEYS[1]      the parent row                  emq:{q}:JOBp
 -- KEYS[2]      the outstanding-child counter   emq:{q}:JOBp:dependencies
@@ -16,16 +16,15 @@
 -- Reply: N (the counter).  Scores in the pending set are the server time in ms, so recovery
 -- can tell how long a job has waited.
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
+--- @include "gate"
+--- @include "now_ms"
 
--- The kind law runs FIRST over the parent and every child id: a non-JOB id refuses before any write.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
-end
+-- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
+-- write.
 local n = tonumber(ARGV[3])
-for i = 1, n do
-  if string.sub(ARGV[2 + 2 * i], 1, 3) ~= 'JOB' then
-    return redis.error_reply('EMQKIND job id must be JOB-namespaced')
-  end
+local refused = gate_ids(1, 1) or gate_ids(4, 2 + 2 * n, 2)
+if refused then
+  return refused
 end
 -- Never overwrite: a parent or child row that exists belongs to another flow (or this one, sent twice).
 -- The one exception is a nested flow's parent: its outer flow wrote it as a pending child that
@@ -54,8 +53,7 @@ for first = 4, 3 + n, SLICE do
     end
   end
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 -- Each child: its row claimable (state pending), carrying the parent id, and in the pending
 -- set (one variadic ZADD per slice).
 local members = {}

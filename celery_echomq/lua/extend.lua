@@ -15,13 +15,13 @@
 -- never shortens a lease. A held job's entry is dropped by the claim that starts it, and
 -- lapses on its own if its worker dies.
 -- Errors: "EMQKIND ..." a non-JOB id (checked for every id before any write).
-for i = 3, #ARGV do
-  if string.sub(ARGV[i], 1, 3) ~= 'JOB' then
-    return redis.error_reply('EMQKIND job id must be JOB-namespaced')
-  end
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(3, #ARGV)
+if refused then
+  return refused
 end
-local t = redis.call('TIME')
-local deadline = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
+local deadline = now_ms() + tonumber(ARGV[1])
 local running = 2 + tonumber(ARGV[2])
 local moved = 0
 for i = 3, #ARGV do

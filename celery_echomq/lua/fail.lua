@@ -15,8 +15,7 @@
 -- KEYS[12]  the parent's pending set     }
 -- KEYS[13]  the parent's failed set      }
 -- ARGV[1]   job id
--- ARGV[2]   the claim's token; '' accepts any (revoke, recovery, hard time limit);
---           '*' carries a nested parent's failure (already recorded) to its outer flow
+-- ARGV[2]   the claim's token; '' accepts any (revoke, recovery, hard time limit)
 -- ARGV[3]   the error, "ExcType: message"
 -- ARGV[4]   result TTL in seconds
 -- ARGV[5]   '1' when the job is a flow parent, else '0'
@@ -24,6 +23,10 @@
 -- ARGV[7]   '1' when the parent lives on another slot: then KEYS[8] is this queue's outbox
 --           and no parent keys are passed; the child is staged there until credit.lua has
 --           applied its policy on the parent's slot
+-- ARGV[8]   '1' to carry a nested flow's failure to its outer flow: the job is a nested
+--           flow's parent that one of its own children failed (policy fail), so it is
+--           failed already; this applies that failure, once, to the flow it is a child of
+--           (ARGV[2] is then ignored). '0' otherwise
 --
 -- Reply: {status, policy}
 --   "failed"         the job failed; it has no parent here
@@ -37,16 +40,18 @@
 --   "stale"          the token is not the current one: nothing changed
 --   "finished"       already done, failed or cancelled: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "expire"
+--- @include "now_ms"
+--- @include "settle_child"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
 end
 local state = redis.call('HGET', KEYS[1], 'state')
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local ttl = tonumber(ARGV[4])
-if ARGV[2] == '*' then
-  -- A nested parent that its own child failed under policy fail: it is failed already;
-  -- carry that failure, once, to the flow it is a child of.
+if ARGV[8] == '1' then
   if state ~= 'failed' or redis.call('HSETNX', KEYS[1], 'propagated', '1') == 0 then
     return {'finished', ''}
   end
@@ -62,50 +67,16 @@ else
   redis.call('ZADD', KEYS[4], now, ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
   redis.call('HSET', KEYS[1], 'state', 'failed', 'error', ARGV[3])
-  redis.call('EXPIRE', KEYS[1], ttl)
-  if ARGV[5] == '1' then
-    redis.call('EXPIRE', KEYS[5], ttl)
-    redis.call('EXPIRE', KEYS[6], ttl)
-    redis.call('EXPIRE', KEYS[7], ttl)
-  end
+  expire_keys(ttl, ARGV[5] == '1' and {KEYS[1], KEYS[5], KEYS[6], KEYS[7]} or {KEYS[1]})
 end
+local policy = redis.call('HGET', KEYS[1], 'parent_policy') or ''
 if ARGV[7] == '1' then
   redis.call('ZADD', KEYS[8], now, ARGV[1])
-  return {'staged', redis.call('HGET', KEYS[1], 'parent_policy') or ''}
+  return {'staged', policy}
 end
 if not KEYS[8] then
   return {'failed', ''}
 end
-local pstate = redis.call('HGET', KEYS[8], 'state')
-local policy = redis.call('HGET', KEYS[1], 'parent_policy')
-  or redis.call('HGET', KEYS[8], 'policy') or 'fail'
-local waiting = pstate == 'awaiting_children'
-
-local function release()
-  redis.call('ZADD', KEYS[12], now, ARGV[6])
-  redis.call('HSET', KEYS[8], 'state', 'pending')
-  return {'released', policy}
-end
-
-if policy == 'fail' then
-  if not waiting then
-    return {'credited', policy}
-  end
-  redis.call('HSET', KEYS[8], 'state', 'failed', 'failed_child', ARGV[1],
-    'error', 'child ' .. ARGV[1] .. ' failed: ' .. ARGV[3])
-  redis.call('ZADD', KEYS[13], now, ARGV[6])
-  for i = 8, 11 do
-    redis.call('EXPIRE', KEYS[i], ttl)
-  end
-  return {'parent_failed', policy}
-end
--- ignore, remove and continue resolve the child: one fewer outstanding.
-local left = redis.call('DECR', KEYS[9])
-redis.call('HINCRBY', KEYS[8], 'credited', 1)
-if policy == 'ignore' then
-  redis.call('HSET', KEYS[11], ARGV[1], ARGV[3])
-end
-if waiting and (policy == 'continue' or left <= 0) then
-  return release()
-end
-return {'credited', policy}
+local parent = {id = ARGV[6], row = KEYS[8], deps = KEYS[9], processed = KEYS[10],
+  ignored = KEYS[11], pending = KEYS[12], failed = KEYS[13]}
+return settle_child(parent, ARGV[1], 'failed', ARGV[3], policy, ttl)

@@ -14,17 +14,13 @@
 --   "stale"        another delivery holds the job: nothing changed
 --   "<state>"      the job is not active: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "holder"
+--- @include "now_ms"
+local refused = gate_ids(1, 1) or not_holder(KEYS[1], ARGV[2])
+if refused then
+  return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token')
-if row[1] ~= 'active' then
-  return {row[1] or 'missing'}
-end
-if row[2] ~= ARGV[2] then
-  return {'stale'}
-end
-local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'replaced', '1')
-redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
+redis.call('ZADD', KEYS[2], now_ms(), ARGV[1])
 return {'handed_over'}

@@ -16,8 +16,11 @@
 -- Reply: N + 1 (the counter).
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" the row exists
 --         (other than a nested parent's placeholder written by its outer flow).
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
 end
 if redis.call('EXISTS', KEYS[2]) > 0 then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
@@ -30,8 +33,7 @@ if placeholder[1] then
   end
   redis.call('ZREM', KEYS[4], ARGV[1])
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local n = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
   'policy', ARGV[4])

@@ -33,8 +33,11 @@
 --   {"missing"}   no row (expired or deleted): its stray entries in the sets are removed
 --   {"<state>"}   the job is no longer in the state the caller found: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
 end
 local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'requeued')
 local state = row[1]
@@ -47,8 +50,7 @@ end
 if state ~= ARGV[3] or (state ~= 'pending' and state ~= 'active') then
   return {state}
 end
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local stall = tonumber(ARGV[2]) * math.min(2 ^ (tonumber(row[3]) or 0), 16)
 if state == 'pending' then
   local since = redis.call('ZSCORE', KEYS[2], ARGV[1])

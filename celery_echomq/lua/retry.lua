@@ -14,19 +14,15 @@
 --   "stale"     another delivery holds the job now (it already claimed the retry): nothing changed
 --   "<state>"   the job is not active: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "holder"
+--- @include "now_ms"
+local refused = gate_ids(1, 1) or not_holder(KEYS[1], ARGV[2])
+if refused then
+  return refused
 end
-local state = redis.call('HGET', KEYS[1], 'state')
-if state ~= 'active' then
-  return {state or 'missing'}
-end
-if redis.call('HGET', KEYS[1], 'token') ~= ARGV[2] then
-  return {'stale'}
-end
-local t = redis.call('TIME')
 redis.call('HSET', KEYS[1], 'state', 'pending')
 redis.call('ZREM', KEYS[3], ARGV[1])
-local due = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[3] or '0')
+local due = now_ms() + tonumber(ARGV[3] or '0')
 redis.call('ZADD', KEYS[2], due, ARGV[1])
 return {'retried'}

@@ -12,18 +12,17 @@
 --   "sealed"    sealed; children outstanding
 --   "noop"      not open (sealed before, or failed by recovery): nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
-if string.sub(ARGV[1], 1, 3) ~= 'JOB' then
-  return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+--- @include "gate"
+--- @include "release_parent"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
 end
 -- Leaving the open set is what makes the seal happen once.
 if redis.call('ZREM', KEYS[4], ARGV[1]) == 0 then
   return {'noop'}
 end
-local left = redis.call('DECR', KEYS[2])
-if left <= 0 and redis.call('HGET', KEYS[1], 'state') == 'awaiting_children' then
-  local t = redis.call('TIME')
-  redis.call('ZADD', KEYS[3], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), ARGV[1])
-  redis.call('HSET', KEYS[1], 'state', 'pending')
+if release_if_last(KEYS[1], KEYS[3], ARGV[1], redis.call('DECR', KEYS[2])) then
   return {'released'}
 end
 return {'sealed'}

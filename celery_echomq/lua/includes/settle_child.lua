@@ -1,0 +1,59 @@
+--- @include "expire"
+--- @include "now_ms"
+--- @include "release_parent"
+-- settle_child(parent, child_id, outcome, data, policy, ttl): the fan-in, on the parent's
+-- slot. Every script that counts a finished child toward its parent calls this: complete and
+-- fail when the parent shares the child's slot, credit for a child of another slot. The
+-- caller has already made sure this runs once per child (the child's was_active, or the
+-- parent's :settled set).
+--
+-- parent   {id, row, deps, processed, ignored, pending, failed, settled}: the parent's id and
+--          keys (settled: its :settled hash on the cross-slot path, else nil)
+-- outcome  'done' (data: the child's value) or 'failed' (data: "ExcType: message")
+-- policy   the failed child's parent_policy; '' reads the flow's default from the parent row
+--
+-- What a failed child means for its parent, by policy:
+--   fail      the parent fails and will never run (if it still waits; else nothing changes)
+--   ignore    counted as resolved; the error kept in the parent's :ignored
+--   remove    counted as resolved; recorded nowhere
+--   continue  counted as resolved, and the parent is released at once if it still waits
+--
+-- Returns {status, policy}:
+--   "released"       the parent is now pending (the host dispatches it)
+--   "credited"       counted; the parent still waits, or no longer waits
+--   "parent_failed"  policy fail: the parent is failed (the host records FAILURE for it)
+local function settle_child(parent, child_id, outcome, data, policy, ttl)
+  local waiting = redis.call('HGET', parent.row, 'state') == 'awaiting_children'
+  if outcome == 'done' then
+    policy = ''
+    redis.call('HSET', parent.processed, child_id, data)
+  else
+    if policy == '' then
+      policy = redis.call('HGET', parent.row, 'policy') or 'fail'
+    end
+    if policy == 'fail' then
+      if not waiting then
+        return {'credited', policy}
+      end
+      redis.call('HSET', parent.row, 'state', 'failed', 'failed_child', child_id,
+        'error', 'child ' .. child_id .. ' failed: ' .. data)
+      redis.call('ZADD', parent.failed, now_ms(), parent.id)
+      expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored,
+        parent.settled})
+      return {'parent_failed', policy}
+    end
+    if policy == 'ignore' then
+      redis.call('HSET', parent.ignored, child_id, data)
+    end
+  end
+  local left = redis.call('DECR', parent.deps)
+  redis.call('HINCRBY', parent.row, 'credited', 1)
+  if waiting and (policy == 'continue' or left <= 0) then
+    release_parent(parent.row, parent.pending, parent.id)
+    if parent.settled then
+      redis.call('EXPIRE', parent.settled, ttl)
+    end
+    return {'released', policy}
+  end
+  return {'credited', policy}
+end
