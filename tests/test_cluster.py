@@ -235,7 +235,7 @@ def test_fail_policy_on_cluster(proj: Any, on_cluster: EchoMQ, queues: Queues) -
     assert info.value.child_id == failing.options["task_id"]
     assert info.value.error == "ValueError: far"
 
-    # The same on one slot: the seed's one-EVAL path.
+    # The same on one slot: the one-script path (enqueue_flow).
     same = proj.boom.s("near")
     f2 = flow(proj.tsum.s(), [proj.add.s(1, 1), same])
     res2 = f2.freeze()

@@ -1,4 +1,4 @@
-"""Nothing lost (DESIGN section 5): lost messages, a producer killed mid-start, a worker killed
+"""Nothing lost: lost messages, a producer killed mid-start, a worker killed
 mid-task or between two steps of the protocol, a store that went away, a store that cannot be
 reached at all, and the security of the store's connection and payloads.
 
@@ -183,7 +183,7 @@ def test_a_delayed_child_is_not_taken_for_a_lost_one(
 
 def _killed_producer(env: Env, point: str, queue: str, tag: str, pid: str, ids: list[str]) -> None:
     """Run apply_async in a subprocess that SIGKILLs itself at ``point``: right after the
-    seed path's EVAL, at its publishes, or (chunks of two children) before the second chunk
+    one-script path's EVAL, at its publishes, or (chunks of two children) before the second chunk
     is added or before the flow is sealed."""
     code = """
 import dataclasses, os, signal, sys
