@@ -1,8 +1,9 @@
 """Bench-only variants for the before/after figures of PROPOSALS.md.
 
-Nothing in celery_echomq is edited: a producer variant replaces ``celery_echomq.flows.publish``
-in this process only, for one mode's sends (``hook`` below); a worker variant is switched on by
-an environment variable in a worker of its own (``worker_variants.py``).
+Nothing in celery_echomq is edited: a producer variant replaces ``publish`` in
+``celery_echomq.start`` and ``celery_echomq.settle`` in this process only, for one mode's sends
+(``hook`` below); a worker variant is switched on by an environment variable in a worker of its
+own (``worker_variants.py``).
 
 Producer (``profile_flow.py`` runs them interleaved with the library's own publish, which since
 P1 builds each message with ``app.amqp.create_task_message`` inside one kombu batch):
@@ -28,7 +29,8 @@ from typing import Any
 
 from celery.canvas import Signature
 
-import celery_echomq.flows as echomq_flows
+import celery_echomq.settle as echomq_settle
+import celery_echomq.start as echomq_start
 
 Publish = Callable[[Any, Iterable[dict[str, Any]]], None]
 
@@ -64,7 +66,7 @@ def publish_per_child_batched(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
         _send_each(app, producer, jobs)
 
 
-_library_publish: Publish = echomq_flows.publish
+_library_publish: Publish = echomq_start.publish
 
 
 @contextlib.contextmanager
@@ -108,7 +110,7 @@ def hook(mode: str) -> Iterator[None]:
     if variant is None:
         yield
         return
-    original = echomq_flows.publish
+    original = echomq_start.publish
 
     def publish(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
         # A nested flow's entry is not a message: the library resumes it.
@@ -118,8 +120,9 @@ def hook(mode: str) -> Iterator[None]:
         if nested:
             original(app, nested)
 
-    echomq_flows.publish = publish
+    # The producer's sends (start_flow) and the released parents' (dispatch_parent).
+    echomq_start.publish = echomq_settle.publish = publish
     try:
         yield
     finally:
-        echomq_flows.publish = original
+        echomq_start.publish = echomq_settle.publish = original

@@ -11,8 +11,9 @@ from celery.canvas import Signature, group, maybe_signature
 from celery.result import AsyncResult
 
 from . import reads
-from .flows import H_QUEUE, cancel_flow, check_policy, new_job_id, plan_flow, start_flow
+from .plan import H_QUEUE, check_policy, new_job_id, plan_flow
 from .reads import locate
+from .start import cancel_flow, start_flow
 from .state import get_state
 
 FLOW_TASK = "celery_echomq.flow"

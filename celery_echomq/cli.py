@@ -28,24 +28,14 @@ import click
 import redis
 
 from .errors import EchoMQError
-from .inspect import (
-    FINISHED,
-    JobNode,
-    Progress,
-    locate_job,
-    queue_stats,
-    read_progress,
-    read_tree,
-    walk,
-)
+from .reads import locate
+from .start import forget_flow
 from .state import EchoMQ, get_state
+from .views import FINISHED, JobNode, Progress, queue_stats, read_progress, read_tree, walk
 
 F = TypeVar("F", bound=Callable[..., Any])
 logger = logging.getLogger("celery_echomq")
 
-# The per-queue sorted sets that hold job ids: a forgotten job leaves every one of them.
-# (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet.)
-JOB_SETS = ("pending", "active", "failed", "outbox", "open")
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 124  # what timeout(1) returns, so shell scripts can tell "still running"
 VALUE_WIDTH = 60
@@ -226,7 +216,7 @@ def watch(
     Exit status: 0 the parent is done, 1 it failed or was cancelled, 124 --timeout passed.
     """
     state = _state(ctx)
-    queue = locate_job(state, job_id)
+    queue = locate(state, job_id, verify=True)
     child_queues: dict[str, str] = {}
     deadline = None if timeout is None else time.monotonic() + timeout
     # On a terminal the bar redraws in place; into a pipe or a file, one line per change.
@@ -313,42 +303,6 @@ def stats(ctx: click.Context, as_json: bool) -> None:
             f"{row.queue:<{width}}  {row.pending:>7}  {row.active:>6}  {row.held:>6}  "
             f"{row.failed:>6}  {row.republished:>11}  {row.skipped:>7}"
         )
-
-
-def forget_flow(state: EchoMQ, node: JobNode) -> list[str]:
-    """Delete every key of the flow ``node`` heads; return the deleted keys.
-
-    Each queue's keys go in one MULTI (they share a slot); the locators live on other slots
-    (``emq:loc:{id}``), so they go after, one command each, which also works on a cluster.
-    Ids leave the queue's state sets too, so ``stats`` and recovery stop seeing them.
-    """
-    keys, client = state.keys, state.client
-    by_queue: dict[str, list[JobNode]] = {}
-    for job in walk(node):
-        by_queue.setdefault(job.queue, []).append(job)
-    deleted: list[str] = []
-    for queue, jobs in by_queue.items():
-        names: list[str] = []
-        for job in jobs:
-            names.append(keys.job_key(queue, job.id))
-            if job.flow is not None:
-                names.extend(keys.flow_keys(queue, job.id))
-                names.append(keys.settled_key(queue, job.id))
-        pipe = client.pipeline(transaction=True)
-        for name in names:
-            pipe.exists(name)  # to report only the keys that were there
-        pipe.delete(*names)
-        ids = [job.id for job in jobs]
-        for set_name in JOB_SETS:
-            pipe.zrem(keys.queue_key(queue, set_name), *ids)
-        existed = pipe.execute()[: len(names)]
-        deleted.extend(name for name, there in zip(names, existed, strict=True) if there)
-    for job in walk(node):
-        if job.flow is not None:
-            locator = keys.locator_key(job.id)
-            if client.delete(locator):
-                deleted.append(locator)
-    return deleted
 
 
 @echomq.command()

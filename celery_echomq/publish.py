@@ -109,3 +109,17 @@ def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
                 **routed,
             )
             amqp.send_task_message(producer, name, message, **routed)
+
+
+def publish(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
+    """Publish stored job dicts in one batch (a nested flow's entry resumes that flow)."""
+    jobs = list(jobs)
+    send_jobs(app, [job for job in jobs if "nested" not in job])
+    for job in jobs:
+        if "nested" in job:
+            # A nested flow's entry: re-publishing it is finishing its start.
+            from .plan import Plan
+            from .start import resume_nested
+            from .state import get_state
+
+            resume_nested(get_state(app), Plan.from_dict(job["nested"]))

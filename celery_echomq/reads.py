@@ -12,9 +12,10 @@ from typing import Any, NamedTuple
 from celery import current_app, current_task
 
 from .errors import EchoMQError
-from .flows import H_QUEUE
 from .keyspace import check_id
+from .plan import H_QUEUE
 from .state import EchoMQ, get_state
+from .store import text
 
 
 class Dependencies(NamedTuple):
@@ -26,21 +27,38 @@ class UnknownFlowError(EchoMQError, LookupError):
     """No flow with that id is known to Redis (never started, or expired)."""
 
 
-def locate(state: EchoMQ, job_id: str, queue: str | None = None) -> str:
+def locate(state: EchoMQ, job_id: str, queue: str | None = None, *, verify: bool = False) -> str:
+    """The queue whose slot holds ``job_id``'s keys: ``queue`` if given, the running task's own
+    queue, the flow's locator key (a parent's), else a look at every queue that holds flows
+    (a child has no locator).
+
+    ``verify``: trust ``queue`` and the locator only where the job's row exists (what the CLI
+    and :mod:`~celery_echomq.views` read), and tell an expired flow from an unknown one.
+    Raises :class:`UnknownFlowError` when nothing is found.
+    """
     check_id(job_id)
-    if queue:
+    client, keys = state.client, state.keys
+
+    def there(name: str) -> bool:
+        return not verify or bool(client.exists(keys.job_key(name, job_id)))
+
+    if queue and there(queue):
         return queue
-    if current_task and getattr(current_task.request, "id", None) == job_id:
+    if not verify and current_task and getattr(current_task.request, "id", None) == job_id:
         own = getattr(current_task.request, H_QUEUE, None)
         if own:
             return str(own)
-    found = state.client.get(state.keys.locator_key(job_id))
-    if found is not None:
-        return found.decode() if isinstance(found, bytes) else str(found)
+    located: str | None = text(client.get(keys.locator_key(job_id)))
+    if located is not None and there(located):
+        return located
     scanned = scan_queues(state, job_id)
-    if scanned is None:
-        raise UnknownFlowError(f"no flow {job_id!r} in Redis (never started, or expired)")
-    return scanned
+    if scanned is not None:
+        return scanned
+    if verify and located is not None:
+        raise UnknownFlowError(
+            f"flow {job_id!r} has expired or was forgotten (its keys are gone from Redis)"
+        )
+    raise UnknownFlowError(f"no job {job_id!r} in Redis (never started, or expired)")
 
 
 def scan_queues(state: EchoMQ, job_id: str) -> str | None:
@@ -50,9 +68,7 @@ def scan_queues(state: EchoMQ, job_id: str) -> str | None:
     its locator.
     """
     keys, client = state.keys, state.client
-    names = sorted(
-        q.decode() if isinstance(q, bytes) else str(q) for q in client.smembers(keys.queues_key())
-    )
+    names = sorted(text(q) for q in client.smembers(keys.queues_key()))
     pipe = client.pipeline(transaction=False)
     for name in names:
         pipe.exists(keys.job_key(name, job_id))
@@ -67,10 +83,7 @@ def children_values(job_id: str, *, app: Any = None, queue: str | None = None) -
     """``{child_job_id: value}`` for the children of ``job_id`` completed so far."""
     state = _state(app)
     _, processed, _ = state.keys.flow_keys(locate(state, job_id, queue), job_id)
-    return {
-        (k.decode() if isinstance(k, bytes) else k): state.loads(v)
-        for k, v in state.client.hgetall(processed).items()
-    }
+    return {text(k): state.loads(v) for k, v in state.client.hgetall(processed).items()}
 
 
 def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> Dependencies:
@@ -89,7 +102,4 @@ def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) 
     """``{child_job_id: "ExcType: message"}`` for children that failed under policy ``ignore``."""
     state = _state(app)
     _, _, ignored = state.keys.flow_keys(locate(state, job_id, queue), job_id)
-    return {
-        (k.decode() if isinstance(k, bytes) else k): v.decode() if isinstance(v, bytes) else v
-        for k, v in state.client.hgetall(ignored).items()
-    }
+    return {text(k): text(v) for k, v in state.client.hgetall(ignored).items()}

@@ -20,15 +20,9 @@ from celery import signals
 from celery.app.task import Task
 from celery.exceptions import Ignore
 
-from .flows import (
-    H_FLOW,
-    H_QUEUE,
-    error_text,
-    parent_ref,
-    settle_failure,
-    settle_success,
-)
-from .scripts import DUPLICATE_DELIVERY, STARTED, Status
+from .plan import H_FLOW, H_QUEUE, Headers, parent_ref
+from .replies import DUPLICATE_DELIVERY, STARTED, Status
+from .settle import error_text, settle_failure, settle_success
 from .state import EchoMQ, find_state
 
 logger = logging.getLogger("celery_echomq")
@@ -224,17 +218,10 @@ def on_postrun(
     logger.info("echomq: %s handed over to its replacement (%s)", task_id, status)
 
 
-class _Headers:
-    """Attribute access to a worker Request's message headers (task_revoked's request)."""
-
-    def __init__(self, headers: dict[str, Any]) -> None:
-        self.__dict__.update(headers)
-
-
 def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
     headers = getattr(request, "request_dict", None) or {}
     if headers.get(H_QUEUE):
-        _received[request.id] = _Headers(headers)
+        _received[request.id] = Headers(headers)
         while len(_received) > _RECEIVED_MAX:
             _received.popitem(last=False)
 

@@ -62,6 +62,12 @@ class EchoMQ:
         self._ensure()
         return cast(Scripts, self._scripts)
 
+    @property
+    def locator_ttl(self) -> int:
+        """Seconds a flow's locator key (``emq:loc:{JOB…}``: its parent's queue) lives. A held
+        flow may wait long; the locator only has to outlive the flow's readable life."""
+        return max(self.settings.result_ttl * 7, 7 * 86400)
+
     def dumps(self, obj: Any) -> bytes:
         _, _, data = dumps(obj, serializer=self.settings.serializer)  # type: ignore[no-untyped-call]
         return data.encode("utf-8") if isinstance(data, str) else cast(bytes, data)

@@ -17,27 +17,22 @@ count one event twice).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any, TypeVar, cast
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast, overload
 
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.commands.core import Script
 from redis.exceptions import (
-    AskError,
     AuthenticationError,
     AuthorizationError,
     ClusterDownError,
     MasterDownError,
-    MovedError,
-    NoScriptError,
     ReadOnlyError,
     SlotNotCoveredError,
     TryAgainError,
@@ -45,7 +40,6 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from .config import Settings, parse_sentinel_url, safe_url
-from .errors import ReplicationError
 
 logger = logging.getLogger("celery_echomq.store")
 # A worker's logging shows the retry notice; where nothing is configured (a CLI command), it is
@@ -80,6 +74,17 @@ SOCKET_CONNECT_TIMEOUT = 5.0
 SENTINEL_SOCKET_TIMEOUT = 2.0
 
 _local = threading.local()
+
+
+@overload
+def text(value: None) -> None: ...
+@overload
+def text(value: Any) -> str: ...
+def text(value: Any) -> str | None:
+    """A reply from Redis as text (bytes decoded as UTF-8); None stays None."""
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def retries_here() -> int:
@@ -297,127 +302,3 @@ def describe(settings: Settings) -> str:
     where = safe_url(settings.redis_url)
     master = settings.transport_options.get("master_name")
     return f"{where} (master {master})" if master and where.startswith("sentinel://") else where
-
-
-def _demoted(client: Any, exc: Exception) -> Exception:
-    """``exc``, or a ``ReadOnlyError`` when it is a script's write refused by a replica.
-
-    Redis wraps a script's READONLY in a generic script error, which neither redis-py's retry
-    nor its Sentinel connection (which re-asks the Sentinels on READONLY) recognise: the
-    client is connected to a primary that was demoted. Its connections are closed so the next
-    attempt connects again, through Sentinel to the current primary.
-    """
-    if isinstance(exc, redis.ResponseError) and "READONLY You can't write" in str(exc):
-        with contextlib.suppress(Exception):
-            client.connection_pool.disconnect(inuse_connections=False)
-        return ReadOnlyError(str(exc))
-    return exc
-
-
-def run_script(
-    client: Any, script: Script, keys: Sequence[str], args: Sequence[Any], retry_timeout: float
-) -> Any:
-    """Run ``script``; retried as any command is (see the module's docstring), and also when
-    a demoted primary refused its writes."""
-
-    def attempt() -> Any:
-        try:
-            return script(keys=list(keys), args=list(args))
-        except redis.ResponseError as exc:
-            raised = _demoted(client, exc)
-            if raised is exc:
-                raise
-            raise raised from exc
-
-    return call_until(retry_timeout, attempt, CLUSTER_RETRYABLE)
-
-
-# A pipelined EVALSHA meets these as replies, not exceptions: the script did not run (not
-# loaded on a new primary; a demoted primary; a slot that moved to a promoted replica), so
-# running it again is safe.
-_RERUN_REPLIES: tuple[type[Exception], ...] = (
-    NoScriptError,
-    ReadOnlyError,
-    MovedError,
-    AskError,
-    ClusterDownError,
-    TryAgainError,
-)
-
-
-def run_replicated(
-    client: Any,
-    script: Script,
-    keys: Sequence[str],
-    args: Sequence[Any],
-    *,
-    replicas: int,
-    wait_timeout: float,
-    retry_timeout: float,
-    name: str,
-) -> Any:
-    """Run ``script``, then ``WAIT replicas`` on the same connection, in one round trip.
-
-    WAIT counts the replicas that acknowledged every write this connection made so far, so
-    it must follow the script on its connection: a pipeline gives both one connection (on a
-    Redis Cluster, the connection to the master that owns ``keys[0]``). The script's reply is
-    returned once ``replicas`` replicas have it; fewer within ``wait_timeout`` raises
-    :class:`ReplicationError` (the write stays on the primary: it is not taken back).
-    """
-    wait_ms = max(1, round(wait_timeout * 1000))
-    cluster = isinstance(client, RedisCluster)
-
-    def attempt() -> Any:
-        target = client.get_node_from_key(keys[0]).redis_connection if cluster else client
-        pipe = target.pipeline(transaction=False)
-        script(keys=list(keys), args=list(args), client=pipe)
-        pipe.execute_command("WAIT", replicas, wait_ms)
-        reply, acked = pipe.execute(raise_on_error=False)
-        if isinstance(reply, Exception):
-            raise _demoted(target, reply)
-        if isinstance(acked, Exception):
-            raise acked
-        if int(acked) < replicas:
-            raise ReplicationError(
-                f"{name}: {int(acked)} of echomq_min_replicas={replicas} replicas acknowledged "
-                f"it within echomq_min_replicas_timeout={wait_timeout:g} s; it is applied on "
-                "the primary but may not survive a failover",
-                acked=int(acked),
-                wanted=replicas,
-            )
-        return reply
-
-    def refresh(exc: Exception) -> None:
-        if cluster:
-            # The slot map is stale after a failover: ask the live nodes who owns what now.
-            with contextlib.suppress(Exception):
-                client.nodes_manager.initialize()
-
-    return call_until(
-        retry_timeout, attempt, (*CLUSTER_RETRYABLE, *_RERUN_REPLIES), on_failure=refresh
-    )
-
-
-def confirm_replicated(
-    client: Any, key: str, field: str, value: Any, *, replicas: int, wait_timeout: float
-) -> None:
-    """Make sure ``replicas`` replicas have ``key``'s ``field`` = ``value``, already written
-    (by an attempt whose reply was lost): write it again, unchanged, and WAIT for that write.
-
-    A write that the replicas acknowledged comes after every earlier write in the
-    replication stream, so they have the first one too.
-    """
-    wait_ms = max(1, round(wait_timeout * 1000))
-    if isinstance(client, RedisCluster):
-        client = client.get_node_from_key(key).redis_connection  # type: ignore[no-untyped-call]
-    pipe = client.pipeline(transaction=False)
-    pipe.hset(key, field, value)
-    pipe.execute_command("WAIT", replicas, wait_ms)
-    _, acked = pipe.execute()
-    if int(acked) < replicas:
-        raise ReplicationError(
-            f"{int(acked)} of echomq_min_replicas={replicas} replicas acknowledged {key} "
-            f"within echomq_min_replicas_timeout={wait_timeout:g} s",
-            acked=int(acked),
-            wanted=replicas,
-        )

@@ -26,7 +26,7 @@ from celery import Celery
 
 from celery_echomq import flow, get_state
 from celery_echomq.cli import render_tree
-from celery_echomq.inspect import JobNode, read_tree
+from celery_echomq.views import JobNode, read_tree
 
 app = Celery("tree")
 configure_from_env(app)

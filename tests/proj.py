@@ -254,10 +254,10 @@ if _DIE_AT in ("dispatch", "parent_failed", "credit"):
 
     from billiard.process import current_process
 
-    from celery_echomq import flows as _flows
+    from celery_echomq import settle as _settle
 
     _step = {"dispatch": "dispatch_parent", "credit": "credit_remote"}.get(_DIE_AT, _DIE_AT)
-    _original = getattr(_flows, _step)
+    _original = getattr(_settle, _step)
 
     def _die(*args: Any, **kwargs: Any) -> Any:
         if current_process().name == "MainProcess":
@@ -268,4 +268,4 @@ if _DIE_AT in ("dispatch", "parent_failed", "credit"):
         os.kill(os.getpid(), _signal.SIGKILL)
         return None
 
-    setattr(_flows, _step, _die)
+    setattr(_settle, _step, _die)

@@ -41,7 +41,8 @@ from celery_echomq.embedded import (
 )
 from celery_echomq.errors import ConfigError, ReplicationError, StoreConnectionError
 from celery_echomq.keyspace import Keyspace
-from celery_echomq.scripts import ParentRef, Scripts, load_source
+from celery_echomq.loader import load_source
+from celery_echomq.scripts import ParentRef, Scripts
 from celery_echomq.state import _ATTR, EchoMQ, get_state
 from celery_echomq.store import make_client
 

@@ -18,7 +18,8 @@ import pytest
 import redis
 
 from celery_echomq.keyspace import Keyspace
-from celery_echomq.scripts import ParentRef, Scripts, Status
+from celery_echomq.replies import Status
+from celery_echomq.scripts import ParentRef, Scripts
 
 from .conftest import Env
 

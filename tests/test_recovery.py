@@ -31,9 +31,10 @@ from kombu.exceptions import ContentDisallowed
 import celery_echomq
 from celery_echomq import FlowFailed, FlowResult, StoreUnavailableError, flow
 from celery_echomq.embedded import RedisServer, find_redis_server, free_port
-from celery_echomq.flows import dispatch_parent, new_job_id
+from celery_echomq.plan import new_job_id
 from celery_echomq.recovery import HOLD_MS, LEASE, leased_pass, run_pass
 from celery_echomq.scripts import ParentRef
+from celery_echomq.settle import dispatch_parent
 from celery_echomq.state import EchoMQ, get_state
 
 from .conftest import ROOT, Env, wait_for
@@ -187,7 +188,7 @@ def _killed_producer(env: Env, point: str, queue: str, tag: str, pid: str, ids: 
     is added or before the flow is sealed."""
     code = """
 import dataclasses, os, signal, sys
-from celery_echomq import flow, flows, get_state, scripts
+from celery_echomq import flow, get_state, scripts, start
 from tests import proj
 
 point, queue, tag, pid, *ids = sys.argv[1:]
@@ -202,7 +203,7 @@ if point == "after_eval":
         die()
     scripts.Scripts.enqueue_flow = enqueue_then_die
 elif point == "before_publish":
-    flows.publish = die
+    start.publish = die
 else:
     state = get_state(proj.app)
     state.settings = dataclasses.replace(state.settings, chunk_size=2)

@@ -11,7 +11,8 @@ import redis
 from celery_echomq import KindError
 from celery_echomq.errors import FlowExistsError
 from celery_echomq.keyspace import Keyspace
-from celery_echomq.scripts import TRANSITIONS, ParentRef, Scripts, load_source
+from celery_echomq.loader import TRANSITIONS, load_source
+from celery_echomq.scripts import ParentRef, Scripts
 
 from .conftest import Env
 

@@ -1,5 +1,5 @@
 -- requeue: recovery takes back a job whose message is gone, so the host can re-publish it.
--- The host calls it only on evidence (see recovery.py); this script re-checks, atomically, what
+-- The host calls it only on evidence (see recovery/); this script re-checks, atomically, what
 -- that evidence rests on, and bounds how often one job is re-published.
 --   pending  a job pending past the stall timeout that no live worker holds, where the queue
 --            has since delivered later jobs or is empty (a lost message, or a producer that

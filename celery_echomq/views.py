@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import EchoMQError
-from .keyspace import check_id
-from .reads import UnknownFlowError, scan_queues
+from .reads import locate, scan_queues
 from .state import EchoMQ
+from .store import text
 
 # A job in one of these states will not change again (until its keys expire).
 FINISHED = frozenset({"done", "failed", "cancelled"})
@@ -107,15 +107,9 @@ class QueueStats:
     skipped: int = 0  # duplicate deliveries acknowledged without running their body, ever
 
 
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _int(value: Any) -> int | None:
-    text = _text(value)
-    return int(text) if text not in (None, "") else None
+    found = text(value)
+    return int(found) if found not in (None, "") else None
 
 
 def _load(state: EchoMQ, raw: Any) -> Any:
@@ -127,33 +121,10 @@ def _load(state: EchoMQ, raw: Any) -> Any:
         return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
 
 
-def locate_job(state: EchoMQ, job_id: str, queue: str | None = None) -> str:
-    """The queue whose slot holds ``job_id``'s row.
-
-    A flow parent has a locator key; a child has none, so every queue known to hold flows is
-    tried. Raises :class:`~celery_echomq.UnknownFlowError` when no row is found.
-    """
-    check_id(job_id)
-    client, keys = state.client, state.keys
-    if queue is not None and client.exists(keys.job_key(queue, job_id)):
-        return queue
-    located = _text(client.get(keys.locator_key(job_id)))
-    if located is not None and client.exists(keys.job_key(located, job_id)):
-        return located
-    found = scan_queues(state, job_id)
-    if found is not None:
-        return found
-    if located is not None:
-        raise UnknownFlowError(
-            f"flow {job_id!r} has expired or was forgotten (its keys are gone from Redis)"
-        )
-    raise UnknownFlowError(f"no job {job_id!r} in Redis (never started, or expired)")
-
-
 def _row(fields: list[Any]) -> dict[str, Any]:
     # Text fields decoded; the payload stays bytes (a pickle payload is not UTF-8).
     pairs = zip(_ROW_FIELDS, fields, strict=True)
-    return {name: v if name == "payload" else _text(v) for name, v in pairs}
+    return {name: v if name == "payload" else text(v) for name, v in pairs}
 
 
 def _task_and_children(state: EchoMQ, payload: Any) -> tuple[str | None, list[str]]:
@@ -194,7 +165,7 @@ def read_tree(
     ``with_result`` also reads the root's own value: from its parent's :processed when it is a
     child, else from Celery's result backend once it is done.
     """
-    where = locate_job(state, job_id, queue)
+    where = locate(state, job_id, queue, verify=True)
     client = state.client
     root_row = _row(client.hmget(state.keys.job_key(where, job_id), _ROW_FIELDS))
     node = _build(state, where, job_id, root_row, facts={}, depth=0)
@@ -260,8 +231,8 @@ def _build(
     counter, processed, ignored, *child_rows = pipe.execute()
     if counter is None and not child_ids and row["policy"] is None:
         return node  # not a flow parent: a plain child (or a job whose flow keys expired)
-    processed = {_text(k): v for k, v in processed.items()}
-    ignored = {_text(k): _text(v) for k, v in ignored.items()}
+    processed = {text(k): v for k, v in processed.items()}
+    ignored = {text(k): text(v) for k, v in ignored.items()}
     flow_policy = row["policy"] or "fail"
     info = FlowInfo(
         policy=flow_policy,
@@ -307,24 +278,6 @@ def _build(
     return replace(node, flow=info, children=tuple(children))
 
 
-def progress(node: JobNode) -> Progress:
-    """Counts over ``node``'s direct children (a nested flow counts as one child)."""
-    states = [child.state for child in node.children]
-    return Progress(
-        flow_id=node.id,
-        parent_state=node.state,
-        total=node.flow.total if node.flow else 0,
-        done=states.count("done"),
-        failed=states.count("failed"),
-        cancelled=states.count("cancelled"),
-        active=states.count("active"),
-        pending=states.count("pending") + states.count("awaiting_children"),
-        outstanding=node.flow.outstanding if node.flow else None,
-        finished=node.finished,
-        error=node.error,
-    )
-
-
 def read_progress(
     state: EchoMQ,
     job_id: str,
@@ -337,7 +290,7 @@ def read_progress(
     lives on another queue is searched for once, not on every poll.
     """
     keys, client = state.keys, state.client
-    where = locate_job(state, job_id, queue)
+    where = locate(state, job_id, queue, verify=True)
     row = _row(client.hmget(keys.job_key(where, job_id), _ROW_FIELDS))
     _, child_ids = _task_and_children(state, row["payload"])
     cache = {} if child_queues is None else child_queues
@@ -353,7 +306,7 @@ def read_progress(
             cache[cid] = found or where
             if found is not None:
                 raw = client.hget(keys.job_key(found, cid), "state")
-        states.append(_text(raw) or MISSING)
+        states.append(text(raw) or MISSING)
     parent_state = row["state"] or MISSING
     return Progress(
         flow_id=job_id,
@@ -385,7 +338,7 @@ def held_parents(state: EchoMQ, queue: str) -> list[str]:
     prefix = keys.queue_key(queue, "")
     pattern = _glob_escape(prefix) + "JOB*:dependencies"
     ids = [
-        (_text(key) or "")[len(prefix) : -len(":dependencies")]
+        (text(key) or "")[len(prefix) : -len(":dependencies")]
         for key in client.scan_iter(match=pattern, count=1000)
     ]
     if not ids:
@@ -394,14 +347,14 @@ def held_parents(state: EchoMQ, queue: str) -> list[str]:
     for job_id in ids:
         pipe.hget(keys.job_key(queue, job_id), "state")
     states = pipe.execute()
-    return sorted(j for j, s in zip(ids, states, strict=True) if _text(s) == "awaiting_children")
+    return sorted(j for j, s in zip(ids, states, strict=True) if text(s) == "awaiting_children")
 
 
 def queue_stats(state: EchoMQ) -> list[QueueStats]:
     """Per queue that holds flows (``emq:queues``): pending, active, held and failed jobs, and
     how many messages recovery re-published and how many duplicate deliveries were skipped."""
     keys, client = state.keys, state.client
-    names = sorted(filter(None, (_text(q) for q in client.smembers(keys.queues_key()))))
+    names = sorted(filter(None, (text(q) for q in client.smembers(keys.queues_key()))))
     stats: list[QueueStats] = []
     for name in names:
         pipe = client.pipeline(transaction=False)

@@ -1,0 +1,60 @@
+"""Reads ``lua/<name>.lua`` (one file per transition) and expands its includes."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+TRANSITIONS = (
+    "enqueue_flow",
+    "claim",
+    "complete",
+    "fail",
+    "retry",
+    "dispatch",
+    "cancel",
+    # the chunked / cross-slot path: open, add per queue and chunk, seal; credit on the parent
+    "open_flow",
+    "add_children",
+    "seal_flow",
+    "credit",
+    # recovery's: take back a lost job, renew a live worker's leases, end a dead holder's
+    # lease, watch a job replaced by another task, give up the recovery lease
+    "requeue",
+    "extend",
+    "drop",
+    "hand_over",
+    "lease_release",
+    "abandon_flow",
+)
+
+
+INCLUDE = re.compile(r'^--- @include "([a-z_]+)"$', re.MULTILINE)
+
+
+def _read_lua(*parts: str) -> str:
+    return (
+        resources.files(__package__ or "celery_echomq").joinpath("lua", *parts).read_text("utf-8")
+    )
+
+
+def load_source(name: str) -> str:
+    """The source of ``lua/<name>.lua`` with its includes expanded.
+
+    A line ``--- @include "piece"`` is replaced by ``lua/includes/piece.lua`` (itself expanded
+    the same way), at most once per script: a piece included twice, directly or through
+    another piece, is written only where it first appears, so each Lua local is defined once.
+    """
+    seen: set[str] = set()
+
+    def expand(source: str) -> str:
+        def piece(match: re.Match[str]) -> str:
+            included = match.group(1)
+            if included in seen:
+                return f"-- ({included} is included above)"
+            seen.add(included)
+            return expand(_read_lua("includes", f"{included}.lua")).rstrip("\n")
+
+        return INCLUDE.sub(piece, source)
+
+    return expand(_read_lua(f"{name}.lua"))

@@ -1,0 +1,229 @@
+"""A flow, planned: every id assigned and gated, every message built, before anything is
+sent; and the message headers that mark a flow job.
+
+Pure: nothing here touches Redis or the broker. ``start.py`` sends a :class:`Plan`;
+``settle.py`` reads the headers back (:class:`Headers`, :func:`parent_ref`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from celery.canvas import Signature
+
+from .errors import PolicyError
+from .keyspace import check_id, check_queue, check_unique
+from .scripts import ParentRef
+
+POLICIES = ("fail", "ignore", "remove", "continue")
+
+
+# Message headers that mark a flow job; Celery keeps custom headers across retries.
+H_QUEUE = "echomq_q"  # the queue whose slot holds this job's row
+H_PARENT = "echomq_p"  # the parent's job id, on a child
+H_PARENT_QUEUE = "echomq_pq"  # the queue whose slot holds the parent's keys
+H_FLOW = "echomq_f"  # "1" on a flow parent: it has keys of its own to expire
+
+# Options that belong to the flow's parent alone: the rest reach every child too.
+PARENT_ONLY = frozenset(
+    {"task_id", "link", "link_error", "chain", "chord", "group_id", "group_index", "reply_to"}
+)
+# Options that delay or expire the children's messages; the parent is sent when released.
+CHILD_ONLY = frozenset({"task_id", "countdown", "eta", "expires"})
+# Options a stored payload must not carry: they are per-send, not per-job.
+NOT_STORED = frozenset({"producer", "connection", "router", "add_to_parent", "publisher"})
+
+
+def new_job_id() -> str:
+    return "JOB" + uuid.uuid4().hex
+
+
+def job_id_of(options: dict[str, Any], fallback: str | None = None) -> str:
+    """The signature's own ``task_id`` (gated: an empty one is an error, not a default)."""
+    given = options.get("task_id")
+    if given is None:
+        given = fallback if fallback is not None else new_job_id()
+    return check_id(given)
+
+
+def check_policy(policy: object, where: str) -> str:
+    if policy not in POLICIES:
+        raise PolicyError(
+            f"{where}: unknown parent_policy {policy!r}; allowed: " + ", ".join(POLICIES)
+        )
+    return str(policy)
+
+
+@dataclass
+class Plan:
+    """A flow with every id assigned and every message built, before anything is sent.
+
+    A nested flow's entry in ``children`` is ``{"nested": <its Plan as a dict>}``; its
+    ``outer`` is the id of the flow it is a child of.
+    """
+
+    queue: str
+    parent_id: str
+    parent: dict[str, Any]
+    children: list[dict[str, Any]] = field(default_factory=list)
+    policy: str = "fail"
+    child_policies: dict[str, str] = field(default_factory=dict)
+    outer: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        return cls(**data)
+
+    def levels(self) -> Iterator[Plan]:
+        """This flow, then every nested flow, outer before inner."""
+        yield self
+        for job in self.children:
+            if "nested" in job:
+                yield from Plan.from_dict(job["nested"]).levels()
+
+    def child_ids(self) -> list[str]:
+        return [child_id(job) for job in self.children]
+
+    def chunked(self, chunk_size: int) -> bool:
+        """Whether this level takes open/add/seal instead of one enqueue_flow script."""
+        return len(self.children) > chunk_size or any(
+            child_queue(job) != self.queue for job in self.children
+        )
+
+
+def child_queue(job: dict[str, Any]) -> str:
+    if "nested" in job:
+        return str(job["nested"]["queue"])
+    return str(job["options"]["headers"][H_QUEUE])
+
+
+def child_id(job: dict[str, Any]) -> str:
+    if "nested" in job:
+        return str(job["nested"]["parent_id"])
+    return str(job["options"]["task_id"])
+
+
+def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
+    """The Celery queue a signature is sent to: its ``queue`` option, else the app's router."""
+    queue = sig.options.get("queue") or options.get("queue")
+    if queue is None:
+        route = app.amqp.router.route({}, sig.task, sig.args, sig.kwargs)
+        queue = route.get("queue")
+    name = getattr(queue, "name", queue) or app.conf.task_default_queue
+    return check_queue(str(name))
+
+
+def _job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    opts = {k: v for k, v in {**options, **sig.options}.items() if k not in NOT_STORED}
+    opts["headers"] = {**(opts.get("headers") or {}), **headers}
+    return {
+        "task": sig.task,
+        "args": list(sig.args),
+        "kwargs": dict(sig.kwargs),
+        "options": opts,
+        "subtask_type": None,
+        "immutable": sig.immutable,
+    }
+
+
+def is_flow(sig: Any) -> bool:
+    return getattr(sig, "subtask_type", None) == "flow"
+
+
+def plan_flow(
+    app: Any,
+    parent: Signature,
+    children: Sequence[Signature],
+    *,
+    policy: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    options: dict[str, Any],
+    outer: str = "",
+    outer_queue: str = "",
+) -> Plan:
+    """Assign and gate every id and build every message; touches neither Redis nor the broker.
+
+    Each job's keys live on the slot of the queue it is sent to: a child routed elsewhere
+    than its parent is credited across slots (see ``start_flow``).
+    """
+    parent_id = job_id_of(parent.options, options.get("task_id"))
+    queue = route_queue(app, parent, options)
+    shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
+    plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer)
+    for child in children:
+        child_policy = child.options.get("parent_policy")
+        if is_flow(child):
+            inner_opts = {**shared, **child.options}
+            inner_opts.pop("parent_policy", None)
+            inner_args = () if child.immutable else (*args, *child.args)
+            inner = plan_flow(
+                app,
+                child.kwargs["parent"],
+                child.kwargs["children"],
+                policy=child.kwargs["policy"],
+                args=inner_args,
+                kwargs=kwargs,
+                options=inner_opts,
+                outer=parent_id,
+                outer_queue=queue,
+            )
+            cid = inner.parent_id
+            plan.children.append({"nested": inner.to_dict()})
+        else:
+            cid = job_id_of(child.options)
+            if args or kwargs:
+                child = child.clone(args=args, kwargs=kwargs)
+            child_queue = route_queue(app, child, shared)
+            headers = {H_QUEUE: child_queue, H_PARENT: parent_id}
+            if child_queue != queue:
+                headers[H_PARENT_QUEUE] = queue
+            job = _job_dict(child, shared, headers)
+            job["options"].pop("parent_policy", None)
+            job["options"]["task_id"] = cid
+            plan.children.append(job)
+        if child_policy is not None:
+            plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
+    parent_opts = {k: v for k, v in options.items() if k not in CHILD_ONLY}
+    headers = {H_QUEUE: queue, H_FLOW: "1"}
+    if outer:
+        headers[H_PARENT] = outer
+        if outer_queue != queue:
+            headers[H_PARENT_QUEUE] = outer_queue
+    plan.parent = _job_dict(parent, parent_opts, headers)
+    plan.parent["options"]["task_id"] = parent_id
+    plan.parent["children"] = plan.child_ids()
+    if not outer:
+        # Every id of the tree once: a nested parent is listed as its outer flow's child.
+        check_unique([parent_id, *(cid for level in plan.levels() for cid in level.child_ids())])
+    return plan
+
+
+class Headers:
+    """Attribute access to a job's message headers, as Celery's worker Request gives them:
+    what :func:`parent_ref` reads from a stored job's headers or a revoked request's."""
+
+    def __init__(self, headers: dict[str, Any]) -> None:
+        self.__dict__.update(headers)
+
+    @classmethod
+    def of_job(cls, job: dict[str, Any]) -> Headers:
+        """The headers of a stored job dict (its ``options``)."""
+        return cls((job.get("options") or {}).get("headers") or {})
+
+
+def parent_ref(headers: Any) -> ParentRef | None:
+    """Where a flow job's parent lives, from its headers (a Request or :class:`Headers`);
+    None for a job that is not a flow's child."""
+    parent_id = getattr(headers, H_PARENT, None)
+    if not parent_id:
+        return None
+    return ParentRef(
+        str(parent_id), str(getattr(headers, H_PARENT_QUEUE, None) or getattr(headers, H_QUEUE))
+    )

@@ -1,0 +1,167 @@
+"""Settling a finished job: complete or fail it, credit its parent on whichever slot it
+lives, and act on what that made of the parent (dispatch it, or record its failure).
+
+What the worker's signal receivers and recovery call; each step is one script call, and what
+follows it (a publish, a result written to Celery's backend) is repeated by recovery if the
+process dies in between.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .errors import FlowFailed
+from .plan import H_PARENT, H_PARENT_QUEUE
+from .publish import publish
+from .replies import UNSETTLED, Status
+from .scripts import ParentRef
+from .state import EchoMQ
+
+logger = logging.getLogger("celery_echomq")
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def dispatch_parent(
+    state: EchoMQ, queue: str, parent_id: str, redispatch_after_ms: int = 0
+) -> bool:
+    """Publish a released parent, once: the dispatch script decides who may."""
+    claimed = state.scripts.dispatch(
+        queue, parent_id, redispatch_after_ms, inline_max=state.settings.chunk_size
+    )
+    if claimed is None:
+        return False
+    payload, stored = claimed
+    job = state.loads(payload)
+    values = [state.loads(stored[cid]) for cid in job["children"] if cid in stored]
+    if not job.get("immutable"):
+        job["args"] = [values, *job["args"]]
+    publish(state.app, [job])
+    logger.info("echomq: parent %s dispatched with %d values", parent_id, len(values))
+    return True
+
+
+def parent_failed(
+    state: EchoMQ, queue: str, parent_id: str, child_id: str, error: str
+) -> tuple[FlowFailed, ParentRef | None]:
+    """Record FAILURE for a parent whose child failed under ``fail``, and run its errbacks.
+
+    Returns the error and, for a nested flow, where its own parent lives (the failure is
+    that flow's child's failure next).
+    """
+    from celery.app.task import Context
+
+    payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
+    job = state.loads(payload) if payload else {"task": None, "options": {}}
+    exc = FlowFailed(f"flow {parent_id}: child {child_id} failed: {error}", child_id, error)
+    request = Context(
+        id=parent_id,
+        task=job["task"],
+        errbacks=job["options"].get("link_error"),
+        args=job.get("args", []),
+        kwargs=job.get("kwargs", {}),
+        delivery_info={},
+    )
+    state.app.backend.mark_as_failure(parent_id, exc, request=request, call_errbacks=True)
+    logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
+    headers = job["options"].get("headers") or {}
+    outer = headers.get(H_PARENT)
+    return exc, ParentRef(outer, headers.get(H_PARENT_QUEUE) or queue) if outer else None
+
+
+def credit_remote(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    parent: ParentRef,
+    outcome: str,
+    data: bytes | str,
+    policy: str,
+) -> tuple[Status, str]:
+    """Count a child staged in ``queue``'s outbox on its parent's slot, then unstage it.
+
+    Idempotent per child id: recovery repeats it for an outbox entry left by a crash.
+    """
+    status, applied = state.scripts.credit(
+        parent, job_id, outcome, data, policy, ttl=state.settings.result_ttl
+    )
+    state.client.zrem(state.keys.queue_key(queue, "outbox"), job_id)
+    logger.info("echomq: child %s (%s) credited to %s: %s", job_id, outcome, parent.id, status)
+    return status, applied
+
+
+def follow(state: EchoMQ, status: Status, job_id: str, parent: ParentRef, error: str = "") -> None:
+    """Act on what a child's transition made of its parent: publish it, or settle its failure."""
+    if status is Status.RELEASED:
+        logger.info("echomq: parent %s released by child %s", parent.id, job_id)
+        dispatch_parent(state, parent.queue, parent.id)
+    elif status is Status.PARENT_FAILED:
+        exc, outer = parent_failed(state, parent.queue, parent.id, job_id, error)
+        if outer is not None:
+            # A nested flow failed: that is a failed child of the flow it belongs to.
+            settle_failure(
+                state, parent.queue, parent.id, "", error_text(exc), True, outer, carry=True
+            )
+
+
+def settle_success(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    is_parent: bool,
+    parent: ParentRef | None,
+    value: bytes,
+) -> Status:
+    """A job succeeded: complete it and credit its parent (on whichever slot it lives)."""
+    status = state.scripts.complete(
+        queue,
+        job_id,
+        token,
+        ttl=state.settings.result_ttl,
+        is_parent=is_parent,
+        parent=parent,
+        value=value,
+    )
+    if status is Status.STAGED and parent is not None:
+        status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")
+    if parent is not None:
+        follow(state, status, job_id, parent)
+    return status
+
+
+def settle_failure(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    error: str,
+    is_parent: bool,
+    parent: ParentRef | None,
+    *,
+    carry: bool = False,
+) -> Status:
+    """A job failed for good: fail it and apply its parent_policy to the parent.
+
+    ``carry``: the job is a nested flow's parent, already failed by one of its own children;
+    apply that failure, once, to the flow it belongs to (see fail.lua).
+    """
+    status, policy = state.scripts.fail(
+        queue,
+        job_id,
+        token,
+        error,
+        ttl=state.settings.result_ttl,
+        is_parent=is_parent,
+        parent=parent,
+        carry=carry,
+    )
+    if status is Status.STAGED and parent is not None:
+        status, policy = credit_remote(state, queue, job_id, parent, Status.FAILED, error, policy)
+    if parent is None or status in UNSETTLED:
+        return status
+    logger.info("echomq: child %s failed under policy %s: %s", job_id, policy, error)
+    follow(state, status, job_id, parent, error)
+    return status

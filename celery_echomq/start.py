@@ -1,0 +1,254 @@
+"""Starting a flow (enqueue every level, publish its leaves), cancelling one, and forgetting
+one (deleting its keys before they expire).
+
+Each step is one script call; what follows it (a publish) is repeated by recovery if the
+process dies in between.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import redis
+
+from .config import safe_url
+from .errors import EchoMQError, FlowCancelled, FlowExistsError, StoreUnavailableError
+from .plan import Plan, child_id, child_queue
+from .publish import publish
+from .replies import Status
+from .scripts import ParentRef
+from .settle import dispatch_parent
+from .state import EchoMQ
+from .views import JobNode, walk
+
+logger = logging.getLogger("celery_echomq")
+
+# The per-queue sorted sets that hold job ids: a forgotten job leaves every one of them.
+# (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet.)
+JOB_SETS = ("pending", "active", "failed", "outbox", "open")
+
+
+def _payloads(state: EchoMQ, plan: Plan) -> list[tuple[str, bytes]]:
+    return [(child_id(job), state.dumps(job)) for job in plan.children]
+
+
+def start_flow(state: EchoMQ, plan: Plan) -> None:
+    """Enqueue the flow (each level of a tree, outer first), then publish its leaves.
+
+    A level whose children all live on its parent's slot, and are no more than
+    ``echomq_chunk_size``, is one enqueue_flow script. Any other level takes the
+    chunked path: open_flow holds the parent with one extra unit on its counter,
+    add_children writes the children per queue and chunk, seal_flow removes the extra unit.
+
+    A nested flow's parent is first written by its outer flow as a pending child whose
+    payload is the nested plan, then held by its own level: a crash between the two leaves a
+    pending child that recovery re-publishes, which resumes the nested flow (``publish``).
+    """
+    scripts = state.scripts
+    keys = state.keys
+    chunk = state.settings.chunk_size
+    levels = list(plan.levels())
+    written: list[tuple[str, str, list[str]]] = []
+    try:
+        # Before the flow lands, not after: a producer killed right after the EVAL must still
+        # leave its queues where recovery looks (SADD is idempotent).
+        queues = {level.queue for level in levels}
+        queues.update(child_queue(job) for level in levels for job in level.children)
+        state.client.sadd(keys.queues_key(), *sorted(queues))
+        whole = []
+        try:
+            for level in levels:
+                if level.chunked(chunk):
+                    _enqueue_chunked(state, level, chunk, written)
+                else:
+                    scripts.enqueue_flow(
+                        level.queue,
+                        level.parent_id,
+                        state.dumps(level.parent),
+                        _payloads(state, level),
+                        outer=level.outer,
+                    )
+                    written.append((level.queue, level.parent_id, level.child_ids()))
+                    whole.append(level)
+        except EchoMQError:
+            # A refusal after an earlier level or chunk landed: take back exactly what this
+            # call wrote, so bad input leaves nothing behind.
+            _rollback(state, written)
+            logger.info(
+                "echomq: flow %s refused; %d steps taken back", plan.parent_id, len(written)
+            )
+            raise
+        # After the atomic land: each flow's default policy and each child's own, on the
+        # same slot (one MULTI per slot, as Redis Cluster requires), before any child can run
+        # (none is published yet).
+        for level in whole:
+            pipe = state.client.pipeline(transaction=True)
+            pipe.hset(keys.job_key(level.queue, level.parent_id), "policy", level.policy)
+            for cid, child_policy in level.child_policies.items():
+                pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
+            pipe.execute()
+        # Outside the flow's slot: where a bare id lives.
+        side = state.client.pipeline(transaction=False)
+        for level in levels:
+            side.set(keys.locator_key(level.parent_id), level.queue, ex=state.locator_ttl)
+        side.execute()
+    except (redis.ConnectionError, redis.TimeoutError) as exc:
+        where = f"Redis at {safe_url(state.settings.redis_url)!r}"
+        if not written:
+            raise StoreUnavailableError(
+                f"{where} is unavailable ({exc}); the flow was not started and nothing was "
+                "published"
+            ) from exc
+        raise StoreUnavailableError(
+            f"{where} became unavailable ({exc}) after flow {plan.parent_id} was enqueued; "
+            "nothing was published: recovery publishes its children once Redis is back"
+        ) from exc
+    logger.info(
+        "echomq: flow %s enqueued on %s with %d children%s",
+        plan.parent_id,
+        plan.queue,
+        len(plan.children),
+        f" ({len(levels) - 1} nested flows)" if len(levels) > 1 else "",
+    )
+    leaves = [job for level in levels for job in level.children if "nested" not in job]
+    if leaves:
+        publish(state.app, leaves)
+    for level in levels:
+        if not level.children:
+            dispatch_parent(state, level.queue, level.parent_id)
+
+
+def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
+    """Delete what a refused start wrote: ``(queue, parent id or '', child ids)`` per step."""
+    keys = state.keys
+    for queue, parent_id, child_ids in reversed(written):
+        pipe = state.client.pipeline(transaction=False)
+        for cid in child_ids:
+            pipe.delete(keys.job_key(queue, cid))
+        if child_ids:
+            pipe.zrem(keys.queue_key(queue, "pending"), *child_ids)
+        if parent_id:
+            pipe.delete(keys.job_key(queue, parent_id), keys.flow_keys(queue, parent_id)[0])
+            pipe.zrem(keys.queue_key(queue, "open"), parent_id)
+            pipe.zrem(keys.queue_key(queue, "pending"), parent_id)
+        pipe.execute()
+
+
+def _enqueue_chunked(
+    state: EchoMQ, level: Plan, chunk: int, written: list[tuple[str, str, list[str]]]
+) -> None:
+    scripts = state.scripts
+    scripts.open_flow(
+        level.queue,
+        level.parent_id,
+        state.dumps(level.parent),
+        len(level.children),
+        level.policy,
+        outer=level.outer,
+    )
+    written.append((level.queue, level.parent_id, []))
+    by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
+    for job in level.children:
+        cid = child_id(job)
+        by_queue.setdefault(child_queue(job), []).append(
+            (cid, state.dumps(job), level.child_policies.get(cid, ""))
+        )
+    parent = ParentRef(level.parent_id, level.queue)
+    open_key = state.keys.queue_key(level.queue, "open")
+    for queue, rows in by_queue.items():
+        for start in range(0, len(rows), chunk):
+            rows_chunk = rows[start : start + chunk]
+            scripts.add_children(queue, parent, rows_chunk)
+            written.append((queue, "", [cid for cid, _, _ in rows_chunk]))
+            # A producer still writing is alive: recovery takes an open flow for abandoned a
+            # stall timeout after its last chunk, not after its first, however large it is.
+            seconds, micros = state.client.time()
+            state.client.zadd(open_key, {level.parent_id: seconds * 1000 + micros // 1000}, xx=True)
+    scripts.seal_flow(level.queue, level.parent_id)
+    logger.info(
+        "echomq: flow %s opened, %d children added on %d queue(s), sealed",
+        level.parent_id,
+        len(level.children),
+        len(by_queue),
+    )
+
+
+def resume_nested(state: EchoMQ, plan: Plan) -> None:
+    """Finish starting a nested flow whose outer flow landed but which did not (recovery)."""
+    # FlowExistsError: it landed after all; its own children are pending rows that recovery
+    # re-publishes.
+    with contextlib.suppress(FlowExistsError):
+        start_flow(state, plan)
+
+
+def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = False) -> list[str]:
+    """Cancel a flow whose parent has not started: the ids of the children it revoked.
+
+    Returns an empty list when the parent already started or finished (nothing to cancel).
+    """
+    row = state.keys.job_key(queue, parent_id)
+    payload = state.client.hget(row, "payload")
+    children = state.loads(payload)["children"] if payload else []
+    # Nested flows first, inner before outer: each is a flow of its own to cancel.
+    pipe = state.client.pipeline(transaction=False)
+    for cid in children:
+        pipe.exists(state.keys.flow_keys(queue, cid)[0])
+    revoked = []
+    for cid, nested in zip(children, pipe.execute(), strict=True):
+        if nested and state.client.hget(state.keys.job_key(queue, cid), "state") in (
+            b"awaiting_children",
+            b"pending",
+        ):
+            revoked += cancel_flow(state, queue, cid, terminate)
+    status, was, outstanding = state.scripts.cancel(
+        queue, parent_id, children, ttl=state.settings.result_ttl
+    )
+    if status is not Status.CANCELLED:
+        return revoked
+    # A released parent's message is on its way: revoke it too, so it never runs.
+    to_revoke = [*outstanding, parent_id] if was is Status.PENDING else outstanding
+    if to_revoke:
+        state.app.control.revoke(to_revoke, terminate=terminate)
+    exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
+    state.app.backend.mark_as_failure(parent_id, exc)
+    logger.info(
+        "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
+    )
+    return revoked + outstanding
+
+
+def forget_flow(state: EchoMQ, node: JobNode) -> list[str]:
+    """Delete every key of the flow ``node`` heads; return the deleted keys.
+
+    Each queue's keys go in one MULTI (they share a slot); the locators live on other slots
+    (``emq:loc:{id}``), so they go after, one command each, which also works on a cluster.
+    Ids leave the queue's state sets too, so ``stats`` and recovery stop seeing them.
+    """
+    keys, client = state.keys, state.client
+    by_queue: dict[str, list[JobNode]] = {}
+    for job in walk(node):
+        by_queue.setdefault(job.queue, []).append(job)
+    deleted: list[str] = []
+    for queue, jobs in by_queue.items():
+        names: list[str] = []
+        for job in jobs:
+            names.append(keys.job_key(queue, job.id))
+            if job.flow is not None:
+                names.extend(keys.flow_keys(queue, job.id))
+                names.append(keys.settled_key(queue, job.id))
+        pipe = client.pipeline(transaction=True)
+        for name in names:
+            pipe.exists(name)  # to report only the keys that were there
+        pipe.delete(*names)
+        ids = [job.id for job in jobs]
+        for set_name in JOB_SETS:
+            pipe.zrem(keys.queue_key(queue, set_name), *ids)
+        existed = pipe.execute()[: len(names)]
+        deleted.extend(name for name, there in zip(names, existed, strict=True) if there)
+    for job in walk(node):
+        if job.flow is not None:
+            locator = keys.locator_key(job.id)
+            if client.delete(locator):
+                deleted.append(locator)
+    return deleted
