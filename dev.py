@@ -3,6 +3,8 @@
 
 python3 dev.py quickstart   # a real flow on an embedded redis-server and a real worker
 python3 dev.py test [ARGS]  # the test suite (ARGS go to pytest)
+python3 dev.py test --fast  # the fast tier: no worker subprocess (canvas and policies on an
+                            # in-process worker), under two minutes
 python3 dev.py bench [ARGS] # the flow vs chord vs group benchmark
 """
 
@@ -59,6 +61,10 @@ def main(argv: list[str]) -> int:
     if command == "quickstart":
         return run([str(PY), "examples/quickstart.py", *rest])
     if command == "test":
+        if "--fast" in rest:
+            rest = [arg for arg in rest if arg != "--fast"]
+            os.environ["ECHOMQ_TEST_WORKER"] = "inprocess"
+            return run([str(PY), "-m", "pytest", "-m", "not e2e", *rest])
         return run([str(PY), "-m", "pytest", *rest])
     if command == "bench":
         return run([str(PY), "benchmarks/bench.py", *rest])

@@ -1,5 +1,12 @@
 """Test fixtures: a real redis-server (or ECHOMQ_TEST_REDIS_URL) and real `celery worker`
-subprocesses running tests/proj.py."""
+subprocesses running tests/proj.py.
+
+Every test that runs a worker subprocess is marked ``e2e`` (here, by the fixtures it uses, or
+by its module). With ``ECHOMQ_TEST_WORKER=inprocess`` (``python3 dev.py test --fast``, which
+also deselects ``e2e``), the ``worker`` fixture is an in-process worker instead
+(``celery.contrib.testing.worker.start_worker``, threads pool), for the canvas and policy
+tests: what needs no crash runs in seconds.
+"""
 
 from __future__ import annotations
 
@@ -119,8 +126,32 @@ def worker_pair(
     return one, two
 
 
+INPROCESS = os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess"
+# The modules whose ``worker`` tests run on an in-process worker in the fast tier.
+INPROCESS_MODULES = frozenset({"test_canvas", "test_policies"})
+# Fixtures that start worker subprocesses whatever the tier.
+SUBPROCESS_FIXTURES = frozenset({"start_worker", "cluster_workers", "rabbit_workers"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        in_process = INPROCESS and module in INPROCESS_MODULES
+        if names & SUBPROCESS_FIXTURES or ("worker" in names and not in_process):
+            item.add_marker(pytest.mark.e2e)
+
+
 @pytest.fixture(scope="session")
-def worker(env: Env, proj: Any) -> Iterator[Worker]:
+def worker(env: Env, proj: Any) -> Iterator[Any]:
+    if INPROCESS:
+        from celery.contrib.testing.worker import start_worker
+
+        with start_worker(
+            proj.app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30
+        ) as in_process:
+            yield in_process
+        return
     w = Worker(env, name="session")
     yield w
     w.stop()

@@ -92,6 +92,7 @@ def test_continue_policy_releases_the_parent_at_once_and_never_again(
     assert ran(store, f"collect:{t}") == 1
 
 
+@pytest.mark.e2e  # a retry runs while its sender finishes: one task per process
 def test_retries_that_end_in_success_count_the_child_once(
     proj: Any, worker: Any, store: redis.Redis
 ) -> None:
@@ -106,6 +107,7 @@ def test_retries_that_end_in_success_count_the_child_once(
     assert res.dependencies() == (0, 2)
 
 
+@pytest.mark.e2e  # a retry runs while its sender finishes: one task per process
 def test_retries_that_end_in_failure_apply_the_policy(proj: Any, worker: Any) -> None:
     child = proj.retry_until.s(5, 99)  # max_retries=3: the fourth attempt fails for good
     f = flow(proj.tsum.s(), [child, proj.add.s(1, 1)])
@@ -128,6 +130,7 @@ def test_a_revoked_child_is_a_failure_under_its_policy(proj: Any, worker: Any) -
     assert res.ignored_failures() == {late_id: "TaskRevokedError: revoked"}
 
 
+@pytest.mark.e2e  # a hard time limit needs the prefork pool, in a worker subprocess
 def test_a_child_past_its_hard_time_limit_is_a_failure_under_its_policy(
     proj: Any, worker: Any
 ) -> None:
