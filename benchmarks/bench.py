@@ -43,7 +43,7 @@ import bench_app  # noqa: E402 - needs the path above
 import worker_variants  # noqa: E402
 
 from celery_echomq import flow  # noqa: E402
-from celery_echomq.embedded import RedisServer  # noqa: E402
+from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
 
 MODES = ("group", "chord", "flow")
 HOLD_QUEUE = "bench_hold"  # no worker consumes it: what is enqueued there stays held
@@ -114,8 +114,8 @@ def all_keys(admin_for: Callable[[int], Any]) -> dict[int, set[bytes]]:
 # --- workers ----------------------------------------------------------------------------
 
 
-class Worker:
-    """A real `celery -A bench_app worker` (prefork) in its own process group."""
+class Worker(WorkerProcess):
+    """A real `celery -A bench_app worker` (prefork) in its own process group, started at once."""
 
     def __init__(
         self,
@@ -129,84 +129,48 @@ class Worker:
     ) -> None:
         self.name = f"bench-{queue}-{uuid.uuid4().hex[:6]}"
         self.dir = Path(tempfile.mkdtemp(prefix="echomq-bench-"))
-        self.ready_file = self.dir / "ready"
-        self.log = self.dir / "worker.log"
+        ready_file = self.dir / "ready"
         env = dict(os.environ)
         env.update(
             {
                 bench_app.ENV_URL: url,
                 bench_app.ENV_INSTALL: "1" if install else "0",
-                bench_app.ENV_READY: str(self.ready_file),
+                bench_app.ENV_READY: str(ready_file),
                 "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")]),
             }
         )
         if profile_dir is not None:
             env[bench_app.ENV_PROFILE] = str(profile_dir)
         env.update(extra_env or {})
-        cmd = [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
+        # A warm shutdown lets the pool processes write their profiles; the group kill after
+        # it makes sure no pool process outlives the benchmark.
+        super().__init__(
             "bench_app",
-            "worker",
-            "-P",
-            "prefork",
-            "-c",
-            str(concurrency),
-            "-Q",
-            queue,
-            "-n",
-            f"{self.name}@%h",
-            "--loglevel",
-            "WARNING",
-            "--without-gossip",
-            "--without-mingle",
-            "--without-heartbeat",
-        ]
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                cmd,
-                cwd=HERE,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited early:\n{self.output()}")
-            if self.ready_file.exists():
-                return
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"worker not ready in {timeout:.0f} s:\n{self.output()}")
+            log=self.dir / "worker.log",
+            cwd=HERE,
+            env=env,
+            queues=queue,
+            concurrency=concurrency,
+            name=self.name,
+            loglevel="WARNING",
+            ready_file=ready_file,
+            stop_timeout=15,
+        )
+        try:
+            self.start()
+        except BaseException:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            raise
 
     def output(self) -> str:
-        return self.log.read_bytes().decode(errors="replace")[-4000:]
+        return super().output()[-4000:]
 
     def pids(self) -> list[int]:
         """The main process and its pool processes."""
-        out = subprocess.run(
-            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, check=False
-        ).stdout
-        return [self.proc.pid, *(int(p) for p in out.split())]
+        return [self.pid, *self.pool_pids()]
 
     def stop(self) -> None:
-        # A warm shutdown lets the pool processes write their profiles; the group kill after
-        # it makes sure no pool process outlives the benchmark.
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(15)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+        super().stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

@@ -30,7 +30,6 @@ import multiprocessing
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,7 +47,7 @@ if str(ROOT) not in sys.path:
 
 import celery_echomq  # noqa: E402 - needs the path above
 from celery_echomq import flow  # noqa: E402
-from celery_echomq.embedded import RedisServer, wait_replicated  # noqa: E402
+from celery_echomq.embedded import RedisServer, WorkerProcess, wait_replicated  # noqa: E402
 from celery_echomq.keyspace import Keyspace  # noqa: E402
 from celery_echomq.scripts import ParentRef, Scripts  # noqa: E402
 from celery_echomq.state import _ATTR, EchoMQ, get_state  # noqa: E402
@@ -110,20 +109,17 @@ def start_worker(store: str, broker: str, min_replicas: int, queue: str, log: Pa
             "PYTHONPATH": f"{HERE}{os.pathsep}{ROOT}",
         },
     )
-    cmd = [
-        sys.executable, "-m", "celery", "-A", "ha", "worker", "-P", "prefork", "-c", "2",
-        "-Q", queue, "--loglevel", "WARNING", "-n", f"{queue}@%h",
-        "--without-gossip", "--without-mingle", "--without-heartbeat",
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError(f"worker did not start:\n{log.read_text(errors='replace')}")
-        time.sleep(0.1)
-    return proc
+    worker = WorkerProcess(
+        "ha",
+        log=log,
+        cwd=HERE,
+        env=env,
+        queues=queue,
+        name=queue,
+        loglevel="WARNING",
+        ready_file=ready,
+    )
+    return worker.start()
 
 
 def with_replicas(min_replicas: int) -> EchoMQ:
@@ -184,10 +180,8 @@ def part_wait(children: int, rounds: int) -> dict[str, Any]:
                         times[n].append(took)
                         waits[n].append((after.get("calls", 0) - before.get("calls", 0)) / children)
         finally:
-            for proc in workers.values():
-                proc.terminate()
-            for proc in workers.values():
-                proc.wait(30)
+            for worker in workers.values():
+                worker.stop()
         assert replica.client().dbsize() > 0
     ratios = [b / a for a, b in zip(times[0], times[1], strict=True)]
     return {

@@ -23,12 +23,9 @@ app (``celery -A large worker``), configured from the environment the driver set
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,8 +43,8 @@ if str(ROOT) not in sys.path:
 
 import celery_echomq  # noqa: E402 - needs the path above
 from celery_echomq import flow  # noqa: E402
-from celery_echomq.embedded import RedisServer  # noqa: E402
-from celery_echomq.scripts import TRANSITIONS, load_source  # noqa: E402
+from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
+from celery_echomq.loader import TRANSITIONS, load_source  # noqa: E402
 
 ENV_STORE = "ECHOMQ_LARGE_STORE"
 ENV_BROKER = "ECHOMQ_LARGE_BROKER"
@@ -187,50 +184,6 @@ def slowlog(client: redis.Redis, names: dict[str, str]) -> list[Command]:  # typ
     return sorted(out, key=lambda c: c.ms, reverse=True)
 
 
-class LargeWorker:
-    """A real ``celery -A large worker`` (prefork) in its own process group."""
-
-    def __init__(self, env: dict[str, str], concurrency: int, logdir: Path) -> None:
-        self.ready_file = logdir / "ready"
-        self.log = logdir / "worker.log"
-        env = {**env, ENV_READY: str(self.ready_file)}
-        env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
-        cmd = [
-            sys.executable, "-m", "celery", "-A", "large", "worker", "-P", "prefork",
-            "-c", str(concurrency), "-Q", QUEUE, "-n", f"large-{os.getpid()}@%h",
-            "--loglevel", "WARNING", "--without-gossip", "--without-mingle",
-            "--without-heartbeat",
-        ]  # fmt: skip
-        with open(self.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                cmd, cwd=HERE, env=env, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )  # fmt: skip
-
-    def wait_ready(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited early:\n{self.output()}")
-            if self.ready_file.exists():
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"worker not ready in {timeout:.0f} s:\n{self.output()}")
-
-    def output(self) -> str:
-        return self.log.read_bytes().decode(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(30)
-        # The pool processes too, whatever state the main process left them in.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(10)
-
-
 def run(children: int, chunk_size: int, concurrency: int, timeout: float) -> Report:
     report = Report(children, chunk_size, concurrency)
     logdir = Path(tempfile.mkdtemp(prefix="echomq-large-"))
@@ -289,9 +242,24 @@ def run(children: int, chunk_size: int, concurrency: int, timeout: float) -> Rep
         report.broker_bytes_per_message = round((used_memory(broker) - broker_before) / children, 1)
         print_enqueue(report)
 
-        worker = LargeWorker(env, concurrency, logdir)
+        worker = WorkerProcess(
+            "large",
+            log=logdir / "worker.log",
+            cwd=HERE,
+            env={
+                **env,
+                ENV_READY: str(logdir / "ready"),
+                "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")]),
+            },
+            queues=QUEUE,
+            concurrency=concurrency,
+            name=f"large-{os.getpid()}",
+            loglevel="WARNING",
+            ready_file=logdir / "ready",
+            ready_timeout=120,
+        )
         try:
-            worker.wait_ready()
+            worker.start()
             ready = time.perf_counter()
             report.worker_ready_s = round(ready - enqueued, 3)
             report.value = wait_value(res, children, timeout)

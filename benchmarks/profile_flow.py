@@ -41,10 +41,10 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import bench  # noqa: E402 - needs the path above
 import bench_app  # noqa: E402
+import celery_echomq.flows as echomq_flows  # noqa: E402
 import proposals  # noqa: E402
 
 import celery_echomq.canvas as echomq_canvas  # noqa: E402
-import celery_echomq.flows as echomq_flows  # noqa: E402
 from celery_echomq.embedded import RedisServer  # noqa: E402
 from celery_echomq.scripts import Scripts  # noqa: E402
 from celery_echomq.state import EchoMQ  # noqa: E402
@@ -235,7 +235,7 @@ def worker_profile(
                         pyspy,
                         "record",
                         "--pid",
-                        str(worker.proc.pid),
+                        str(worker.pid),
                         "--subprocesses",
                         "--format",
                         "raw",
