@@ -33,7 +33,8 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced', 'retries')
+local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced', 'retries',
+  'skipped', 'suspect')
 local state = row[1]
 if not state then
   return {'missing', 0, ''}
@@ -68,7 +69,9 @@ end
 attempts = attempts + 1
 redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'started', now,
   'attempts', attempts, 'retries', retries)
-redis.call('HDEL', KEYS[1], 'skipped', 'replaced', 'suspect')
+if row[4] or row[6] or row[7] then
+  redis.call('HDEL', KEYS[1], 'skipped', 'replaced', 'suspect')
+end
 redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
 if state == 'active' then
