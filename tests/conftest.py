@@ -191,3 +191,23 @@ def redis_cluster() -> Iterator[str]:
 
     with RedisClusterServer(masters=3) as cluster:
         yield cluster.url()
+
+
+@pytest.fixture
+def own_queue(env: Env, store: redis.Redis) -> Iterator[Any]:
+    """``own_queue(prefix)``: a queue name of this test's own; its flow keys and broker
+    messages are removed afterwards, so no other test or worker ever sees it."""
+    made: list[str] = []
+
+    def make(prefix: str) -> str:
+        made.append(f"{prefix}-{uuid.uuid4().hex[:10]}")
+        return made[-1]
+
+    yield make
+    broker = redis.Redis.from_url(env.broker)
+    for name in made:
+        keys = list(store.scan_iter(match=f"emq:{{{name}}}:*", count=1000))
+        if keys:
+            store.delete(*keys)
+        store.srem("emq:queues", name)
+        broker.delete(name)

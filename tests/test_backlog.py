@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,14 +27,9 @@ FAST = {"ECHOMQ_T_STALL": STALL, "ECHOMQ_T_RECOVERY_INTERVAL": "0.5"}
 
 
 @pytest.fixture
-def queue(env: Env, store: redis.Redis) -> Iterator[str]:
-    name = f"backlog-{uuid.uuid4().hex[:10]}"
-    yield name
-    keys = list(store.scan_iter(match=f"emq:{{{name}}}:*", count=1000))
-    if keys:
-        store.delete(*keys)
-    store.srem("emq:queues", name)
-    redis.Redis.from_url(env.broker).delete(name)
+def queue(own_queue: Any) -> str:
+    """A queue of this test's own (removed afterwards)."""
+    return str(own_queue("backlog"))
 
 
 def counters(store: redis.Redis, queue: str) -> dict[str, int]:

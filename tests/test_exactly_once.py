@@ -11,7 +11,6 @@ import os
 import signal
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,15 +28,9 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def queue(env: Env, store: redis.Redis) -> Iterator[str]:
-    """A queue of this test's own; its flow keys and broker messages are removed afterwards."""
-    name = f"once-{uuid.uuid4().hex[:10]}"
-    yield name
-    keys = list(store.scan_iter(match=f"emq:{{{name}}}:*", count=1000))
-    if keys:
-        store.delete(*keys)
-    store.srem("emq:queues", name)
-    redis.Redis.from_url(env.broker).delete(name)
+def queue(own_queue: Any) -> str:
+    """A queue of this test's own (removed afterwards)."""
+    return str(own_queue("once"))
 
 
 def row(client: Any, queue: str, job_id: str) -> dict[str, str]:

@@ -50,19 +50,9 @@ def fast_recovery(**extra: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def queue(env: Env, store: redis.Redis) -> Iterator[str]:
-    """A queue of this test's own; its flow keys and broker messages are removed afterwards."""
-    name = f"rec-{uuid.uuid4().hex[:10]}"
-    yield name
-    _drop_queue(store, redis.Redis.from_url(env.broker), name)
-
-
-def _drop_queue(store: Any, broker: Any, name: str) -> None:
-    keys = list(store.scan_iter(match=f"emq:{{{name}}}:*", count=1000))
-    if keys:
-        store.delete(*keys)
-    store.srem("emq:queues", name)
-    broker.delete(name)
+def queue(own_queue: Any) -> str:
+    """A queue of this test's own (removed afterwards)."""
+    return str(own_queue("rec"))
 
 
 def row(client: Any, queue: str, job_id: str) -> dict[str, str]:
@@ -285,10 +275,8 @@ def test_producer_killed_before_sealing_a_chunked_flow(
 
 
 @pytest.fixture
-def other_queue(env: Env, store: Any) -> Iterator[str]:
-    name = f"rec-{uuid.uuid4().hex[:10]}"
-    yield name
-    _drop_queue(store, redis.Redis.from_url(env.broker), name)
+def other_queue(own_queue: Any) -> str:
+    return str(own_queue("rec"))
 
 
 def test_worker_killed_between_a_remote_childs_completion_and_its_credit(

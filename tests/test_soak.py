@@ -10,8 +10,6 @@ import os
 import random
 import signal
 import time
-import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,7 +18,7 @@ import redis
 from celery_echomq import get_state
 from celery_echomq.views import held_parents
 
-from .conftest import Env, wait_for
+from .conftest import wait_for
 from .test_backlog import Sent, counters, send_flows
 
 pytestmark = pytest.mark.e2e
@@ -36,14 +34,9 @@ SOAK_ENV = {
 
 
 @pytest.fixture
-def queue(env: Env, store: redis.Redis) -> Iterator[str]:
-    name = f"soak-{uuid.uuid4().hex[:10]}"
-    yield name
-    keys = list(store.scan_iter(match=f"emq:{{{name}}}:*", count=1000))
-    if keys:
-        store.delete(*keys)
-    store.srem("emq:queues", name)
-    redis.Redis.from_url(env.broker).delete(name)
+def queue(own_queue: Any) -> str:
+    """A queue of this test's own (removed afterwards)."""
+    return str(own_queue("soak"))
 
 
 def test_soak_flows_keep_arriving_while_pool_processes_and_workers_are_killed(
