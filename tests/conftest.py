@@ -26,6 +26,7 @@ from celery_echomq.embedded import RedisServer, WorkerProcess
 ROOT = Path(__file__).resolve().parent.parent
 # Worker logs of this test session (kept after the run for reading a failure).
 LOGDIR = Path(os.environ.get("ECHOMQ_TEST_LOGDIR") or tempfile.mkdtemp(prefix="echomq-logs-"))
+LOGDIR.mkdir(parents=True, exist_ok=True)  # ECHOMQ_TEST_LOGDIR may name a new directory
 
 
 def _base_url(url: str) -> str:

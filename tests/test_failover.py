@@ -339,7 +339,7 @@ def test_store_unavailable_after_the_retry_timeout() -> None:
         assert isinstance(caught.value, redis.ConnectionError)
         assert isinstance(caught.value, StoreConnectionError)
         assert "echomq_store_retry_timeout=1" in str(caught.value)
-        assert 0.5 <= elapsed < 5, elapsed
+        assert elapsed < 5, elapsed  # bounded: it gave up, it did not hang
         client.close()
 
 

@@ -197,8 +197,28 @@ class RedisSentinelServer(ServerBase):
         primary = self.primary_port()
         self.servers[port].stop()
         replica = self._start_replica(port, primary)
-        wait_replicated(self.redis_client(primary), self.replica_count, timeout or self.timeout)
-        return replica
+        # Wait on the server that says it is the primary now: a Sentinel that has not yet
+        # caught up with a failover can still name the old one.
+        deadline = time.monotonic() + (timeout or self.timeout)
+        while True:
+            try:
+                wait_replicated(
+                    self.redis_client(self._serving_primary(primary)), self.replica_count, 1.0
+                )
+                return replica
+            except RuntimeError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def _serving_primary(self, named: int) -> int:
+        """The port of the server whose role is master (``named`` when none answers so)."""
+        for port in [named, *self.servers]:
+            try:
+                if self.redis_client(port).info("replication").get("role") == "master":
+                    return port
+            except Exception:
+                continue
+        return named
 
     def stop(self) -> None:
         for sentinel in self.sentinels:
