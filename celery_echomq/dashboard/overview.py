@@ -101,7 +101,7 @@ def _row(queue: str, job_id: str, score: Any, fields: list[Any]) -> FlowRow:
         id=job_id,
         queue=queue,
         state=values[0] or "missing",
-        enqueued_ms=int(float(score)) if score is not None else None,
+        enqueued_ms=int(float(score)) // 1000 if score is not None else None,
         attempts=_int(values[1]),
         credited=_int(values[2]),
         policy=values[4] or "fail",

@@ -88,5 +88,5 @@ else
   redis.call('HINCRBY', KEYS[5], 'held', 1)
 end
 redis.call('SET', KEYS[2], n)
-index_recent(KEYS[4], ARGV[1], now, tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]))
+index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]))
 return n

@@ -45,5 +45,5 @@ redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payl
 redis.call('SET', KEYS[2], n + 1)
 redis.call('ZADD', KEYS[3], now, ARGV[1])
 redis.call('HINCRBY', KEYS[6], 'held', 1)
-index_recent(KEYS[5], ARGV[1], now, tonumber(ARGV[6]), tonumber(ARGV[7]))
+index_recent(KEYS[5], ARGV[1], tonumber(ARGV[6]), tonumber(ARGV[7]))
 return n + 1
