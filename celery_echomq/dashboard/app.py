@@ -68,7 +68,16 @@ class Dashboard:
         return self.templates.TemplateResponse(request, name, context)
 
     def index(self, request: Request) -> Response:
-        return self._page(request, "index.html", queues=read_overview(self.state))
+        queue = request.query_params.get("queue") or None
+        before = request.query_params.get("before") or None
+        if before is not None and not before.isdigit():
+            return PlainTextResponse(
+                f"before must be a page cursor (digits), got {before!r}", status_code=400
+            )
+        views = read_overview(
+            self.state, queue=queue, before=int(before) if before is not None else None
+        )
+        return self._page(request, "index.html", queues=views, paged=before is not None, only=queue)
 
     def flow_page(self, request: Request) -> Response:
         job_id = request.path_params["job_id"]

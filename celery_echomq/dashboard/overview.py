@@ -4,8 +4,9 @@ Bounded by construction, whatever the keyspace holds: the counts are ZCARDs and 
 the queue's counters hash (held parents are counted there by the scripts, not scanned for);
 the flows come from the queue's recent-flow index (``emq:{q}:recent``, written by
 enqueue_flow and open_flow, trimmed to the result TTL and ``echomq_recent_flows``), of which
-only the newest ``WINDOW`` are read, and the newest ``FAILED_WINDOW`` of the failed set.
-Three pipelined round trips per page, whatever the number of queues.
+one page of ``PAGE`` entries is read (the newest, or those older than a cursor), and the newest
+``FAILED_WINDOW`` of the failed set. Three pipelined round trips per page, whatever the number
+of queues.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ from typing import Any
 from ..state import EchoMQ
 from ..store import text
 
-# Entries of each queue's recent index whose rows one page reads: the recent list is the
-# newest PAGE of them, the held list the held ones among them.
-WINDOW = 200
-PAGE = 50
+# Entries of each queue's recent index whose rows one page reads: the recent list, and the
+# held and failed lists, are those of them that are held or failed.
+PAGE = 100
 # Newest entries of the failed set looked at for failed flows (it also holds failed children).
 FAILED_WINDOW = 100
 
@@ -59,6 +59,7 @@ class QueueView:
     held: int
     failed: int
     indexed: int  # flows in the recent index
+    older: int | None  # the cursor of the next page (an index score), None on the last page
     counters: dict[str, int]
     recent: list[FlowRow]
     held_flows: list[FlowRow]
@@ -109,15 +110,25 @@ def _row(queue: str, job_id: str, score: Any, fields: list[Any]) -> FlowRow:
     )
 
 
-def read_overview(state: EchoMQ) -> list[QueueView]:
-    """Every queue that holds flows, with its counts and its recent, held and failed flows."""
+def read_overview(
+    state: EchoMQ, *, queue: str | None = None, before: int | None = None
+) -> list[QueueView]:
+    """Every queue that holds flows (or only ``queue``), with its counts and a page of its
+    recent, held and failed flows: the newest, or those enqueued before the cursor ``before``
+    (a page's ``older``)."""
     keys, client = state.keys, state.client
-    names = queue_names(state)
+    names = [n for n in queue_names(state) if queue is None or n == queue]
     counts = read_counts(state, names)
-    # Round trip 2: the newest entries of each recent index and of each failed set.
+    # Round trip 2: a page of each recent index, and the newest of each failed set.
     pipe = client.pipeline(transaction=False)
     for name in names:
-        pipe.zrevrange(keys.queue_key(name, "recent"), 0, WINDOW - 1, withscores=True)
+        recent_key = keys.queue_key(name, "recent")
+        if before is None:
+            pipe.zrevrange(recent_key, 0, PAGE - 1, withscores=True)
+        else:
+            pipe.zrevrangebyscore(
+                recent_key, f"({before}", "-inf", start=0, num=PAGE, withscores=True
+            )
         pipe.zrevrange(keys.queue_key(name, "failed"), 0, FAILED_WINDOW - 1)
     listed = pipe.execute()
     # Round trip 3: the rows of those flows; for each failed id, whether it is a flow
@@ -145,6 +156,7 @@ def read_overview(state: EchoMQ) -> list[QueueView]:
             if score is not None:  # a flow's parent, not a failed child
                 older_failed.append(_row(name, job_id, score, fields))
         failed_flows = [r for r in rows if r.state == "failed"] + older_failed
+        older = int(float(window[-1][1])) if len(window) == PAGE else None
         views.append(
             QueueView(
                 queue=name,
@@ -153,9 +165,10 @@ def read_overview(state: EchoMQ) -> list[QueueView]:
                 held=counters["held"],
                 failed=cards[2],
                 indexed=cards[3],
+                older=older,
                 counters=counters,
-                recent=rows[:PAGE],
-                held_flows=[r for r in rows if r.state == "awaiting_children"][:PAGE],
+                recent=rows,
+                held_flows=[r for r in rows if r.state == "awaiting_children"],
                 failed_flows=failed_flows[:PAGE],
             )
         )
