@@ -42,11 +42,12 @@ from celery_echomq.scripts import ParentRef  # noqa: E402
 from celery_echomq.state import get_state  # noqa: E402
 
 
-def commands(client: Any) -> int:
-    """Commands Redis has executed since the last CONFIG RESETSTAT (INFO and CONFIG aside)."""
+def commands(client: Any, what: str = "calls") -> int:
+    """Commands Redis has executed since the last CONFIG RESETSTAT (INFO and CONFIG aside), or
+    with ``what="usec"`` the server time they took in µs."""
     stats = client.info("commandstats")
     return sum(
-        int(v["calls"]) for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config")
+        int(v[what]) for k, v in stats.items() if k not in ("cmdstat_info", "cmdstat_config")
     )
 
 
@@ -128,12 +129,14 @@ def main() -> None:
                     times.append((time.perf_counter() - t0) * 1000)
                     assert response.status_code == 200, response.text
                 per_request = commands(client) / args.requests
+                usec = commands(client, "usec") / args.requests
                 times.sort()
                 p95 = times[max(0, int(len(times) * 0.95) - 1)]
                 name = path if not path.startswith("/api/") else "/api/flows/<id>"
                 print(
                     f"{name:<18} {statistics.median(times):7.1f} ms median  {p95:7.1f} ms p95  "
-                    f"{per_request:7.1f} Redis commands/request  ({len(response.content)} bytes)"
+                    f"{per_request:7.1f} Redis commands/request, {usec:6.0f} µs of Redis time  "
+                    f"({len(response.content)} bytes)"
                 )
         # For comparison: `celery echomq stats`, which finds held parents with a SCAN.
         from celery_echomq.views import queue_stats
@@ -143,7 +146,8 @@ def main() -> None:
         queue_stats(state)
         print(
             f"{'echomq stats':<18} {(time.perf_counter() - t0) * 1000:7.1f} ms (one call, SCAN)"
-            f"                {commands(client):7d} Redis commands"
+            f"                {commands(client):7d} Redis commands, "
+            f"{commands(client, 'usec'):6d} µs of Redis time"
         )
         server.should_exit = True
         thread.join(timeout=10)
