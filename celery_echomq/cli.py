@@ -412,4 +412,6 @@ def dashboard(ctx: click.Context, host: str, port: int, allow_actions: bool) -> 
             f"the dashboard needs the [dashboard] extra: pip install 'celery-echomq[dashboard]' "
             f"({exc})"
         ) from None
+    mode = "cancel, retry and release enabled" if allow_actions else "read-only"
+    click.echo(f"echomq dashboard on http://{host}:{port}/ ({mode}); Ctrl-C to stop")
     serve(_app(ctx), host=host, port=port, allow_actions=allow_actions)

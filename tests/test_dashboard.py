@@ -175,7 +175,11 @@ def test_a_held_flow_shows_its_running_child_then_turns_done(
     root = line_of(browser, res.id)
     assert "credited=1/2" in root and "outstanding=1" in root
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    assert browser.save_screenshot(str(SCREENSHOT))
+    browser.set_window_size(1000, 500)  # the tree, without the empty page below it
+    try:
+        assert browser.save_screenshot(str(SCREENSHOT))
+    finally:
+        browser.set_window_size(1280, 720)
 
     store.set(gate, 1)  # the running child finishes: the page follows without a reload
     wait_for(lambda: node_state(browser, res.id) == "done", timeout=60)
@@ -393,6 +397,8 @@ def test_the_dashboard_command_serves_on_loopback_read_only(
                 return False
 
         wait_for(up, timeout=60, interval=0.2)
+        said = (LOGDIR / f"dashboard-{port}.log").read_text()
+        assert f"echomq dashboard on http://127.0.0.1:{port}/ (read-only)" in said
         page = httpx.get(url + "/").text
         assert f'data-id="{res.id}" data-state="awaiting_children"' in page
         assert httpx.get(f"{url}/api/flows/{res.id}").json() == show_json(res.id)

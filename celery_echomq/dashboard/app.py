@@ -26,6 +26,7 @@ from urllib.parse import quote, urlsplit
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
@@ -112,8 +113,6 @@ class Dashboard:
         if refused:
             return PlainTextResponse(refused, status_code=403)
         # The store calls block: run them off the event loop, as Starlette runs sync routes.
-        from starlette.concurrency import run_in_threadpool
-
         do = self._handlers()[action]
         try:
             note = await run_in_threadpool(do, job_id)
@@ -160,7 +159,7 @@ class Dashboard:
             outcome = retry_flow(self.state, job_id)
         except NotRepairableError as exc:
             raise EchoMQError(str(exc)) from None
-        return f"flow {job_id}: retry started ({outcome})"
+        return _outcome(f"flow {job_id}: retried", outcome)
 
     def _release(self, job_id: str) -> str:
         from ..repair import NotRepairableError, release_flow  # type: ignore[import-not-found, unused-ignore]
@@ -169,7 +168,12 @@ class Dashboard:
             outcome = release_flow(self.state, job_id)
         except NotRepairableError as exc:
             raise EchoMQError(str(exc)) from None
-        return f"flow {job_id}: released ({outcome})"
+        return _outcome(f"flow {job_id}: released", outcome)
+
+
+def _outcome(done: str, outcome: Any) -> str:
+    # What the repair call returned, when it says more than that it succeeded.
+    return done if outcome in (None, "", True) else f"{done} ({outcome})"
 
 
 def _json_error(status: int, message: str) -> Response:
