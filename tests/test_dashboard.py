@@ -342,32 +342,48 @@ def scrape(site: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 def test_metrics_parse_and_count_a_flows_transitions(
-    proj: Any, worker: Any, store: redis.Redis, serve: Any
+    proj: Any, start_worker: Any, own_queue: Any, store: redis.Redis, gate: str, serve: Any
 ) -> None:
+    # A queue of the test's own, with a worker of its own: every count below is this test's.
+    name = own_queue("metrics")
+    start_worker(queues=name, concurrency=1)
     site = serve()
-    flow(proj.tsum.s(), [proj.add.s(0, 0)]).apply_async().get(timeout=60)
-    before = scrape(site)
-    q = (("queue", "celery"),)
+    q = (("queue", name),)
 
     def failures(policy: str) -> tuple[str, tuple[tuple[str, str], ...]]:
-        return ("echomq_child_failures_total", (("policy", policy), ("queue", "celery")))
+        return ("echomq_child_failures_total", (("policy", policy), ("queue", name)))
+
+    # While a flow waits for its running child: held and active.
+    slow = job(proj.gated.s(7, gate))
+    waiting = flow(proj.tsum.s(), [slow]).apply_async(queue=name)
+    wait_for(lambda: state_of(store, jid(slow), name) == "active", timeout=60)
+    samples = scrape(site)
+    assert samples[("echomq_held", q)] == 1
+    assert samples[("echomq_active", q)] == 1
+    assert samples[("echomq_releases_total", q)] == 0
+    store.set(gate, 1)
+    assert waiting.get(timeout=60) == 7
 
     ok = flow(proj.tsum.s(), [proj.add.s(1, 1), proj.boom.s().set(parent_policy="ignore")])
-    assert ok.apply_async().get(timeout=60) == 2
-    failed = flow(proj.tsum.s(), [proj.boom.s("no")]).apply_async()
-    wait_for(lambda: state_of(store, failed.id) == "failed", timeout=60)
-    after = scrape(site)
+    assert ok.apply_async(queue=name).get(timeout=60) == 2
+    failed = flow(proj.tsum.s(), [proj.boom.s("no")]).apply_async(queue=name)
+    wait_for(lambda: state_of(store, failed.id, name) == "failed", timeout=60)
+    wait_for(lambda: state_of(store, waiting.id, name) == "done", timeout=30)
+    samples = scrape(site)
 
-    for gauge in ("echomq_pending", "echomq_active", "echomq_held", "echomq_failed"):
-        assert (gauge, q) in after, gauge
-    assert after[("echomq_held", q)] == float(int(store.hget("emq:{celery}:counters", "held") or 0))
-    assert after[("echomq_failed", q)] == store.zcard("emq:{celery}:failed")
-    assert after[("echomq_releases_total", q)] - before[("echomq_releases_total", q)] == 1
-    assert after[("echomq_dispatches_total", q)] - before[("echomq_dispatches_total", q)] == 1
-    assert after[failures("ignore")] - before[failures("ignore")] == 1
-    assert after[failures("fail")] - before[failures("fail")] == 1
-    assert after[failures("remove")] == before[failures("remove")]
-    assert ("echomq_republished_total", q) in after
+    assert samples[("echomq_pending", q)] == 0
+    assert samples[("echomq_active", q)] == 0
+    assert samples[("echomq_held", q)] == 0
+    # The failed set: two failed children and the parent the second one failed.
+    assert samples[("echomq_failed", q)] == 3
+    assert samples[("echomq_recent_flows", q)] == 3
+    assert samples[("echomq_releases_total", q)] == 2  # the failed flow was never released
+    assert samples[("echomq_dispatches_total", q)] == 2
+    assert samples[failures("ignore")] == 1
+    assert samples[failures("fail")] == 1
+    assert samples[failures("remove")] == samples[failures("continue")] == 0
+    assert samples[("echomq_republished_total", q)] == 0
+    assert samples[("echomq_duplicates_skipped_total", q)] == 0
 
 
 # --- the real command ---------------------------------------------------------------------------
