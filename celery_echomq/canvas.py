@@ -231,6 +231,27 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
         return reads.ignored_failures(self.id, app=self.app, queue=self.flow_queue)
 
+    def retry(self, child: str | None = None) -> Any:
+        """Run this flow again after it failed under policy ``fail``: see
+        :func:`celery_echomq.retry_flow`. ``get()`` then waits for the new outcome."""
+        from .repair import retry_flow
+
+        outcome = retry_flow(get_state(self.app), self.id, child=child)
+        self._forget_cached()
+        return outcome
+
+    def release(self, revoke: bool = False) -> Any:
+        """Run the held parent now with the values so far: see
+        :func:`celery_echomq.release_flow`."""
+        from .repair import release_flow
+
+        return release_flow(get_state(self.app), self.id, revoke=revoke)
+
+    def _forget_cached(self) -> None:
+        # A result that already read the failure keeps it cached; the new outcome is read
+        # from the backend again.
+        self._cache = None
+
     def revoke(
         self,
         connection: Any = None,
