@@ -9,6 +9,7 @@ from typing import Any
 from celery import current_app
 from celery.canvas import Signature, group, maybe_signature
 from celery.result import AsyncResult
+from vine import promise
 
 from . import reads
 from .plan import H_QUEUE, check_policy, new_job_id, plan_flow
@@ -248,9 +249,10 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         return release_flow(get_state(self.app), self.id, revoke=revoke)
 
     def _forget_cached(self) -> None:
-        # A result that already read the failure keeps it cached; the new outcome is read
-        # from the backend again.
+        # A result that already read the failure keeps it cached, and its readiness promise
+        # is fulfilled (get() would return at once): both start afresh, as on a new result.
         self._cache = None
+        self.on_ready = promise(self._on_fulfilled, weak=True)
 
     def revoke(
         self,

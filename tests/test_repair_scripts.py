@@ -49,16 +49,27 @@ def fail_child(scripts: Scripts, queue: str, parent: str, child: str, policy: st
     return status
 
 
-def snapshot(db: redis.Redis) -> dict[bytes, Any]:
-    """Every key with its value and TTL: what "nothing changed" compares."""
+def snapshot(db: redis.Redis, *ids: str) -> dict[bytes, Any]:
+    """Every key with its value and whether it expires: what "nothing changed" compares.
+
+    With ``ids``, only what concerns those jobs (a live worker elsewhere renews leases and
+    counters): their keys, and their scores in the queues' state sets.
+    """
     out: dict[bytes, Any] = {}
     for key in sorted(db.keys("*")):
         kind = db.type(key)
-        value: Any = {
-            b"hash": db.hgetall,
-            b"zset": lambda k: db.zrange(k, 0, -1),
-            b"string": db.get,
-        }[kind](key)
+        mine = not ids or any(i.encode() in key for i in ids)
+        if kind == b"zset":
+            # Members only: a live worker's lease renewals move the active set's scores.
+            value: Any = [m for m in db.zrange(key, 0, -1) if not ids or m.decode() in ids]
+        elif not mine:
+            continue
+        elif kind == b"hash":
+            value = db.hgetall(key)
+        elif kind == b"string":
+            value = db.get(key)
+        else:
+            value = kind
         out[key] = (value, db.ttl(key) > 0)
     return out
 
