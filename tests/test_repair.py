@@ -252,3 +252,62 @@ def test_release_of_an_unknown_or_finished_flow_exits_non_zero(
     with pytest.raises(NotRepairableError):
         release_flow(get_state(proj.app), done.id)
     assert snapshot(store, done.id, jid(child)) == before
+
+
+# --- across slots: children and nested flows on another queue ------------------------------
+
+
+@pytest.fixture
+def other_queue(start_worker: Any, own_queue: Any) -> str:
+    name: str = own_queue("xr")
+    start_worker(queues=name, concurrency=2)
+    return name
+
+
+def test_retry_of_a_failed_child_on_another_queue_is_credited_once(
+    proj: Any, worker: Any, other_queue: str, store: redis.Redis, flag: str
+) -> None:
+    tag = uuid.uuid4().hex
+    remote = job(proj.flaky.s(10, flag).set(queue=other_queue))
+    res = flow(proj.collect.s(tag=tag), [proj.add.s(1, 1), remote]).apply_async()
+    with pytest.raises(FlowFailed):
+        res.get(timeout=60)
+    settled = f"emq:{{celery}}:{res.id}:settled"
+    wait_for(lambda: store.hget(settled, jid(remote)) == b"failed", 60)
+    assert state_of(store, jid(remote), other_queue) == "failed"
+
+    store.set(flag, 1)
+    outcome = retry_flow(get_state(proj.app), res.id)
+    assert outcome.republished == (jid(remote),)
+    assert settle(FlowResult(res.id, app=proj.app)) == {"values": [2, 10], "tag": tag}
+    assert store.hget(settled, jid(remote)) == b"done"
+    assert FlowResult(res.id, app=proj.app).dependencies() == (0, 2)
+    assert ran(store, f"collect:{tag}") == 1
+
+
+def test_retry_of_a_nested_flow_on_another_queue_that_failed_its_outer_flow(
+    proj: Any, worker: Any, other_queue: str, store: redis.Redis, flag: str
+) -> None:
+    tag = uuid.uuid4().hex
+    q = other_queue
+    inner = flow(
+        proj.tsum.s().set(queue=q),
+        [proj.flaky.s(5, flag).set(queue=q), proj.add.s(1, 1).set(queue=q)],
+    )
+    outer = flow(proj.collect.s(tag=tag), [proj.add.s(3, 4), inner])
+    res = outer.freeze()
+    inner_id = inner.freeze().id
+    outer.apply_async()
+    with pytest.raises(FlowFailed):
+        res.get(timeout=60)
+    settled = f"emq:{{celery}}:{res.id}:settled"
+    wait_for(lambda: store.hget(settled, inner_id) == b"failed", 60)
+    assert state_of(store, inner_id, q) == "failed"
+
+    store.set(flag, 1)
+    outcome = FlowResult(inner_id, app=proj.app).retry()
+    assert outcome.held == (res.id, inner_id) and len(outcome.republished) == 1
+    assert settle(FlowResult(res.id, app=proj.app)) == {"values": [7, 7], "tag": tag}
+    assert store.hget(settled, inner_id) == b"done"
+    assert state_of(store, inner_id, q) == "done"
+    assert ran(store, f"collect:{tag}") == 1
