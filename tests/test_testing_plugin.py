@@ -89,3 +89,25 @@ def test_a_missing_app_fixture_says_what_to_define(pytester: pytest.Pytester) ->
     result = pytester.runpytest_subprocess(*ARGS, timeout=120)
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*define a fixture named 'echomq_app' in your conftest.py*"])
+
+
+def test_naming_the_plugin_in_a_conftest_too_registers_it_once(pytester: pytest.Pytester) -> None:
+    # What a suite written for autoload turned off declares; with autoload on it must not
+    # clash with the entry point.
+    pytester.makeconftest('pytest_plugins = ["celery_echomq.testing"]\n')
+    pytester.makepyfile(
+        test_once="""
+        def test_once(pytestconfig, echomq_app_config):
+            manager = pytestconfig.pluginmanager
+            names = [n for n, p in manager.list_name_plugin() if p is manager.get_plugin(
+                "celery_echomq.testing")]
+            assert names == ["celery_echomq.testing"]
+        """
+    )
+    result = pytester.runpytest_subprocess(*ARGS, timeout=120)
+    result.assert_outcomes(passed=1)
+    off = pytester.runpytest_subprocess(
+        *ARGS, "-p", "no:celery_echomq.testing", "-p", "no:cacheprovider", timeout=120
+    )
+    assert off.ret != 0  # turned off: its fixtures are unknown
+    off.stdout.fnmatch_lines(["*fixture 'echomq_app_config' not found*"])
