@@ -181,6 +181,14 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
             f"flow {job_id} is {node.state} ({why}); nothing changed: {RETRY_ALLOWS}",
             node.state,
         )
+    gone = [c.id for c in node.children if c.state == "missing"]
+    if node.flow is None or node.flow.outstanding is None or gone:
+        # Held again with a counter nothing can bring to zero, the flow would wait forever.
+        raise NotRepairableError(
+            f"flow {job_id} cannot be retried: its keys have expired "
+            f"({'children ' + ', '.join(gone) if gone else 'its counter'}); nothing changed",
+            "missing",
+        )
     _plan(node, failed)
     # Outer flows this one failed, top first: each is re-held counting the flow below it.
     chain: list[tuple[JobNode, str]] = []

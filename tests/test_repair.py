@@ -311,3 +311,14 @@ def test_retry_of_a_nested_flow_on_another_queue_that_failed_its_outer_flow(
     assert store.hget(settled, inner_id) == b"done"
     assert state_of(store, inner_id, q) == "done"
     assert ran(store, f"collect:{tag}") == 1
+
+
+def test_retry_of_a_flow_whose_keys_expired_in_part_is_refused(
+    proj: Any, worker: Any, store: redis.Redis, flag: str
+) -> None:
+    res, (ok, bad1, bad2) = failed_flow(proj, store, flag, uuid.uuid4().hex)
+    store.delete(f"emq:{{celery}}:{bad2}")  # as when its result TTL ran out
+    before = snapshot(store, res.id, ok, bad1, bad2)
+    with pytest.raises(NotRepairableError, match=f"children {bad2}"):
+        res.retry()
+    assert snapshot(store, res.id, ok, bad1, bad2) == before
