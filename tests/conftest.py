@@ -3,9 +3,10 @@ subprocesses running tests/proj.py.
 
 Every test that runs a worker subprocess is marked ``e2e`` (here, by the fixtures it uses, or
 by its module). With ``ECHOMQ_TEST_WORKER=inprocess`` (``python3 dev.py test --fast``, which
-also deselects ``e2e``), the ``worker`` fixture is an in-process worker instead
-(``celery.contrib.testing.worker.start_worker``, threads pool), for the canvas and policy
-tests: what needs no crash runs in seconds.
+also deselects ``e2e``), the ``worker`` fixture is an in-process worker instead (the
+``echomq_worker`` of the pytest plugin users load, ``celery_echomq.testing``: Celery's
+``start_worker``, threads pool), for the canvas and policy tests: what needs no crash runs in
+seconds. ``redis_base`` is that plugin's ``echomq_redis_url``.
 """
 
 from __future__ import annotations
