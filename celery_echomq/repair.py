@@ -200,10 +200,14 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
         chain.append((outer, below.id))
         below = outer
     run = _Retry(state)
-    for outer, inner in reversed(chain):
-        run.level(outer, [], others=(inner,))
-    run.level(node, failed)
-    run.finish()
+    try:
+        for outer, inner in reversed(chain):
+            run.level(outer, [], others=(inner,))
+        run.level(node, failed)
+    finally:
+        # A level refused half-way (another retry raced this one) still leaves the levels
+        # above it re-held: publish what they freed rather than leave it to recovery.
+        run.finish()
     after = read_tree(state, job_id, with_result=False)
     republished = tuple(cid for cid, _ in run.payloads)
     logger.info(
