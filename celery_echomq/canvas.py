@@ -9,6 +9,7 @@ from typing import Any
 from celery import current_app
 from celery.canvas import Signature, group, maybe_signature
 from celery.result import AsyncResult
+from vine import promise
 
 from . import reads
 from .plan import H_QUEUE, check_policy, new_job_id, plan_flow
@@ -230,6 +231,28 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
     def ignored_failures(self) -> dict[str, str]:
         """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
         return reads.ignored_failures(self.id, app=self.app, queue=self.flow_queue)
+
+    def retry(self, child: str | None = None) -> Any:
+        """Run this flow again after it failed under policy ``fail``: see
+        :func:`celery_echomq.retry_flow`. ``get()`` then waits for the new outcome."""
+        from .repair import retry_flow
+
+        outcome = retry_flow(get_state(self.app), self.id, child=child)
+        self._forget_cached()
+        return outcome
+
+    def release(self, revoke: bool = False) -> Any:
+        """Run the held parent now with the values so far: see
+        :func:`celery_echomq.release_flow`."""
+        from .repair import release_flow
+
+        return release_flow(get_state(self.app), self.id, revoke=revoke)
+
+    def _forget_cached(self) -> None:
+        # A result that already read the failure keeps it cached, and its readiness promise
+        # is fulfilled (get() would return at once): both start afresh, as on a new result.
+        self._cache = None
+        self.on_ready = promise(self._on_fulfilled, weak=True)
 
     def revoke(
         self,

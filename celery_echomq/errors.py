@@ -90,3 +90,18 @@ class ReplicationError(EchoMQError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class NotRepairableError(EchoMQError):
+    """A retry or release was refused: the flow is not in a state that action repairs.
+
+    The message says the flow's current state and what the action accepts; nothing changed.
+    ``state`` is the state that was found (``"missing"`` for an unknown id).
+    """
+
+    def __init__(self, message: str = "", state: str = "") -> None:
+        super().__init__(message, state)
+        self.state = state
+
+    def __str__(self) -> str:
+        return str(self.args[0])

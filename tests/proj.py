@@ -92,6 +92,16 @@ def gated_boom(gate: str, message: str = "boom") -> None:
 
 
 @app.task
+def flaky(x: int, flag: str) -> int:
+    """Fail unless the key ``flag`` exists (the test sets it, then retries the flow); counts
+    each run under ``flaky:<flag>``."""
+    mark(f"flaky:{flag}")
+    if not _store().exists(flag):
+        raise ValueError(f"flag {flag} not set")
+    return x
+
+
+@app.task
 def errback(task_id: str) -> None:
     """An old-style error callback: records which task failed."""
     _store().rpush("test:errback", task_id)
