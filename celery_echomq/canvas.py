@@ -40,8 +40,8 @@ def _signatures(children: Any, app: Any) -> list[Signature]:
         children = children.tasks
     if isinstance(children, (str, bytes)) or not isinstance(children, Iterable):
         raise TypeError(
-            "flow children must be a list or a group of signatures, got a "
-            f"{type(children).__name__} ({children!r:.60})"
+            "flow children must be a list or a group of signatures, got "
+            f"{_a(children)} ({children!r:.60})"
         )
     if isinstance(children, Signature):
         raise TypeError(
@@ -51,13 +51,20 @@ def _signatures(children: Any, app: Any) -> list[Signature]:
     return [_child_signature(i, child, app) for i, child in enumerate(children, 1)]
 
 
+def _a(value: Any) -> str:
+    """``None``, or ``a str``/``an int``: what a refused value is, for the error."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
 def _child_signature(position: int, child: Any, app: Any) -> Signature:
     """A child as a Signature; anything else is refused, naming its position (1-based)."""
     sig = maybe_signature(child, app=app) if isinstance(child, (Signature, dict)) else child
     if not isinstance(sig, Signature):
-        what = "None" if child is None else f"a {type(child).__name__}"
         raise TypeError(
-            f"flow child {position} is {what}, not a Signature ({child!r:.60}); allowed: a "
+            f"flow child {position} is {_a(child)}, not a Signature ({child!r:.60}); allowed: a "
             "task signature (task.s(...), task.si(...)), a chain, a group, a chord or a flow"
         )
     return sig
