@@ -20,7 +20,7 @@ from celery import Celery, chord
 from kombu.connection import Connection
 
 import celery_echomq
-from celery_echomq import FlowFailed, NoResultBackendError, flow
+from celery_echomq import FlowCancelled, FlowFailed, NoResultBackendError, flow
 
 from .conftest import Env
 from .test_rabbit import RABBIT, rabbit_answers
@@ -95,6 +95,15 @@ def test_rpc_backend_get_returns_the_parent_value_to_the_caller(
         failing = flow(task(app, "tsum"), [task(app, "add", 1, 1), task(app, "boom", "rpc")])
         with pytest.raises(FlowFailed, match="ValueError: rpc"):
             failing.apply_async(queue=q).get(timeout=TIMEOUT)
+        # A cancelled flow's FAILURE, recorded by the process that cancels it, too.
+        gate = f"gate:{uuid.uuid4().hex}"
+        held = flow(task(app, "tsum"), [task(app, "gated", 1, gate)]).apply_async(queue=q)
+        try:
+            held.revoke()
+            with pytest.raises(FlowCancelled):
+                held.get(timeout=TIMEOUT)
+        finally:
+            store.set(gate, 1)
         # Where a chord cannot go at all.
         with pytest.raises(NotImplementedError, match="rpc"):
             chord([task(app, "add", 1, 1)], task(app, "tsum")).apply_async(queue=q)
