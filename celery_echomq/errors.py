@@ -17,6 +17,13 @@ class ConfigError(EchoMQError):
     """The app's ``echomq_*`` settings cannot be used (e.g. no Redis URL)."""
 
 
+class NoResultBackendError(ConfigError, NotImplementedError):
+    """``FlowResult.get()`` on an app without a result backend (``result_backend`` unset).
+
+    Also a ``NotImplementedError``, what Celery raises for ``AsyncResult.get()`` there.
+    """
+
+
 class InvalidIdError(EchoMQError, ValueError):
     """A job id or queue name cannot be made into a key (empty, too long, braces, colon, space)."""
 
