@@ -18,11 +18,14 @@ from .errors import (
     FlowFailed,
     InvalidIdError,
     KindError,
+    NoResultBackendError,
+    NotRepairableError,
     PolicyError,
     ReplicationError,
     StoreUnavailableError,
 )
 from .reads import Dependencies, UnknownFlowError, children_values, dependencies, ignored_failures
+from .repair import ReleaseOutcome, RetryOutcome, release_flow, retry_flow
 from .state import EchoMQ, get_state, install_state
 
 __all__ = [
@@ -36,8 +39,12 @@ __all__ = [
     "FlowResult",
     "InvalidIdError",
     "KindError",
+    "NoResultBackendError",
+    "NotRepairableError",
     "PolicyError",
+    "ReleaseOutcome",
     "ReplicationError",
+    "RetryOutcome",
     "StoreUnavailableError",
     "UnknownFlowError",
     "children_values",
@@ -46,6 +53,8 @@ __all__ = [
     "get_state",
     "ignored_failures",
     "install",
+    "release_flow",
+    "retry_flow",
 ]
 
 __version__ = "0.1.0"

@@ -191,6 +191,11 @@ def plan_flow(
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
     parent_opts = {k: v for k, v in options.items() if k not in CHILD_ONLY}
+    if not outer:
+        # Whoever releases the parent publishes its stored message: its result must still
+        # reach this caller where the result backend replies to the sender (rpc://), as the
+        # reply_to of a message the caller sent itself would.
+        parent_opts.setdefault("reply_to", app.thread_oid)
     headers = {H_QUEUE: queue, H_FLOW: "1"}
     if outer:
         headers[H_PARENT] = outer

@@ -116,7 +116,7 @@ class Dashboard:
         do = self._handlers()[action]
         try:
             note = await run_in_threadpool(do, job_id)
-        except (EchoMQError, ImportError) as exc:
+        except EchoMQError as exc:  # a refusal (NotRepairableError...), a bad or unknown id
             return _back(job_id, error=str(exc))
         logger.info("echomq: dashboard %s of flow %s: %s", action, job_id, note)
         return _back(job_id, note=note)
@@ -153,27 +153,24 @@ class Dashboard:
         return f"flow {job_id} cancelled ({left} job(s) still running)"
 
     def _retry(self, job_id: str) -> str:
-        from ..repair import NotRepairableError, retry_flow  # type: ignore[import-not-found, unused-ignore]
+        # Lazily: the repair module is needed only when an operator presses the button.
+        from ..repair import retry_flow
 
-        try:
-            outcome = retry_flow(self.state, job_id)
-        except NotRepairableError as exc:
-            raise EchoMQError(str(exc)) from None
-        return _outcome(f"flow {job_id}: retried", outcome)
+        # A refusal is a NotRepairableError (an EchoMQError): shown on the page as is.
+        done = retry_flow(self.state, job_id)
+        return (
+            f"flow {job_id} retried: {len(done.republished)} child(ren) published again; "
+            f"parent {done.state}"
+        )
 
     def _release(self, job_id: str) -> str:
-        from ..repair import NotRepairableError, release_flow  # type: ignore[import-not-found, unused-ignore]
+        from ..repair import release_flow
 
-        try:
-            outcome = release_flow(self.state, job_id)
-        except NotRepairableError as exc:
-            raise EchoMQError(str(exc)) from None
-        return _outcome(f"flow {job_id}: released", outcome)
-
-
-def _outcome(done: str, outcome: Any) -> str:
-    # What the repair call returned, when it says more than that it succeeded.
-    return done if outcome in (None, "", True) else f"{done} ({outcome})"
+        done = release_flow(self.state, job_id)
+        return (
+            f"flow {job_id} released with {done.values} value(s); "
+            f"{len(done.outstanding)} child(ren) outstanding"
+        )
 
 
 def _json_error(status: int, message: str) -> Response:

@@ -7,10 +7,8 @@
 local function release_parent(row, pending, parent_id, counters)
   redis.call('ZADD', pending, now_ms(), parent_id)
   redis.call('HSET', row, 'state', 'pending')
-  if counters then
-    redis.call('HINCRBY', counters, 'released', 1)
-    redis.call('HINCRBY', counters, 'held', -1)
-  end
+  redis.call('HINCRBY', counters, 'released', 1)
+  redis.call('HINCRBY', counters, 'held', -1)
 end
 
 -- release_if_last(row, pending, parent_id, left, counters): release the parent when ``left``

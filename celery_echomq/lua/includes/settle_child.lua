@@ -38,9 +38,7 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
       policy = redis.call('HGET', parent.row, 'policy') or 'fail'
     end
     -- One command per failed child, none per completed one.
-    if parent.counters then
-      redis.call('HINCRBY', parent.counters, 'failed_' .. policy, 1)
-    end
+    redis.call('HINCRBY', parent.counters, 'failed_' .. policy, 1)
     if policy == 'fail' then
       if not waiting() then
         return {'credited', policy}
@@ -48,9 +46,7 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
       redis.call('HSET', parent.row, 'state', 'failed', 'failed_child', child_id,
         'error', 'child ' .. child_id .. ' failed: ' .. data)
       redis.call('ZADD', parent.failed, now_ms(), parent.id)
-      if parent.counters then
-        redis.call('HINCRBY', parent.counters, 'held', -1)
-      end
+      redis.call('HINCRBY', parent.counters, 'held', -1)
       expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored,
         parent.settled})
       return {'parent_failed', policy}
