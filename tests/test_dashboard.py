@@ -250,6 +250,53 @@ def test_the_cancel_button_cancels_a_held_flow(
     assert "already finished (cancelled)" in browser.find_element(By.ID, "action-error").text
 
 
+def test_the_retry_button_runs_a_failed_flow_again(
+    proj: Any, worker: Any, store: redis.Redis, serve: Any, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    bad = job(proj.flaky.s(5, flag))
+    res = flow(proj.tsum.s(), [job(proj.add.s(1, 1)), bad]).apply_async()
+    wait_for(lambda: state_of(store, res.id) == "failed", timeout=60)
+    site = serve(allow_actions=True)
+    browser.get(f"{site.url}/flows/{res.id}")
+    wait_for(lambda: node_state(browser, res.id) == "failed", timeout=30)
+    assert "ValueError: flag" in line_of(browser, jid(bad))
+
+    store.set(flag, 1)  # what made the child fail is fixed: retry it from the page
+    browser.find_element(By.ID, "action-retry").click()
+    wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)
+    assert "1 child(ren) published again" in browser.find_element(By.ID, "note").text
+    wait_for(lambda: node_state(browser, res.id) == "done", timeout=60)
+    assert node_state(browser, jid(bad)) == "done"
+    assert "attempts=2" in line_of(browser, jid(bad)) and "value=5" in line_of(browser, jid(bad))
+    assert "value=7" in line_of(browser, res.id)
+
+
+def test_the_release_button_runs_a_held_parent_with_the_values_so_far(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    res, _, slow = held_flow(proj, store, gate)
+    site = serve(allow_actions=True)
+    browser.get(f"{site.url}/flows/{res.id}")
+    wait_for(lambda: node_state(browser, res.id) == "awaiting_children", timeout=30)
+
+    browser.find_element(By.ID, "action-release").click()
+    wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)
+    note = browser.find_element(By.ID, "note").text
+    assert "released with 1 value(s); 1 child(ren) outstanding" in note
+    assert res.get(timeout=60) == 4  # the parent ran with the done child's value alone
+    wait_for(lambda: node_state(browser, res.id) == "done", timeout=60)
+    assert node_state(browser, slow) == "active"  # still running: released, not revoked
+    # A second release is refused with the reason, on the page.
+    browser.find_element(By.ID, "action-release").click()
+    wait_for(lambda: browser.find_elements(By.ID, "action-error"), timeout=30)
+    assert "done" in browser.find_element(By.ID, "action-error").text
+
+
 def test_without_allow_actions_there_are_no_buttons_and_a_post_is_refused(
     proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any, browser: Any
 ) -> None:

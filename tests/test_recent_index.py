@@ -143,6 +143,27 @@ def test_the_chunked_path_counts_like_the_one_script_path(
     assert counters(db, queue)["held"] == 0
 
 
+def test_the_repairs_count_like_the_transitions_they_stand_for(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    # release: a held parent released by an operator.
+    parent, children = enqueue(scripts, queue, 2)
+    assert scripts.release(queue, parent, children, revoke=False, ttl=TTL)[0] is Status.RELEASED
+    assert counters(db, queue) == {"held": 0, "released": 1}
+
+    # retry_flow: a flow failed by its child is held again, then released by the retried child.
+    parent, (child,) = enqueue(scripts, queue, 1)
+    finish(scripts, queue, parent, child, error="ValueError: once")
+    assert counters(db, queue) == {"held": 0, "released": 1, "failed_fail": 1}
+    status, again = scripts.retry_flow(queue, parent, [child])
+    assert status is Status.RETRIED and [cid for cid, _ in again] == [child]
+    assert counters(db, queue)["held"] == 1
+    assert scripts.retry_flow(queue, parent, [child])[0] is Status.AWAITING_CHILDREN  # no-op
+    assert counters(db, queue)["held"] == 1
+    assert finish(scripts, queue, parent, child) is Status.RELEASED
+    assert counters(db, queue) == {"held": 0, "released": 2, "failed_fail": 1}
+
+
 def test_the_index_keeps_the_newest_flows_up_to_its_length(
     db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
