@@ -123,7 +123,7 @@ class Dashboard:
 
     def _forged(self, request: Request, token: str) -> str:
         """Why a POST is refused as possibly cross-site, or '' when it is not."""
-        if not hmac.compare_digest(token, self.token):
+        if not hmac.compare_digest(token.encode(), self.token.encode()):
             return "missing or wrong action token: reload the page and try again"
         origin = request.headers.get("origin")
         if origin and origin != "null":
