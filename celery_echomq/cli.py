@@ -13,6 +13,8 @@ or ill-formed job id, or a refused action, exits with status 1 and a message on 
     cancel JOBID    cancel a flow: its parent will never run
     retry JOBID     run a flow failed under policy fail again (--child JOBID: one child)
     release JOBID   run a held parent now with the values so far (--revoke: and revoke the rest)
+    dashboard       a web page of queues and flows, and Prometheus metrics (the [dashboard]
+                    extra)
 """
 
 from __future__ import annotations
@@ -33,7 +35,18 @@ from .errors import EchoMQError
 from .reads import locate
 from .start import forget_flow
 from .state import EchoMQ, get_state
-from .views import FINISHED, JobNode, Progress, queue_stats, read_progress, read_tree, walk
+from .views import (
+    FINISHED,
+    JobNode,
+    Progress,
+    json_default,
+    node_dict,
+    queue_stats,
+    read_progress,
+    read_tree,
+    tree_json,
+    walk,
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 logger = logging.getLogger("celery_echomq")
@@ -73,26 +86,15 @@ def _errors(func: F) -> F:
     return cast(F, wrapper)
 
 
-def _json_default(value: Any) -> Any:
-    # Task values are whatever the app's serializer returned; show what JSON cannot hold.
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    return repr(value)
+# Task values are whatever the app's serializer returned; show what JSON cannot hold.
+_json_default = json_default
 
 
 def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=_json_default))
 
 
-def node_dict(node: JobNode) -> dict[str, Any]:
-    """A node as plain data for ``--json``, with ``finished`` spelled out."""
-    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name != "children"}
-    data["flow"] = dataclasses.asdict(node.flow) if node.flow else None
-    data["finished"] = node.finished
-    data["children"] = [node_dict(child) for child in node.children]
-    return data
+__all__ = ["echomq", "node_dict", "render_progress", "render_tree"]
 
 
 def _short(value: Any) -> str:
@@ -186,7 +188,7 @@ def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
     """Show the flow under JOB_ID as a tree: states, attempts, values, errors, policies."""
     node = read_tree(_state(ctx), job_id)
     if as_json:
-        _emit_json(node_dict(node))
+        click.echo(tree_json(node))
         return
     for line in render_tree(node, color=True):
         click.echo(line)
@@ -443,3 +445,34 @@ def release(ctx: click.Context, job_id: str, revoke: bool, as_json: bool) -> Non
     )
     for line in render_tree(after, color=True):
         click.echo(line)
+
+
+@echomq.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", type=click.IntRange(1, 65535), default=8008, show_default=True, help="TCP port."
+)
+@click.option(
+    "--allow-actions",
+    is_flag=True,
+    help="Add cancel, retry and release buttons (POST routes; refused with 403 without this).",
+)
+@click.pass_context
+@_errors
+def dashboard(ctx: click.Context, host: str, port: int, allow_actions: bool) -> None:
+    """Serve a web page of queues and flows, each flow's live tree, and /metrics.
+
+    Read-only unless --allow-actions. Listens on loopback unless --host says otherwise: the
+    pages show task values and errors, so put an authenticating proxy in front of anything
+    wider.
+    """
+    try:
+        from .dashboard import serve
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the dashboard needs the [dashboard] extra: pip install 'celery-echomq[dashboard]' "
+            f"({exc})"
+        ) from None
+    mode = "cancel, retry and release enabled" if allow_actions else "read-only"
+    click.echo(f"echomq dashboard on http://{host}:{port}/ ({mode}); Ctrl-C to stop")
+    serve(_app(ctx), host=host, port=port, allow_actions=allow_actions)

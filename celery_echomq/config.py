@@ -51,6 +51,8 @@ class Settings:
     result_ttl: int = 86400
     recovery_interval: float = 5.0
     chunk_size: int = 1000
+    # The most flows per queue the recent-flow index keeps (the dashboard's pages).
+    recent_flows: int = 10000
     serializer: str = "json"
     accept_content: tuple[str, ...] = ("json",)
     # Connection options for the store (see TRANSPORT_OPTIONS): echomq_transport_options, or
@@ -257,6 +259,7 @@ def read_settings(conf: Any) -> Settings:
         result_ttl=int(_positive(conf, "echomq_result_ttl", 86400)),
         recovery_interval=_positive(conf, "echomq_recovery_interval", 5.0),
         chunk_size=int(_positive(conf, "echomq_chunk_size", 1000)),
+        recent_flows=int(_positive(conf, "echomq_recent_flows", 10000)),
         serializer=str(conf.get("task_serializer") or "json"),
         accept_content=tuple(accept),
     )

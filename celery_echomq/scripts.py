@@ -16,6 +16,11 @@ from .replies import Status
 from .runner import ScriptRunner, Value
 from .store import text
 
+# The recent-flow index's bounds when a caller gives none (``install`` passes the app's
+# result TTL and ``echomq_recent_flows``).
+RECENT_TTL_MS = 86400 * 1000
+RECENT_MAX = 10000
+
 
 def _status(value: Any) -> Status:
     return Status(text(value))
@@ -44,6 +49,7 @@ class Scripts(ScriptRunner):
             "ignored": ignored,
             "pending": self.keys.queue_key(parent.queue, "pending"),
             "failed": self.keys.queue_key(parent.queue, "failed"),
+            "counters": self.keys.queue_key(parent.queue, "counters"),
         }
         return [known[name] for name in names]
 
@@ -54,19 +60,25 @@ class Scripts(ScriptRunner):
         parent_payload: Value,
         children: Sequence[tuple[str, Value]],
         outer: str = "",
+        *,
+        recent_ttl_ms: int = RECENT_TTL_MS,
+        recent_max: int = RECENT_MAX,
     ) -> int:
+        """Hold the parent and write its children; ``recent_ttl_ms`` and ``recent_max`` bound
+        the queue's recent-flow index (normally the result TTL and ``echomq_recent_flows``)."""
         parent_key = self.keys.job_key(queue, parent_id)
         keys = [
             parent_key,
             f"{parent_key}:dependencies",
             self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "recent"),
+            self.keys.queue_key(queue, "counters"),
             *(self.keys.job_key(queue, cid) for cid, _ in children),
         ]
         argv: list[Value] = [parent_id, parent_payload, str(len(children))]
         for cid, payload in children:
             argv += [cid, payload]
-        if outer:
-            argv.append(outer)
+        argv += [outer, str(recent_ttl_ms), str(recent_max)]
         return int(self._run("enqueue_flow", keys, argv))
 
     def claim(
@@ -112,7 +124,9 @@ class Scripts(ScriptRunner):
             *(
                 [self.keys.queue_key(queue, "outbox")]
                 if remote
-                else self._parent_keys(parent, "row", "dependencies", "processed", "pending")
+                else self._parent_keys(
+                    parent, "row", "dependencies", "processed", "pending", "counters"
+                )
             ),
         ]
         argv: list[Value] = [
@@ -155,7 +169,14 @@ class Scripts(ScriptRunner):
                 [self.keys.queue_key(queue, "outbox")]
                 if remote
                 else self._parent_keys(
-                    parent, "row", "dependencies", "processed", "ignored", "pending", "failed"
+                    parent,
+                    "row",
+                    "dependencies",
+                    "processed",
+                    "ignored",
+                    "pending",
+                    "failed",
+                    "counters",
                 )
             ),
         ]
@@ -173,7 +194,16 @@ class Scripts(ScriptRunner):
         return _status(status), text(policy)
 
     def open_flow(
-        self, queue: str, parent_id: str, payload: Value, n: int, policy: str, outer: str = ""
+        self,
+        queue: str,
+        parent_id: str,
+        payload: Value,
+        n: int,
+        policy: str,
+        outer: str = "",
+        *,
+        recent_ttl_ms: int = RECENT_TTL_MS,
+        recent_max: int = RECENT_MAX,
     ) -> int:
         row = self.keys.job_key(queue, parent_id)
         keys = [
@@ -181,8 +211,11 @@ class Scripts(ScriptRunner):
             self.keys.flow_keys(queue, parent_id)[0],
             self.keys.queue_key(queue, "open"),
             self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "recent"),
+            self.keys.queue_key(queue, "counters"),
         ]
-        return int(self._run("open_flow", keys, [parent_id, payload, str(n), policy, outer]))
+        argv = [parent_id, payload, str(n), policy, outer, str(recent_ttl_ms), str(recent_max)]
+        return int(self._run("open_flow", keys, argv))
 
     def add_children(
         self,
@@ -210,6 +243,7 @@ class Scripts(ScriptRunner):
             self.keys.flow_keys(queue, parent_id)[0],
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "open"),
+            self.keys.queue_key(queue, "counters"),
         ]
         return _status(self._run("seal_flow", keys, [parent_id])[0])
 
@@ -233,6 +267,7 @@ class Scripts(ScriptRunner):
             self.keys.settled_key(parent.queue, parent.id),
             self.keys.queue_key(parent.queue, "pending"),
             self.keys.queue_key(parent.queue, "failed"),
+            self.keys.queue_key(parent.queue, "counters"),
         ]
         status, applied = self._run(
             "credit", keys, [parent.id, child_id, outcome, data, policy, str(ttl)]
@@ -256,8 +291,11 @@ class Scripts(ScriptRunner):
         """
         row = self.keys.job_key(queue, parent_id)
         _, processed, _ = self.keys.flow_keys(queue, parent_id)
+        counters = self.keys.queue_key(queue, "counters")
         reply = self._run(
-            "dispatch", [row, processed], [parent_id, str(redispatch_after_ms), str(inline_max)]
+            "dispatch",
+            [row, processed, counters],
+            [parent_id, str(redispatch_after_ms), str(inline_max)],
         )
         if not reply:
             return None
@@ -277,6 +315,7 @@ class Scripts(ScriptRunner):
             *self.keys.flow_keys(queue, parent_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "counters"),
             *(self.keys.job_key(queue, cid) for cid in child_ids),
         ]
         reply = self._run("cancel", keys, [parent_id, str(ttl), *child_ids])
@@ -306,6 +345,7 @@ class Scripts(ScriptRunner):
             self.keys.settled_key(queue, parent_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "failed"),
+            self.keys.queue_key(queue, "counters"),
             *(self.keys.job_key(queue, cid) for cid in local),
         ]
         reply = self._run("retry_flow", keys, [parent_id, str(len(local)), *local, *others])
@@ -333,6 +373,7 @@ class Scripts(ScriptRunner):
             self.keys.job_key(queue, parent_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "counters"),
             *(self.keys.job_key(queue, cid) for cid in (child_ids if revoke else ())),
         ]
         argv = [parent_id, str(ttl), "1" if revoke else "0", *(child_ids if revoke else ())]
@@ -401,6 +442,7 @@ class Scripts(ScriptRunner):
             self.keys.settled_key(queue, parent_id),
             self.keys.queue_key(queue, "open"),
             self.keys.queue_key(queue, "failed"),
+            self.keys.queue_key(queue, "counters"),
         ]
         return _status(
             self._run("abandon_flow", keys, [parent_id, str(stall_ms), str(ttl), error])[0]

@@ -28,7 +28,8 @@ logger = logging.getLogger("celery_echomq")
 
 # The per-queue sorted sets that hold job ids: a forgotten job leaves every one of them.
 # (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet.)
-JOB_SETS = ("pending", "active", "failed", "outbox", "open")
+# recent: the flows the dashboard lists (an index, not a state set).
+JOB_SETS = ("pending", "active", "failed", "outbox", "open", "recent")
 
 
 class Encoded(NamedTuple):
@@ -118,6 +119,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                         encoded[level.parent_id].parent,
                         encoded[level.parent_id].children,
                         outer=level.outer,
+                        recent_ttl_ms=state.settings.result_ttl * 1000,
+                        recent_max=state.settings.recent_flows,
                     )
                     written.append((level.queue, level.parent_id, level.child_ids()))
                     whole.append(level)
@@ -173,6 +176,11 @@ def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
     """Delete what a refused start wrote: ``(queue, parent id or '', child ids)`` per step."""
     keys = state.keys
     for queue, parent_id, child_ids in reversed(written):
+        # A parent the step held was counted in the queue's 'held' counter: uncount it.
+        held = (
+            bool(parent_id)
+            and state.client.hget(keys.job_key(queue, parent_id), "state") == b"awaiting_children"
+        )
         pipe = state.client.pipeline(transaction=False)
         for cid in child_ids:
             pipe.delete(keys.job_key(queue, cid))
@@ -182,6 +190,10 @@ def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
             pipe.delete(keys.job_key(queue, parent_id), keys.flow_keys(queue, parent_id)[0])
             pipe.zrem(keys.queue_key(queue, "open"), parent_id)
             pipe.zrem(keys.queue_key(queue, "pending"), parent_id)
+            # Undo what open_flow/enqueue_flow counted: the flow never existed.
+            pipe.zrem(keys.queue_key(queue, "recent"), parent_id)
+            if held:
+                pipe.hincrby(keys.queue_key(queue, "counters"), "held", -1)
         pipe.execute()
 
 
@@ -200,6 +212,8 @@ def _enqueue_chunked(
         len(level.children),
         level.policy,
         outer=level.outer,
+        recent_ttl_ms=state.settings.result_ttl * 1000,
+        recent_max=state.settings.recent_flows,
     )
     written.append((level.queue, level.parent_id, []))
     by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
@@ -299,6 +313,10 @@ def forget_flow(state: EchoMQ, node: JobNode) -> list[str]:
         ids = [job.id for job in jobs]
         for set_name in JOB_SETS:
             pipe.zrem(keys.queue_key(queue, set_name), *ids)
+        held = sum(1 for job in jobs if job.flow is not None and job.state == "awaiting_children")
+        if held:
+            # A held parent forgotten (--force) leaves the queue's count of held parents.
+            pipe.hincrby(keys.queue_key(queue, "counters"), "held", -held)
         existed = pipe.execute()[: len(names)]
         deleted.extend(name for name, there in zip(names, existed, strict=True) if there)
     for job in walk(node):

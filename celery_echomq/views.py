@@ -8,6 +8,8 @@ between two reads, which a progress display tolerates and a transition never rel
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import re
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -374,6 +376,30 @@ def queue_stats(state: EchoMQ) -> list[QueueStats]:
             )
         )
     return stats
+
+
+def json_default(value: Any) -> Any:
+    """What ``json.dumps`` makes of a task value JSON cannot hold (sets, bytes, objects)."""
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return repr(value)
+
+
+def node_dict(node: JobNode) -> dict[str, Any]:
+    """A node as plain data, with ``finished`` spelled out: what ``show --json`` prints and the
+    dashboard's ``/api/flows/<id>`` serves."""
+    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name != "children"}
+    data["flow"] = dataclasses.asdict(node.flow) if node.flow else None
+    data["finished"] = node.finished
+    data["children"] = [node_dict(child) for child in node.children]
+    return data
+
+
+def tree_json(node: JobNode, *, indent: int | None = 2) -> str:
+    """``node`` and its children as JSON text (values JSON cannot hold via :func:`json_default`)."""
+    return json.dumps(node_dict(node), indent=indent, default=json_default)
 
 
 def walk(node: JobNode) -> list[JobNode]:

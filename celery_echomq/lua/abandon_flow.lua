@@ -10,6 +10,7 @@
 -- KEYS[5]  the parent's :settled       }
 -- KEYS[6]  the parent queue's open set (score: open time in ms)
 -- KEYS[7]  the parent queue's failed set
+-- KEYS[8]  the parent queue's counters: one parent fewer held
 -- ARGV[1]  parent id
 -- ARGV[2]  the stall timeout in ms: a flow opened less long ago is left to its producer
 -- ARGV[3]  result TTL in seconds
@@ -44,6 +45,7 @@ end
 local ttl = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'failed', 'abandoned', '1', 'error', ARGV[4])
 redis.call('ZADD', KEYS[7], now, ARGV[1])
+redis.call('HINCRBY', KEYS[8], 'held', -1)
 for i = 1, 5 do
   redis.call('EXPIRE', KEYS[i], ttl)
 end

@@ -7,7 +7,8 @@
 -- KEYS[4]    the parent's :ignored       }
 -- KEYS[5]    the queue's pending set
 -- KEYS[6]    the queue's active set
--- KEYS[6+i]  child i's row, i = 1..N (children on this slot)
+-- KEYS[7]    the queue's counters: one parent fewer held when it was held
+-- KEYS[7+i]  child i's row, i = 1..N (children on this slot)
 -- ARGV[1]    parent id
 -- ARGV[2]    result TTL in seconds
 -- ARGV[2+i]  child i's id
@@ -31,17 +32,23 @@ local ttl = tonumber(ARGV[2])
 local reply = {'cancelled', state}
 redis.call('HSET', KEYS[1], 'state', 'cancelled')
 redis.call('ZREM', KEYS[5], ARGV[1])
+if state == 'awaiting_children' then
+  redis.call('HINCRBY', KEYS[7], 'held', -1)
+end
 for i = 1, 4 do
   redis.call('EXPIRE', KEYS[i], ttl)
 end
-for i = 1, #KEYS - 6 do
+for i = 1, #KEYS - 7 do
   local cid = ARGV[2 + i]
-  local cstate = redis.call('HGET', KEYS[6 + i], 'state')
+  local cstate = redis.call('HGET', KEYS[7 + i], 'state')
   if cstate == 'pending' or cstate == 'active' or cstate == 'awaiting_children' then
-    redis.call('HSET', KEYS[6 + i], 'state', 'cancelled')
+    redis.call('HSET', KEYS[7 + i], 'state', 'cancelled')
+    if cstate == 'awaiting_children' then
+      redis.call('HINCRBY', KEYS[7], 'held', -1)
+    end
     redis.call('ZREM', KEYS[5], cid)
     redis.call('ZREM', KEYS[6], cid)
-    redis.call('EXPIRE', KEYS[6 + i], ttl)
+    redis.call('EXPIRE', KEYS[7 + i], ttl)
     reply[#reply + 1] = cid
   end
 end

@@ -9,6 +9,7 @@
 -- KEYS[7]  the parent's :dependencies   } lives on this slot; a non-flow completion
 -- KEYS[8]  the parent's :processed      } passes none of these and never enters the
 -- KEYS[9]  the parent's pending set     } fan-in branch
+-- KEYS[10] the parent queue's counters   }
 -- ARGV[1]  job id
 -- ARGV[2]  the token the claim gave this delivery
 -- ARGV[3]  result TTL in seconds for the finished row
@@ -53,7 +54,7 @@ end
 -- completion never re-enters it.
 if KEYS[6] and was_active == 1 then
   local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
-    pending = KEYS[9]}
+    pending = KEYS[9], counters = KEYS[10]}
   return {settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]}
 end
 return {'done'}

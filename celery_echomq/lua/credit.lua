@@ -10,6 +10,7 @@
 -- KEYS[5]  the parent's :settled (child id -> outcome: what makes the credit idempotent)
 -- KEYS[6]  the parent queue's pending set
 -- KEYS[7]  the parent queue's failed set
+-- KEYS[8]  the parent queue's counters (releases, parents held, failures per policy)
 -- ARGV[1]  parent id
 -- ARGV[2]  child id
 -- ARGV[3]  outcome: "done" or "failed"
@@ -33,5 +34,6 @@ if redis.call('HSETNX', KEYS[5], ARGV[2], ARGV[3]) == 0 then
   return {'duplicate', ''}
 end
 local parent = {id = ARGV[1], row = KEYS[1], deps = KEYS[2], processed = KEYS[3],
-  ignored = KEYS[4], settled = KEYS[5], pending = KEYS[6], failed = KEYS[7]}
+  ignored = KEYS[4], settled = KEYS[5], pending = KEYS[6], failed = KEYS[7],
+  counters = KEYS[8]}
 return settle_child(parent, ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]))

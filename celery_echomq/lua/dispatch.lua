@@ -2,6 +2,7 @@
 --
 -- KEYS[1]  the parent row
 -- KEYS[2]  the parent's :processed (its children's values)
+-- KEYS[3]  the queue's counters: 'dispatched' counts every dispatch handed out
 -- ARGV[1]  parent id
 -- ARGV[2]  ms after which an earlier dispatch that never started counts as lost;
 --          '0' dispatches only a parent never dispatched before
@@ -31,6 +32,7 @@ if last then
   end
 end
 redis.call('HSET', KEYS[1], 'dispatched', now)
+redis.call('HINCRBY', KEYS[3], 'dispatched', 1)
 local payload = redis.call('HGET', KEYS[1], 'payload')
 if redis.call('HLEN', KEYS[2]) > tonumber(ARGV[3]) then
   return {payload, 'scan'}

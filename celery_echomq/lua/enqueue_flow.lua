@@ -5,19 +5,24 @@
 -- KEYS[1]      the parent row                  emq:{q}:JOBp
 -- KEYS[2]      the outstanding-child counter   emq:{q}:JOBp:dependencies
 -- KEYS[3]      the queue's pending set         emq:{q}:pending
--- KEYS[3+i]    child i's row, i = 1..N         emq:{q}:JOBc
+-- KEYS[4]      the queue's recent-flow index   emq:{q}:recent
+-- KEYS[5]      the queue's counters            emq:{q}:counters
+-- KEYS[5+i]    child i's row, i = 1..N         emq:{q}:JOBc
 -- ARGV[1]      parent id
 -- ARGV[2]      parent payload
 -- ARGV[3]      N, the number of children
 -- ARGV[2+2i]   child i's id
 -- ARGV[3+2i]   child i's payload
--- ARGV[4+2N]   optional: the outer flow's parent id, when this flow is nested in another
+-- ARGV[4+2N]   the outer flow's parent id when this flow is nested in another, else ''
+-- ARGV[5+2N]   how long, in ms, a flow stays in the recent index (the result TTL)
+-- ARGV[6+2N]   the most flows the recent index keeps
 --
 -- Reply: N (the counter).  Scores in the pending set are the server time in ms, so recovery
 -- can tell how long a job has waited.
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
 --- @include "gate"
 --- @include "now_ms"
+--- @include "recent"
 
 -- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
 -- write.
@@ -43,12 +48,12 @@ end
 -- One variadic EXISTS per slice of rows (Lua's unpack has a stack limit); look for the
 -- offender only on a hit.
 local SLICE = 500
-for first = 4, 3 + n, SLICE do
-  local last = math.min(first + SLICE - 1, 3 + n)
+for first = 6, 5 + n, SLICE do
+  local last = math.min(first + SLICE - 1, 5 + n)
   if redis.call('EXISTS', unpack(KEYS, first, last)) > 0 then
     for i = first, last do
       if redis.call('EXISTS', KEYS[i]) > 0 then
-        return redis.error_reply('EMQEXISTS ' .. ARGV[2 * i - 4])
+        return redis.error_reply('EMQEXISTS ' .. ARGV[2 * i - 8])
       end
     end
   end
@@ -58,7 +63,7 @@ local now = now_ms()
 -- set (one variadic ZADD per slice).
 local members = {}
 for i = 1, n do
-  local child = KEYS[3 + i]
+  local child = KEYS[5 + i]
   local cid = ARGV[2 + 2 * i]
   local cpayload = ARGV[3 + 2 * i]
   redis.call('HSET', child, 'state', 'pending', 'attempts', '0', 'payload', cpayload, 'parent', ARGV[1])
@@ -77,8 +82,11 @@ end
 if n == 0 then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2])
   redis.call('ZADD', KEYS[3], now, ARGV[1])
+  redis.call('HINCRBY', KEYS[5], 'released', 1)
 else
   redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2])
+  redis.call('HINCRBY', KEYS[5], 'held', 1)
 end
 redis.call('SET', KEYS[2], n)
+index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]))
 return n

@@ -14,6 +14,7 @@
 -- KEYS[11]  the parent's :ignored        }
 -- KEYS[12]  the parent's pending set     }
 -- KEYS[13]  the parent's failed set      }
+-- KEYS[14]  the parent queue's counters   }
 -- ARGV[1]   job id
 -- ARGV[2]   the claim's token; '' accepts any (revoke, recovery, hard time limit)
 -- ARGV[3]   the error, "ExcType: message"
@@ -78,5 +79,5 @@ if not KEYS[8] then
   return {'failed', ''}
 end
 local parent = {id = ARGV[6], row = KEYS[8], deps = KEYS[9], processed = KEYS[10],
-  ignored = KEYS[11], pending = KEYS[12], failed = KEYS[13]}
+  ignored = KEYS[11], pending = KEYS[12], failed = KEYS[13], counters = KEYS[14]}
 return settle_child(parent, ARGV[1], 'failed', ARGV[3], policy, ttl)

@@ -7,17 +7,22 @@
 -- KEYS[3]  the parent queue's open set (flows not sealed yet; score: open time in ms, so
 --          recovery can fail a flow whose producer died before sealing it)
 -- KEYS[4]  the parent queue's pending set (a nested parent's placeholder leaves it here)
+-- KEYS[5]  the parent queue's recent-flow index
+-- KEYS[6]  the parent queue's counters (one parent more held)
 -- ARGV[1]  parent id
 -- ARGV[2]  parent payload
 -- ARGV[3]  N, the number of children that add_children will write
 -- ARGV[4]  the flow's default parent_policy
 -- ARGV[5]  the outer flow's parent id when this flow is nested ('' when not)
+-- ARGV[6]  how long, in ms, a flow stays in the recent index (the result TTL)
+-- ARGV[7]  the most flows the recent index keeps
 --
 -- Reply: N + 1 (the counter).
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" the row exists
 --         (other than a nested parent's placeholder written by its outer flow).
 --- @include "gate"
 --- @include "now_ms"
+--- @include "recent"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
@@ -39,4 +44,6 @@ redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payl
   'policy', ARGV[4])
 redis.call('SET', KEYS[2], n + 1)
 redis.call('ZADD', KEYS[3], now, ARGV[1])
+redis.call('HINCRBY', KEYS[6], 'held', 1)
+index_recent(KEYS[5], ARGV[1], tonumber(ARGV[6]), tonumber(ARGV[7]))
 return n + 1

@@ -6,7 +6,9 @@
 -- KEYS[1]    the parent row
 -- KEYS[2]    the parent queue's pending set
 -- KEYS[3]    the parent queue's active set
--- KEYS[3+i]  child i's row, i = 1..N (children on this slot; only read with ARGV[3] == '1')
+-- KEYS[4]    the parent queue's counters (a release; a parent fewer held, and each held
+--            nested flow revoked)
+-- KEYS[4+i]  child i's row, i = 1..N (children on this slot; only read with ARGV[3] == '1')
 -- ARGV[1]    parent id
 -- ARGV[2]    result TTL in seconds (a revoked child's row expires with it)
 -- ARGV[3]    '1' to revoke the outstanding children: each pending, active or held child on
@@ -31,19 +33,22 @@ local state = redis.call('HGET', KEYS[1], 'state')
 if state ~= 'awaiting_children' then
   return {state or 'missing'}
 end
-release_parent(KEYS[1], KEYS[2], ARGV[1])
+release_parent(KEYS[1], KEYS[2], ARGV[1], KEYS[4])
 redis.call('HSET', KEYS[1], 'released_by', 'operator')
 local reply = {'released'}
 if ARGV[3] == '1' then
   local ttl = tonumber(ARGV[2])
-  for i = 1, #KEYS - 3 do
+  for i = 1, #KEYS - 4 do
     local cid = ARGV[3 + i]
-    local cstate = redis.call('HGET', KEYS[3 + i], 'state')
+    local cstate = redis.call('HGET', KEYS[4 + i], 'state')
     if cstate == 'pending' or cstate == 'active' or cstate == 'awaiting_children' then
-      redis.call('HSET', KEYS[3 + i], 'state', 'cancelled')
+      redis.call('HSET', KEYS[4 + i], 'state', 'cancelled')
+      if cstate == 'awaiting_children' then
+        redis.call('HINCRBY', KEYS[4], 'held', -1)
+      end
       redis.call('ZREM', KEYS[2], cid)
       redis.call('ZREM', KEYS[3], cid)
-      redis.call('EXPIRE', KEYS[3 + i], ttl)
+      redis.call('EXPIRE', KEYS[4 + i], ttl)
       reply[#reply + 1] = cid
     end
   end

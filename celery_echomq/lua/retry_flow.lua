@@ -11,7 +11,8 @@
 -- KEYS[5]    the parent's :settled       }
 -- KEYS[6]    the parent queue's pending set
 -- KEYS[7]    the parent queue's failed set
--- KEYS[7+i]  child i's row, i = 1..N: a failed child on this slot to run again
+-- KEYS[8]    the parent queue's counters (a parent held again; a release)
+-- KEYS[8+i]  child i's row, i = 1..N: a failed child on this slot to run again
 -- ARGV[1]    parent id
 -- ARGV[2]    N
 -- ARGV[2+i]  child i's id, i = 1..N
@@ -54,7 +55,7 @@ local default = row[3] or 'fail'
 local now = now_ms()
 local reply = {'retried'}
 for i = 1, n do
-  local child = KEYS[7 + i]
+  local child = KEYS[8 + i]
   local cid = ARGV[2 + i]
   local c = redis.call('HMGET', child, 'state', 'parent_policy', 'parent')
   if c[1] == 'failed' and (c[2] or default) == 'fail' and c[3] == ARGV[1] then
@@ -77,6 +78,7 @@ if state == 'awaiting_children' and #reply == 1 and others == 0 then
 end
 if state == 'failed' then
   redis.call('HSET', KEYS[1], 'state', 'awaiting_children')
+  redis.call('HINCRBY', KEYS[8], 'held', 1)
   redis.call('HDEL', KEYS[1], 'error', 'failed_child', 'propagated')
   redis.call('ZREM', KEYS[7], ARGV[1])
   for k = 1, 5 do
@@ -84,7 +86,7 @@ if state == 'failed' then
   end
 end
 if tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
-  release_parent(KEYS[1], KEYS[6], ARGV[1])
+  release_parent(KEYS[1], KEYS[6], ARGV[1], KEYS[8])
   reply[1] = 'released'
 end
 return reply

@@ -5,6 +5,7 @@
 -- KEYS[2]  the parent's :dependencies
 -- KEYS[3]  the parent queue's pending set
 -- KEYS[4]  the parent queue's open set
+-- KEYS[5]  the parent queue's counters (a release counts there)
 -- ARGV[1]  parent id
 --
 -- Reply: {status}
@@ -22,7 +23,7 @@ end
 if redis.call('ZREM', KEYS[4], ARGV[1]) == 0 then
   return {'noop'}
 end
-if release_if_last(KEYS[1], KEYS[3], ARGV[1], redis.call('DECR', KEYS[2])) then
+if release_if_last(KEYS[1], KEYS[3], ARGV[1], redis.call('DECR', KEYS[2]), KEYS[5]) then
   return {'released'}
 end
 return {'sealed'}

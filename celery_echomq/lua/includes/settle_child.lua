@@ -7,8 +7,10 @@
 -- caller has already made sure this runs once per child (the child's was_active, or the
 -- parent's :settled set).
 --
--- parent   {id, row, deps, processed, ignored, pending, failed, settled}: the parent's id and
---          keys (settled: its :settled hash on the cross-slot path, else nil)
+-- parent   {id, row, deps, processed, ignored, pending, failed, settled, counters}: the
+--          parent's id and keys (settled: its :settled hash on the cross-slot path, else nil;
+--          counters: its queue's counters hash, which counts releases, parents held and
+--          failed children per policy)
 -- outcome  'done' (data: the child's value) or 'failed' (data: "ExcType: message")
 -- policy   the failed child's parent_policy; '' reads the flow's default from the parent row
 --
@@ -35,6 +37,8 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
     if policy == '' then
       policy = redis.call('HGET', parent.row, 'policy') or 'fail'
     end
+    -- One command per failed child, none per completed one.
+    redis.call('HINCRBY', parent.counters, 'failed_' .. policy, 1)
     if policy == 'fail' then
       if not waiting() then
         return {'credited', policy}
@@ -42,6 +46,7 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
       redis.call('HSET', parent.row, 'state', 'failed', 'failed_child', child_id,
         'error', 'child ' .. child_id .. ' failed: ' .. data)
       redis.call('ZADD', parent.failed, now_ms(), parent.id)
+      redis.call('HINCRBY', parent.counters, 'held', -1)
       expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored,
         parent.settled})
       return {'parent_failed', policy}
@@ -53,7 +58,7 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
   local left = redis.call('DECR', parent.deps)
   redis.call('HINCRBY', parent.row, 'credited', 1)
   if (policy == 'continue' or left <= 0) and waiting() then
-    release_parent(parent.row, parent.pending, parent.id)
+    release_parent(parent.row, parent.pending, parent.id, parent.counters)
     if parent.settled then
       redis.call('EXPIRE', parent.settled, ttl)
     end

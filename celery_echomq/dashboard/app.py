@@ -1,0 +1,225 @@
+"""``celery -A proj echomq dashboard``: a small Starlette app over the flow store.
+
+    /                       queues with their counts; recent, held and failed flows
+    /flows/<JOBID>          a flow's tree, refreshed live from /api/flows/<JOBID>
+    /api/flows/<JOBID>      the same JSON as ``celery echomq show --json JOBID``
+    /metrics                Prometheus text (see metrics.py)
+    POST /flows/<JOBID>/cancel|retry|release   only with --allow-actions (else 403)
+
+Every page is a plain read of Redis (views.py, overview.py). Actions change flows, so they
+are off unless asked for, and a POST must carry the token of the page it came from (a
+cross-site form cannot read it) and no foreign ``Origin``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import redis
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from ..errors import EchoMQError
+from ..reads import UnknownFlowError
+from ..state import EchoMQ, get_state
+from ..views import FINISHED, read_tree, tree_json
+from .metrics import registry_for
+from .overview import read_overview
+
+logger = logging.getLogger("celery_echomq")
+HERE = Path(__file__).resolve().parent
+ACTIONS = ("cancel", "retry", "release")
+
+
+def _when(ms: int | None) -> str:
+    if ms is None:
+        return ""
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ms / 1000)) + " UTC"
+
+
+class Dashboard:
+    """The routes' shared state: the flow store, the per-server action token, the switch."""
+
+    def __init__(self, celery_app: Any, *, allow_actions: bool = False) -> None:
+        self.state: EchoMQ = get_state(celery_app)
+        self.allow_actions = allow_actions
+        # A random token per server, put in each page's forms: a request forged by another
+        # site cannot know it.
+        self.token = secrets.token_urlsafe(24)
+        self.registry = registry_for(self.state)
+        self.templates = Jinja2Templates(directory=str(HERE / "templates"))
+        self.templates.env.filters["when"] = _when
+
+    def _page(self, request: Request, name: str, **context: Any) -> Response:
+        context.update(allow_actions=self.allow_actions, token=self.token)
+        return self.templates.TemplateResponse(request, name, context)
+
+    def index(self, request: Request) -> Response:
+        queue = request.query_params.get("queue") or None
+        before = request.query_params.get("before") or None
+        if before is not None and not before.isdigit():
+            return PlainTextResponse(
+                f"before must be a page cursor (digits), got {before!r}", status_code=400
+            )
+        views = read_overview(
+            self.state, queue=queue, before=int(before) if before is not None else None
+        )
+        return self._page(request, "index.html", queues=views, paged=before is not None, only=queue)
+
+    def flow_page(self, request: Request) -> Response:
+        job_id = request.path_params["job_id"]
+        note = request.query_params.get("note", "")
+        error = request.query_params.get("error", "")
+        return self._page(request, "flow.html", job_id=job_id, note=note, error=error)
+
+    def api_flow(self, request: Request) -> Response:
+        try:
+            node = read_tree(self.state, request.path_params["job_id"])
+        except UnknownFlowError as exc:
+            return _json_error(404, str(exc))
+        except EchoMQError as exc:  # an ill-formed id
+            return _json_error(400, str(exc))
+        return Response(tree_json(node, indent=None), media_type="application/json")
+
+    def metrics(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def action(self, request: Request) -> Response:
+        job_id, action = request.path_params["job_id"], request.path_params["action"]
+        if action not in ACTIONS:
+            return PlainTextResponse(
+                f"unknown action {action!r}; allowed: {', '.join(ACTIONS)}", status_code=404
+            )
+        if not self.allow_actions:
+            return PlainTextResponse(
+                "actions are disabled: start the dashboard with --allow-actions", status_code=403
+            )
+        form = await request.form()
+        refused = self._forged(request, str(form.get("token") or ""))
+        if refused:
+            return PlainTextResponse(refused, status_code=403)
+        # The store calls block: run them off the event loop, as Starlette runs sync routes.
+        do = self._handlers()[action]
+        try:
+            note = await run_in_threadpool(do, job_id)
+        except EchoMQError as exc:  # a refusal (NotRepairableError...), a bad or unknown id
+            return _back(job_id, error=str(exc))
+        logger.info("echomq: dashboard %s of flow %s: %s", action, job_id, note)
+        return _back(job_id, note=note)
+
+    def _forged(self, request: Request, token: str) -> str:
+        """Why a POST is refused as possibly cross-site, or '' when it is not."""
+        if not hmac.compare_digest(token.encode(), self.token.encode()):
+            return "missing or wrong action token: reload the page and try again"
+        origin = request.headers.get("origin")
+        if origin and origin != "null":
+            host = request.headers.get("host", "")
+            if urlsplit(origin).netloc != host:
+                return f"cross-site request refused (Origin {origin})"
+        if request.headers.get("sec-fetch-site") == "cross-site":
+            return "cross-site request refused"
+        return ""
+
+    def _handlers(self) -> dict[str, Callable[[str], str]]:
+        return {"cancel": self._cancel, "retry": self._retry, "release": self._release}
+
+    def _cancel(self, job_id: str) -> str:
+        from ..canvas import FlowResult
+
+        before = read_tree(self.state, job_id, with_result=False)
+        if before.flow is None:
+            raise EchoMQError(f"{job_id} is not a flow parent")
+        if before.finished:
+            raise EchoMQError(f"flow {job_id} already finished ({before.state}); nothing to cancel")
+        FlowResult(job_id, app=self.state.app).revoke()
+        after = read_tree(self.state, job_id, with_result=False)
+        if after.state != "cancelled":
+            return f"the parent was already {after.state}; Celery's revoke was sent for it"
+        left = sum(1 for c in after.children if c.state not in FINISHED)
+        return f"flow {job_id} cancelled ({left} job(s) still running)"
+
+    def _retry(self, job_id: str) -> str:
+        # Lazily: the repair module is needed only when an operator presses the button.
+        from ..repair import retry_flow
+
+        # A refusal is a NotRepairableError (an EchoMQError): shown on the page as is.
+        done = retry_flow(self.state, job_id)
+        return (
+            f"flow {job_id} retried: {len(done.republished)} child(ren) published again; "
+            f"parent {done.state}"
+        )
+
+    def _release(self, job_id: str) -> str:
+        from ..repair import release_flow
+
+        done = release_flow(self.state, job_id)
+        return (
+            f"flow {job_id} released with {done.values} value(s); "
+            f"{len(done.outstanding)} child(ren) outstanding"
+        )
+
+
+def _json_error(status: int, message: str) -> Response:
+    return Response(
+        json.dumps({"error": message}), status_code=status, media_type="application/json"
+    )
+
+
+def _back(job_id: str, **message: str) -> Response:
+    # POST-redirect-GET: a reload of the page does not repeat the action.
+    ((key, text),) = message.items()
+    return RedirectResponse(f"/flows/{quote(job_id)}?{key}={quote(text)}", status_code=303)
+
+
+def make_app(celery_app: Any, *, allow_actions: bool = False) -> Starlette:
+    """The dashboard as an ASGI app (serve it with any ASGI server; :func:`serve` uses uvicorn)."""
+    dash = Dashboard(celery_app, allow_actions=allow_actions)
+
+    async def store_down(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse(f"cannot reach the flow store in Redis: {exc}", status_code=503)
+
+    routes = [
+        Route("/", dash.index),
+        Route("/flows/{job_id}", dash.flow_page),
+        Route("/api/flows/{job_id}", dash.api_flow),
+        Route("/metrics", dash.metrics),
+        Route("/flows/{job_id}/{action:str}", dash.action, methods=["POST"]),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            redis.ConnectionError: store_down,
+            redis.TimeoutError: store_down,
+        },
+    )
+    app.state.dashboard = dash
+    return app
+
+
+def serve(
+    celery_app: Any, *, host: str = "127.0.0.1", port: int = 8008, allow_actions: bool = False
+) -> None:
+    """Run the dashboard until interrupted (uvicorn, one process)."""
+    import uvicorn
+
+    app = make_app(celery_app, allow_actions=allow_actions)
+    logger.info(
+        "echomq: dashboard on http://%s:%d/ (actions %s)",
+        host, port, "enabled" if allow_actions else "disabled",
+    )  # fmt: skip
+    uvicorn.run(app, host=host, port=port, log_level="info")

@@ -1,0 +1,481 @@
+"""``celery echomq dashboard`` as a person uses it: pages in a real headless Chromium
+(Selenium), the JSON and metrics routes over HTTP, the actions, and the real command.
+
+The browser tests need Debian's ``chromium`` and ``chromium-driver`` (``/usr/bin/chromium``,
+``/usr/bin/chromedriver``); they are skipped, saying so, when those are absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+from celery.bin.celery import celery as celery_main
+from click.testing import CliRunner
+from prometheus_client.parser import text_string_to_metric_families
+
+from celery_echomq import flow
+
+from .conftest import LOGDIR, ROOT, Env, wait_for
+
+pytestmark = pytest.mark.e2e
+
+CELERY = (sys.executable, "-m", "celery")
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+# Where the held-flow screenshot goes: the README's picture when asked for, else the logs.
+SCREENSHOT = Path(os.environ.get("ECHOMQ_DASHBOARD_SCREENSHOT") or LOGDIR / "dashboard.png")
+
+
+def job(sig: Any) -> Any:
+    return sig.set(task_id=f"JOB{uuid.uuid4().hex}")
+
+
+def jid(sig: Any) -> str:
+    return str(sig.options["task_id"])
+
+
+def state_of(store: redis.Redis, job_id: str, queue: str = "celery") -> str | None:
+    value = store.hget(f"emq:{{{queue}}}:{job_id}", "state")
+    return value.decode() if value is not None else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Served:
+    """A dashboard served by uvicorn in a thread of this process."""
+
+    def __init__(self, app: Any, *, allow_actions: bool) -> None:
+        import uvicorn
+
+        from celery_echomq.dashboard import make_app
+
+        self.asgi = make_app(app, allow_actions=allow_actions)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.asgi, host="127.0.0.1", port=self.port, log_level="warning")
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started, timeout=30)
+
+    @property
+    def token(self) -> str:
+        return str(self.asgi.state.dashboard.token)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture
+def serve(proj: Any) -> Iterator[Callable[..., Served]]:
+    started: list[Served] = []
+
+    def start(*, allow_actions: bool = False) -> Served:
+        started.append(Served(proj.app, allow_actions=allow_actions))
+        return started[-1]
+
+    yield start
+    for served in started:
+        served.stop()
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+        pytest.skip(
+            f"browser tests need {CHROMIUM} and {CHROMEDRIVER} "
+            "(Debian: apt-get install chromium chromium-driver)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    # Both paths given: Selenium Manager has nothing to look up or download.
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1280,720")
+    driver = webdriver.Chrome(
+        service=Service(executable_path=CHROMEDRIVER, log_output=str(LOGDIR / "chromedriver.log")),
+        options=options,
+    )
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture
+def gate(store: redis.Redis) -> Iterator[str]:
+    """A gate key for `proj.gated`; always opened at the end so no worker stays blocked."""
+    name = f"test:gate:{uuid.uuid4().hex}"
+    yield name
+    store.set(name, 1)
+
+
+def node_state(driver: Any, job_id: str) -> str | None:
+    """The state the page shows for ``job_id`` (None while it is not drawn)."""
+    from selenium.webdriver.common.by import By
+
+    found = driver.find_elements(By.ID, f"job-{job_id}")
+    return found[0].get_attribute("data-state") if found else None
+
+
+def line_of(driver: Any, job_id: str) -> str:
+    """The text of ``job_id``'s own line in the tree (without its children's lines)."""
+    script = (
+        "const li = document.getElementById(arguments[0]);"
+        "return Array.from(li.children).filter(c => c.tagName !== 'UL')"
+        ".map(c => c.textContent).join(' ');"
+    )
+    return str(driver.execute_script(script, f"job-{job_id}"))
+
+
+def held_flow(proj: Any, store: redis.Redis, gate: str) -> tuple[Any, str, str]:
+    """A flow of two children: one done, one running until ``gate`` opens."""
+    fast, slow = job(proj.add.s(2, 2)), job(proj.gated.s(5, gate))
+    res = flow(proj.tsum.s(), [fast, slow]).apply_async()
+    wait_for(lambda: state_of(store, jid(slow)) == "active", timeout=60)
+    wait_for(lambda: state_of(store, jid(fast)) == "done", timeout=60)
+    return res, jid(fast), jid(slow)
+
+
+# --- the flow page, in a browser ----------------------------------------------------------------
+
+
+def test_a_held_flow_shows_its_running_child_then_turns_done(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any, browser: Any
+) -> None:
+    res, fast, slow = held_flow(proj, store, gate)
+    site = serve()
+    browser.get(f"{site.url}/flows/{res.id}")
+
+    wait_for(lambda: node_state(browser, slow) == "active", timeout=30)
+    assert node_state(browser, res.id) == "awaiting_children"
+    assert node_state(browser, fast) == "done"
+    assert "value=4" in line_of(browser, fast)
+    assert "tests.proj.gated" in line_of(browser, slow) and "attempts=1" in line_of(browser, slow)
+    root = line_of(browser, res.id)
+    assert "credited=1/2" in root and "outstanding=1" in root
+    SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+    browser.set_window_size(1000, 500)  # the tree, without the empty page below it
+    try:
+        assert browser.save_screenshot(str(SCREENSHOT))
+    finally:
+        browser.set_window_size(1280, 720)
+
+    store.set(gate, 1)  # the running child finishes: the page follows without a reload
+    wait_for(lambda: node_state(browser, res.id) == "done", timeout=60)
+    assert node_state(browser, slow) == "done"
+    assert "value=5" in line_of(browser, slow)
+    assert "value=9" in line_of(browser, res.id)
+    summary = browser.find_element("id", "summary")
+    assert summary.text.startswith("parent done · 2/2 children finished")
+
+
+def test_the_front_page_lists_a_flow_as_held_then_recent_and_a_failed_one_as_failed(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    res, _, _ = held_flow(proj, store, gate)
+    failing = flow(proj.tsum.s(), [proj.boom.s("disk full")]).apply_async()
+    wait_for(lambda: state_of(store, failing.id) == "failed", timeout=60)
+    site = serve()
+
+    def row(table: str, job_id: str) -> Any:
+        found = browser.find_elements(By.CSS_SELECTOR, f"#{table}-celery tr[data-id='{job_id}']")
+        return found[0] if found else None
+
+    browser.get(site.url + "/")
+    assert row("held", res.id).get_attribute("data-state") == "awaiting_children"
+    assert row("recent", res.id) is not None
+    assert row("held", failing.id) is None
+    failed_row = row("failed", failing.id)
+    assert failed_row is not None and "ValueError: disk full" in failed_row.text
+    held_count = int(browser.find_element(By.CSS_SELECTOR, "#queue-celery .count-held").text)
+    assert held_count >= 1
+
+    store.set(gate, 1)
+    wait_for(lambda: state_of(store, res.id) == "done", timeout=60)
+    browser.get(site.url + "/")
+    assert row("held", res.id) is None
+    assert row("recent", res.id).get_attribute("data-state") == "done"
+    # A click on the row's id opens the flow's own page.
+    row("recent", res.id).find_element(By.TAG_NAME, "a").click()
+    wait_for(lambda: node_state(browser, res.id) == "done", timeout=30)
+
+
+# --- actions ------------------------------------------------------------------------------------
+
+
+def test_the_cancel_button_cancels_a_held_flow(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    res, _, slow = held_flow(proj, store, gate)
+    site = serve(allow_actions=True)
+    browser.get(f"{site.url}/flows/{res.id}")
+    wait_for(lambda: node_state(browser, res.id) == "awaiting_children", timeout=30)
+
+    browser.find_element(By.ID, "action-cancel").click()
+    wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)
+    assert f"flow {res.id} cancelled" in browser.find_element(By.ID, "note").text
+    wait_for(lambda: node_state(browser, res.id) == "cancelled", timeout=30)
+    assert state_of(store, res.id) == "cancelled"
+    assert state_of(store, slow) == "cancelled"
+    assert "?note=" in browser.current_url  # POST, then a redirect: a reload repeats nothing
+
+    # Cancelling it again is refused with a reason, and changes nothing.
+    browser.find_element(By.ID, "action-cancel").click()
+    wait_for(lambda: browser.find_elements(By.ID, "action-error"), timeout=30)
+    assert "already finished (cancelled)" in browser.find_element(By.ID, "action-error").text
+
+
+def test_the_retry_button_runs_a_failed_flow_again(
+    proj: Any, worker: Any, store: redis.Redis, serve: Any, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    bad = job(proj.flaky.s(5, flag))
+    res = flow(proj.tsum.s(), [job(proj.add.s(1, 1)), bad]).apply_async()
+    wait_for(lambda: state_of(store, res.id) == "failed", timeout=60)
+    site = serve(allow_actions=True)
+    browser.get(f"{site.url}/flows/{res.id}")
+    wait_for(lambda: node_state(browser, res.id) == "failed", timeout=30)
+    assert "ValueError: flag" in line_of(browser, jid(bad))
+
+    store.set(flag, 1)  # what made the child fail is fixed: retry it from the page
+    browser.find_element(By.ID, "action-retry").click()
+    wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)
+    assert "1 child(ren) published again" in browser.find_element(By.ID, "note").text
+    wait_for(lambda: node_state(browser, res.id) == "done", timeout=60)
+    assert node_state(browser, jid(bad)) == "done"
+    assert "attempts=2" in line_of(browser, jid(bad)) and "value=5" in line_of(browser, jid(bad))
+    assert "value=7" in line_of(browser, res.id)
+
+
+def test_the_release_button_runs_a_held_parent_with_the_values_so_far(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    res, _, slow = held_flow(proj, store, gate)
+    site = serve(allow_actions=True)
+    browser.get(f"{site.url}/flows/{res.id}")
+    wait_for(lambda: node_state(browser, res.id) == "awaiting_children", timeout=30)
+
+    browser.find_element(By.ID, "action-release").click()
+    wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)
+    note = browser.find_element(By.ID, "note").text
+    assert "released with 1 value(s); 1 child(ren) outstanding" in note
+    assert res.get(timeout=60) == 4  # the parent ran with the done child's value alone
+    wait_for(lambda: node_state(browser, res.id) == "done", timeout=60)
+    assert node_state(browser, slow) == "active"  # still running: released, not revoked
+    # A second release is refused with the reason, on the page.
+    browser.find_element(By.ID, "action-release").click()
+    wait_for(lambda: browser.find_elements(By.ID, "action-error"), timeout=30)
+    assert "done" in browser.find_element(By.ID, "action-error").text
+
+
+def test_without_allow_actions_there_are_no_buttons_and_a_post_is_refused(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    res, _, _ = held_flow(proj, store, gate)
+    site = serve()
+    browser.get(f"{site.url}/flows/{res.id}")
+    wait_for(lambda: node_state(browser, res.id) == "awaiting_children", timeout=30)
+    assert browser.find_elements(By.ID, "actions") == []
+    assert browser.find_elements(By.TAG_NAME, "button") == []
+
+    for action in ("cancel", "retry", "release"):
+        refused = httpx.post(f"{site.url}/flows/{res.id}/{action}", data={"token": site.token})
+        assert refused.status_code == 403
+        assert "--allow-actions" in refused.text
+    assert state_of(store, res.id) == "awaiting_children"
+
+
+def test_a_cross_site_post_is_refused_and_changes_nothing(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any
+) -> None:
+    res, _, _ = held_flow(proj, store, gate)
+    site = serve(allow_actions=True)
+    url = f"{site.url}/flows/{res.id}/cancel"
+
+    no_token = httpx.post(url, data={})
+    assert no_token.status_code == 403 and "action token" in no_token.text
+    for guess in ("guessed", "géssed"):
+        wrong = httpx.post(url, data={"token": guess})
+        assert wrong.status_code == 403 and "action token" in wrong.text
+    foreign = httpx.post(
+        url, data={"token": site.token}, headers={"Origin": "https://evil.example"}
+    )
+    assert foreign.status_code == 403 and "cross-site" in foreign.text
+    unknown = httpx.post(f"{site.url}/flows/{res.id}/explode", data={"token": site.token})
+    assert unknown.status_code == 404 and "allowed: cancel, retry, release" in unknown.text
+    assert state_of(store, res.id) == "awaiting_children"
+
+
+# --- the JSON and metrics routes ----------------------------------------------------------------
+
+
+def show_json(job_id: str) -> Any:
+    out = CliRunner().invoke(
+        celery_main,
+        ["-A", "tests.proj", "echomq", "show", "--json", job_id],
+        catch_exceptions=False,
+    )
+    assert out.exit_code == 0, out.output
+    return json.loads(out.stdout)
+
+
+def test_api_flows_serves_the_json_of_show(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any
+) -> None:
+    site = serve()
+    res, _, _ = held_flow(proj, store, gate)
+    held = httpx.get(f"{site.url}/api/flows/{res.id}")
+    assert held.status_code == 200 and held.headers["content-type"] == "application/json"
+    assert held.json() == show_json(res.id)
+    assert held.json()["state"] == "awaiting_children"
+
+    ok, bad = job(proj.add.s(1, 2)), job(proj.boom.s("404").set(parent_policy="ignore"))
+    done = flow(proj.tsum.s(), [ok, bad]).apply_async()
+    assert done.get(timeout=60) == 3
+    wait_for(lambda: state_of(store, done.id) == "done", timeout=30)
+    tree = httpx.get(f"{site.url}/api/flows/{done.id}").json()
+    assert tree == show_json(done.id)
+    assert tree["value"] == 3 and tree["children"][1]["outcome"] == "ignored"
+
+    unknown = httpx.get(f"{site.url}/api/flows/JOBnosuchflow")
+    assert unknown.status_code == 404
+    assert unknown.json() == {
+        "error": "no job 'JOBnosuchflow' in Redis (never started, or expired)"
+    }
+    ill = httpx.get(f"{site.url}/api/flows/task-42")
+    assert ill.status_code == 400 and "must be JOB-namespaced" in ill.json()["error"]
+
+
+def scrape(site: Served) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    response = httpx.get(f"{site.url}/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        assert family.name.startswith("echomq_")
+        for sample in family.samples:
+            samples[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return samples
+
+
+def test_metrics_parse_and_count_a_flows_transitions(
+    proj: Any, start_worker: Any, own_queue: Any, store: redis.Redis, gate: str, serve: Any
+) -> None:
+    # A queue of the test's own, with a worker of its own: every count below is this test's.
+    name = own_queue("metrics")
+    start_worker(queues=name, concurrency=1)
+    site = serve()
+    q = (("queue", name),)
+
+    def failures(policy: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return ("echomq_child_failures_total", (("policy", policy), ("queue", name)))
+
+    # While a flow waits for its running child: held and active.
+    slow = job(proj.gated.s(7, gate))
+    waiting = flow(proj.tsum.s(), [slow]).apply_async(queue=name)
+    wait_for(lambda: state_of(store, jid(slow), name) == "active", timeout=60)
+    samples = scrape(site)
+    assert samples[("echomq_held", q)] == 1
+    assert samples[("echomq_active", q)] == 1
+    assert samples[("echomq_releases_total", q)] == 0
+    store.set(gate, 1)
+    assert waiting.get(timeout=60) == 7
+
+    ok = flow(proj.tsum.s(), [proj.add.s(1, 1), proj.boom.s().set(parent_policy="ignore")])
+    assert ok.apply_async(queue=name).get(timeout=60) == 2
+    failed = flow(proj.tsum.s(), [proj.boom.s("no")]).apply_async(queue=name)
+    wait_for(lambda: state_of(store, failed.id, name) == "failed", timeout=60)
+    wait_for(lambda: state_of(store, waiting.id, name) == "done", timeout=30)
+    samples = scrape(site)
+
+    assert samples[("echomq_pending", q)] == 0
+    assert samples[("echomq_active", q)] == 0
+    assert samples[("echomq_held", q)] == 0
+    # The failed set: two failed children and the parent the second one failed.
+    assert samples[("echomq_failed", q)] == 3
+    assert samples[("echomq_recent_flows", q)] == 3
+    assert samples[("echomq_releases_total", q)] == 2  # the failed flow was never released
+    assert samples[("echomq_dispatches_total", q)] == 2
+    assert samples[failures("ignore")] == 1
+    assert samples[failures("fail")] == 1
+    assert samples[failures("remove")] == samples[failures("continue")] == 0
+    assert samples[("echomq_republished_total", q)] == 0
+    assert samples[("echomq_duplicates_skipped_total", q)] == 0
+
+
+# --- the real command ---------------------------------------------------------------------------
+
+
+def test_the_dashboard_command_serves_on_loopback_read_only(
+    proj: Any, worker: Any, env: Env, store: redis.Redis, gate: str
+) -> None:
+    res, _, _ = held_flow(proj, store, gate)
+    port = free_port()
+    log = open(LOGDIR / f"dashboard-{port}.log", "w")  # noqa: SIM115 (closed below)
+    process = subprocess.Popen(
+        [*CELERY, "-A", "tests.proj", "echomq", "dashboard", "--port", str(port)],
+        cwd=ROOT,
+        env=env.environ(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        def up() -> bool:
+            assert process.poll() is None, (LOGDIR / f"dashboard-{port}.log").read_text()
+            try:
+                return httpx.get(url + "/", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_for(up, timeout=60, interval=0.2)
+        said = (LOGDIR / f"dashboard-{port}.log").read_text()
+        assert f"echomq dashboard on http://127.0.0.1:{port}/ (read-only)" in said
+        page = httpx.get(url + "/").text
+        assert f'data-id="{res.id}" data-state="awaiting_children"' in page
+        assert httpx.get(f"{url}/api/flows/{res.id}").json() == show_json(res.id)
+        assert 'echomq_held{queue="celery"}' in httpx.get(url + "/metrics").text
+        assert httpx.post(f"{url}/flows/{res.id}/cancel").status_code == 403
+        assert state_of(store, res.id) == "awaiting_children"
+        if shutil.which("ss"):
+            # Bound to loopback only, by default: the one listening socket's local address.
+            listening = subprocess.run(
+                ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+            ).stdout.splitlines()
+            assert [line.split()[3] for line in listening] == [f"127.0.0.1:{port}"]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        log.close()

@@ -1,0 +1,219 @@
+"""The recent-flow index and the per-queue counters the scripts keep for the dashboard and
+/metrics, script by script on a real Redis (no Celery): what each transition adds, and that
+the index stays bounded by age and by length."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_echomq.keyspace import Keyspace
+from celery_echomq.replies import Status
+from celery_echomq.scripts import ParentRef, Scripts
+
+from .conftest import Env
+
+TTL = 600
+LEASE = 60_000
+
+
+@pytest.fixture
+def db(env: Env) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(f"{env.base}/14")
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture
+def scripts(db: redis.Redis) -> Scripts:
+    return Scripts(db, Keyspace("emq"))
+
+
+@pytest.fixture
+def queue() -> str:
+    return "q" + uuid.uuid4().hex[:8]
+
+
+def jid() -> str:
+    return "JOB" + uuid.uuid4().hex
+
+
+def counters(db: redis.Redis, queue: str) -> dict[str, int]:
+    return {k.decode(): int(v) for k, v in db.hgetall(f"emq:{{{queue}}}:counters").items()}
+
+
+def recent(db: redis.Redis, queue: str) -> list[str]:
+    return [m.decode() for m in db.zrevrange(f"emq:{{{queue}}}:recent", 0, -1)]
+
+
+def enqueue(scripts: Scripts, queue: str, n: int, **bounds: int) -> tuple[str, list[str]]:
+    parent, children = jid(), [jid() for _ in range(n)]
+    scripts.enqueue_flow(queue, parent, b"p", [(c, b"c") for c in children], **bounds)
+    return parent, children
+
+
+def finish(scripts: Scripts, queue: str, parent: str, child: str, *, error: str = "") -> Status:
+    token = uuid.uuid4().hex
+    assert scripts.claim(queue, child, token, LEASE)[0] == "claimed"
+    ref = ParentRef(parent, queue)
+    if error:
+        return scripts.fail(queue, child, token, error, ttl=TTL, is_parent=False, parent=ref)[0]
+    return scripts.complete(queue, child, token, ttl=TTL, is_parent=False, parent=ref, value=b"1")
+
+
+def test_enqueue_indexes_the_parent_and_counts_it_held(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, children = enqueue(scripts, queue, 2)
+    assert recent(db, queue) == [parent]  # the parent only: children are not flows
+    assert counters(db, queue) == {"held": 1}
+    # The index is an index, not a state set: the held parent is still in none.
+    for name in ("pending", "active", "failed"):
+        assert db.zscore(f"emq:{{{queue}}}:{name}", parent) is None
+
+    assert finish(scripts, queue, parent, children[0]) is Status.CREDITED
+    assert counters(db, queue) == {"held": 1}  # a credited child costs no counter
+    assert finish(scripts, queue, parent, children[1]) is Status.RELEASED
+    assert counters(db, queue) == {"held": 0, "released": 1}
+    assert scripts.dispatch(queue, parent) is not None
+    assert scripts.dispatch(queue, parent) is None  # handed out once: counted once
+    assert counters(db, queue) == {"held": 0, "released": 1, "dispatched": 1}
+    assert recent(db, queue) == [parent]  # still listed once it ran
+
+
+def test_an_empty_flow_is_released_at_once_and_counted_so(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, _ = enqueue(scripts, queue, 0)
+    assert recent(db, queue) == [parent]
+    assert counters(db, queue) == {"released": 1}
+
+
+@pytest.mark.parametrize("policy", ["fail", "ignore", "remove", "continue"])
+def test_a_failed_child_is_counted_under_its_policy(
+    db: redis.Redis, scripts: Scripts, queue: str, policy: str
+) -> None:
+    parent, (bad, good) = enqueue(scripts, queue, 2)
+    db.hset(f"emq:{{{queue}}}:{parent}", "policy", policy)
+    finish(scripts, queue, parent, bad, error="ValueError: no")
+    got = counters(db, queue)
+    assert got[f"failed_{policy}"] == 1
+    # fail fails the parent, continue releases it: either way it is held no more.
+    assert got["held"] == (1 if policy in ("ignore", "remove") else 0)
+    assert got.get("released", 0) == (1 if policy == "continue" else 0)
+    finish(scripts, queue, parent, good)
+    assert counters(db, queue)["held"] == 0
+    assert sum(v for k, v in counters(db, queue).items() if k.startswith("failed_")) == 1
+
+
+def test_cancel_of_a_held_flow_counts_it_held_no_more(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, children = enqueue(scripts, queue, 2)
+    status, was, _ = scripts.cancel(queue, parent, children, ttl=TTL)
+    assert (status, was) == (Status.CANCELLED, Status.AWAITING_CHILDREN)
+    assert counters(db, queue) == {"held": 0}
+    scripts.cancel(queue, parent, children, ttl=TTL)  # a second cancel changes nothing
+    assert counters(db, queue) == {"held": 0}
+
+
+def test_the_chunked_path_counts_like_the_one_script_path(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, child = jid(), jid()
+    scripts.open_flow(queue, parent, b"p", 1, "fail")
+    assert recent(db, queue) == [parent]
+    assert counters(db, queue) == {"held": 1}
+    scripts.add_children(queue, ParentRef(parent, queue), [(child, b"c", "")])
+    assert scripts.seal_flow(queue, parent) is Status.SEALED
+    assert finish(scripts, queue, parent, child) is Status.RELEASED
+    assert counters(db, queue) == {"held": 0, "released": 1}
+
+    # A flow whose producer died before sealing it: recovery abandons it.
+    stuck = jid()
+    scripts.open_flow(queue, stuck, b"p", 3, "fail")
+    assert counters(db, queue)["held"] == 1
+    assert scripts.abandon_flow(queue, stuck, 0, "producer gone", ttl=TTL) is Status.ABANDONED
+    assert counters(db, queue)["held"] == 0
+
+
+def test_the_repairs_count_like_the_transitions_they_stand_for(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    # release: a held parent released by an operator.
+    parent, children = enqueue(scripts, queue, 2)
+    assert scripts.release(queue, parent, children, revoke=False, ttl=TTL)[0] is Status.RELEASED
+    assert counters(db, queue) == {"held": 0, "released": 1}
+
+    # retry_flow: a flow failed by its child is held again, then released by the retried child.
+    parent, (child,) = enqueue(scripts, queue, 1)
+    finish(scripts, queue, parent, child, error="ValueError: once")
+    assert counters(db, queue) == {"held": 0, "released": 1, "failed_fail": 1}
+    status, again = scripts.retry_flow(queue, parent, [child])
+    assert status is Status.RETRIED and [cid for cid, _ in again] == [child]
+    assert counters(db, queue)["held"] == 1
+    assert scripts.retry_flow(queue, parent, [child])[0] is Status.AWAITING_CHILDREN  # no-op
+    assert counters(db, queue)["held"] == 1
+    assert finish(scripts, queue, parent, child) is Status.RELEASED
+    assert counters(db, queue) == {"held": 0, "released": 2, "failed_fail": 1}
+
+
+def test_the_index_keeps_the_newest_flows_up_to_its_length(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parents = [enqueue(scripts, queue, 1, recent_max=3)[0] for _ in range(5)]
+    assert recent(db, queue) == parents[:1:-1]  # the newest three, newest first
+    assert counters(db, queue)["held"] == 5  # trimming the index touches no flow
+
+
+def test_the_index_forgets_flows_older_than_the_result_ttl(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    old, _ = enqueue(scripts, queue, 1, recent_ttl_ms=200)
+    time.sleep(0.3)
+    new, _ = enqueue(scripts, queue, 1, recent_ttl_ms=200)
+    assert recent(db, queue) == [new]
+    assert db.hget(f"emq:{{{queue}}}:{old}", "state") == b"awaiting_children"  # only unlisted
+
+
+def test_the_front_page_reads_pages_of_the_index(proj: Any, own_queue: Any) -> None:
+    from celery_echomq.dashboard.overview import PAGE, read_overview
+    from celery_echomq.state import get_state
+
+    state = get_state(proj.app)
+    queue = own_queue("pages")
+    state.client.sadd(state.keys.queues_key(), queue)
+    flows = [enqueue(state.scripts, queue, 1) for _ in range(2 * PAGE + 30)]
+    parents = [parent for parent, _ in flows]
+    # The oldest flow fails (its child, policy fail): listed as failed on the newest page too.
+    oldest, (its_child,) = flows[0]
+    finish(state.scripts, queue, oldest, its_child, error="ValueError: gone")
+    cancelled = parents[-2]
+    state.scripts.cancel(queue, cancelled, [], ttl=TTL)
+
+    seen: list[str] = []
+    before = None
+    pages = 0
+    while True:
+        (view,) = read_overview(state, queue=queue, before=before)
+        assert view.indexed == len(parents) and view.held == len(parents) - 2
+        assert len(view.recent) <= PAGE
+        seen += [row.id for row in view.recent]
+        assert all(row.state == "awaiting_children" for row in view.held_flows)
+        pages += 1
+        if view.older is None:
+            break
+        before = view.older
+    assert pages == 3
+    assert seen == parents[::-1]  # every flow once, newest first
+    (first,) = read_overview(state, queue=queue)
+    assert first.recent[1].id == cancelled and first.recent[1].state == "cancelled"
+    assert cancelled not in [row.id for row in first.held_flows]
+    assert [row.id for row in first.failed_flows] == [oldest]
+    assert "ValueError: gone" in (first.failed_flows[0].error or "")
