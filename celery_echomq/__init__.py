@@ -14,6 +14,7 @@ from .errors import (
     DuplicateIdError,
     EchoMQError,
     FlowCancelled,
+    FlowClosedError,
     FlowExistsError,
     FlowFailed,
     InvalidIdError,
@@ -22,6 +23,7 @@ from .errors import (
     ReplicationError,
     StoreUnavailableError,
 )
+from .grow import add_children
 from .reads import Dependencies, UnknownFlowError, children_values, dependencies, ignored_failures
 from .state import EchoMQ, get_state, install_state
 
@@ -31,6 +33,7 @@ __all__ = [
     "DuplicateIdError",
     "EchoMQError",
     "FlowCancelled",
+    "FlowClosedError",
     "FlowExistsError",
     "FlowFailed",
     "FlowResult",
@@ -40,6 +43,7 @@ __all__ = [
     "ReplicationError",
     "StoreUnavailableError",
     "UnknownFlowError",
+    "add_children",
     "children_values",
     "dependencies",
     "flow",

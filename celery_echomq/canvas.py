@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
 from copy import deepcopy
 from typing import Any
 
 from celery import current_app
-from celery.canvas import Signature, group, maybe_signature
+from celery.canvas import Signature, maybe_signature
 from celery.result import AsyncResult
 
 from . import reads
-from .plan import H_QUEUE, check_policy, new_job_id, plan_flow
+from .plan import H_QUEUE, check_policy, new_job_id, plan_flow, signatures
 from .reads import locate
 from .start import cancel_flow, start_flow
 from .state import get_state
@@ -30,19 +31,15 @@ def _replaced_job(task_id: Any, options: dict[str, Any]) -> tuple[str, str] | No
     return (str(queue), str(task_id)) if queue and request.id == task_id else None
 
 
-def _signatures(children: Any, app: Any) -> list[Signature]:
-    if children is None:
-        return []
-    if isinstance(children, dict) and not isinstance(children, Signature):
-        children = maybe_signature(children, app=app)
-    if isinstance(children, group):
-        children = children.tasks
-    if isinstance(children, Signature):
-        raise TypeError(
-            "flow children must be a list or a group of signatures, got one signature "
-            f"({children.task!r}); wrap it in a list"
-        )
-    return [maybe_signature(child, app=app) for child in children]
+def _job_namespaced(given: str | None) -> str | None:
+    """An id Celery hands ``freeze`` (a chord gives its body ``uuid()``) in the JOB namespace:
+    ``JOB`` + the uuid's hex. Any other id is kept as given (and gated as any other)."""
+    if given is None or given.startswith("JOB"):
+        return given
+    try:
+        return "JOB" + uuid.UUID(given).hex
+    except ValueError:
+        return given
 
 
 @Signature.register_type(name="flow")
@@ -67,7 +64,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         parent_sig = maybe_signature(parent, app=app)
         if not isinstance(parent_sig, Signature):
             raise TypeError(f"flow parent must be a signature, got {type(parent).__name__}")
-        child_sigs = _signatures(children, app)
+        child_sigs = signatures(children, app)
         check_policy(policy, "flow(policy=...)")
         for child in child_sigs:
             if "parent_policy" in child.options:
@@ -142,7 +139,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
                 self.options[name] = value
         parent_opts = self.parent.options
         if "task_id" not in parent_opts:
-            given = self.options.get("task_id", _id)
+            given = self.options.get("task_id", _job_namespaced(_id))
             parent_opts["task_id"] = new_job_id() if given is None else given
         self.options["task_id"] = parent_opts["task_id"]
         for child in self.children:
@@ -230,6 +227,13 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
     def ignored_failures(self) -> dict[str, str]:
         """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
         return reads.ignored_failures(self.id, app=self.app, queue=self.flow_queue)
+
+    def add_children(self, children: Any) -> list[str]:
+        """Add ``children`` to this flow while its parent is held: see
+        :func:`celery_echomq.add_children`. Returns the ids added."""
+        from .grow import add_children
+
+        return add_children(children, self.id, app=self.app, queue=self.flow_queue)
 
     def revoke(
         self,

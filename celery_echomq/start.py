@@ -26,7 +26,7 @@ logger = logging.getLogger("celery_echomq")
 
 # The per-queue sorted sets that hold job ids: a forgotten job leaves every one of them.
 # (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet.)
-JOB_SETS = ("pending", "active", "failed", "outbox", "open")
+JOB_SETS = ("pending", "active", "failed", "outbox", "open", "adding")
 
 
 def _payloads(state: EchoMQ, plan: Plan) -> list[tuple[str, bytes]]:
@@ -237,6 +237,7 @@ def forget_flow(state: EchoMQ, node: JobNode) -> list[str]:
             if job.flow is not None:
                 names.extend(keys.flow_keys(queue, job.id))
                 names.append(keys.settled_key(queue, job.id))
+                names.append(keys.adding_key(queue, job.id))
         pipe = client.pipeline(transaction=True)
         for name in names:
             pipe.exists(name)  # to report only the keys that were there
