@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import redis
-from celery import chain, chord
+from celery import chain, chord, group
 
 from celery_echomq import (
     DuplicateIdError,
@@ -225,6 +225,15 @@ def test_children_added_on_another_queue_are_credited_across_slots(
     assert res.get(timeout=60)["values"] == [1, 9, 2, 3, 4]
     assert res.dependencies() == (0, 5)
     assert store.hget(f"emq:{{{other}}}:{outside[0]}", "pq") == home.encode()
+    wait_for(lambda: row_state(store, home, res.id) == b"done")
+    tree = read_tree(get_state(proj.app), res.id)
+    assert [(c.queue, c.value) for c in tree.children] == [
+        (home, 1),
+        (home, 9),
+        (other, 2),
+        (other, 3),
+        (other, 4),
+    ]
     # Nothing left staged on the parent's slot.
     assert not store.exists(f"emq:{{{home}}}:{res.id}:adding")
     assert not store.zcard(f"emq:{{{home}}}:adding")
@@ -295,6 +304,9 @@ def test_a_flow_as_a_chords_body_gets_the_headers_values_in_every_child(
         [proj.add.s(1, 2), proj.add.s(3, 4)], chord([proj.add.s([100])], proj.collect.s())
     )
     assert as_chord.apply_async().get(timeout=60)["values"] == [[3, 7, 100]]
+    # A group followed by a flow in a chain is such a chord too.
+    grouped = chain(group(proj.add.s(1, 2), proj.add.s(3, 4)), flow(proj.tsum.s(), [proj.tsum.s()]))
+    assert grouped.apply_async().get(timeout=60) == 10
     # And chord(header)(flow).
     again = chord([proj.add.s(1, 1)])(flow(proj.tsum.s(), [proj.tsum.s(), proj.tsum.s()]))
     assert again.get(timeout=60) == 4
@@ -310,3 +322,55 @@ def test_a_task_in_a_chain_replaced_by_a_flow(proj: Any, worker: Any, store: red
 def test_a_chord_header_task_replaced_by_a_flow(proj: Any, worker: Any) -> None:
     res = chord([proj.replace_by_flow.s(1), proj.add.s(10, 10)])(proj.collect.s())
     assert res.get(timeout=60)["values"] == [5, 20]  # tsum([2, 3]), 20
+
+
+def test_recovery_writes_staged_children_or_drops_them_once_the_flow_is_closed(
+    proj: Any, own_queue: Any, store: redis.Redis
+) -> None:
+    import hashlib
+
+    from celery_echomq.recovery.repairs import unwritten_children
+    from celery_echomq.scripts import ParentRef
+
+    state = get_state(proj.app)
+    home, other = own_queue("grow-e"), own_queue("grow-f")
+    results = []
+    for _ in range(2):
+        res = flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async(queue=home)
+        row = f"emq:{{{home}}}:{res.id}"
+        payload = store.hget(row, "payload")
+        assert payload is not None
+        cid = jid()
+        child = {
+            "task": "tests.proj.add",
+            "args": [1, 1],
+            "kwargs": {},
+            "options": {
+                "task_id": cid,
+                "headers": {"echomq_q": other, "echomq_p": res.id, "echomq_pq": home},
+            },
+        }
+        status, counter = state.scripts.grow_flow(
+            ParentRef(res.id, home),
+            hashlib.sha1(payload).hexdigest(),
+            payload,
+            [],
+            [(cid, state.dumps(child), "ignore")],
+        )
+        assert (status, counter) == ("added", 2)
+        results.append((res, cid))
+    (kept, kept_child), (closed, closed_child) = results
+    closed.revoke()
+    # A stall timeout has passed since they were staged.
+    store.zadd(f"emq:{{{home}}}:adding", {kept.id: 0, closed.id: 0})
+    lines = unwritten_children(state, home, 10)
+    assert len(lines) == 2 and any("dropped 1" in line for line in lines)
+    written = store.hgetall(f"emq:{{{other}}}:{kept_child}")
+    assert written[b"state"] == b"pending" and written[b"parent"] == kept.id.encode()
+    assert written[b"pq"] == home.encode() and written[b"parent_policy"] == b"ignore"
+    assert not store.exists(f"emq:{{{other}}}:{closed_child}")
+    assert not store.exists(
+        f"emq:{{{home}}}:{kept.id}:adding", f"emq:{{{home}}}:{closed.id}:adding"
+    )
+    assert store.zcard(f"emq:{{{home}}}:adding") == 0
+    assert unwritten_children(state, home, 10) == []

@@ -1,5 +1,6 @@
-"""(b), (d), (e), (f): a job whose lease lapsed, a failure that never reached the result
-backend, and the cross-slot path: a child staged but never credited, a flow never sealed.
+"""(b), (d), (e), (f), (g): a job whose lease lapsed, a failure that never reached the result
+backend, and the cross-slot path: a child staged but never credited, a flow never sealed,
+children added to a held flow but never written on their slot.
 """
 
 from __future__ import annotations
@@ -372,6 +373,14 @@ def _write_added(state: EchoMQ, queue: str, parent_id: str) -> str | None:
     if not rows:
         state.scripts.grow_done(parent, [])
         return None
+    parent_state = state.client.hget(state.keys.job_key(queue, parent_id), "state")
+    if parent_state != b"awaiting_children":
+        # Cancelled or failed meanwhile: children written now would run for nothing.
+        state.scripts.grow_done(parent, [cid for cid, _, _ in rows])
+        return (
+            f"{queue}: dropped {len(rows)} children staged for flow {parent_id}, which is "
+            f"{text(parent_state) if parent_state else 'gone'}"
+        )
     # Their rows are then pending with their payloads: (a) publishes them on evidence that
     # their messages are gone (they may have been published before the crash).
     write_staged(state, parent, rows)
