@@ -7,12 +7,14 @@ import json
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from typing import Any
 
 import pytest
 import redis
 from celery import chain, chord, group
+from celery.result import AsyncResult
 
 from celery_echomq import (
     DuplicateIdError,
@@ -47,6 +49,25 @@ def snapshot(*clients: redis.Redis) -> list[dict[bytes, Any]]:
     ]
 
 
+def keys_of(client: redis.Redis, names: list[bytes]) -> dict[bytes, Any]:
+    return {name: (client.type(name), client.dump(name)) for name in names}
+
+
+def quiet(read: Any) -> Any:
+    """What ``read()`` returns once it stays the same over a quarter of a second."""
+    last = [read()]
+
+    def same() -> bool:
+        time.sleep(0.25)
+        now = read()
+        unchanged = now == last[0]
+        last[0] = now
+        return unchanged
+
+    wait_for(same, timeout=30)
+    return last[0]
+
+
 def gate_key() -> str:
     return f"test:gate:{uuid.uuid4().hex}"
 
@@ -64,6 +85,25 @@ def test_a_child_adds_siblings_and_the_parent_gets_every_value_in_order(
     tree = read_tree(get_state(proj.app), res.id)
     assert [c.value for c in tree.children] == [1, 2, 5, 3, 4]
     assert all(c.state == "done" for c in tree.children)
+
+
+def test_children_adding_siblings_at_the_same_time_lose_none(
+    proj: Any, start_worker: Any, own_queue: Any
+) -> None:
+    queue = own_queue("grow-many")
+    start_worker(queues=queue, concurrency=4, name="grow-many")
+    n = 8
+    res = flow(
+        proj.collect.s(), [proj.spawner.s(i, [100 + i, 200 + i]) for i in range(n)]
+    ).apply_async(queue=queue)
+    values = res.get(timeout=90)["values"]
+    assert values[:n] == list(range(n))
+    added = values[n:]
+    assert sorted(added) == sorted([100 + i for i in range(n)] + [200 + i for i in range(n)])
+    # Each child's siblings arrive together, in the order that child added them.
+    pairs = [added[i : i + 2] for i in range(0, len(added), 2)]
+    assert all(b == a + 100 for a, b in pairs)
+    assert res.dependencies() == (0, 3 * n)
 
 
 def test_show_json_lists_added_children(proj: Any, worker: Any, store: redis.Redis) -> None:
@@ -132,15 +172,30 @@ def test_a_closed_flow_refuses_children_and_nothing_is_written(
     wait_for(lambda: row_state(store, "celery", failed.id) == b"failed")
     wait_for(failed.ready)
 
-    for res, state in ((done, "done"), (cancelled, "cancelled"), (failed, "failed")):
-        before = snapshot(store, broker)
+    for res, state, queue in (
+        (done, "done", "celery"),
+        (cancelled, "cancelled", idle),
+        (failed, "failed", "celery"),
+    ):
+        cid = jid()
+        # What an add could touch: the flow's keys, the new child's row, the queue's sets and
+        # the queues recovery scans; and the whole broker.
+        touched = [
+            *(k for k in store.keys(f"emq:{{{queue}}}:{res.id}*")),
+            f"emq:{{{queue}}}:{cid}".encode(),
+            f"emq:{{{queue}}}:pending".encode(),
+            f"emq:{{{queue}}}:adding".encode(),
+            b"emq:queues",
+        ]
+        # Once the worker has finished writing the flow's last fields.
+        before = quiet(lambda names=touched: (keys_of(store, names), snapshot(broker)))
         with pytest.raises(FlowClosedError) as info:
-            res.add_children([proj.add.s(5, 5).set(task_id=jid())])
+            res.add_children([proj.add.s(5, 5).set(task_id=cid)])
         assert info.value.parent_id == res.id and info.value.state == state
         assert res.id in str(info.value)
         with pytest.raises(FlowClosedError):
             add_children([proj.add.s(5, 5)], parent_id=res.id)
-        assert snapshot(store, broker) == before
+        assert (keys_of(store, touched), snapshot(broker)) == before
 
 
 def test_bad_ids_are_refused_before_anything_is_written(
@@ -313,10 +368,14 @@ def test_a_flow_as_a_chords_body_gets_the_headers_values_in_every_child(
 
 
 def test_a_task_in_a_chain_replaced_by_a_flow(proj: Any, worker: Any, store: redis.Redis) -> None:
-    replaced = proj.replace_by_flow.s().set(task_id=jid())
-    res = chain(proj.add.s(1, 1), replaced, proj.square.s()).apply_async()
-    assert res.get(timeout=60) == 49  # 2 -> tsum([3, 4]) = 7 -> 49
-    assert int(store.get(f"test:ran:replace_by_flow:{replaced.options['task_id']}")) == 1
+    for task_id in (jid(), str(uuid.uuid4())):
+        replaced = proj.replace_by_flow.s().set(task_id=task_id)
+        res = chain(proj.add.s(1, 1), replaced, proj.square.s()).apply_async()
+        assert res.get(timeout=60) == 49  # 2 -> tsum([3, 4]) = 7 -> 49
+        assert int(store.get(f"test:ran:replace_by_flow:{task_id}")) == 1
+        # The flow's parent takes the replaced id, in the JOB namespace.
+        flow_id = task_id if task_id.startswith("JOB") else "JOB" + uuid.UUID(task_id).hex
+        assert AsyncResult(flow_id, app=proj.app).get(timeout=60) == 7
 
 
 def test_a_chord_header_task_replaced_by_a_flow(proj: Any, worker: Any) -> None:
