@@ -19,12 +19,15 @@ from .errors import (
     FlowFailed,
     InvalidIdError,
     KindError,
+    NoResultBackendError,
+    NotRepairableError,
     PolicyError,
     ReplicationError,
     StoreUnavailableError,
 )
 from .grow import add_children
 from .reads import Dependencies, UnknownFlowError, children_values, dependencies, ignored_failures
+from .repair import ReleaseOutcome, RetryOutcome, release_flow, retry_flow
 from .state import EchoMQ, get_state, install_state
 
 __all__ = [
@@ -39,8 +42,12 @@ __all__ = [
     "FlowResult",
     "InvalidIdError",
     "KindError",
+    "NoResultBackendError",
+    "NotRepairableError",
     "PolicyError",
+    "ReleaseOutcome",
     "ReplicationError",
+    "RetryOutcome",
     "StoreUnavailableError",
     "UnknownFlowError",
     "add_children",
@@ -50,6 +57,8 @@ __all__ = [
     "get_state",
     "ignored_failures",
     "install",
+    "release_flow",
+    "retry_flow",
 ]
 
 __version__ = "0.1.0"

@@ -8,11 +8,13 @@ from copy import deepcopy
 from typing import Any
 
 from celery import current_app
-from celery.canvas import Signature, maybe_signature
+from celery.canvas import Signature, group, maybe_signature
 from celery.result import AsyncResult
+from vine import promise
 
 from . import reads
-from .plan import H_QUEUE, check_policy, new_job_id, plan_flow, signatures
+from .errors import NoResultBackendError
+from .plan import H_QUEUE, check_policy, new_job_id, plan_flow
 from .reads import locate
 from .start import cancel_flow, start_flow
 from .state import get_state
@@ -42,6 +44,45 @@ def _job_namespaced(given: str | None) -> str | None:
         return given
 
 
+def _signatures(children: Any, app: Any) -> list[Signature]:
+    if children is None:
+        return []
+    if isinstance(children, dict) and not isinstance(children, Signature):
+        children = maybe_signature(children, app=app)
+    if isinstance(children, group):
+        children = children.tasks
+    if isinstance(children, (str, bytes)) or not isinstance(children, Iterable):
+        raise TypeError(
+            "flow children must be a list or a group of signatures, got "
+            f"{_a(children)} ({children!r:.60})"
+        )
+    if isinstance(children, Signature):
+        raise TypeError(
+            "flow children must be a list or a group of signatures, got one signature "
+            f"({children.task!r}); wrap it in a list"
+        )
+    return [_child_signature(i, child, app) for i, child in enumerate(children, 1)]
+
+
+def _a(value: Any) -> str:
+    """``None``, or ``a str``/``an int``: what a refused value is, for the error."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
+
+
+def _child_signature(position: int, child: Any, app: Any) -> Signature:
+    """A child as a Signature; anything else is refused, naming its position (1-based)."""
+    sig = maybe_signature(child, app=app) if isinstance(child, (Signature, dict)) else child
+    if not isinstance(sig, Signature):
+        raise TypeError(
+            f"flow child {position} is {_a(child)}, not a Signature ({child!r:.60}); allowed: a "
+            "task signature (task.s(...), task.si(...)), a chain, a group, a chord or a flow"
+        )
+    return sig
+
+
 @Signature.register_type(name="flow")
 class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
     """Run ``children``, then ``parent`` with the list of their values, exactly once.
@@ -64,7 +105,11 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         parent_sig = maybe_signature(parent, app=app)
         if not isinstance(parent_sig, Signature):
             raise TypeError(f"flow parent must be a signature, got {type(parent).__name__}")
-        child_sigs = signatures(children, app)
+        if app is None:
+            # The parent's app, as a chord takes its body's: what chain and group ask a flow
+            # for (``.app``) must be the app its tasks belong to, not the current one.
+            app = parent_sig._app
+        child_sigs = _signatures(children, app)
         check_policy(policy, "flow(policy=...)")
         for child in child_sigs:
             if "parent_policy" in child.options:
@@ -169,6 +214,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         **options: Any,
     ) -> FlowResult:
         app = self._get_app()
+        if app.conf.task_always_eager:
+            # As chord.apply_async does: run in this process, send nothing.
+            return self.apply(args, kwargs, task_id=task_id, **options)
         state = get_state(app)
         merged = {**self.options, **options}
         if task_id is not None:
@@ -199,6 +247,19 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         start_flow(state, plan)
         return FlowResult(plan.parent_id, app=app, queue=plan.queue)
 
+    def apply(
+        self,
+        args: Iterable[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> FlowResult:
+        """Run every child, then the parent, in this process (as ``chord(...).apply()``):
+        no Redis, no broker. The result's ``get()`` is the parent's value; its reads
+        (``children_values()`` and the rest) are held in memory."""
+        from .eager import apply_flow
+
+        return apply_flow(self, tuple(args or ()), kwargs, **options)
+
     def delay(self, *args: Any, **kwargs: Any) -> FlowResult:
         return self.apply_async(args, kwargs)
 
@@ -215,6 +276,19 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
     def __init__(self, id: str, *args: Any, queue: str | None = None, **kwargs: Any) -> None:
         super().__init__(id, *args, **kwargs)
         self.flow_queue = queue
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        """The parent's value, as ``AsyncResult.get``; at once a clear error when the app has
+        no result backend (the flow still runs)."""
+        from celery.backends.base import DisabledBackend
+
+        if isinstance(self.backend, DisabledBackend):
+            raise NoResultBackendError(
+                f"flow {self.id} runs, but its parent's value cannot be waited for: the app "
+                "has no result backend. Set the result_backend setting (e.g. redis://, rpc://, "
+                "a database), or read the children's values with children_values()"
+            )
+        return super().get(*args, **kwargs)
 
     def children_values(self) -> dict[str, Any]:
         """``{child_job_id: value}`` for the children completed so far."""
@@ -234,6 +308,28 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         from .grow import add_children
 
         return add_children(children, self.id, app=self.app, queue=self.flow_queue)
+
+    def retry(self, child: str | None = None) -> Any:
+        """Run this flow again after it failed under policy ``fail``: see
+        :func:`celery_echomq.retry_flow`. ``get()`` then waits for the new outcome."""
+        from .repair import retry_flow
+
+        outcome = retry_flow(get_state(self.app), self.id, child=child)
+        self._forget_cached()
+        return outcome
+
+    def release(self, revoke: bool = False) -> Any:
+        """Run the held parent now with the values so far: see
+        :func:`celery_echomq.release_flow`."""
+        from .repair import release_flow
+
+        return release_flow(get_state(self.app), self.id, revoke=revoke)
+
+    def _forget_cached(self) -> None:
+        # A result that already read the failure keeps it cached, and its readiness promise
+        # is fulfilled (get() would return at once): both start afresh, as on a new result.
+        self._cache = None
+        self.on_ready = promise(self._on_fulfilled, weak=True)
 
     def revoke(
         self,

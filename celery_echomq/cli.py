@@ -11,6 +11,8 @@ or ill-formed job id, or a refused action, exits with status 1 and a message on 
     stats           per queue: pending, active, held parents, failed
     forget JOBID    delete a finished flow's keys (--force for an unfinished one)
     cancel JOBID    cancel a flow: its parent will never run
+    retry JOBID     run a flow failed under policy fail again (--child JOBID: one child)
+    release JOBID   run a held parent now with the values so far (--revoke: and revoke the rest)
 """
 
 from __future__ import annotations
@@ -380,5 +382,64 @@ def cancel(ctx: click.Context, job_id: str, as_json: bool) -> None:
         click.echo(
             f"the parent was already {after.state}; Celery's revoke was sent for it", err=True
         )
+    for line in render_tree(after, color=True):
+        click.echo(line)
+
+
+@echomq.command()
+@click.argument("job_id")
+@click.option("--child", "child", default=None, help="Retry this one failed child only.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.pass_context
+@_errors
+def retry(ctx: click.Context, job_id: str, child: str | None, as_json: bool) -> None:
+    """Run the flow JOB_ID again after it failed under policy fail.
+
+    Its children that failed under fail are re-published as new attempts and the parent
+    awaits them again; Celery's stored failure of the parent is cleared, so get() waits for
+    the new outcome. A nested flow that failed its outer flow puts the outer flow back to
+    held too. Refused (exit 1, nothing changed) for a flow that is not failed.
+    """
+    from .repair import retry_flow
+
+    state = _state(ctx)
+    outcome = retry_flow(state, job_id, child=child)
+    after = read_tree(state, job_id, with_result=False)
+    if as_json:
+        _emit_json({**dataclasses.asdict(outcome), "tree": node_dict(after)})
+        return
+    click.echo(
+        f"flow {job_id}: {outcome.state}; re-published {len(outcome.republished)} child(ren)"
+        + (f", held again: {', '.join(outcome.held)}" if len(outcome.held) > 1 else "")
+    )
+    for line in render_tree(after, color=True):
+        click.echo(line)
+
+
+@echomq.command()
+@click.argument("job_id")
+@click.option("--revoke", is_flag=True, help="Also revoke the children still outstanding.")
+@click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
+@click.pass_context
+@_errors
+def release(ctx: click.Context, job_id: str, revoke: bool, as_json: bool) -> None:
+    """Run the held parent of flow JOB_ID now, with the values its children returned so far.
+
+    As under policy continue, children that complete later are recorded but never release it
+    again. Refused (exit 1, nothing changed) unless the parent is held (awaiting_children).
+    """
+    from .repair import release_flow
+
+    state = _state(ctx)
+    outcome = release_flow(state, job_id, revoke=revoke)
+    after = read_tree(state, job_id, with_result=False)
+    if as_json:
+        _emit_json({**dataclasses.asdict(outcome), "tree": node_dict(after)})
+        return
+    click.echo(
+        f"flow {job_id}: released with {outcome.values} value(s); "
+        f"{len(outcome.outstanding)} child(ren) outstanding"
+        + (f", {len(outcome.revoked)} revoked" if revoke else "")
+    )
     for line in render_tree(after, color=True):
         click.echo(line)

@@ -43,7 +43,9 @@ TRANSPORT_OPTIONS = {
 
 @dataclass(frozen=True)
 class Settings:
-    redis_url: str
+    # None: no Redis URL was found on an app installed with task_always_eager, where flows
+    # run in process; the first use of the store raises ``missing_url_error()``.
+    redis_url: str | None
     key_prefix: str = "emq"
     stall_timeout: float = 30.0
     result_ttl: int = 86400
@@ -183,10 +185,15 @@ def _redis_url(conf: Any) -> tuple[str, dict[str, Any]]:
                 + " (sentinel://HOST:PORT;sentinel://HOST:PORT/DB with "
                 'echomq_transport_options={"master_name": ...})'
             )
-    raise ConfigError(
+    raise missing_url_error()
+
+
+def missing_url_error() -> ConfigError:
+    return ConfigError(
         "celery-echomq needs a Redis URL: set app.conf.echomq_redis_url "
         "(broker_url and result_backend are not redis://, rediss://, redis+socket:// or "
-        "sentinel:// URLs)"
+        "sentinel:// URLs; only an app with task_always_eager, where flows run in process, "
+        "can do without one)"
     )
 
 
@@ -230,7 +237,15 @@ def _replicas(conf: Any) -> int:
 
 def read_settings(conf: Any) -> Settings:
     accept = conf.get("accept_content") or ("json",)
-    url, options = _redis_url(conf)
+    url: str | None
+    try:
+        url, options = _redis_url(conf)
+    except ConfigError:
+        # An eager app runs flows in process and needs no store; an explicit
+        # echomq_redis_url that is not a Redis URL is still refused.
+        if not conf.get("task_always_eager") or conf.get("echomq_redis_url"):
+            raise
+        url, options = None, {}
     return Settings(
         redis_url=url,
         transport_options=options,

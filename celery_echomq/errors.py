@@ -17,6 +17,13 @@ class ConfigError(EchoMQError):
     """The app's ``echomq_*`` settings cannot be used (e.g. no Redis URL)."""
 
 
+class NoResultBackendError(ConfigError, NotImplementedError):
+    """``FlowResult.get()`` on an app without a result backend (``result_backend`` unset).
+
+    Also a ``NotImplementedError``, what Celery raises for ``AsyncResult.get()`` there.
+    """
+
+
 class InvalidIdError(EchoMQError, ValueError):
     """A job id or queue name cannot be made into a key (empty, too long, braces, colon, space)."""
 
@@ -101,6 +108,21 @@ class ReplicationError(EchoMQError):
         super().__init__(message, acked, wanted)
         self.acked = acked
         self.wanted = wanted
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class NotRepairableError(EchoMQError):
+    """A retry or release was refused: the flow is not in a state that action repairs.
+
+    The message says the flow's current state and what the action accepts; nothing changed.
+    ``state`` is the state that was found (``"missing"`` for an unknown id).
+    """
+
+    def __init__(self, message: str = "", state: str = "") -> None:
+        super().__init__(message, state)
+        self.state = state
 
     def __str__(self) -> str:
         return str(self.args[0])

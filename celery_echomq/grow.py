@@ -37,7 +37,6 @@ from .plan import (
     child_queue,
     parent_ref,
     plan_children,
-    signatures,
 )
 from .publish import publish
 from .reads import locate
@@ -92,7 +91,11 @@ def add_children(
         check_id(parent_id)
         state = get_state(app or current_app)
         parent = ParentRef(parent_id, locate(state, parent_id, queue))
-    return grow(state, parent, signatures(children, state.app))
+    # canvas.py is imported here, not at the top: recovery imports this module for
+    # write_staged, and canvas.py imports start.py.
+    from .canvas import _signatures
+
+    return grow(state, parent, _signatures(children, state.app))
 
 
 def _closed(parent: ParentRef, state: str) -> FlowClosedError:

@@ -13,6 +13,11 @@ TRANSITIONS = (
     "retry",
     "dispatch",
     "cancel",
+    # an operator's repairs: retry a failed flow (its parent's slot, then its children's),
+    # release a held parent now
+    "retry_flow",
+    "retry_children",
+    "release",
     # the chunked / cross-slot path: open, add per queue and chunk, seal; credit on the parent
     "open_flow",
     "add_children",

@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from celery.canvas import Signature, group, maybe_signature
+from celery.canvas import Signature
 
 from .errors import PolicyError
 from .keyspace import check_id, check_queue, check_unique
@@ -132,22 +132,6 @@ def _job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) 
     }
 
 
-def signatures(children: Any, app: Any) -> list[Signature]:
-    """``children`` (a list or a group of signatures, or their dicts) as a list of signatures."""
-    if children is None:
-        return []
-    if isinstance(children, dict) and not isinstance(children, Signature):
-        children = maybe_signature(children, app=app)
-    if isinstance(children, group):
-        children = children.tasks
-    if isinstance(children, Signature):
-        raise TypeError(
-            "flow children must be a list or a group of signatures, got one signature "
-            f"({children.task!r}); wrap it in a list"
-        )
-    return [maybe_signature(child, app=app) for child in children]
-
-
 def is_flow(sig: Any) -> bool:
     return getattr(sig, "subtask_type", None) == "flow"
 
@@ -175,6 +159,11 @@ def plan_flow(
     plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer)
     plan_children(app, plan, children, args=args, kwargs=kwargs, shared=shared)
     parent_opts = {k: v for k, v in options.items() if k not in CHILD_ONLY}
+    if not outer:
+        # Whoever releases the parent publishes its stored message: its result must still
+        # reach this caller where the result backend replies to the sender (rpc://), as the
+        # reply_to of a message the caller sent itself would.
+        parent_opts.setdefault("reply_to", app.thread_oid)
     headers = {H_QUEUE: queue, H_FLOW: "1"}
     if outer:
         headers[H_PARENT] = outer

@@ -75,12 +75,19 @@ def scan_queues(state: EchoMQ, job_id: str) -> str | None:
     return next((name for name, there in zip(names, pipe.execute(), strict=True) if there), None)
 
 
+# Flows whose parent is running eagerly in this process (``flow.apply()``), by parent id: the
+# reads inside its body answer from memory, as they answer from Redis on a worker.
+EAGER: dict[str, Any] = {}
+
+
 def _state(app: Any) -> EchoMQ:
     return get_state(app or current_app)
 
 
 def children_values(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, Any]:
     """``{child_job_id: value}`` for the children of ``job_id`` completed so far."""
+    if job_id in EAGER:
+        return dict(EAGER[job_id].values)
     state = _state(app)
     _, processed, _ = state.keys.flow_keys(locate(state, job_id, queue), job_id)
     return {text(k): state.loads(v) for k, v in state.client.hgetall(processed).items()}
@@ -88,6 +95,8 @@ def children_values(job_id: str, *, app: Any = None, queue: str | None = None) -
 
 def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> Dependencies:
     """The counter (children outstanding) and how many children have been credited."""
+    if job_id in EAGER:
+        return Dependencies(EAGER[job_id].outstanding, EAGER[job_id].credited)
     state = _state(app)
     q = locate(state, job_id, queue)
     deps, _, _ = state.keys.flow_keys(q, job_id)
@@ -100,6 +109,8 @@ def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> D
 
 def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
     """``{child_job_id: "ExcType: message"}`` for children that failed under policy ``ignore``."""
+    if job_id in EAGER:
+        return dict(EAGER[job_id].ignored)
     state = _state(app)
     _, _, ignored = state.keys.flow_keys(locate(state, job_id, queue), job_id)
     return {text(k): text(v) for k, v in state.client.hgetall(ignored).items()}

@@ -324,6 +324,61 @@ class Scripts(ScriptRunner):
             return _status(reply[0]), _status(reply[0]), []
         return _status(reply[0]), _status(reply[1]), [text(cid) for cid in reply[2:]]
 
+    def retry_flow(
+        self,
+        queue: str,
+        parent_id: str,
+        local: Sequence[str],
+        others: Sequence[str] = (),
+    ) -> tuple[Status, list[tuple[str, bytes]]]:
+        """Put a flow failed under policy fail back to awaiting_children (retry_flow.lua).
+
+        ``local``: failed children on the parent's slot to make pending again; ``others``:
+        children retried elsewhere (another slot, or a nested flow) whose :settled entry goes.
+        Returns the status and ``(id, payload)`` of each child made pending.
+        """
+        deps, processed, ignored = self.keys.flow_keys(queue, parent_id)
+        keys = [
+            self.keys.job_key(queue, parent_id),
+            deps,
+            processed,
+            ignored,
+            self.keys.settled_key(queue, parent_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "failed"),
+            *(self.keys.job_key(queue, cid) for cid in local),
+        ]
+        reply = self._run("retry_flow", keys, [parent_id, str(len(local)), *local, *others])
+        pairs = [(text(reply[i]), reply[i + 1]) for i in range(1, len(reply), 2)]
+        return _status(reply[0]), pairs
+
+    def retry_children(
+        self, queue: str, parent_id: str, child_ids: Sequence[str]
+    ) -> list[tuple[str, bytes]]:
+        """Make failed children of another slot than their parent's pending again."""
+        keys = [
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "failed"),
+            *(self.keys.job_key(queue, cid) for cid in child_ids),
+        ]
+        reply = self._run("retry_children", keys, [parent_id, *child_ids])
+        return [(text(reply[i]), reply[i + 1]) for i in range(0, len(reply), 2)]
+
+    def release(
+        self, queue: str, parent_id: str, child_ids: Sequence[str], *, revoke: bool, ttl: int
+    ) -> tuple[Status, list[str]]:
+        """Release a held parent now; with ``revoke``, cancel its outstanding children on its
+        slot. Returns the status and the ids cancelled."""
+        keys = [
+            self.keys.job_key(queue, parent_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+            *(self.keys.job_key(queue, cid) for cid in (child_ids if revoke else ())),
+        ]
+        argv = [parent_id, str(ttl), "1" if revoke else "0", *(child_ids if revoke else ())]
+        reply = self._run("release", keys, argv)
+        return _status(reply[0]), [text(cid) for cid in reply[1:]]
+
     def requeue(
         self, queue: str, job_id: str, stall_ms: int, seen_state: str, token: str = ""
     ) -> tuple[Status, bytes | None]:

@@ -9,6 +9,7 @@ process dies in between.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from .errors import FlowFailed
 from .plan import H_PARENT, H_PARENT_QUEUE
@@ -43,6 +44,35 @@ def dispatch_parent(
     return True
 
 
+def record_failure(
+    state: EchoMQ,
+    job_id: str,
+    exc: BaseException,
+    job: dict[str, Any] | None,
+    *,
+    call_errbacks: bool = True,
+) -> None:
+    """Store FAILURE for a job that never ran (a flow's parent), as its own worker would:
+    with its request, so that its ``link_error`` callbacks run and a result backend that
+    replies to the caller (``rpc://``) finds the caller's ``reply_to`` in it."""
+    from celery.app.task import Context
+    from celery.utils.functional import maybe_list
+
+    job = job or {"task": None, "options": {}}
+    options = job.get("options") or {}
+    request = Context(
+        id=job_id,
+        task=job.get("task"),
+        errbacks=maybe_list(options.get("link_error")) if call_errbacks else None,
+        args=job.get("args", []),
+        kwargs=job.get("kwargs", {}),
+        reply_to=options.get("reply_to"),
+        correlation_id=job_id,
+        delivery_info={},
+    )
+    state.app.backend.mark_as_failure(job_id, exc, request=request, call_errbacks=call_errbacks)
+
+
 def parent_failed(
     state: EchoMQ, queue: str, parent_id: str, child_id: str, error: str
 ) -> tuple[FlowFailed, ParentRef | None]:
@@ -51,20 +81,10 @@ def parent_failed(
     Returns the error and, for a nested flow, where its own parent lives (the failure is
     that flow's child's failure next).
     """
-    from celery.app.task import Context
-
     payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
     job = state.loads(payload) if payload else {"task": None, "options": {}}
     exc = FlowFailed(f"flow {parent_id}: child {child_id} failed: {error}", child_id, error)
-    request = Context(
-        id=parent_id,
-        task=job["task"],
-        errbacks=job["options"].get("link_error"),
-        args=job.get("args", []),
-        kwargs=job.get("kwargs", {}),
-        delivery_info={},
-    )
-    state.app.backend.mark_as_failure(parent_id, exc, request=request, call_errbacks=True)
+    record_failure(state, parent_id, exc, job)
     logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
     headers = job["options"].get("headers") or {}
     outer = headers.get(H_PARENT)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any, NamedTuple
 
 import redis
+from kombu.exceptions import EncodeError
 
 from .config import safe_url
 from .errors import EchoMQError, FlowCancelled, FlowExistsError, StoreUnavailableError
@@ -18,7 +20,7 @@ from .plan import Plan, child_id, child_queue
 from .publish import publish
 from .replies import Status
 from .scripts import ParentRef
-from .settle import dispatch_parent
+from .settle import dispatch_parent, record_failure
 from .state import EchoMQ
 from .views import JobNode, walk
 
@@ -29,11 +31,55 @@ logger = logging.getLogger("celery_echomq")
 JOB_SETS = ("pending", "active", "failed", "outbox", "open", "adding")
 
 
-def _payloads(state: EchoMQ, plan: Plan) -> list[tuple[str, bytes]]:
-    return [(child_id(job), state.dumps(job)) for job in plan.children]
+class Encoded(NamedTuple):
+    """A level's stored messages, encoded before anything is written."""
+
+    parent: bytes
+    children: list[tuple[str, bytes]]
 
 
-def start_flow(state: EchoMQ, plan: Plan) -> None:
+def _encode(state: EchoMQ, job: dict[str, Any], where: str) -> bytes:
+    try:
+        return state.dumps(job)
+    except Exception as exc:
+        name = state.settings.serializer
+        raise EncodeError(
+            f"{where} cannot be encoded with the {name!r} serializer (task_serializer): "
+            f"{type(exc).__name__}: {exc}; the flow was not started: nothing was written or "
+            "published"
+        ) from exc
+
+
+def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
+    """Every level's messages, by parent id; refuses (``EncodeError``) an argument the
+    serializer cannot encode, naming its job, before any Redis command or publish."""
+    encoded: dict[str, Encoded] = {}
+    # Inner levels first: a bad argument is named where it is, not by the nested flow's
+    # entry that carries it.
+    for level in reversed(list(plan.levels())):
+        children = []
+        for position, job in enumerate(level.children, 1):
+            cid = child_id(job)
+            what = "a nested flow" if "nested" in job else job["task"]
+            where = f"flow {level.parent_id}: child {position} ({what}, {cid})"
+            children.append((cid, _encode(state, job, where)))
+        where = f"flow {level.parent_id}: the parent ({level.parent['task']})"
+        encoded[level.parent_id] = Encoded(_encode(state, level.parent, where), children)
+    return encoded
+
+
+def declare_reply_queue(app: Any, parent_id: str) -> None:
+    """Declare the queue an ``rpc://`` result backend replies to, as ``send_task`` does before
+    it publishes: the parent's result may come back before the caller asks for it."""
+    from celery.backends.rpc import RPCBackend
+
+    backend = app.backend
+    if isinstance(backend, RPCBackend):
+        with app.producer_or_acquire(None) as producer:
+            backend.on_task_call(producer, parent_id)
+
+
+def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = None) -> None:
     """Enqueue the flow (each level of a tree, outer first), then publish its leaves.
 
     A level whose children all live on its parent's slot, and are no more than
@@ -45,6 +91,10 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
     payload is the nested plan, then held by its own level: a crash between the two leaves a
     pending child that recovery re-publishes, which resumes the nested flow (``publish``).
     """
+    if encoded is None:
+        encoded = encode_plan(state, plan)
+    if not plan.outer:
+        declare_reply_queue(state.app, plan.parent_id)
     scripts = state.scripts
     keys = state.keys
     chunk = state.settings.chunk_size
@@ -60,13 +110,13 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
         try:
             for level in levels:
                 if level.chunked(chunk):
-                    _enqueue_chunked(state, level, chunk, written)
+                    _enqueue_chunked(state, level, encoded[level.parent_id], chunk, written)
                 else:
                     scripts.enqueue_flow(
                         level.queue,
                         level.parent_id,
-                        state.dumps(level.parent),
-                        _payloads(state, level),
+                        encoded[level.parent_id].parent,
+                        encoded[level.parent_id].children,
                         outer=level.outer,
                     )
                     written.append((level.queue, level.parent_id, level.child_ids()))
@@ -94,7 +144,7 @@ def start_flow(state: EchoMQ, plan: Plan) -> None:
             side.set(keys.locator_key(level.parent_id), level.queue, ex=state.locator_ttl)
         side.execute()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
-        where = f"Redis at {safe_url(state.settings.redis_url)!r}"
+        where = f"Redis at {safe_url(state.settings.redis_url or '')!r}"
         if not written:
             raise StoreUnavailableError(
                 f"{where} is unavailable ({exc}); the flow was not started and nothing was "
@@ -136,23 +186,26 @@ def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
 
 
 def _enqueue_chunked(
-    state: EchoMQ, level: Plan, chunk: int, written: list[tuple[str, str, list[str]]]
+    state: EchoMQ,
+    level: Plan,
+    encoded: Encoded,
+    chunk: int,
+    written: list[tuple[str, str, list[str]]],
 ) -> None:
     scripts = state.scripts
     scripts.open_flow(
         level.queue,
         level.parent_id,
-        state.dumps(level.parent),
+        encoded.parent,
         len(level.children),
         level.policy,
         outer=level.outer,
     )
     written.append((level.queue, level.parent_id, []))
     by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
-    for job in level.children:
-        cid = child_id(job)
+    for job, (cid, payload) in zip(level.children, encoded.children, strict=True):
         by_queue.setdefault(child_queue(job), []).append(
-            (cid, state.dumps(job), level.child_policies.get(cid, ""))
+            (cid, payload, level.child_policies.get(cid, ""))
         )
     parent = ParentRef(level.parent_id, level.queue)
     open_key = state.keys.queue_key(level.queue, "open")
@@ -211,7 +264,9 @@ def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = Fal
     if to_revoke:
         state.app.control.revoke(to_revoke, terminate=terminate)
     exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
-    state.app.backend.mark_as_failure(parent_id, exc)
+    record_failure(
+        state, parent_id, exc, state.loads(payload) if payload else None, call_errbacks=False
+    )
     logger.info(
         "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
     )

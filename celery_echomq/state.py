@@ -12,7 +12,7 @@ from typing import Any, cast
 
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
 
-from .config import Settings, read_settings
+from .config import Settings, missing_url_error, read_settings
 from .errors import ConfigError
 from .keyspace import Keyspace
 from .scripts import Scripts
@@ -42,6 +42,8 @@ class EchoMQ:
             with self._lock:
                 if self._pid != os.getpid():
                     settings = self.settings
+                    if settings.redis_url is None:
+                        raise missing_url_error()
                     self._client = make_client(settings)
                     self._scripts = Scripts(
                         self._client,

@@ -39,7 +39,7 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from .config import Settings, parse_sentinel_url, safe_url
+from .config import Settings, missing_url_error, parse_sentinel_url, safe_url
 
 logger = logging.getLogger("celery_echomq.store")
 # A worker's logging shows the retry notice; where nothing is configured (a CLI command), it is
@@ -238,7 +238,7 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
     from redis.sentinel import Sentinel
 
     options = settings.transport_options
-    url = parse_sentinel_url(settings.redis_url)
+    url = parse_sentinel_url(settings.redis_url or "")
     sentinel_kwargs: dict[str, Any] = dict(options.get("sentinel_kwargs") or {})
     sentinel_kwargs.setdefault("socket_timeout", SENTINEL_SOCKET_TIMEOUT)
     sentinel_kwargs.setdefault("socket_connect_timeout", SENTINEL_SOCKET_TIMEOUT)
@@ -271,6 +271,8 @@ def make_client(settings: Settings | str) -> Any:
     if isinstance(settings, str):
         settings = Settings(redis_url=settings)
     url = settings.redis_url
+    if url is None:
+        raise missing_url_error()
     kwargs = _connection_kwargs(settings.transport_options)
     if url.startswith("sentinel://"):
         return _sentinel_client(settings, kwargs)
@@ -299,6 +301,6 @@ def make_client(settings: Settings | str) -> Any:
 def describe(settings: Settings) -> str:
     """Where the store is, for messages: the URL with its passwords masked, and the Sentinel
     service name when there is one."""
-    where = safe_url(settings.redis_url)
+    where = safe_url(settings.redis_url or "(no Redis URL)")
     master = settings.transport_options.get("master_name")
     return f"{where} (master {master})" if master and where.startswith("sentinel://") else where

@@ -3,9 +3,10 @@ subprocesses running tests/proj.py.
 
 Every test that runs a worker subprocess is marked ``e2e`` (here, by the fixtures it uses, or
 by its module). With ``ECHOMQ_TEST_WORKER=inprocess`` (``python3 dev.py test --fast``, which
-also deselects ``e2e``), the ``worker`` fixture is an in-process worker instead
-(``celery.contrib.testing.worker.start_worker``, threads pool), for the canvas and policy
-tests: what needs no crash runs in seconds.
+also deselects ``e2e``), the ``worker`` fixture is an in-process worker instead (the
+``echomq_worker`` of the pytest plugin users load, ``celery_echomq.testing``: Celery's
+``start_worker``, threads pool), for the canvas and policy tests: what needs no crash runs in
+seconds. ``redis_base`` is that plugin's ``echomq_redis_url``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_echomq.embedded import RedisServer, WorkerProcess
+from celery_echomq.embedded import WorkerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 # Worker logs of this test session (kept after the run for reading a failure).
@@ -29,20 +30,11 @@ LOGDIR = Path(os.environ.get("ECHOMQ_TEST_LOGDIR") or tempfile.mkdtemp(prefix="e
 LOGDIR.mkdir(parents=True, exist_ok=True)  # ECHOMQ_TEST_LOGDIR may name a new directory
 
 
-def _base_url(url: str) -> str:
-    # Strip a trailing /db so tests choose databases themselves.
-    head, _, tail = url.rstrip("/").rpartition("/")
-    return head if tail.isdigit() and head.count("/") >= 2 else url.rstrip("/")
-
-
 @pytest.fixture(scope="session")
-def redis_base() -> Iterator[str]:
-    external = os.environ.get("ECHOMQ_TEST_REDIS_URL")
-    if external:
-        yield _base_url(external)
-        return
-    with RedisServer() as server:
-        yield f"redis://127.0.0.1:{server.port}"
+def redis_base(echomq_redis_url: str) -> str:
+    # The plugin's own fixture (celery_echomq.testing): ECHOMQ_TEST_REDIS_URL, else a private
+    # redis-server for the session.
+    return echomq_redis_url
 
 
 class Env:
@@ -144,14 +136,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(scope="session")
-def worker(env: Env, proj: Any) -> Iterator[Any]:
-    if INPROCESS:
-        from celery.contrib.testing.worker import start_worker
+def echomq_app(proj: Any) -> Any:
+    """The app the plugin's ``echomq_worker`` runs: tests/proj.py."""
+    return proj.app
 
-        with start_worker(
-            proj.app, pool="threads", concurrency=4, perform_ping_check=False, shutdown_timeout=30
-        ) as in_process:
-            yield in_process
+
+@pytest.fixture(scope="session")
+def echomq_app_config(env: Env) -> dict[str, Any]:
+    # tests/proj.py reads its URLs from the environment ``env`` set: nothing to change.
+    return {}
+
+
+@pytest.fixture(scope="session")
+def worker(env: Env, proj: Any, request: pytest.FixtureRequest) -> Iterator[Any]:
+    if INPROCESS:
+        # The plugin's in-process worker (celery_echomq.testing), as a user's suite has it.
+        yield request.getfixturevalue("echomq_worker")
         return
     w = Worker(env, name="session")
     yield w

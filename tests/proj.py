@@ -15,7 +15,10 @@ import celery_echomq
 app = Celery("proj")
 app.conf.update(
     broker_url=os.environ.get("ECHOMQ_T_BROKER", "redis://127.0.0.1:6379/1"),
-    result_backend=os.environ.get("ECHOMQ_T_BACKEND", "redis://127.0.0.1:6379/2"),
+    # ECHOMQ_T_BACKEND=none: no result backend at all.
+    result_backend=None
+    if os.environ.get("ECHOMQ_T_BACKEND") == "none"
+    else os.environ.get("ECHOMQ_T_BACKEND", "redis://127.0.0.1:6379/2"),
     echomq_redis_url=os.environ.get("ECHOMQ_T_STORE", "redis://127.0.0.1:6379/3"),
     echomq_stall_timeout=float(os.environ.get("ECHOMQ_T_STALL", "300")),
     echomq_recovery_interval=float(os.environ.get("ECHOMQ_T_RECOVERY_INTERVAL", "1")),
@@ -89,6 +92,16 @@ def gated_boom(gate: str, message: str = "boom") -> None:
     """Fail once ``gate`` opens: a failure the test can order after other children."""
     _wait_gate(gate)
     raise ValueError(message)
+
+
+@app.task
+def flaky(x: int, flag: str) -> int:
+    """Fail unless the key ``flag`` exists (the test sets it, then retries the flow); counts
+    each run under ``flaky:<flag>``."""
+    mark(f"flaky:{flag}")
+    if not _store().exists(flag):
+        raise ValueError(f"flag {flag} not set")
+    return x
 
 
 @app.task

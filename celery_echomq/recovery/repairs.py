@@ -21,6 +21,7 @@ from ..settle import (
     dispatch_parent,
     error_text,
     follow,
+    record_failure,
     settle_failure,
     settle_success,
 )
@@ -41,12 +42,20 @@ from .common import (
 logger = logging.getLogger("celery_echomq")
 
 
-def _backend_outcome(state: EchoMQ, job_id: str) -> tuple[str | None, Any]:
-    """The job's status and result in Celery's result backend; (None, None) if it keeps none."""
+def backend_readable(app: Any) -> bool:
+    """Whether any process can read a task's result from the app's result backend: not with
+    none, nor with ``rpc://``, which sends each result to its caller's own reply queue."""
     from celery.backends.base import DisabledBackend
+    from celery.backends.rpc import RPCBackend
 
+    return not isinstance(app.backend, (DisabledBackend, RPCBackend))
+
+
+def _backend_outcome(state: EchoMQ, job_id: str) -> tuple[str | None, Any]:
+    """The job's status and result in Celery's result backend; (None, None) if it keeps none
+    that this process can read."""
     backend = state.app.backend
-    if isinstance(backend, DisabledBackend):
+    if not backend_readable(state.app):
         return None, None
     meta = backend.get_task_meta(job_id)
     return meta.get("status"), meta.get("result")
@@ -131,6 +140,17 @@ def _repair_active(
         error = error_text(result) if isinstance(result, BaseException) else str(result)
         failed = settle_failure(state, queue, job_id, token, error, is_parent, parent)
         return f"{queue}: failed {job_id} from its FAILURE result ({failed}): {error}"
+    if replaced_by and not backend_readable(state.app):
+        # Its replacement's outcome can never be read here: fail it (under its policy) once,
+        # rather than look again every pass for ever.
+        error = (
+            f"HandOverError: {job_id} replaced itself (Task.replace), but the result backend "
+            f"({type(state.app.backend).__name__}) keeps no result this process can read; set "
+            "result_backend to one that stores results (redis://, a database) to replace a "
+            "flow job"
+        )
+        failed = settle_failure(state, queue, job_id, token, error, is_parent, parent)
+        return f"{queue}: failed {job_id}: its replacement's result cannot be read ({failed})"
     if replaced_by:
         # Its replacement has not finished: look again next pass. Whether the replacement's
         # messages arrive is Celery's business, as for a chord whose header task replaced
@@ -249,7 +269,8 @@ def _outer_ref(state: EchoMQ, queue: str, parent_id: str, payload: Any) -> Paren
 def _mark_abandoned(
     state: EchoMQ, queue: str, parent_id: str, exc: FlowFailed, payload: Any
 ) -> None:
-    state.app.backend.mark_as_failure(parent_id, exc)
+    job = decode_job(state, queue, parent_id, payload) if payload is not None else None
+    record_failure(state, parent_id, exc, job, call_errbacks=False)
     outer = _outer_ref(state, queue, parent_id, payload)
     if outer is not None:
         settle_failure(state, queue, parent_id, "", error_text(exc), True, outer, carry=True)

@@ -1,0 +1,239 @@
+"""A flow run eagerly: ``flow(...).apply()``, and ``apply_async`` under ``task_always_eager``.
+
+Every child runs in this process, in order, then the parent, as ``chord(...).apply()`` does;
+nothing touches Redis or the broker. The fan-in follows the same rules as
+``lua/includes/settle_child.lua``, kept in memory: a child's value is counted once, a failed
+child's ``parent_policy`` (else the flow's ``policy``) decides what it means for the parent,
+and the result holds what ``children_values()``, ``dependencies()`` and
+``ignored_failures()`` read on a worker.
+
+What differs from a worker: children run one after another, in the order given, so under
+``continue`` the parent runs (at once, as on release) with the values of the children before
+the failed one, then the remaining children run and are recorded; no store, lease, recovery or
+exactly-once bookkeeping exists; the reads work on the result, and inside the parent's body
+while it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery import states
+from celery.result import EagerResult
+
+from . import reads
+from .canvas import FlowResult
+from .errors import FlowFailed
+from .plan import Plan, is_flow, plan_flow
+from .reads import Dependencies
+from .settle import error_text
+
+
+@dataclass
+class FanIn:
+    """A flow's counter, values and ignored errors, as the scripts keep them in Redis."""
+
+    parent_id: str
+    outstanding: int
+    policy: str
+    values: dict[str, Any] = field(default_factory=dict)
+    ignored: dict[str, str] = field(default_factory=dict)
+    credited: int = 0
+    waiting: bool = True
+    failure: FlowFailed | None = None
+
+    def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
+        """Count one finished child; whether this released the parent (settle_child.lua)."""
+        if ok:
+            self.values[child_id] = data
+            policy = ""
+        else:
+            policy = policy or self.policy
+            if policy == "fail":
+                if self.waiting:
+                    self.waiting = False
+                    self.failure = FlowFailed(
+                        f"flow {self.parent_id}: child {child_id} failed: {data}", child_id, data
+                    )
+                return False
+            if policy == "ignore":
+                self.ignored[child_id] = data
+        self.outstanding -= 1
+        self.credited += 1
+        if (policy == "continue" or self.outstanding <= 0) and self.waiting:
+            self.waiting = False
+            return True
+        return False
+
+    def released_values(self, child_ids: Sequence[str]) -> list[Any]:
+        """The parent's argument: the values so far, in the children's order (dispatch.lua)."""
+        return [self.values[cid] for cid in child_ids if cid in self.values]
+
+
+class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
+    """A flow's result after an eager run: the parent's outcome and the flow's reads, in
+    memory. ``get()`` returns the parent's value, or raises what a worker's result would."""
+
+    def __init__(
+        self,
+        id: str,
+        ret_value: Any,
+        state: str,
+        traceback: Any = None,
+        name: str | None = None,
+        fanin: FanIn | None = None,
+        app: Any = None,
+    ) -> None:
+        # Celery 5.3's EagerResult takes no name.
+        EagerResult.__init__(self, id, ret_value, state, traceback)
+        self._name = name
+        self.app = app
+        self.flow_queue = None
+        self.fanin = fanin or FanIn(id, 0, "fail")
+
+    def __reduce_args__(self) -> tuple[Any, ...]:
+        return (self.id, self._result, self._state, self._traceback, self._name, self.fanin)
+
+    def children_values(self) -> dict[str, Any]:
+        return dict(self.fanin.values)
+
+    def dependencies(self) -> Dependencies:
+        return Dependencies(self.fanin.outstanding, self.fanin.credited)
+
+    def ignored_failures(self) -> dict[str, str]:
+        return dict(self.fanin.ignored)
+
+    def revoke(self, *args: Any, **kwargs: Any) -> None:
+        # Everything already ran: as for any eager result.
+        EagerResult.revoke(self, *args, **kwargs)
+
+
+def _outcome(res: Any) -> tuple[bool, Any]:
+    """(succeeded, value or error text) of what a child's ``apply`` returned."""
+    results = getattr(res, "results", None)
+    if results is not None:  # a group (GroupResult of eager results)
+        outcomes = [_outcome(r) for r in results]
+        failed = next((value for ok, value in outcomes if not ok), None)
+        if failed is not None:
+            return False, failed
+        return True, [value for _, value in outcomes]
+    if res.state == states.SUCCESS:
+        return True, res.result
+    exc = res.result
+    return False, error_text(exc) if isinstance(exc, BaseException) else str(exc)
+
+
+def apply_flow(
+    sig: Any,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    throw: bool | None = None,
+    **options: Any,
+) -> EagerFlowResult:
+    """Run ``sig`` (a flow) in this process. ``throw`` (default ``task_eager_propagates``,
+    as for ``Task.apply``): raise the parent's error instead of returning a failed result."""
+    app = sig._get_app()
+    merged = {k: v for k, v in {**sig.options, **options}.items() if v is not None}
+    for name in ("producer", "connection", "add_to_parent", "publisher", "router"):
+        merged.pop(name, None)
+    partial = () if sig.immutable else (*tuple(args or ()), *sig.args)
+    # The same ids, gates and policy checks as on a worker; the plan is then only read.
+    plan = plan_flow(
+        app,
+        sig.parent,
+        sig.children,
+        policy=sig.policy,
+        args=tuple(partial),
+        kwargs=kwargs,
+        options=merged,
+    )
+    result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged)
+    if throw is None:
+        throw = bool(app.conf.task_eager_propagates)
+    if throw and result.state in states.PROPAGATE_STATES:
+        exc = result.result
+        raise exc if isinstance(exc, BaseException) else Exception(exc)
+    return result
+
+
+def _run(
+    app: Any,
+    sig: Any,
+    plan: Plan,
+    partial: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    options: dict[str, Any],
+) -> EagerFlowResult:
+    child_ids = plan.child_ids()
+    fanin = FanIn(plan.parent_id, len(child_ids), plan.policy)
+    parent_options = {k: v for k, v in options.items() if k in ("link", "link_error")}
+    parent_res: Any = None
+
+    def run_parent() -> Any:
+        values = fanin.released_values(child_ids)
+        reads.EAGER[plan.parent_id] = fanin
+        try:
+            return sig.parent.apply(
+                (values,), task_id=plan.parent_id, throw=False, **parent_options
+            )
+        finally:
+            reads.EAGER.pop(plan.parent_id, None)
+
+    if not child_ids:
+        fanin.waiting = False
+        parent_res = run_parent()
+    for child, cid, job in zip(sig.children, child_ids, plan.children, strict=True):
+        if is_flow(child):
+            inner_partial = () if child.immutable else (*partial, *child.args)
+            inner = Plan.from_dict(job["nested"])
+            inner_opts = {k: v for k, v in child.options.items() if k in ("link", "link_error")}
+            res: Any = _run(app, child, inner, inner_partial, kwargs, inner_opts)
+        else:
+            run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
+            res = run.apply(task_id=cid, throw=False)
+        ok, data = _outcome(res)
+        if fanin.settle(cid, ok, data, child.options.get("parent_policy")):
+            parent_res = run_parent()
+    if parent_res is not None:
+        return EagerFlowResult(
+            plan.parent_id,
+            parent_res.result,
+            parent_res.state,
+            getattr(parent_res, "traceback", None),
+            sig.parent.task,
+            fanin,
+            app,
+        )
+    failure = fanin.failure or FlowFailed(f"flow {plan.parent_id}: never released")
+    _record_failure(app, plan, sig, failure)
+    return EagerFlowResult(
+        plan.parent_id, failure, states.FAILURE, None, sig.parent.task, fanin, app
+    )
+
+
+def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None:
+    """What a worker does for a parent failed by its child, as Celery's eager trace does for a
+    failed task: run its ``link_error`` callbacks; store it only with
+    ``task_store_eager_result``."""
+    from celery.app.task import Context
+    from celery.utils.functional import maybe_list
+
+    request = Context(
+        id=plan.parent_id,
+        task=sig.parent.task,
+        errbacks=maybe_list(plan.parent["options"].get("link_error")),
+        args=plan.parent.get("args", []),
+        kwargs=plan.parent.get("kwargs", {}),
+        delivery_info={"is_eager": True},
+        is_eager=True,
+    )
+    app.backend.mark_as_failure(
+        plan.parent_id,
+        failure,
+        request=request,
+        store_result=bool(app.conf.task_store_eager_result),
+        call_errbacks=True,
+    )

@@ -1,0 +1,51 @@
+-- release: an operator runs a held parent now, with the values its children returned so
+-- far, as policy 'continue' does. Later completions are still recorded in :processed and
+-- counted, but never release the parent again: settle_child releases only a parent that
+-- still awaits its children, and this one no longer does.
+--
+-- KEYS[1]    the parent row
+-- KEYS[2]    the parent queue's pending set
+-- KEYS[3]    the parent queue's active set
+-- KEYS[3+i]  child i's row, i = 1..N (children on this slot; only read with ARGV[3] == '1')
+-- ARGV[1]    parent id
+-- ARGV[2]    result TTL in seconds (a revoked child's row expires with it)
+-- ARGV[3]    '1' to revoke the outstanding children: each pending, active or held child on
+--            this slot becomes cancelled (no later claim runs it, no completion counts it);
+--            '0' to let them run
+-- ARGV[3+i]  child i's id
+--
+-- Reply: {status, id1, id2, ...}
+--   "released"   awaiting_children -> pending (the host dispatches the parent); the ids are
+--                the children cancelled (the host revokes their messages)
+--   "<state>"    refused, nothing changed: the parent is not held (pending, active, done,
+--                failed, cancelled, or "missing" for no row)
+-- Errors: "EMQKIND ..." a non-JOB id.
+--- @include "gate"
+--- @include "now_ms"
+--- @include "release_parent"
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV)
+if refused then
+  return refused
+end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'awaiting_children' then
+  return {state or 'missing'}
+end
+release_parent(KEYS[1], KEYS[2], ARGV[1])
+redis.call('HSET', KEYS[1], 'released_by', 'operator')
+local reply = {'released'}
+if ARGV[3] == '1' then
+  local ttl = tonumber(ARGV[2])
+  for i = 1, #KEYS - 3 do
+    local cid = ARGV[3 + i]
+    local cstate = redis.call('HGET', KEYS[3 + i], 'state')
+    if cstate == 'pending' or cstate == 'active' or cstate == 'awaiting_children' then
+      redis.call('HSET', KEYS[3 + i], 'state', 'cancelled')
+      redis.call('ZREM', KEYS[2], cid)
+      redis.call('ZREM', KEYS[3], cid)
+      redis.call('EXPIRE', KEYS[3 + i], ttl)
+      reply[#reply + 1] = cid
+    end
+  end
+end
+return reply

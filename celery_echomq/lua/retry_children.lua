@@ -1,0 +1,39 @@
+-- retry_children: the part of an operator's retry (retry_flow.lua) that lives on a child's
+-- slot, for children routed to another queue than their parent's. retry_flow has already
+-- put the parent back to awaiting_children and removed these children from its :settled, so
+-- their new outcomes are credited once each (credit.lua); this makes the failed rows pending
+-- again, as new attempts the host publishes.
+--
+-- KEYS[1]    this queue's pending set
+-- KEYS[2]    this queue's failed set
+-- KEYS[2+i]  child i's row, i = 1..N
+-- ARGV[1]    the parent id (a row whose 'parent' differs is left alone)
+-- ARGV[1+i]  child i's id
+--
+-- Only a failed row is changed, so a second run of the same retry changes nothing.
+--
+-- Reply: {id1, payload1, id2, payload2, ...} the children made pending (maybe none)
+-- Errors: "EMQKIND ..." a non-JOB id.
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(1, #ARGV)
+if refused then
+  return refused
+end
+local now = now_ms()
+local reply = {}
+for i = 1, #KEYS - 2 do
+  local child = KEYS[2 + i]
+  local cid = ARGV[1 + i]
+  local c = redis.call('HMGET', child, 'state', 'parent')
+  if c[1] == 'failed' and c[2] == ARGV[1] then
+    redis.call('HSET', child, 'state', 'pending')
+    redis.call('HDEL', child, 'error', 'suspect', 'token')
+    redis.call('PERSIST', child)
+    redis.call('ZREM', KEYS[2], cid)
+    redis.call('ZADD', KEYS[1], now, cid)
+    reply[#reply + 1] = cid
+    reply[#reply + 1] = redis.call('HGET', child, 'payload')
+  end
+end
+return reply

@@ -1,0 +1,90 @@
+-- retry_flow: an operator retries a flow that failed under policy 'fail' (on the parent's
+-- slot). The parent goes back to awaiting_children and the failed children named here become
+-- pending again, as new attempts the host publishes; the counter is left as it is, because
+-- a child that failed under 'fail' was never counted (settle_child returns before the DECR),
+-- so the counter already says how many children are neither done nor otherwise settled.
+--
+-- KEYS[1]    the parent row
+-- KEYS[2]    the parent's :dependencies  }
+-- KEYS[3]    the parent's :processed     } made persistent again: the failure had set them
+-- KEYS[4]    the parent's :ignored       } to expire with the result TTL
+-- KEYS[5]    the parent's :settled       }
+-- KEYS[6]    the parent queue's pending set
+-- KEYS[7]    the parent queue's failed set
+-- KEYS[7+i]  child i's row, i = 1..N: a failed child on this slot to run again
+-- ARGV[1]    parent id
+-- ARGV[2]    N
+-- ARGV[2+i]  child i's id, i = 1..N
+-- ARGV[3+N..] ids of other children retried elsewhere (a child on another slot, reset by
+--            retry_children.lua; a nested flow, reset by its own retry_flow): their entry
+--            in :settled is removed, so that their new outcome is credited once more
+--
+-- A child is made pending only when it is failed and its policy (its own parent_policy, else
+-- the flow's default) is 'fail': a child counted under ignore/remove/continue, or one already
+-- retried, is left alone, so a second run of the same retry changes nothing.
+--
+-- Reply: {status, id1, payload1, id2, payload2, ...} the children made pending (the host
+--        publishes their payloads)
+--   "retried"    the parent awaits its children again
+--   "released"   the parent awaits nothing (its counter is 0: every outstanding child has
+--                settled meanwhile): it is now pending and the host dispatches it
+--   "<state>"    refused, nothing changed: the parent is not failed by a child
+--                ("failed" for a parent whose own body failed or that was abandoned),
+--                or it is held and none of the named children could be retried
+--                ("awaiting_children"), or it is pending, active, done, cancelled, missing
+-- Errors: "EMQKIND ..." a non-JOB id.
+--- @include "gate"
+--- @include "now_ms"
+--- @include "release_parent"
+-- ARGV[2] is a count, not an id: gate the ids on either side of it.
+local refused = gate_ids(1, 1) or gate_ids(3, #ARGV)
+if refused then
+  return refused
+end
+local row = redis.call('HMGET', KEYS[1], 'state', 'failed_child', 'policy')
+local state = row[1]
+if state == 'failed' and not row[2] then
+  return {'failed'}
+end
+if state ~= 'failed' and state ~= 'awaiting_children' then
+  return {state or 'missing'}
+end
+local n = tonumber(ARGV[2])
+local default = row[3] or 'fail'
+local now = now_ms()
+local reply = {'retried'}
+for i = 1, n do
+  local child = KEYS[7 + i]
+  local cid = ARGV[2 + i]
+  local c = redis.call('HMGET', child, 'state', 'parent_policy', 'parent')
+  if c[1] == 'failed' and (c[2] or default) == 'fail' and c[3] == ARGV[1] then
+    redis.call('HSET', child, 'state', 'pending')
+    redis.call('HDEL', child, 'error', 'suspect', 'token')
+    redis.call('PERSIST', child)
+    redis.call('ZREM', KEYS[7], cid)
+    redis.call('ZADD', KEYS[6], now, cid)
+    redis.call('HDEL', KEYS[5], cid)
+    reply[#reply + 1] = cid
+    reply[#reply + 1] = redis.call('HGET', child, 'payload')
+  end
+end
+local others = #ARGV - 2 - n
+for i = 3 + n, #ARGV do
+  redis.call('HDEL', KEYS[5], ARGV[i])
+end
+if state == 'awaiting_children' and #reply == 1 and others == 0 then
+  return {'awaiting_children'}
+end
+if state == 'failed' then
+  redis.call('HSET', KEYS[1], 'state', 'awaiting_children')
+  redis.call('HDEL', KEYS[1], 'error', 'failed_child', 'propagated')
+  redis.call('ZREM', KEYS[7], ARGV[1])
+  for k = 1, 5 do
+    redis.call('PERSIST', KEYS[k])
+  end
+end
+if tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
+  release_parent(KEYS[1], KEYS[6], ARGV[1])
+  reply[1] = 'released'
+end
+return reply

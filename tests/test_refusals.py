@@ -1,0 +1,98 @@
+"""Bad children and arguments are refused plainly, before anything is written or published.
+
+A child that is not a signature raises ``TypeError`` naming its position when the flow is
+made; an argument the app's serializer (json) cannot encode raises kombu's ``EncodeError``
+naming its job when the flow is sent. Either way the store and the broker are untouched:
+the flow's queue has no key, no message, and ``emq:queues`` does not name it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from celery import group
+from kombu.exceptions import EncodeError
+
+from celery_echomq import flow
+
+NOT_SIGNATURES = [
+    pytest.param("tests.proj.add", "a str", id="str"),
+    pytest.param(len, "a builtin_function_or_method", id="builtin"),
+    pytest.param(lambda x: x, "a function", id="function"),
+    pytest.param(None, "None", id="None"),
+    pytest.param(42, "an int", id="int"),
+]
+
+
+def untouched(store: redis.Redis, broker: redis.Redis, queue: str, ids: list[str]) -> None:
+    """Nothing of the flow in the store, nothing in its queue on the broker."""
+    assert store.keys(f"emq:{{{queue}}}:*") == []
+    assert not store.sismember("emq:queues", queue)
+    for job_id in ids:
+        assert store.keys(f"*{job_id}*") == []
+    assert broker.llen(queue) == 0 and not broker.exists(queue)
+
+
+@pytest.mark.parametrize(("bad", "what"), NOT_SIGNATURES)
+def test_a_child_that_is_not_a_signature_is_refused_naming_its_position(
+    proj: Any, own_queue: Any, env: Any, store: redis.Redis, bad: Any, what: str
+) -> None:
+    queue = own_queue("refused")
+    broker = redis.Redis.from_url(env.broker)
+    good = proj.add.s(1, 1).set(task_id="JOB" + uuid.uuid4().hex)
+    with pytest.raises(TypeError) as info:
+        flow(proj.tsum.s(), [good, bad, proj.add.s(2, 2)], queue=queue)
+    message = str(info.value)
+    assert message.startswith(f"flow child 2 is {what}, not a Signature")
+    assert "allowed: a task signature" in message
+    # Inside a group, and as a nested flow's child, the same.
+    with pytest.raises(TypeError, match=r"flow child 1 is "):
+        flow(proj.tsum.s(), group([bad]))
+    with pytest.raises(TypeError, match=r"flow child 3 is "):
+        flow(proj.tsum.s(), [proj.add.s(1, 1), flow(proj.tsum.s(), [proj.add.s(0, 0)]), bad])
+    untouched(store, broker, queue, [good.options["task_id"]])
+
+
+def test_children_that_are_not_a_list_are_refused(proj: Any) -> None:
+    with pytest.raises(TypeError, match="a list or a group of signatures, got an int"):
+        flow(proj.tsum.s(), 3)
+    with pytest.raises(TypeError, match="a list or a group of signatures, got a str"):
+        flow(proj.tsum.s(), "tests.proj.add")
+
+
+@pytest.mark.parametrize("where", ["child", "nested", "parent", "other-queue"])
+def test_an_argument_the_serializer_cannot_encode_is_refused_before_any_write(
+    proj: Any, own_queue: Any, env: Any, store: redis.Redis, where: str
+) -> None:
+    queue, other = own_queue("unencodable"), own_queue("unencodable-other")
+    broker = redis.Redis.from_url(env.broker)
+    bad_id = "JOB" + uuid.uuid4().hex
+    bad = proj.add.s(object(), 1).set(task_id=bad_id)
+    ok = [proj.add.s(i, i).set(task_id="JOB" + uuid.uuid4().hex) for i in range(2)]
+    parent = proj.tsum.s()
+    children: list[Any] = [*ok, bad]
+    if where == "nested":
+        children = [*ok, flow(proj.tsum.s(), [proj.add.s(5, 5), bad])]
+    elif where == "parent":
+        parent, children = proj.collect.s(tag=object()), ok
+    elif where == "other-queue":
+        # A child routed to another queue: the chunked path, which writes per step.
+        children = [ok[0], ok[1].set(queue=other), bad]
+    f = flow(parent, children)
+    f.freeze()
+    ids = [f.parent.options["task_id"], *(c.options["task_id"] for c in ok)]
+    with pytest.raises(EncodeError) as info:
+        f.apply_async(queue=queue)
+    message = str(info.value)
+    assert "cannot be encoded with the 'json' serializer (task_serializer)" in message
+    assert "nothing was written or published" in message
+    assert "Object of type object is not JSON serializable" in message
+    if where == "parent":
+        assert "the parent (tests.proj.collect)" in message
+    else:
+        assert f"(tests.proj.add, {bad_id})" in message
+    untouched(store, broker, queue, ids)
+    untouched(store, broker, other, ids)

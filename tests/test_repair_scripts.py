@@ -1,0 +1,225 @@
+"""The repair scripts (retry_flow, retry_children, release) on a real Redis, without Celery."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from celery_echomq import KindError
+from celery_echomq.keyspace import Keyspace
+from celery_echomq.replies import Status
+from celery_echomq.scripts import ParentRef, Scripts
+
+from .conftest import Env
+from .test_scripts import LEASE, TTL, enqueue, jid, run_child
+
+
+@pytest.fixture
+def db(env: Env) -> Iterator[redis.Redis]:
+    # A database of its own, so a snapshot speaks of this test alone.
+    client = redis.Redis.from_url(f"{env.base}/14")
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture
+def queue() -> str:
+    return "q" + uuid.uuid4().hex[:8]
+
+
+@pytest.fixture
+def scripts(db: redis.Redis) -> Scripts:
+    return Scripts(db, Keyspace("emq"))
+
+
+def fail_child(scripts: Scripts, queue: str, parent: str, child: str, policy: str = "") -> Status:
+    token = uuid.uuid4().hex
+    assert scripts.claim(queue, child, token, LEASE)[0] == "claimed"
+    if policy:
+        scripts.client.hset(f"emq:{{{queue}}}:{child}", "parent_policy", policy)
+    status, _ = scripts.fail(
+        queue, child, token, "ValueError: x", ttl=TTL, is_parent=False,
+        parent=ParentRef(parent, queue),
+    )  # fmt: skip
+    return status
+
+
+def snapshot(db: redis.Redis, *ids: str) -> dict[bytes, Any]:
+    """Every key with its value and whether it expires: what "nothing changed" compares.
+
+    With ``ids``, only what concerns those jobs (a live worker elsewhere renews leases and
+    counters): their keys, and their scores in the queues' state sets.
+    """
+    out: dict[bytes, Any] = {}
+    for key in sorted(db.keys("*")):
+        kind = db.type(key)
+        mine = not ids or any(i.encode() in key for i in ids)
+        if kind == b"zset":
+            # Members only: a live worker's lease renewals move the active set's scores.
+            value: Any = [m for m in db.zrange(key, 0, -1) if not ids or m.decode() in ids]
+        elif not mine:
+            continue
+        elif kind == b"hash":
+            value = db.hgetall(key)
+        elif kind == b"string":
+            value = db.get(key)
+        else:
+            value = kind
+        out[key] = (value, db.ttl(key) > 0)
+    return out
+
+
+def test_retry_flow_reholds_the_parent_and_makes_only_its_failed_children_pending(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (bad, good, waiting, ignored) = enqueue(scripts, queue, 4)
+    assert fail_child(scripts, queue, parent, ignored, policy="ignore") == "credited"
+    assert fail_child(scripts, queue, parent, bad) == "parent_failed"
+    assert run_child(scripts, queue, parent, good, b"7") == "credited"
+    row = f"emq:{{{queue}}}:{parent}"
+    assert db.hget(row, "state") == b"failed" and db.ttl(row) > 0
+    # Outstanding: bad (failed under fail: never counted) and waiting (never run).
+    assert db.get(f"{row}:dependencies") == b"2"
+
+    status, pairs = scripts.retry_flow(queue, parent, [bad, good, waiting, ignored])
+    assert status is Status.RETRIED
+    assert pairs == [(bad, f"payload-{bad}".encode())]
+    assert db.hget(row, "state") == b"awaiting_children"
+    assert db.hget(row, "failed_child") is None and db.hget(row, "error") is None
+    assert db.get(f"{row}:dependencies") == b"2"  # unchanged: it was right
+    assert db.hgetall(f"{row}:processed") == {good.encode(): b"7"}
+    for key in (row, f"{row}:dependencies", f"{row}:processed", f"{row}:ignored"):
+        assert db.ttl(key) == -1  # no longer expiring with the failure
+    bad_row = f"emq:{{{queue}}}:{bad}"
+    assert db.hget(bad_row, "state") == b"pending" and db.ttl(bad_row) == -1
+    pending = {m.decode() for m in db.zrange(f"emq:{{{queue}}}:pending", 0, -1)}
+    assert pending == {bad, waiting}
+    failed = {m.decode() for m in db.zrange(f"emq:{{{queue}}}:failed", 0, -1)}
+    assert failed == {ignored}  # the parent and the retried child left the failed set
+    assert db.hget(f"emq:{{{queue}}}:{ignored}", "state") == b"failed"
+
+    # The same retry again changes nothing and says the flow is held.
+    before = snapshot(db)
+    assert scripts.retry_flow(queue, parent, [bad, good, waiting, ignored]) == (
+        Status.AWAITING_CHILDREN,
+        [],
+    )
+    assert snapshot(db) == before
+
+    # The new attempt counts once and the last child releases the parent.
+    assert run_child(scripts, queue, parent, bad, b"1") == "credited"
+    assert run_child(scripts, queue, parent, waiting, b"2") == "released"
+
+
+def test_retry_flow_releases_a_parent_whose_children_all_settled_meanwhile(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (bad,) = enqueue(scripts, queue, 1)
+    assert fail_child(scripts, queue, parent, bad) == "parent_failed"
+    # As when a nested flow (this child) finished after its outer flow failed: counted.
+    db.decr(f"emq:{{{queue}}}:{parent}:dependencies")
+    status, pairs = scripts.retry_flow(queue, parent, [], [bad])
+    assert status is Status.RELEASED and pairs == []
+    assert db.hget(f"emq:{{{queue}}}:{parent}", "state") == b"pending"
+    assert db.zscore(f"emq:{{{queue}}}:pending", parent) is not None
+
+
+@pytest.mark.parametrize("state", ["awaiting_children", "pending", "done", "missing", "own_body"])
+def test_retry_flow_refuses_a_flow_not_failed_by_a_child_and_changes_nothing(
+    db: redis.Redis, scripts: Scripts, queue: str, state: str
+) -> None:
+    parent, (child,) = enqueue(scripts, queue, 1)
+    row = f"emq:{{{queue}}}:{parent}"
+    if state == "missing":
+        parent = jid()
+    elif state == "own_body":
+        db.hset(row, "state", "failed")  # its body failed: no failed_child
+    elif state != "awaiting_children":
+        db.hset(row, "state", state)
+    before = snapshot(db)
+    want = "failed" if state == "own_body" else state
+    assert scripts.retry_flow(queue, parent, [child]) == (Status(want), [])
+    assert snapshot(db) == before
+
+
+def test_retry_children_resets_failed_rows_of_that_parent_only(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (a, b) = enqueue(scripts, queue, 2)
+    other, (c,) = enqueue(scripts, queue, 1)
+    for p, child in ((parent, a), (other, c)):
+        fail_child(scripts, queue, p, child)
+    assert scripts.retry_children(queue, parent, [a, b, c]) == [(a, f"payload-{a}".encode())]
+    assert db.hget(f"emq:{{{queue}}}:{a}", "state") == b"pending"
+    assert db.hget(f"emq:{{{queue}}}:{b}", "state") == b"pending"  # was pending: untouched
+    assert db.hget(f"emq:{{{queue}}}:{c}", "state") == b"failed"  # another flow's
+    assert scripts.retry_children(queue, parent, [a]) == []
+
+
+def test_release_runs_a_held_parent_once_and_later_completions_are_only_recorded(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (done, late) = enqueue(scripts, queue, 2)
+    assert run_child(scripts, queue, parent, done, b"1") == "credited"
+    assert scripts.release(queue, parent, [late], revoke=False, ttl=TTL) == (
+        Status.RELEASED,
+        [],
+    )
+    row = f"emq:{{{queue}}}:{parent}"
+    assert db.hget(row, "state") == b"pending"
+    assert db.hget(f"emq:{{{queue}}}:{late}", "state") == b"pending"
+    # Released once: a second release is refused; the late child is recorded, not releasing.
+    before = snapshot(db)
+    assert scripts.release(queue, parent, [late], revoke=False, ttl=TTL) == (
+        Status.PENDING,
+        [],
+    )
+    assert snapshot(db) == before
+    assert scripts.dispatch(queue, parent) is not None
+    assert run_child(scripts, queue, parent, late, b"2") == "credited"
+    assert db.hgetall(f"{row}:processed") == {done.encode(): b"1", late.encode(): b"2"}
+    assert scripts.dispatch(queue, parent) is None
+
+
+def test_release_with_revoke_cancels_the_outstanding_children(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (done, running, waiting) = enqueue(scripts, queue, 3)
+    assert run_child(scripts, queue, parent, done, b"1") == "credited"
+    token = uuid.uuid4().hex
+    assert scripts.claim(queue, running, token, LEASE)[0] == "claimed"
+    status, cancelled = scripts.release(
+        queue, parent, [done, running, waiting], revoke=True, ttl=TTL
+    )
+    assert status is Status.RELEASED and sorted(cancelled) == sorted([running, waiting])
+    for child in (running, waiting):
+        assert db.hget(f"emq:{{{queue}}}:{child}", "state") == b"cancelled"
+    assert {m.decode() for m in db.zrange(f"emq:{{{queue}}}:pending", 0, -1)} == {parent}
+    assert db.zcard(f"emq:{{{queue}}}:active") == 0
+    # The running child's completion no longer counts.
+    assert (
+        scripts.complete(
+            queue, running, token, ttl=TTL, is_parent=False, parent=ParentRef(parent, queue),
+            value=b"9",
+        )
+        == "cancelled"
+    )  # fmt: skip
+    assert db.hkeys(f"emq:{{{queue}}}:{parent}:processed") == [done.encode()]
+
+
+def test_the_repair_scripts_repeat_the_kind_gate(scripts: Scripts, db: redis.Redis) -> None:
+    for name, argv in [
+        ("retry_flow", ["BAD", "0"]),
+        ("retry_flow", ["JOBok", "1", "BAD"]),
+        ("retry_children", ["JOBok", "BAD"]),
+        ("release", ["BAD", "10", "0"]),
+        ("release", ["JOBok", "10", "1", "BAD"]),
+    ]:
+        with pytest.raises(KindError):
+            scripts._run(name, ["emq:{q}:x"] * 8, argv)
+    assert db.dbsize() == 0
