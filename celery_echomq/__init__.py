@@ -14,6 +14,7 @@ from .errors import (
     DuplicateIdError,
     EchoMQError,
     FlowCancelled,
+    FlowClosedError,
     FlowExistsError,
     FlowFailed,
     InvalidIdError,
@@ -24,6 +25,7 @@ from .errors import (
     ReplicationError,
     StoreUnavailableError,
 )
+from .grow import add_children
 from .reads import Dependencies, UnknownFlowError, children_values, dependencies, ignored_failures
 from .repair import ReleaseOutcome, RetryOutcome, release_flow, retry_flow
 from .state import EchoMQ, get_state, install_state
@@ -34,6 +36,7 @@ __all__ = [
     "DuplicateIdError",
     "EchoMQError",
     "FlowCancelled",
+    "FlowClosedError",
     "FlowExistsError",
     "FlowFailed",
     "FlowResult",
@@ -47,6 +50,7 @@ __all__ = [
     "RetryOutcome",
     "StoreUnavailableError",
     "UnknownFlowError",
+    "add_children",
     "children_values",
     "dependencies",
     "flow",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterable
 from copy import deepcopy
 from typing import Any
@@ -30,6 +31,17 @@ def _replaced_job(task_id: Any, options: dict[str, Any]) -> tuple[str, str] | No
     request = current_task.request
     queue = getattr(request, H_QUEUE, None)
     return (str(queue), str(task_id)) if queue and request.id == task_id else None
+
+
+def _job_namespaced(given: str | None) -> str | None:
+    """An id Celery hands ``freeze`` (a chord gives its body ``uuid()``) in the JOB namespace:
+    ``JOB`` + the uuid's hex. Any other id is kept as given (and gated as any other)."""
+    if given is None or given.startswith("JOB"):
+        return given
+    try:
+        return "JOB" + uuid.UUID(given).hex
+    except ValueError:
+        return given
 
 
 def _signatures(children: Any, app: Any) -> list[Signature]:
@@ -172,7 +184,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
                 self.options[name] = value
         parent_opts = self.parent.options
         if "task_id" not in parent_opts:
-            given = self.options.get("task_id", _id)
+            given = self.options.get("task_id", _job_namespaced(_id))
             parent_opts["task_id"] = new_job_id() if given is None else given
         self.options["task_id"] = parent_opts["task_id"]
         for child in self.children:
@@ -289,6 +301,13 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
     def ignored_failures(self) -> dict[str, str]:
         """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
         return reads.ignored_failures(self.id, app=self.app, queue=self.flow_queue)
+
+    def add_children(self, children: Any) -> list[str]:
+        """Add ``children`` to this flow while its parent is held: see
+        :func:`celery_echomq.add_children`. Returns the ids added."""
+        from .grow import add_children
+
+        return add_children(children, self.id, app=self.app, queue=self.flow_queue)
 
     def retry(self, child: str | None = None) -> Any:
         """Run this flow again after it failed under policy ``fail``: see

@@ -74,6 +74,20 @@ class FlowCancelled(EchoMQError):
         return str(self.args[0])
 
 
+class FlowClosedError(EchoMQError):
+    """Children were added to a flow whose parent no longer waits for them (released, failed,
+    cancelled, finished or expired); nothing was written or published. ``parent_id`` names it.
+    """
+
+    def __init__(self, message: str = "", parent_id: str = "", state: str = "") -> None:
+        super().__init__(message, parent_id, state)
+        self.parent_id = parent_id
+        self.state = state
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class StoreConnectionError(StoreUnavailableError, redis.exceptions.ConnectionError):
     """Redis stayed unreachable (or read-only) for longer than ``echomq_store_retry_timeout``.
 

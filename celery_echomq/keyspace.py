@@ -75,6 +75,11 @@ class Keyspace:
         """A parent's ``:settled``: which children of other slots were credited (and how)."""
         return f"{self.job_key(queue, job_id)}:settled"
 
+    def adding_key(self, queue: str, job_id: str) -> str:
+        """A held parent's ``:adding``: children of other slots added to it, staged (id ->
+        payload) until their rows are written on their own slots."""
+        return f"{self.job_key(queue, job_id)}:adding"
+
     def locator_key(self, job_id: str) -> str:
         """Where a flow parent lives: ``{prefix}:loc:{JOB...}`` holds its queue name.
 

@@ -23,6 +23,10 @@ TRANSITIONS = (
     "add_children",
     "seal_flow",
     "credit",
+    # children added to a held flow: on the parent's slot, then (other slots) add_children,
+    # then grow_done
+    "grow_flow",
+    "grow_done",
     # recovery's: take back a lost job, renew a live worker's leases, end a dead holder's
     # lease, watch a job replaced by another task, give up the recovery lease
     "requeue",

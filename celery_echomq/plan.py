@@ -157,6 +157,44 @@ def plan_flow(
     queue = route_queue(app, parent, options)
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
     plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer)
+    plan_children(app, plan, children, args=args, kwargs=kwargs, shared=shared)
+    parent_opts = {k: v for k, v in options.items() if k not in CHILD_ONLY}
+    if not outer:
+        # Whoever releases the parent publishes its stored message: its result must still
+        # reach this caller where the result backend replies to the sender (rpc://), as the
+        # reply_to of a message the caller sent itself would.
+        parent_opts.setdefault("reply_to", app.thread_oid)
+    headers = {H_QUEUE: queue, H_FLOW: "1"}
+    if outer:
+        headers[H_PARENT] = outer
+        if outer_queue != queue:
+            headers[H_PARENT_QUEUE] = outer_queue
+    plan.parent = _job_dict(parent, parent_opts, headers)
+    plan.parent["options"]["task_id"] = parent_id
+    plan.parent["children"] = plan.child_ids()
+    if not outer:
+        # Every id of the tree once: a nested parent is listed as its outer flow's child.
+        check_unique([parent_id, *(cid for level in plan.levels() for cid in level.child_ids())])
+    return plan
+
+
+def plan_children(
+    app: Any,
+    plan: Plan,
+    children: Sequence[Signature],
+    *,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    shared: dict[str, Any] | None = None,
+) -> None:
+    """Plan ``children`` as children of ``plan``'s parent: append them (ids assigned and
+    gated, messages built) to ``plan.children`` and their policies to ``plan.child_policies``.
+
+    What a flow does for its children at start, and what ``add_children`` does for children
+    added while it runs. Pure.
+    """
+    shared = shared or {}
+    parent_id, queue = plan.parent_id, plan.queue
     for child in children:
         child_policy = child.options.get("parent_policy")
         if is_flow(child):
@@ -190,24 +228,6 @@ def plan_flow(
             plan.children.append(job)
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
-    parent_opts = {k: v for k, v in options.items() if k not in CHILD_ONLY}
-    if not outer:
-        # Whoever releases the parent publishes its stored message: its result must still
-        # reach this caller where the result backend replies to the sender (rpc://), as the
-        # reply_to of a message the caller sent itself would.
-        parent_opts.setdefault("reply_to", app.thread_oid)
-    headers = {H_QUEUE: queue, H_FLOW: "1"}
-    if outer:
-        headers[H_PARENT] = outer
-        if outer_queue != queue:
-            headers[H_PARENT_QUEUE] = outer_queue
-    plan.parent = _job_dict(parent, parent_opts, headers)
-    plan.parent["options"]["task_id"] = parent_id
-    plan.parent["children"] = plan.child_ids()
-    if not outer:
-        # Every id of the tree once: a nested parent is listed as its outer flow's child.
-        check_unique([parent_id, *(cid for level in plan.levels() for cid in level.child_ids())])
-    return plan
 
 
 class Headers:

@@ -63,6 +63,8 @@ class Status(StrEnum):
     LAPSED = "lapsed"
     HANDED_OVER = "handed_over"
     ABANDONED = "abandoned"
+    # grow_flow
+    ADDED = "added"
 
 
 # What a claim means for the delivery that made it.

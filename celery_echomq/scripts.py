@@ -237,6 +237,46 @@ class Scripts(ScriptRunner):
             argv += [cid, payload, policy]
         return int(self._run("add_children", keys, argv))
 
+    def grow_flow(
+        self,
+        parent: ParentRef,
+        payload_sha: str,
+        new_payload: Value,
+        local: Sequence[tuple[str, Value, str]],
+        remote: Sequence[tuple[str, Value, str]],
+    ) -> tuple[Status, int]:
+        """Add children to a held flow on its parent's slot: write ``local`` (id, payload,
+        policy or ''), stage ``remote``, raise the counter. ``(status, counter)``: see
+        grow_flow.lua (``stale``: the payload is no longer ``payload_sha``)."""
+        row = self.keys.job_key(parent.queue, parent.id)
+        keys = [
+            row,
+            self.keys.flow_keys(parent.queue, parent.id)[0],
+            self.keys.queue_key(parent.queue, "pending"),
+            self.keys.adding_key(parent.queue, parent.id),
+            self.keys.queue_key(parent.queue, "adding"),
+            *(self.keys.job_key(parent.queue, cid) for cid, _, _ in local),
+        ]
+        argv: list[Value] = [
+            parent.id,
+            payload_sha,
+            new_payload,
+            str(len(local)),
+            str(len(remote)),
+        ]
+        for cid, payload, policy in (*local, *remote):
+            argv += [cid, payload, policy]
+        status, counter = self._run("grow_flow", keys, argv)
+        return _status(status), int(counter)
+
+    def grow_done(self, parent: ParentRef, child_ids: Sequence[str]) -> int:
+        """Unstage children of other slots whose rows were written; how many stay staged."""
+        keys = [
+            self.keys.adding_key(parent.queue, parent.id),
+            self.keys.queue_key(parent.queue, "adding"),
+        ]
+        return int(self._run("grow_done", keys, [parent.id, *child_ids]))
+
     def seal_flow(self, queue: str, parent_id: str) -> Status:
         keys = [
             self.keys.job_key(queue, parent_id),

@@ -28,8 +28,8 @@ logger = logging.getLogger("celery_echomq")
 
 # The per-queue sorted sets that hold job ids: a forgotten job leaves every one of them.
 # (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet.)
-# recent: the flows the dashboard lists (an index, not a state set).
-JOB_SETS = ("pending", "active", "failed", "outbox", "open", "recent")
+# adding: flows with children staged for another slot; recent: the flows the dashboard lists (an index, not a state set).
+JOB_SETS = ("pending", "active", "failed", "outbox", "open", "recent", "adding")
 
 
 class Encoded(NamedTuple):
@@ -306,6 +306,7 @@ def forget_flow(state: EchoMQ, node: JobNode) -> list[str]:
             if job.flow is not None:
                 names.extend(keys.flow_keys(queue, job.id))
                 names.append(keys.settled_key(queue, job.id))
+                names.append(keys.adding_key(queue, job.id))
         pipe = client.pipeline(transaction=True)
         for name in names:
             pipe.exists(name)  # to report only the keys that were there

@@ -286,3 +286,31 @@ if _DIE_AT in ("dispatch", "parent_failed", "credit"):
         return None
 
     setattr(_settle, _step, _die)
+
+
+# --- Tasks of tests/test_grow.py: children added while a flow runs; flows in chord bodies -----
+
+
+@app.task(bind=True)
+def spawner(self: Any, x: int, more: list[int], queue: str = "", gate: str = "") -> int:
+    """A flow child that adds ``add(m, 0)`` for each m in ``more`` as its siblings, then
+    returns x (after ``gate`` opens, when given: the test looks at the flow in between)."""
+    options = {"queue": queue} if queue else {}
+    celery_echomq.add_children([add.s(m, 0).set(**options) for m in more])
+    if gate:
+        _wait_gate(gate)
+    return x
+
+
+@app.task(bind=True)
+def spawn_flow(self: Any, x: int, inner: list[int]) -> int:
+    """A flow child that adds a nested flow ``tsum(add(i, 0) for i in inner)`` as a sibling."""
+    celery_echomq.add_children([celery_echomq.flow(tsum.s(), [add.s(i, 0) for i in inner])])
+    return x
+
+
+@app.task(bind=True)
+def replace_by_flow(self: Any, x: int) -> Any:
+    """Replace this task (in a chain or a chord's header) by a flow: tsum([x + 1, x + 2])."""
+    mark(f"replace_by_flow:{self.request.id}")
+    raise self.replace(celery_echomq.flow(tsum.s(), [add.s(x, 1), add.s(x, 2)]))

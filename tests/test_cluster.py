@@ -281,3 +281,21 @@ def test_cli_show_stats_and_forget_on_cluster(
     assert f"emq:{{{queues.a}}}:{a.options['task_id']}" in forgotten["keys"]
     gone = [f"emq:{{{queues.parent}}}:{res.id}", f"emq:{{{queues.a}}}:{a.options['task_id']}"]
     assert [cluster.hgetall(key) for key in gone] == [{}, {}]
+
+
+def test_children_added_across_masters_while_the_flow_runs(
+    proj: Any, on_cluster: EchoMQ, cluster: RedisCluster, queues: Queues
+) -> None:
+    # The sleeping child keeps the parent held while this process adds a child (the workers'
+    # store is the cluster, where the tests' gates do not live).
+    children = [proj.spawner.s(1, [2, 3], queue=queues.a), proj.sleep_then.s(9, 3)]
+    res = flow(proj.tsum.s(), children).apply_async(queue=queues.parent)
+    outside = res.add_children([proj.add.s(4, 0).set(queue=queues.b)])
+    assert res.get(timeout=TIMEOUT) == 1 + 9 + 2 + 3 + 4
+    assert res.dependencies() == (0, 5)
+    assert sorted(res.children_values().values()) == [1, 2, 3, 4, 9]
+    (bid,) = outside
+    assert node_of(cluster, f"emq:{{{queues.b}}}:{bid}") == tag_node(cluster, queues.b)
+    settled = cluster.hgetall(f"emq:{{{queues.parent}}}:{res.id}:settled")
+    assert len(settled) == 3 and settled[bid.encode()] == b"done"
+    assert cluster.zcard(f"emq:{{{queues.parent}}}:adding") == 0

@@ -315,6 +315,64 @@ def test_chunked_path_open_add_seal_and_a_repeated_add_writes_nothing(
         scripts.add_children(queue, ParentRef(jid(), queue), children[:1])
 
 
+def test_grow_flow_adds_children_to_a_held_parent_and_refuses_a_closed_one(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    import hashlib
+
+    parent, (first,) = enqueue(scripts, queue, 1)
+    ref = ParentRef(parent, queue)
+    row = f"emq:{{{queue}}}:{parent}"
+    old = db.hget(row, "payload")
+    assert old is not None
+    sha = hashlib.sha1(old).hexdigest()
+    local = [(jid(), b"l1", ""), (jid(), b"l2", "ignore")]
+    remote = [(jid(), b"r1", "remove")]
+    # A payload read before another add landed is refused whole.
+    assert scripts.grow_flow(ref, "0" * 40, b"p2", local, remote) == ("stale", 0)
+    assert db.get(f"{row}:dependencies") == b"1" and db.hget(row, "payload") == old
+    assert scripts.grow_flow(ref, sha, b"p2", local, remote) == ("added", 4)
+    assert db.hget(row, "payload") == b"p2"
+    for cid, payload, policy in local:
+        child = db.hgetall(f"emq:{{{queue}}}:{cid}")
+        assert child[b"state"] == b"pending" and child[b"payload"] == payload
+        assert child[b"parent"] == parent.encode()
+        assert child.get(b"parent_policy", b"") == policy.encode()
+    assert db.zcard(f"emq:{{{queue}}}:pending") == 3
+    # The child of another slot is staged on the parent's slot, not written.
+    (rid, _, _) = remote[0]
+    assert db.hgetall(f"{row}:adding") == {rid.encode(): b"r1", f"{rid}:policy".encode(): b"remove"}
+    assert db.zscore(f"emq:{{{queue}}}:adding", parent) is not None
+    # The same payload again (a resent script, or an add racing another): stale, no double count.
+    assert scripts.grow_flow(ref, sha, b"p2", local, remote)[0] == "stale"
+    assert db.get(f"{row}:dependencies") == b"4"
+    # A row that exists on this slot is refused, nothing written.
+    taken = [(first, b"x", "")]
+    with pytest.raises(FlowExistsError):
+        scripts.grow_flow(ref, hashlib.sha1(b"p2").hexdigest(), b"p3", taken, [])
+    assert db.hget(row, "payload") == b"p2"
+    # Written on its own slot: unstaged; the parent leaves the adding set with its last one.
+    other = queue + "b"
+    assert scripts.add_children(other, ref, remote) == 1
+    assert scripts.grow_done(ref, [rid]) == 0
+    assert not db.exists(f"{row}:adding")
+    assert db.zcard(f"emq:{{{queue}}}:adding") == 0
+    # Every child completes: the last one releases the parent, after which nothing is added.
+    for cid in (first, local[0][0], local[1][0]):
+        run_child(scripts, queue, parent, cid, b"1")
+    assert db.hget(row, "state") == b"awaiting_children"  # the remote child holds it
+    assert scripts.credit(ref, rid, "done", b"1", "", ttl=TTL)[0] == "released"
+    before = {key: db.dump(key) for key in db.keys("*")}
+    sha = hashlib.sha1(db.hget(row, "payload") or b"").hexdigest()
+    assert scripts.grow_flow(ref, sha, b"p4", [(jid(), b"l3", "")], []) == ("pending", 0)
+    assert scripts.grow_flow(ParentRef(jid(), queue), sha, b"p4", [], []) == ("missing", 0)
+    assert {key: db.dump(key) for key in db.keys("*")} == before
+    with pytest.raises(KindError):
+        scripts.grow_flow(ref, sha, b"p4", [("BAD", b"x", "")], [])
+    with pytest.raises(KindError):
+        scripts.grow_done(ref, ["BAD"])
+
+
 # --- leases and evidence (recovery's scripts) -----------------------------------------------------
 
 

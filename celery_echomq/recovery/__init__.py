@@ -34,6 +34,9 @@ shows:
     slot (its worker died between the two steps): credit it (credit.lua is idempotent);
 (f) a flow of the chunked path still open past the stall timeout (its producer died between
     open_flow and seal_flow): seal it if every child was written, else fail it.
+(g) children of another slot added to a held flow (grow_flow) but still staged on the parent's
+    slot past the stall timeout (the adder died between the two slots): write them on their
+    slots (add_children, grow_done); (a) then publishes them.
 
 No storm: a job is re-published at most once per stall timeout, doubling for each earlier
 re-publish (requeue.lua), a pass re-publishes at most :data:`BUDGET` jobs per queue, and each

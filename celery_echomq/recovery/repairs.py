@@ -1,5 +1,6 @@
-"""(b), (d), (e), (f): a job whose lease lapsed, a failure that never reached the result
-backend, and the cross-slot path: a child staged but never credited, a flow never sealed.
+"""(b), (d), (e), (f), (g): a job whose lease lapsed, a failure that never reached the result
+backend, and the cross-slot path: a child staged but never credited, a flow never sealed,
+children added to a held flow but never written on their slot.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 from celery import states
 
 from ..errors import FlowFailed
+from ..grow import write_staged
 from ..plan import H_FLOW, H_PARENT, H_PARENT_QUEUE, Headers, parent_ref
 from ..publish import publish
 from ..replies import Status
@@ -366,3 +368,41 @@ def _seal_or_abandon(state: EchoMQ, queue: str, parent_id: str) -> str | None:
     exc = FlowFailed(f"flow {parent_id}: {reason}", "", reason)
     _mark_abandoned(state, queue, parent_id, exc, payload)
     return f"{queue}: failed flow {parent_id}: {reason}"
+
+
+def unwritten_children(state: EchoMQ, queue: str, batch: int) -> list[str]:
+    """(g) children of other slots added to a held flow (grow_flow) but never written on their
+    own slots: the adder died between its two steps."""
+    due = overdue(state, queue, "adding", now_ms(state.client) - state.settings.stall_ms, batch)
+    repairs = []
+    for parent_id, _ in due:
+        line = guarded("added children", _write_added, state, queue, parent_id)
+        if line:
+            repairs.append(line)
+    return repairs
+
+
+def _write_added(state: EchoMQ, queue: str, parent_id: str) -> str | None:
+    parent = ParentRef(parent_id, queue)
+    fields = state.client.hgetall(state.keys.adding_key(queue, parent_id))
+    staged = {text(k): v for k, v in fields.items()}
+    rows = [
+        (cid, payload, text(staged.get(f"{cid}:policy") or b""))
+        for cid, payload in staged.items()
+        if ":" not in cid
+    ]
+    if not rows:
+        state.scripts.grow_done(parent, [])
+        return None
+    parent_state = state.client.hget(state.keys.job_key(queue, parent_id), "state")
+    if parent_state != b"awaiting_children":
+        # Cancelled or failed meanwhile: children written now would run for nothing.
+        state.scripts.grow_done(parent, [cid for cid, _, _ in rows])
+        return (
+            f"{queue}: dropped {len(rows)} children staged for flow {parent_id}, which is "
+            f"{text(parent_state) if parent_state else 'gone'}"
+        )
+    # Their rows are then pending with their payloads: (a) publishes them on evidence that
+    # their messages are gone (they may have been published before the crash).
+    write_staged(state, parent, rows)
+    return f"{queue}: wrote {len(rows)} children added to flow {parent_id} on other queues"

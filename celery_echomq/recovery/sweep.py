@@ -12,7 +12,13 @@ from ..state import EchoMQ
 from ..store import text
 from .common import BATCH, FAILED_MARK, HOLD_MS, now_ms
 from .lost import lost_pending
-from .repairs import lost_active, uncredited_outbox, unrecorded_failures, unsealed_flows
+from .repairs import (
+    lost_active,
+    uncredited_outbox,
+    unrecorded_failures,
+    unsealed_flows,
+    unwritten_children,
+)
 
 logger = logging.getLogger("celery_echomq")
 
@@ -44,7 +50,13 @@ def anything_due(state: EchoMQ, queues: Iterable[str] | None = None) -> bool:
     if not names:
         return False
     now = now_ms(client)
-    due = {"outbox": now - stall, "open": now - stall, "pending": now - stall, "active": now}
+    due = {
+        "adding": now - stall,
+        "outbox": now - stall,
+        "open": now - stall,
+        "pending": now - stall,
+        "active": now,
+    }
     pipe = client.pipeline(transaction=False)
     for queue in names:
         for set_name, before in due.items():
@@ -72,6 +84,7 @@ def run_pass(
     for queue in queues_of(state, queues):
         # Outbox and open flows first: they can release parents that (c) then finds pending.
         for step in (
+            unwritten_children,
             uncredited_outbox,
             unsealed_flows,
             lost_pending,

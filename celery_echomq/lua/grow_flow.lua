@@ -1,0 +1,70 @@
+-- grow_flow: add children to a flow while its parent is held, on the parent's slot, in one
+-- step: the new ids appended to the parent's payload (the order its values reach it in), the
+-- counter raised by every new child, the children of this slot written claimable, and the
+-- children of other slots staged (their payloads kept here) until add_children has written
+-- them on their own slots. A staged child cannot complete before its row exists, so the
+-- raised counter holds the parent until it does; recovery writes what a crash left staged.
+--
+-- KEYS[1]     the parent row
+-- KEYS[2]     the parent's :dependencies
+-- KEYS[3]     the parent queue's pending set
+-- KEYS[4]     the parent's :adding (staged child id -> payload; "<id>:policy" -> its policy)
+-- KEYS[5]     the parent queue's adding set (parents with staged children; score: when)
+-- KEYS[5+i]   child i's row on this slot, i = 1..k
+-- ARGV[1]     parent id
+-- ARGV[2]     SHA1 of the parent payload the host read (the payload is rewritten only if
+--             it is still that one: two concurrent adds never lose each other's ids)
+-- ARGV[3]     the new parent payload (the old one with the new ids appended to its children)
+-- ARGV[4]     k, children written on this slot
+-- ARGV[5]     r, children staged for other slots
+-- ARGV[3+3i]  (i = 1..k+r) child i's id; ARGV[4+3i] its payload; ARGV[5+3i] its
+--             parent_policy ('' to use the flow's default)
+--
+-- Reply: {status, n}
+--   {"added", counter}   written (and staged); the counter after the add
+--   {"stale", 0}         the payload changed since the host read it: nothing written, read again
+--   {<state>, 0}         the parent no longer waits for children ("pending", "active", "done",
+--                        "failed", "cancelled", "missing"): nothing written
+-- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row of this slot
+--   already exists.
+--- @include "gate"
+--- @include "now_ms"
+local k = tonumber(ARGV[4])
+local r = tonumber(ARGV[5])
+local refused = gate_ids(1, 1) or gate_ids(6, 3 + 3 * (k + r), 3)
+if refused then
+  return refused
+end
+local row = redis.call('HMGET', KEYS[1], 'state', 'payload')
+if row[1] ~= 'awaiting_children' then
+  return {row[1] or 'missing', 0}
+end
+if redis.sha1hex(row[2]) ~= ARGV[2] then
+  return {'stale', 0}
+end
+for i = 1, k do
+  if redis.call('EXISTS', KEYS[5 + i]) == 1 then
+    return redis.error_reply('EMQEXISTS ' .. ARGV[3 + 3 * i])
+  end
+end
+local now = now_ms()
+for i = 1, k do
+  local child = KEYS[5 + i]
+  redis.call('HSET', child, 'state', 'pending', 'attempts', '0', 'payload', ARGV[4 + 3 * i],
+    'parent', ARGV[1])
+  if ARGV[5 + 3 * i] ~= '' then
+    redis.call('HSET', child, 'parent_policy', ARGV[5 + 3 * i])
+  end
+  redis.call('ZADD', KEYS[3], now, ARGV[3 + 3 * i])
+end
+for i = k + 1, k + r do
+  redis.call('HSET', KEYS[4], ARGV[3 + 3 * i], ARGV[4 + 3 * i])
+  if ARGV[5 + 3 * i] ~= '' then
+    redis.call('HSET', KEYS[4], ARGV[3 + 3 * i] .. ':policy', ARGV[5 + 3 * i])
+  end
+end
+if r > 0 then
+  redis.call('ZADD', KEYS[5], now, ARGV[1])
+end
+redis.call('HSET', KEYS[1], 'payload', ARGV[3])
+return {'added', redis.call('INCRBY', KEYS[2], k + r)}
