@@ -27,8 +27,9 @@ from .views import JobNode, walk
 logger = logging.getLogger("celery_echomq")
 
 # The per-queue sorted sets that hold job ids: a forgotten job leaves every one of them.
-# (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet.)
-# adding: flows with children staged for another slot; recent: the flows the dashboard lists (an index, not a state set).
+# (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet;
+# adding: flows with children staged for another slot; recent: the flows the dashboard lists,
+# an index, not a state set.)
 JOB_SETS = ("pending", "active", "failed", "outbox", "open", "recent", "adding")
 
 
