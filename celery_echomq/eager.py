@@ -11,12 +11,15 @@ What differs from a worker: children run one after another, in the order given, 
 ``continue`` the parent runs (at once, as on release) with the values of the children before
 the failed one, then the remaining children run and are recorded; no store, lease, recovery or
 exactly-once bookkeeping exists; the reads work on the result, and inside the parent's body
-while it runs.
+while it runs. ``add_children`` works while the parent waits: from a child's body (siblings run
+after the children already listed) or with ``parent_id=``; once the parent has run it raises
+``FlowClosedError``, as on a worker.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +28,8 @@ from celery.result import EagerResult
 
 from . import reads
 from .canvas import FlowResult
-from .errors import FlowFailed
-from .plan import Plan, is_flow, plan_flow
+from .errors import FlowClosedError, FlowFailed
+from .plan import Plan, is_flow, plan_children, plan_flow
 from .reads import Dependencies
 from .settle import error_text
 
@@ -72,6 +75,54 @@ class FanIn:
         return [self.values[cid] for cid in child_ids if cid in self.values]
 
 
+@dataclass
+class Growing:
+    """The children an eager flow still has to run; ``add_children`` appends to them."""
+
+    app: Any
+    plan: Plan
+    fanin: FanIn
+    # (signature, id, planned job, args, kwargs) per child, in the order they run.
+    entries: list[tuple[Any, str, dict[str, Any], tuple[Any, ...], dict[str, Any]]]
+
+    def add(self, sigs: Sequence[Any]) -> list[str]:
+        """Append ``sigs`` as children (what ``grow_flow.lua`` does on a worker)."""
+        if not self.fanin.waiting:
+            state = "failed" if self.fanin.failure is not None else "released"
+            raise FlowClosedError(
+                f"flow {self.plan.parent_id} is {state}: its parent no longer waits for "
+                "children, so none can be added (nothing was run)",
+                self.plan.parent_id,
+                state,
+            )
+        added = Plan(queue=self.plan.queue, parent_id=self.plan.parent_id, parent={})
+        # Added children take no partial arguments, as on a worker.
+        plan_children(self.app, added, sigs, shared={"queue": self.plan.queue})
+        listed = {cid for _, cid, _, _, _ in self.entries}
+        fresh: list[str] = []
+        for sig, cid, job in zip(sigs, added.child_ids(), added.children, strict=True):
+            if cid in listed:  # a repeated add adds nothing twice
+                continue
+            listed.add(cid)
+            self.entries.append((sig, cid, job, (), {}))
+            self.fanin.outstanding += 1
+            fresh.append(cid)
+        return fresh
+
+
+# Eager flows whose parent is still waiting, by parent id, and the parent of the eager child
+# running in this context (what ``add_children()`` without ``parent_id`` adds to).
+GROWING: dict[str, Growing] = {}
+CURRENT: ContextVar[str | None] = ContextVar("echomq_eager_parent", default=None)
+
+
+def add_children(sigs: Sequence[Any], parent_id: str | None) -> list[str] | None:
+    """``add_children`` for an eager flow: the ids added, or None when the flow it names (or
+    the running child's) is not an eager one."""
+    growing = GROWING.get(parent_id or CURRENT.get() or "")
+    return None if growing is None else growing.add(sigs)
+
+
 class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
     """A flow's result after an eager run: the parent's outcome and the flow's reads, in
     memory. ``get()`` returns the parent's value, or raises what a worker's result would."""
@@ -104,6 +155,15 @@ class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
 
     def ignored_failures(self) -> dict[str, str]:
         return dict(self.fanin.ignored)
+
+    def add_children(self, children: Any) -> list[str]:
+        # The run is over: its parent no longer waits, whatever its outcome.
+        raise FlowClosedError(
+            f"flow {self.id} was run eagerly and has finished: children can only be added "
+            "while it runs (add_children() inside a child's body)",
+            self.id,
+            self.state,
+        )
 
     def revoke(self, *args: Any, **kwargs: Any) -> None:
         # Everything already ran: as for any eager result.
@@ -185,18 +245,35 @@ def _run(
     if not child_ids:
         fanin.waiting = False
         parent_res = run_parent()
-    for child, cid, job in zip(sig.children, child_ids, plan.children, strict=True):
-        if is_flow(child):
-            inner_partial = () if child.immutable else (*partial, *child.args)
-            inner = Plan.from_dict(job["nested"])
-            inner_opts = {k: v for k, v in child.options.items() if k in ("link", "link_error")}
-            res: Any = _run(app, child, inner, inner_partial, kwargs, inner_opts)
-        else:
-            run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
-            res = run.apply(task_id=cid, throw=False)
-        ok, data = _outcome(res)
-        if fanin.settle(cid, ok, data, child.options.get("parent_policy")):
-            parent_res = run_parent()
+    growing = Growing(
+        app,
+        plan,
+        fanin,
+        [
+            (child, cid, job, partial, kwargs)
+            for child, cid, job in zip(sig.children, child_ids, plan.children, strict=True)
+        ],
+    )
+    GROWING[plan.parent_id] = growing
+    try:
+        # Children added while this runs are appended to the entries, and to child_ids (the
+        # order the parent gets their values in).
+        i = 0
+        while i < len(growing.entries):
+            child, cid, job, c_args, c_kwargs = growing.entries[i]
+            if i >= len(child_ids):
+                child_ids.append(cid)
+            i += 1
+            token = CURRENT.set(plan.parent_id)
+            try:
+                res = _run_child(app, child, job, c_args, c_kwargs, cid)
+            finally:
+                CURRENT.reset(token)
+            ok, data = _outcome(res)
+            if fanin.settle(cid, ok, data, child.options.get("parent_policy")):
+                parent_res = run_parent()
+    finally:
+        GROWING.pop(plan.parent_id, None)
     if parent_res is not None:
         return EagerFlowResult(
             plan.parent_id,
@@ -212,6 +289,23 @@ def _run(
     return EagerFlowResult(
         plan.parent_id, failure, states.FAILURE, None, sig.parent.task, fanin, app
     )
+
+
+def _run_child(
+    app: Any,
+    child: Any,
+    job: dict[str, Any],
+    partial: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    cid: str,
+) -> Any:
+    if is_flow(child):
+        inner_partial = () if child.immutable else (*partial, *child.args)
+        inner = Plan.from_dict(job["nested"])
+        inner_opts = {k: v for k, v in child.options.items() if k in ("link", "link_error")}
+        return _run(app, child, inner, inner_partial, kwargs, inner_opts)
+    run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
+    return run.apply(task_id=cid, throw=False)
 
 
 def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None:

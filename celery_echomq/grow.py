@@ -84,18 +84,23 @@ def add_children(
     id errors of ``apply_async`` (``KindError``, ``InvalidIdError``, ``DuplicateIdError``,
     ``FlowExistsError``) for bad ids: in every case nothing is written or published.
     """
+    from . import eager
+    from .canvas import _signatures
+
+    if parent_id is not None:
+        check_id(parent_id)
+    # A flow being run eagerly (flow.apply(), task_always_eager) grows in memory.
+    sigs = _signatures(children, app or current_app)
+    added = eager.add_children(sigs, parent_id)
+    if added is not None:
+        return added
     if parent_id is None:
         parent = _running_parent()
         state = get_state(app or current_app)
     else:
-        check_id(parent_id)
         state = get_state(app or current_app)
         parent = ParentRef(parent_id, locate(state, parent_id, queue))
-    # canvas.py is imported here, not at the top: recovery imports this module for
-    # write_staged, and canvas.py imports start.py.
-    from .canvas import _signatures
-
-    return grow(state, parent, _signatures(children, state.app))
+    return grow(state, parent, sigs)
 
 
 def _closed(parent: ParentRef, state: str) -> FlowClosedError:

@@ -353,3 +353,67 @@ def test_link_on_the_flow_goes_to_the_parent(eager_app: Tasks) -> None:
     f.link(t.collect.s(tag="linked"))
     assert f.apply_async().get() == 6
     assert ("collect", "linked", 6) in t.calls
+
+
+def test_add_children_grows_an_eager_flow_as_on_a_worker(eager_app: Tasks) -> None:
+    t = eager_app
+
+    @t.app.task
+    def spawn(n: int) -> int:
+        # Siblings of this child, added before it completes: its parent cannot run before them.
+        celery_echomq.add_children([t.add.s(n, k) for k in (1, 2)])
+        return n
+
+    seen: list[str] = []
+
+    @t.app.task(bind=True)
+    def spawn_by_id(self: Any, parent_id: str) -> int:
+        # The other form: naming the parent, while it is held; a repeated add adds nothing.
+        sig = t.add.s(100, 0).set(task_id=f"JOB{'a' * 32}")
+        seen.extend(celery_echomq.add_children([sig], parent_id=parent_id))
+        seen.extend(celery_echomq.add_children([sig], parent_id=parent_id))
+        return 0
+
+    parent = t.collect.s()
+    f = flow(parent, [spawn.s(10), t.add.s(0, 1)])
+    res = f.apply()
+    # The added children's values follow the existing children's, in the order added.
+    assert res.get()["values"] == [10, 1, 11, 12]
+    assert res.dependencies() == (0, 4)
+    # A nested flow may be added too, and the reads include what was added.
+    nested = flow(t.tsum.s(), [t.add.s(2, 2), t.add.s(3, 3)])
+
+    @t.app.task
+    def spawn_flow() -> int:
+        celery_echomq.add_children([nested])
+        return 1
+
+    assert flow(t.tsum.s(), [spawn_flow.s()]).apply().get() == 1 + 10
+    parent_id = f"JOB{'b' * 32}"
+    res = flow(t.collect.s().set(task_id=parent_id), [spawn_by_id.si(parent_id)]).apply()
+    assert res.id == parent_id
+    assert res.get()["values"] == [0, 100] and seen == [f"JOB{'a' * 32}"]
+
+
+def test_add_children_to_a_finished_eager_flow_is_refused(eager_app: Tasks) -> None:
+    t = eager_app
+    res = flow(t.tsum.s(), [t.add.s(1, 1)]).apply()
+    with pytest.raises(celery_echomq.FlowClosedError, match=res.id):
+        res.add_children([t.add.s(2, 2)])
+
+    refused: list[BaseException] = []
+
+    @t.app.task
+    def late() -> int:
+        # Under continue the parent ran when the failed child settled: the flow is closed.
+        try:
+            celery_echomq.add_children([t.add.s(5, 5)])
+        except celery_echomq.FlowClosedError as exc:
+            refused.append(exc)
+        return 0
+
+    f = flow(t.collect.s(), [t.boom.s().set(parent_policy="continue"), late.s()])
+    res = f.apply()
+    assert res.get()["values"] == []
+    assert len(refused) == 1 and "is released" in str(refused[0])
+    assert res.dependencies() == (0, 2)
