@@ -35,10 +35,17 @@ end
 -- The one exception is a nested flow's parent: its outer flow wrote it as a pending child that
 -- no worker has claimed, carrying the outer parent id this call names. It becomes held here.
 local outer = ARGV[4 + 2 * n] or ''
-if redis.call('EXISTS', KEYS[2]) > 0 then
+-- A top-level flow (no outer) has no placeholder to find: the parent row and counter join the
+-- first slice's variadic EXISTS below, and their own reads are skipped (two commands a flow).
+local placeholder = {}
+if outer ~= '' then
+  if redis.call('EXISTS', KEYS[2]) > 0 then
+    return redis.error_reply('EMQEXISTS ' .. ARGV[1])
+  end
+  placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
+elseif n == 0 and redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
 end
-local placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
 if placeholder[1] then
   if outer == '' or placeholder[1] ~= 'pending' or placeholder[2] ~= outer
       or placeholder[3] ~= '0' then
@@ -50,7 +57,16 @@ end
 local SLICE = 500
 for first = 6, 5 + n, SLICE do
   local last = math.min(first + SLICE - 1, 5 + n)
-  if redis.call('EXISTS', unpack(KEYS, first, last)) > 0 then
+  local found
+  if first == 6 and outer == '' then
+    found = redis.call('EXISTS', KEYS[1], KEYS[2], unpack(KEYS, first, last))
+    if found > 0 and redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then
+      return redis.error_reply('EMQEXISTS ' .. ARGV[1])
+    end
+  else
+    found = redis.call('EXISTS', unpack(KEYS, first, last))
+  end
+  if found > 0 then
     for i = first, last do
       if redis.call('EXISTS', KEYS[i]) > 0 then
         return redis.error_reply('EMQEXISTS ' .. ARGV[2 * i - 8])
