@@ -151,9 +151,11 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
         for level in whole:
             parent_row = keys.job_key(level.queue, level.parent_id)
             if not level.child_policies:
-                # One HSET is atomic by itself: no MULTI, and it shares the locator's round
-                # trip below.
-                side.hset(parent_row, "policy", level.policy)
+                # A missing policy reads as "fail" (settle_child, views): the default costs
+                # nothing. Another is one HSET, atomic by itself: no MULTI, and it shares the
+                # locator's round trip below.
+                if level.policy != "fail":
+                    side.hset(parent_row, "policy", level.policy)
                 continue
             pipe = state.client.pipeline(transaction=True)
             pipe.hset(parent_row, "policy", level.policy)
