@@ -21,7 +21,6 @@
 -- can tell how long a job has waited.
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
 --- @include "gate"
---- @include "now_ms"
 --- @include "recent"
 
 -- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
@@ -74,7 +73,9 @@ for first = 6, 5 + n, SLICE do
     end
   end
 end
-local now = now_ms()
+-- One TIME for the pending scores and the recent index.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- Each child: its row claimable (state pending), carrying the parent id, and in the pending
 -- set (one variadic ZADD per slice).
 local members = {}
@@ -104,5 +105,5 @@ else
   redis.call('HINCRBY', KEYS[5], 'held', 1)
 end
 redis.call('SET', KEYS[2], n)
-index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]))
+index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]), t)
 return n
