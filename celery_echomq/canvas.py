@@ -240,6 +240,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             args=tuple(partial),
             kwargs=kwargs,
             options=merged,
+            child_results=state.settings.child_results,
         )
         if replaced is not None:
             queue, job_id = replaced

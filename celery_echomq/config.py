@@ -64,6 +64,10 @@ class Settings:
     # WAIT for this many replicas after every transition that must survive a failover.
     min_replicas: int = 0
     min_replicas_timeout: float = 1.0
+    # Whether a flow's children store their results in Celery's result backend, as a chord's
+    # do. False: their values live only in the parent's :processed (children_values()), and
+    # each child saves the backend's write and publish.
+    child_results: bool = True
 
     @property
     def stall_ms(self) -> int:
@@ -237,6 +241,15 @@ def _replicas(conf: Any) -> int:
     return value
 
 
+def _flag(conf: Any, name: str, default: bool) -> bool:
+    value = conf.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{name}={value!r} must be True or False")
+    return value
+
+
 def read_settings(conf: Any) -> Settings:
     accept = conf.get("accept_content") or ("json",)
     url: str | None
@@ -262,4 +275,5 @@ def read_settings(conf: Any) -> Settings:
         recent_flows=int(_positive(conf, "echomq_recent_flows", 10000)),
         serializer=str(conf.get("task_serializer") or "json"),
         accept_content=tuple(accept),
+        child_results=_flag(conf, "echomq_child_results", True),
     )

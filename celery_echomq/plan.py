@@ -26,6 +26,9 @@ H_QUEUE = "echomq_q"  # the queue whose slot holds this job's row
 H_PARENT = "echomq_p"  # the parent's job id, on a child
 H_PARENT_QUEUE = "echomq_pq"  # the queue whose slot holds the parent's keys
 H_FLOW = "echomq_f"  # "1" on a flow parent: it has keys of its own to expire
+# On a child's first message only (not in its stored payload): the store's clock in ms, read
+# just before the flow was enqueued. The claim takes it for the job's pending time.
+H_SINCE = "echomq_t"
 
 # Options that belong to the flow's parent alone: the rest reach every child too.
 PARENT_ONLY = frozenset(
@@ -147,11 +150,14 @@ def plan_flow(
     options: dict[str, Any],
     outer: str = "",
     outer_queue: str = "",
+    child_results: bool = True,
 ) -> Plan:
     """Assign and gate every id and build every message; touches neither Redis nor the broker.
 
     Each job's keys live on the slot of the queue it is sent to: a child routed elsewhere
-    than its parent is credited across slots (see ``start_flow``).
+    than its parent is credited across slots (see ``start_flow``). ``child_results`` False
+    (``echomq_child_results``): a child task whose signature does not say otherwise is sent
+    with ``ignore_result``; its value reaches the parent through the store alone.
     """
     parent_id = job_id_of(parent.options, options.get("task_id"))
     queue = route_queue(app, parent, options)
@@ -211,6 +217,7 @@ def plan_children(
                 options=inner_opts,
                 outer=parent_id,
                 outer_queue=queue,
+                child_results=child_results,
             )
             cid = inner.parent_id
             plan.children.append({"nested": inner.to_dict()})
@@ -225,6 +232,8 @@ def plan_children(
             job = _job_dict(child, shared, headers)
             job["options"].pop("parent_policy", None)
             job["options"]["task_id"] = cid
+            if not child_results:
+                job["options"].setdefault("ignore_result", True)
             plan.children.append(job)
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")

@@ -41,6 +41,40 @@ MESSAGE_OPTIONS = (
 )
 
 
+# Values whose repr is exactly Celery's saferepr, cheap, and short: a job's args and kwargs
+# made only of these get their argsrepr/kwargsrepr from repr (saferepr walks every value
+# through a generator of tokens: a sixth of a flow's enqueue for small arguments).
+_PLAIN = (bool, float, type(None))
+_PLAIN_MAX = 16  # items; with each item short, the repr stays far below Celery's 1024 limit
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, _PLAIN):
+        return True
+    if isinstance(value, int):
+        return -(10**18) < value < 10**18
+    # saferepr writes quotes and backslashes inside strings its own way: those take its path.
+    return (
+        isinstance(value, str)
+        and len(value) <= 40
+        and value.isascii()
+        and value.isprintable()
+        and "'" not in value
+        and "\\" not in value
+    )
+
+
+def _fast_repr(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str] | None:
+    """``(argsrepr, kwargsrepr)`` by plain repr when that is what saferepr would give."""
+    if len(args) > _PLAIN_MAX or len(kwargs) > _PLAIN_MAX:
+        return None
+    if not all(_plain(a) for a in args):
+        return None
+    if not all(isinstance(k, str) and _plain(k) and _plain(v) for k, v in kwargs.items()):
+        return None
+    return repr(args), repr(kwargs)
+
+
 def _batch(producer: Any) -> contextlib.AbstractContextManager[Any]:
     batch = getattr(producer, "batch", None)
     return batch() if batch is not None else contextlib.nullcontext()
@@ -96,6 +130,10 @@ def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
                 # the Queue entity for every message before its cache answers.
                 routed["declare"] = []
             declared.add(queue_name)
+            reprs = _fast_repr(args, kwargs)
+            given = routed.keys() | named.keys()
+            if reprs is not None and not {"argsrepr", "kwargsrepr"} & given:
+                named["argsrepr"], named["kwargsrepr"] = reprs
             message = amqp.create_task_message(
                 task_id,
                 name,

@@ -99,12 +99,15 @@ def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> D
         return Dependencies(EAGER[job_id].outstanding, EAGER[job_id].credited)
     state = _state(app)
     q = locate(state, job_id, queue)
-    deps, _, _ = state.keys.flow_keys(q, job_id)
+    deps, processed, _ = state.keys.flow_keys(q, job_id)
     pipe = state.client.pipeline(transaction=False)
     pipe.get(deps)
-    pipe.hget(state.keys.job_key(q, job_id), "credited")
-    outstanding, credited = pipe.execute()
-    return Dependencies(int(outstanding or 0), int(credited or 0))
+    # Credited: one :processed field per child whose value counted, plus the failed children
+    # counted as resolved (ignore, remove, continue).
+    pipe.hlen(processed)
+    pipe.hget(state.keys.job_key(q, job_id), "credited_failed")
+    outstanding, values, failed = pipe.execute()
+    return Dependencies(int(outstanding or 0), int(values or 0) + int(failed or 0))
 
 
 def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:

@@ -37,6 +37,15 @@ class ParentRef:
 class Scripts(ScriptRunner):
     """The EchoMQ transitions, bound to one Redis client and one keyspace."""
 
+    # (queue, priority) -> a claim mark this process has seen the queue reach. Marks only
+    # grow, so a claim of a job pending since no later than that need not read them (the
+    # children of one flow share one pending time: one read per flow and process, not per
+    # child). A stale value (marks deleted) only leaves a mark lower, which delays recovery's
+    # evidence and never makes a false one.
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._known_marks: dict[tuple[str, int], int] = {}
+
     def _parent_keys(self, parent: ParentRef | None, *names: str) -> list[str]:
         if parent is None:
             return []
@@ -91,8 +100,12 @@ class Scripts(ScriptRunner):
         priority: int = 0,
         force: bool = False,
         retries: int = 0,
+        since: int | None = None,
     ) -> tuple[Status, int, str]:
-        """``(status, attempts, holder)``: see claim.lua (holder: the live token when busy)."""
+        """``(status, attempts, holder)``: see claim.lua (holder: the live token when busy).
+
+        ``since``: the server time (ms) read just before the job was enqueued (its message's
+        ``echomq_t`` header), which spares the claim reading its pending score."""
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
@@ -101,8 +114,21 @@ class Scripts(ScriptRunner):
             self.keys.queue_key(queue, "reserved"),
             self.keys.queue_key(queue, "counters"),
         ]
-        argv = [job_id, token, str(lease_ms), str(priority), "1" if force else "0", str(retries)]
-        status, attempts, holder = self._run("claim", keys, argv)
+        marks = self._known_marks
+        known = marks.get((queue, priority), 0)
+        argv = [
+            job_id,
+            token,
+            str(lease_ms),
+            str(priority),
+            "1" if force else "0",
+            str(retries),
+            str(known) if known else "",
+            str(since) if since else "",
+        ]
+        status, attempts, holder, mark = self._run("claim", keys, argv)
+        if mark not in (b"", "", None) and int(mark) > known:
+            marks[(queue, priority)] = int(mark)
         return _status(status), int(attempts), text(holder)
 
     def complete(
@@ -437,14 +463,20 @@ class Scripts(ScriptRunner):
         return (status, reply[1]) if status is Status.REQUEUED else (status, None)
 
     def extend(
-        self, queue: str, running: Sequence[str], lease_ms: int, held: Sequence[str] = ()
+        self,
+        queue: str,
+        running: Sequence[str],
+        lease_ms: int,
+        held: Sequence[str] = (),
+        released: Sequence[str] = (),
     ) -> int:
         """Renew this worker's leases on ``queue``: the deadlines of the ``running`` jobs (still
-        active) and the holds on the ``held`` ones (received, not started), to now + lease."""
-        if not running and not held:
+        active) and the holds on the ``held`` ones (received, not started), to now + lease;
+        end the holds on the ``released`` ones (held before, started or gone since)."""
+        if not running and not held and not released:
             return 0
         keys = [self.keys.queue_key(queue, "active"), self.keys.queue_key(queue, "reserved")]
-        argv = [str(lease_ms), str(len(running)), *running, *held]
+        argv = [str(lease_ms), str(len(running)), str(len(held)), *running, *held, *released]
         return int(self._run("extend", keys, argv))
 
     def drop(self, queue: str, job_id: str, holder_prefix: str) -> tuple[Status, bytes | None]:

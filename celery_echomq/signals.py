@@ -20,7 +20,7 @@ from celery import signals
 from celery.app.task import Task
 from celery.exceptions import Ignore
 
-from .plan import H_FLOW, H_QUEUE, Headers, parent_ref
+from .plan import H_FLOW, H_QUEUE, H_SINCE, Headers, parent_ref
 from .replies import DUPLICATE_DELIVERY, STARTED, Status
 from .settle import error_text, settle_failure, settle_success
 from .state import EchoMQ, find_state
@@ -91,8 +91,15 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     queue, token = getattr(request, H_QUEUE), new_token()
     lease, priority = state.settings.stall_ms, _priority(request)
     retries = int(getattr(request, "retries", 0) or 0)
+    since = getattr(request, H_SINCE, None)
     status, attempts, holder = state.scripts.claim(
-        queue, task_id, token, lease, priority=priority, retries=retries
+        queue,
+        task_id,
+        token,
+        lease,
+        priority=priority,
+        retries=retries,
+        since=since if isinstance(since, int) else None,
     )
     if status is Status.BUSY and holder == token:
         # The store's client resent this claim after a lost reply (a failover): the first

@@ -13,10 +13,11 @@ from typing import Any, NamedTuple
 
 import redis
 from kombu.exceptions import EncodeError
+from redis.cluster import RedisCluster
 
 from .config import safe_url
 from .errors import EchoMQError, FlowCancelled, FlowExistsError, StoreUnavailableError
-from .plan import Plan, child_id, child_queue
+from .plan import H_SINCE, Plan, child_id, child_queue
 from .publish import publish
 from .replies import Status
 from .scripts import ParentRef
@@ -107,7 +108,18 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
         # leave its queues where recovery looks (SADD is idempotent).
         queues = {level.queue for level in levels}
         queues.update(child_queue(job) for level in levels for job in level.children)
-        state.client.sadd(keys.queues_key(), *sorted(queues))
+        # The store's clock before the enqueue: no later than any pending score it writes
+        # (the children's messages carry it, sparing each claim a read; see H_SINCE). Not on
+        # a cluster, where TIME would come from any node's clock, not the queue's master's.
+        since = None
+        if isinstance(state.client, RedisCluster):
+            state.client.sadd(keys.queues_key(), *sorted(queues))
+        else:
+            first = state.client.pipeline(transaction=False)
+            first.sadd(keys.queues_key(), *sorted(queues))
+            first.time()
+            _, (seconds, micros) = first.execute()
+            since = int(seconds) * 1000 + int(micros) // 1000
         whole = []
         try:
             for level in levels:
@@ -136,14 +148,22 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
         # After the atomic land: each flow's default policy and each child's own, on the
         # same slot (one MULTI per slot, as Redis Cluster requires), before any child can run
         # (none is published yet).
+        side = state.client.pipeline(transaction=False)
         for level in whole:
+            parent_row = keys.job_key(level.queue, level.parent_id)
+            if not level.child_policies:
+                # A missing policy reads as "fail" (settle_child, views): the default costs
+                # nothing. Another is one HSET, atomic by itself: no MULTI, and it shares the
+                # locator's round trip below.
+                if level.policy != "fail":
+                    side.hset(parent_row, "policy", level.policy)
+                continue
             pipe = state.client.pipeline(transaction=True)
-            pipe.hset(keys.job_key(level.queue, level.parent_id), "policy", level.policy)
+            pipe.hset(parent_row, "policy", level.policy)
             for cid, child_policy in level.child_policies.items():
                 pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
             pipe.execute()
         # Outside the flow's slot: where a bare id lives.
-        side = state.client.pipeline(transaction=False)
         for level in levels:
             side.set(keys.locator_key(level.parent_id), level.queue, ex=state.locator_ttl)
         side.execute()
@@ -167,10 +187,19 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     )
     leaves = [job for level in levels for job in level.children if "nested" not in job]
     if leaves:
-        publish(state.app, leaves)
+        publish(state.app, [_with_since(job, since) for job in leaves])
     for level in levels:
         if not level.children:
             dispatch_parent(state, level.queue, level.parent_id)
+
+
+def _with_since(job: dict[str, Any], since: int | None) -> dict[str, Any]:
+    """``job`` with :data:`H_SINCE` in its message headers (its stored payload keeps none)."""
+    if since is None:
+        return job
+    options = dict(job["options"])
+    options["headers"] = {**(options.get("headers") or {}), H_SINCE: since}
+    return {**job, "options": options}
 
 
 def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:

@@ -31,7 +31,7 @@ _ROW_FIELDS = (
     "parent",
     "parent_policy",
     "policy",
-    "credited",
+    "credited_failed",
     "error",
     "failed_child",
     "started",
@@ -239,7 +239,7 @@ def _build(
     info = FlowInfo(
         policy=flow_policy,
         outstanding=_int(counter),
-        credited=_int(row["credited"]) or 0,
+        credited=len(processed) + (_int(row["credited_failed"]) or 0),
         total=len(child_ids),
         failed_child=row["failed_child"],
     )

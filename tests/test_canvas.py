@@ -176,3 +176,41 @@ def test_expires_applies_to_the_children(proj: Any, worker: Any) -> None:
     assert res.get(timeout=60) == 0
     (error,) = res.ignored_failures().values()
     assert error == "TaskRevokedError: expired"
+
+
+@pytest.mark.parametrize("child_results", [True, False])
+def test_echomq_child_results_decides_whether_children_store_results(
+    proj: Any, worker: Any, child_results: bool
+) -> None:
+    import dataclasses
+
+    from celery_echomq.state import get_state
+
+    state = get_state(proj.app)
+    saved = state.settings
+    state.settings = dataclasses.replace(saved, child_results=child_results)
+    try:
+        res = flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(3)]).apply_async()
+    finally:
+        state.settings = saved
+    assert res.get(timeout=60) == 6
+    values = res.children_values()
+    assert sorted(values.values()) == [0, 2, 4]
+    backend = proj.app.backend
+    stored = {cid: backend.get(backend.get_key_for_task(cid)) for cid in values}
+    if child_results:
+        # As a chord's children: each result is in the backend too.
+        assert all(proj.app.AsyncResult(cid).get(timeout=10) == v for cid, v in values.items())
+    else:
+        # The values reach the parent (and children_values) through the store alone.
+        assert stored == dict.fromkeys(values)
+
+
+@pytest.mark.parametrize("value", ["no", 0, 1, "False"])
+def test_echomq_child_results_must_be_a_bool(value: Any) -> None:
+    from celery_echomq.config import read_settings
+    from celery_echomq.errors import ConfigError
+
+    conf = {"echomq_redis_url": "redis://localhost:6379/0", "echomq_child_results": value}
+    with pytest.raises(ConfigError, match=r"echomq_child_results=.* must be True or False"):
+        read_settings(conf)

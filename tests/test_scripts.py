@@ -395,6 +395,24 @@ def test_claim_marks_how_far_the_queue_has_delivered_per_priority(
     # A redelivery of a running job leaves the marks alone (it was not pending).
     scripts.claim(queue, first, "c", LEASE, force=True)
     assert db.hget(f"emq:{{{queue}}}:marks", "0") == str(int(since)).encode()
+    # A later job advances the mark past the one this client has seen; a job pending no later
+    # than the mark it knows leaves the marks hash unread.
+    _, (third,) = enqueue(scripts, queue, 1)
+    later = db.zscore(f"emq:{{{queue}}}:pending", third)
+    scripts.claim(queue, third, "d", LEASE)
+    assert db.hget(f"emq:{{{queue}}}:marks", "0") == str(int(later)).encode()
+
+
+def test_claim_takes_the_messages_pending_time_when_it_carries_one(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    # A child's first message carries the store's clock read before its flow was enqueued
+    # (no later than its pending score): the mark advances to it without reading the score.
+    _, (child,) = enqueue(scripts, queue, 1)
+    score = int(db.zscore(f"emq:{{{queue}}}:pending", child) or 0)
+    assert scripts.claim(queue, child, "a", LEASE, since=score - 5)[0] == "claimed"
+    assert db.hget(f"emq:{{{queue}}}:marks", "0") == str(score - 5).encode()
+    assert db.zscore(f"emq:{{{queue}}}:pending", child) is None
 
 
 def test_extend_renews_running_jobs_and_holds_received_ones(
@@ -407,8 +425,11 @@ def test_extend_renews_running_jobs_and_holds_received_ones(
     assert db.zscore(f"emq:{{{queue}}}:active", running) >= before + LEASE - 1000
     assert db.zscore(f"emq:{{{queue}}}:active", done) is None  # never makes a job active
     assert db.zscore(f"emq:{{{queue}}}:reserved", waiting) >= now_ms(db) + LEASE - 1000
-    # The claim that starts a held job ends its hold.
+    # The claim that starts a held job leaves its hold to the worker that made it: its next
+    # extend ends it.
     scripts.claim(queue, waiting, "w", LEASE)
+    assert db.zscore(f"emq:{{{queue}}}:reserved", waiting) is not None
+    assert scripts.extend(queue, [], LEASE, [], [waiting]) == 0  # nothing renewed
     assert db.zscore(f"emq:{{{queue}}}:reserved", waiting) is None
 
 

@@ -23,7 +23,8 @@ PAGE = 100
 # Newest entries of the failed set looked at for failed flows (it also holds failed children).
 FAILED_WINDOW = 100
 
-_FIELDS = ("state", "attempts", "credited", "error", "policy")
+# credited = the values in :processed (HLEN, read beside the row) + credited_failed.
+_FIELDS = ("state", "attempts", "credited_failed", "error", "policy")
 COUNTERS = (
     "held",
     "released",
@@ -96,7 +97,7 @@ def read_counts(state: EchoMQ, names: list[str]) -> list[tuple[str, list[int], d
     return out
 
 
-def _row(queue: str, job_id: str, score: Any, fields: list[Any]) -> FlowRow:
+def _row(queue: str, job_id: str, score: Any, fields: list[Any], values_count: Any) -> FlowRow:
     values = [text(v) for v in fields]
     return FlowRow(
         id=job_id,
@@ -104,7 +105,7 @@ def _row(queue: str, job_id: str, score: Any, fields: list[Any]) -> FlowRow:
         state=values[0] or "missing",
         enqueued_ms=int(float(score)) // 1000 if score is not None else None,
         attempts=_int(values[1]),
-        credited=_int(values[2]),
+        credited=_int(values_count) + _int(values[2]),
         policy=values[4] or "fail",
         error=values[3],
     )
@@ -142,19 +143,21 @@ def read_overview(
         failed_ids = [f for f in failed_ids if f not in seen]
         for job_id, _ in window:
             pipe.hmget(keys.job_key(name, job_id), _FIELDS)
+            pipe.hlen(keys.flow_keys(name, job_id)[1])
         for job_id in failed_ids:
             pipe.zscore(keys.queue_key(name, "recent"), job_id)
             pipe.hmget(keys.job_key(name, job_id), _FIELDS)
+            pipe.hlen(keys.flow_keys(name, job_id)[1])
         plan.append((name, window, failed_ids))
     replies = iter(pipe.execute())
     views = []
     for (name, window, failed_ids), (_, cards, counters) in zip(plan, counts, strict=True):
-        rows = [_row(name, job_id, score, next(replies)) for job_id, score in window]
+        rows = [_row(name, job_id, score, next(replies), next(replies)) for job_id, score in window]
         older_failed = []
         for job_id in failed_ids:
-            score, fields = next(replies), next(replies)
+            score, fields, values_count = next(replies), next(replies), next(replies)
             if score is not None:  # a flow's parent, not a failed child
-                older_failed.append(_row(name, job_id, score, fields))
+                older_failed.append(_row(name, job_id, score, fields, values_count))
         failed_flows = [r for r in rows if r.state == "failed"] + older_failed
         older = int(float(window[-1][1])) if len(window) == PAGE else None
         views.append(

@@ -5,7 +5,9 @@
 -- KEYS[3]  the queue's active set (score: when the holder's lease lapses)
 -- KEYS[4]  the queue's claim marks (hash: priority -> the latest pending-since of a job the
 --          queue has delivered): the evidence recovery reads to tell a backlog from a loss
--- KEYS[5]  the queue's reserved set (score: when a worker's hold on a prefetched job lapses)
+-- KEYS[5]  the queue's reserved set (unused: the worker's lease loop ends the holds it made,
+--          in one extend call per tick, rather than every claim paying a ZREM for a hold
+--          that rarely exists; kept so the caller's KEYS stay stable)
 -- KEYS[6]  the queue's counters (hash)
 -- ARGV[1]  job id
 -- ARGV[2]  the new token
@@ -14,8 +16,18 @@
 -- ARGV[5]  '1' to take over a live lease: the caller knows the holder is dead
 -- ARGV[6]  the delivery's retry count (Celery's request.retries): a retry's message can
 --          arrive before the delivery that sent it has finished; it supersedes that one
+-- ARGV[7]  optional: a claim mark the caller knows the queue has already reached for this
+--          priority (marks only grow): a job pending since no later than that leaves the
+--          marks unread and unwritten ('' or absent: always compare)
+-- ARGV[8]  optional: when the job became pending, as its producer read the server's clock
+--          just before enqueueing it (the message's echomq_t header), no later than its
+--          pending score: spares the ZSCORE. A message re-published by recovery, or retried,
+--          carries an older time or none ('': read the score), which can only leave a mark
+--          lower, never claim that a job was delivered later than it was
 --
--- Reply: {status, attempts, holder}
+-- Reply: {status, attempts, holder, mark}
+--   mark: the claim mark this priority is now known to have reached ('' when this claim
+--   did not look), for the caller to pass as ARGV[7] next time
 --   "claimed"     pending -> active
 --   "taken_over"  it was active under another token whose lease had lapsed, whose holder the
 --                 caller knows to be dead, or whose delivery this one retries: that token is
@@ -37,15 +49,15 @@ local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced
   'skipped', 'suspect')
 local state = row[1]
 if not state then
-  return {'missing', 0, ''}
+  return {'missing', 0, '', ''}
 end
 if state == 'awaiting_children' then
-  return {'held', 0, ''}
+  return {'held', 0, '', ''}
 end
 local attempts = tonumber(row[2]) or 0
 if state ~= 'pending' and state ~= 'active' then
   redis.call('HINCRBY', KEYS[6], 'duplicates_skipped', 1)
-  return {state, attempts, ''}
+  return {state, attempts, '', ''}
 end
 local retries = tonumber(ARGV[6] or '0')
 local now = now_ms()
@@ -54,15 +66,27 @@ if state == 'active' and ARGV[5] ~= '1' and retries <= (tonumber(row[5]) or 0) t
   if row[4] or lease > now then
     redis.call('HINCRBY', KEYS[1], 'skipped', 1)
     redis.call('HINCRBY', KEYS[6], 'duplicates_skipped', 1)
-    return {'busy', attempts, row[3] or ''}
+    return {'busy', attempts, row[3] or '', ''}
   end
 end
+local mark = ''
 if state == 'pending' then
   -- Brokers deliver one queue (per priority) in order: this delivery shows that every job of
-  -- the same priority that became pending well before it has been delivered too.
-  local since = redis.call('ZSCORE', KEYS[2], ARGV[1])
-  if since and tonumber(since) > tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or '0') then
-    redis.call('HSET', KEYS[4], ARGV[4], since)
+  -- the same priority that became pending well before it has been delivered too. The
+  -- children of one flow share one pending time, so the caller's known mark spares most
+  -- claims the read of the marks hash.
+  local raw = ARGV[8]
+  if not raw or raw == '' then
+    raw = redis.call('ZSCORE', KEYS[2], ARGV[1])
+  end
+  local since = tonumber(raw or '0')
+  if raw and since > (tonumber(ARGV[7] or '') or 0) then
+    local current = tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or '0')
+    if since > current then
+      redis.call('HSET', KEYS[4], ARGV[4], raw)
+      current = since
+    end
+    mark = current
   end
   redis.call('ZREM', KEYS[2], ARGV[1])
 end
@@ -72,9 +96,8 @@ redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'started', now,
 if row[4] or row[6] or row[7] then
   redis.call('HDEL', KEYS[1], 'skipped', 'replaced', 'suspect')
 end
-redis.call('ZREM', KEYS[5], ARGV[1])
 redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
 if state == 'active' then
-  return {'taken_over', attempts, row[3] or ''}
+  return {'taken_over', attempts, row[3] or '', mark}
 end
-return {'claimed', attempts, ''}
+return {'claimed', attempts, '', mark}

@@ -20,11 +20,13 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-if redis.call('HGET', KEYS[1], 'state') ~= 'pending' then
+-- One read of the row: whether it waits to be dispatched, since when, and what to publish.
+local row = redis.call('HMGET', KEYS[1], 'state', 'dispatched', 'payload')
+if row[1] ~= 'pending' then
   return {}
 end
 local now = now_ms()
-local last = redis.call('HGET', KEYS[1], 'dispatched')
+local last = row[2]
 if last then
   local after = tonumber(ARGV[2])
   if after <= 0 or now - tonumber(last) < after then
@@ -33,7 +35,7 @@ if last then
 end
 redis.call('HSET', KEYS[1], 'dispatched', now)
 redis.call('HINCRBY', KEYS[3], 'dispatched', 1)
-local payload = redis.call('HGET', KEYS[1], 'payload')
+local payload = row[3]
 if redis.call('HLEN', KEYS[2]) > tonumber(ARGV[3]) then
   return {payload, 'scan'}
 end

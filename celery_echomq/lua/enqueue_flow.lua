@@ -21,7 +21,6 @@
 -- can tell how long a job has waited.
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
 --- @include "gate"
---- @include "now_ms"
 --- @include "recent"
 
 -- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
@@ -35,10 +34,17 @@ end
 -- The one exception is a nested flow's parent: its outer flow wrote it as a pending child that
 -- no worker has claimed, carrying the outer parent id this call names. It becomes held here.
 local outer = ARGV[4 + 2 * n] or ''
-if redis.call('EXISTS', KEYS[2]) > 0 then
+-- A top-level flow (no outer) has no placeholder to find: the parent row and counter join the
+-- first slice's variadic EXISTS below, and their own reads are skipped (two commands a flow).
+local placeholder = {}
+if outer ~= '' then
+  if redis.call('EXISTS', KEYS[2]) > 0 then
+    return redis.error_reply('EMQEXISTS ' .. ARGV[1])
+  end
+  placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
+elseif n == 0 and redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
 end
-local placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
 if placeholder[1] then
   if outer == '' or placeholder[1] ~= 'pending' or placeholder[2] ~= outer
       or placeholder[3] ~= '0' then
@@ -50,7 +56,16 @@ end
 local SLICE = 500
 for first = 6, 5 + n, SLICE do
   local last = math.min(first + SLICE - 1, 5 + n)
-  if redis.call('EXISTS', unpack(KEYS, first, last)) > 0 then
+  local found
+  if first == 6 and outer == '' then
+    found = redis.call('EXISTS', KEYS[1], KEYS[2], unpack(KEYS, first, last))
+    if found > 0 and redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then
+      return redis.error_reply('EMQEXISTS ' .. ARGV[1])
+    end
+  else
+    found = redis.call('EXISTS', unpack(KEYS, first, last))
+  end
+  if found > 0 then
     for i = first, last do
       if redis.call('EXISTS', KEYS[i]) > 0 then
         return redis.error_reply('EMQEXISTS ' .. ARGV[2 * i - 8])
@@ -58,7 +73,9 @@ for first = 6, 5 + n, SLICE do
     end
   end
 end
-local now = now_ms()
+-- One TIME for the pending scores and the recent index.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- Each child: its row claimable (state pending), carrying the parent id, and in the pending
 -- set (one variadic ZADD per slice).
 local members = {}
@@ -88,5 +105,5 @@ else
   redis.call('HINCRBY', KEYS[5], 'held', 1)
 end
 redis.call('SET', KEYS[2], n)
-index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]))
+index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]), t)
 return n

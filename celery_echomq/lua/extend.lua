@@ -7,24 +7,33 @@
 -- KEYS[2]   the queue's reserved set (score: when the worker's hold on a received job lapses)
 -- ARGV[1]   lease in ms: each lease becomes at least server time + lease
 -- ARGV[2]   n, the number of running job ids that follow
--- ARGV[3..] n ids of the jobs this worker is running on that queue, then the ids of the jobs
---           it holds without running them yet
+-- ARGV[3]   m, the number of held job ids that follow them
+-- ARGV[4..] n ids of the jobs this worker is running on that queue, then m ids of the jobs
+--           it holds without running them yet, then the ids of jobs whose hold ended (this
+--           worker held them and has since started them, or they are gone)
 --
 -- Reply: the number of leases moved. A running job that is not in the active set (finished,
 -- failed, retried, or not claimed yet) is left out: this script never makes a job active, and
--- never shortens a lease. A held job's entry is dropped by the claim that starts it, and
--- lapses on its own if its worker dies.
+-- never shortens a lease. A held job's entry is dropped here, by the worker that made it, on
+-- its next tick after the job started (not by the claim: most jobs start before any tick has
+-- held them, and a claim would pay a ZREM for nothing), and lapses on its own if its worker
+-- dies. An entry left a moment after its claim is harmless: recovery reads the reserved set
+-- only for pending jobs.
 -- Errors: "EMQKIND ..." a non-JOB id (checked for every id before any write).
 --- @include "gate"
 --- @include "now_ms"
-local refused = gate_ids(3, #ARGV)
+local refused = gate_ids(4, #ARGV)
 if refused then
   return refused
 end
 local deadline = now_ms() + tonumber(ARGV[1])
-local running = 2 + tonumber(ARGV[2])
+local running = 3 + tonumber(ARGV[2])
+local held = running + tonumber(ARGV[3])
 local moved = 0
-for i = 3, #ARGV do
+if #ARGV > held then
+  redis.call('ZREM', KEYS[2], unpack(ARGV, held + 1, #ARGV))
+end
+for i = 4, held do
   local current = redis.call('ZSCORE', KEYS[i <= running and 1 or 2], ARGV[i])
   if i <= running then
     if current and tonumber(current) < deadline then

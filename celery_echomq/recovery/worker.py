@@ -78,15 +78,18 @@ def held_jobs() -> dict[str, Held]:
     return held
 
 
-def renew(state: EchoMQ, jobs: dict[str, Held]) -> int:
-    """Renew this worker's leases on ``jobs``; how many moved."""
-    by_queue: dict[str, tuple[list[str], list[str]]] = {}
+def renew(state: EchoMQ, jobs: dict[str, Held], released: dict[str, Held] | None = None) -> int:
+    """Renew this worker's leases on ``jobs`` and end its holds on ``released`` (jobs it held
+    unstarted at the last look, started or gone since); how many moved."""
+    by_queue: dict[str, tuple[list[str], list[str], list[str]]] = {}
     for job_id, job in jobs.items():
-        running, waiting = by_queue.setdefault(job.queue, ([], []))
+        running, waiting, _ = by_queue.setdefault(job.queue, ([], [], []))
         (running if job.running else waiting).append(job_id)
+    for job_id, job in (released or {}).items():
+        by_queue.setdefault(job.queue, ([], [], []))[2].append(job_id)
     moved = 0
-    for queue, (running, waiting) in by_queue.items():
-        moved += state.scripts.extend(queue, running, state.settings.stall_ms, waiting)
+    for queue, (running, waiting, ended) in by_queue.items():
+        moved += state.scripts.extend(queue, running, state.settings.stall_ms, waiting, ended)
     return moved
 
 
@@ -177,8 +180,15 @@ class RecoveryLoop:
             if renew_all
             else {job_id: job for job_id, job in now.items() if before.get(job_id) != job}
         )
-        if fresh:
-            renew(self.state, fresh)
+        # Holds this loop made (received, not started at the last look) that have ended: the
+        # claim leaves them to this call, one per tick, rather than a ZREM per claim.
+        released = {
+            job_id: job
+            for job_id, job in before.items()
+            if not job.running and (job_id not in now or now[job_id].running)
+        }
+        if fresh or released:
+            renew(self.state, fresh, released)
 
     def _run(self) -> None:
         start = time.monotonic()

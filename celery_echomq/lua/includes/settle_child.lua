@@ -56,7 +56,12 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
     end
   end
   local left = redis.call('DECR', parent.deps)
-  redis.call('HINCRBY', parent.row, 'credited', 1)
+  if outcome ~= 'done' then
+    -- A failed child counted as resolved. A child's value needs no count of its own: the
+    -- parent's :processed has one field per credited child (HLEN), which spares every
+    -- succeeding child a command.
+    redis.call('HINCRBY', parent.row, 'credited_failed', 1)
+  end
   if (policy == 'continue' or left <= 0) and waiting() then
     release_parent(parent.row, parent.pending, parent.id, parent.counters)
     if parent.settled then
