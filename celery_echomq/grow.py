@@ -117,7 +117,13 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
     # Every id assigned and gated before anything reaches Redis. Added children go to their
     # parent's queue unless they name their own.
     plan = Plan(queue=parent.queue, parent_id=parent.id, parent={})
-    plan_children(state.app, plan, sigs, shared={"queue": parent.queue})
+    plan_children(
+        state.app,
+        plan,
+        sigs,
+        shared={"queue": parent.queue},
+        child_results=state.settings.child_results,
+    )
     check_unique([parent.id, *(cid for level in plan.levels() for cid in level.child_ids())])
     keys, client, scripts = state.keys, state.client, state.scripts
     row_key = keys.job_key(parent.queue, parent.id)

@@ -163,7 +163,9 @@ def plan_flow(
     queue = route_queue(app, parent, options)
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
     plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer)
-    plan_children(app, plan, children, args=args, kwargs=kwargs, shared=shared)
+    plan_children(
+        app, plan, children, args=args, kwargs=kwargs, shared=shared, child_results=child_results
+    )
     parent_opts = {k: v for k, v in options.items() if k not in CHILD_ONLY}
     if not outer:
         # Whoever releases the parent publishes its stored message: its result must still
@@ -192,6 +194,7 @@ def plan_children(
     args: tuple[Any, ...] = (),
     kwargs: dict[str, Any] | None = None,
     shared: dict[str, Any] | None = None,
+    child_results: bool = True,
 ) -> None:
     """Plan ``children`` as children of ``plan``'s parent: append them (ids assigned and
     gated, messages built) to ``plan.children`` and their policies to ``plan.child_policies``.
