@@ -212,3 +212,25 @@ def own_queue(env: Env, store: redis.Redis) -> Iterator[Any]:
             store.delete(*keys)
         store.srem("emq:queues", name)
         broker.delete(name)
+
+
+# --- The scripts one by one (test_scripts, test_fan_in, test_repair_scripts, ...) -------------
+
+
+@pytest.fixture
+def db(env: Env) -> Iterator[redis.Redis]:
+    """A database of its own (14), emptied before and after: DBSIZE and snapshots of it speak
+    of this test alone."""
+    client = redis.Redis.from_url(f"{env.base}/14")
+    client.flushdb()
+    yield client
+    client.flushdb()
+
+
+@pytest.fixture
+def scripts(db: redis.Redis) -> Any:
+    """The transition scripts on ``db``, under the default key prefix."""
+    from celery_echomq.keyspace import Keyspace
+    from celery_echomq.scripts import Scripts
+
+    return Scripts(db, Keyspace("emq"))

@@ -11,17 +11,13 @@ show what the policy left for it. A real Redis, no worker, no Celery.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pytest
 import redis
 
-from celery_echomq.keyspace import Keyspace
 from celery_echomq.replies import Status
 from celery_echomq.scripts import ParentRef, Scripts
-
-from .conftest import Env
 
 TTL = 600
 LEASE = 60_000
@@ -49,19 +45,6 @@ POLICIES = {
     # the parent is released at once; a later completion never releases it again
     "continue": Expect(Status.RELEASED, "pending", 1, False, Status.CREDITED, "pending"),
 }
-
-
-@pytest.fixture
-def db(env: Env) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(f"{env.base}/14")
-    client.flushdb()
-    yield client
-    client.flushdb()
-
-
-@pytest.fixture
-def scripts(db: redis.Redis) -> Scripts:
-    return Scripts(db, Keyspace("emq"))
 
 
 def jid() -> str:

@@ -6,33 +6,16 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from celery_echomq.keyspace import Keyspace
 from celery_echomq.replies import Status
 from celery_echomq.scripts import ParentRef, Scripts
 
-from .conftest import Env
-
 TTL = 600
 LEASE = 60_000
-
-
-@pytest.fixture
-def db(env: Env) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(f"{env.base}/14")
-    client.flushdb()
-    yield client
-    client.flushdb()
-
-
-@pytest.fixture
-def scripts(db: redis.Redis) -> Scripts:
-    return Scripts(db, Keyspace("emq"))
 
 
 @pytest.fixture

@@ -3,38 +3,21 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
 from celery_echomq import KindError
-from celery_echomq.keyspace import Keyspace
 from celery_echomq.replies import Status
 from celery_echomq.scripts import ParentRef, Scripts
 
-from .conftest import Env
 from .test_scripts import LEASE, TTL, enqueue, jid, run_child
-
-
-@pytest.fixture
-def db(env: Env) -> Iterator[redis.Redis]:
-    # A database of its own, so a snapshot speaks of this test alone.
-    client = redis.Redis.from_url(f"{env.base}/14")
-    client.flushdb()
-    yield client
-    client.flushdb()
 
 
 @pytest.fixture
 def queue() -> str:
     return "q" + uuid.uuid4().hex[:8]
-
-
-@pytest.fixture
-def scripts(db: redis.Redis) -> Scripts:
-    return Scripts(db, Keyspace("emq"))
 
 
 def fail_child(scripts: Scripts, queue: str, parent: str, child: str, policy: str = "") -> Status:

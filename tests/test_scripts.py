@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 
 import pytest
 import redis
@@ -14,29 +13,13 @@ from celery_echomq.keyspace import Keyspace
 from celery_echomq.loader import TRANSITIONS, load_source
 from celery_echomq.scripts import ParentRef, Scripts
 
-from .conftest import Env
-
 TTL = 600
 LEASE = 60_000
 
 
 @pytest.fixture
-def db(env: Env) -> Iterator[redis.Redis]:
-    # A database of its own, so DBSIZE speaks of this test alone.
-    client = redis.Redis.from_url(f"{env.base}/14")
-    client.flushdb()
-    yield client
-    client.flushdb()
-
-
-@pytest.fixture
 def queue() -> str:
     return "q" + uuid.uuid4().hex[:8]
-
-
-@pytest.fixture
-def scripts(db: redis.Redis) -> Scripts:
-    return Scripts(db, Keyspace("emq"))
 
 
 def jid() -> str:
