@@ -20,6 +20,7 @@
 --   "<state>"    the parent is active, done, failed or already cancelled: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
+--- @include "cancel_children"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
@@ -38,18 +39,5 @@ end
 for i = 1, 4 do
   redis.call('EXPIRE', KEYS[i], ttl)
 end
-for i = 1, #KEYS - 7 do
-  local cid = ARGV[2 + i]
-  local cstate = redis.call('HGET', KEYS[7 + i], 'state')
-  if cstate == 'pending' or cstate == 'active' or cstate == 'awaiting_children' then
-    redis.call('HSET', KEYS[7 + i], 'state', 'cancelled')
-    if cstate == 'awaiting_children' then
-      redis.call('HINCRBY', KEYS[7], 'held', -1)
-    end
-    redis.call('ZREM', KEYS[5], cid)
-    redis.call('ZREM', KEYS[6], cid)
-    redis.call('EXPIRE', KEYS[7 + i], ttl)
-    reply[#reply + 1] = cid
-  end
-end
+cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply)
 return reply

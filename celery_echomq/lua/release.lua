@@ -25,6 +25,7 @@
 --- @include "gate"
 --- @include "now_ms"
 --- @include "release_parent"
+--- @include "cancel_children"
 local refused = gate_ids(1, 1) or gate_ids(4, #ARGV)
 if refused then
   return refused
@@ -37,20 +38,6 @@ release_parent(KEYS[1], KEYS[2], ARGV[1], KEYS[4])
 redis.call('HSET', KEYS[1], 'released_by', 'operator')
 local reply = {'released'}
 if ARGV[3] == '1' then
-  local ttl = tonumber(ARGV[2])
-  for i = 1, #KEYS - 4 do
-    local cid = ARGV[3 + i]
-    local cstate = redis.call('HGET', KEYS[4 + i], 'state')
-    if cstate == 'pending' or cstate == 'active' or cstate == 'awaiting_children' then
-      redis.call('HSET', KEYS[4 + i], 'state', 'cancelled')
-      if cstate == 'awaiting_children' then
-        redis.call('HINCRBY', KEYS[4], 'held', -1)
-      end
-      redis.call('ZREM', KEYS[2], cid)
-      redis.call('ZREM', KEYS[3], cid)
-      redis.call('EXPIRE', KEYS[4 + i], ttl)
-      reply[#reply + 1] = cid
-    end
-  end
+  cancel_children(5, 4, KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), reply)
 end
 return reply
