@@ -227,7 +227,13 @@ def _record_failed_parent(
     backend (with the errbacks), then, for a nested flow, the failure of its outer flow's child.
     """
     status, _ = _backend_outcome(state, parent_id)
-    payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
+    now_state, payload = state.client.hmget(
+        state.keys.job_key(queue, parent_id), "state", "payload"
+    )
+    if now_state != Status.FAILED.encode():
+        # An operator's retry held it again since the row was read (and cleared the stored
+        # FAILURE): recording the failure now would make get() raise for a flow that runs on.
+        return None
     child = row.get("failed_child", "")
     if child:
         prefix = f"child {child} failed: "
