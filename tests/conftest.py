@@ -182,6 +182,23 @@ def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.05) -> Any
     raise AssertionError(f"condition not met within {timeout}s")
 
 
+def quiet(read: Any) -> Any:
+    """What ``read()`` returns once it stays the same over a quarter of a second: a worker
+    may still be tidying after a flow settles (its lease loop ends the holds it made on its
+    next tick), and a snapshot to compare against must not catch it midway."""
+    last = [read()]
+
+    def same() -> bool:
+        time.sleep(0.25)
+        now = read()
+        unchanged = now == last[0]
+        last[0] = now
+        return unchanged
+
+    wait_for(same, timeout=30)
+    return last[0]
+
+
 # --- Redis Cluster (tests/test_cluster.py) ------------------------------------------------------
 
 

@@ -52,24 +52,24 @@ def _queued(app: Celery, queue: str) -> int:
 def _make(app: Celery) -> Tasks:
     calls: list[Any] = []
 
-    @app.task
+    @app.task(shared=False)
     def add(x: int, y: int) -> int:
         return x + y
 
-    @app.task
+    @app.task(shared=False)
     def tsum(values: list[int]) -> int:
         return sum(values)
 
-    @app.task
+    @app.task(shared=False)
     def boom(message: str = "boom") -> None:
         raise ValueError(message)
 
-    @app.task
+    @app.task(shared=False)
     def collect(values: list[Any], tag: str = "") -> dict[str, Any]:
         calls.append(("collect", tag, values))
         return {"values": values, "tag": tag}
 
-    @app.task(bind=True)
+    @app.task(bind=True, shared=False)
     def reads_own(self: Any, values: list[Any]) -> dict[str, Any]:
         return {
             "values": values,
@@ -78,7 +78,7 @@ def _make(app: Celery) -> Tasks:
             "ignored": celery_echomq.ignored_failures(self.request.id),
         }
 
-    @app.task
+    @app.task(shared=False)
     def errback(task_id: str) -> None:
         calls.append(("errback", task_id))
 
@@ -358,7 +358,7 @@ def test_link_on_the_flow_goes_to_the_parent(eager_app: Tasks) -> None:
 def test_add_children_grows_an_eager_flow_as_on_a_worker(eager_app: Tasks) -> None:
     t = eager_app
 
-    @t.app.task
+    @t.app.task(shared=False)
     def spawn(n: int) -> int:
         # Siblings of this child, added before it completes: its parent cannot run before them.
         celery_echomq.add_children([t.add.s(n, k) for k in (1, 2)])
@@ -366,7 +366,7 @@ def test_add_children_grows_an_eager_flow_as_on_a_worker(eager_app: Tasks) -> No
 
     seen: list[str] = []
 
-    @t.app.task(bind=True)
+    @t.app.task(bind=True, shared=False)
     def spawn_by_id(self: Any, parent_id: str) -> int:
         # The other form: naming the parent, while it is held; a repeated add adds nothing.
         sig = t.add.s(100, 0).set(task_id=f"JOB{'a' * 32}")
@@ -383,7 +383,7 @@ def test_add_children_grows_an_eager_flow_as_on_a_worker(eager_app: Tasks) -> No
     # A nested flow may be added too, and the reads include what was added.
     nested = flow(t.tsum.s(), [t.add.s(2, 2), t.add.s(3, 3)])
 
-    @t.app.task
+    @t.app.task(shared=False)
     def spawn_flow() -> int:
         celery_echomq.add_children([nested])
         return 1
@@ -403,7 +403,7 @@ def test_add_children_to_a_finished_eager_flow_is_refused(eager_app: Tasks) -> N
 
     refused: list[BaseException] = []
 
-    @t.app.task
+    @t.app.task(shared=False)
     def late() -> int:
         # Under continue the parent ran when the failed child settled: the flow is closed.
         try:

@@ -7,7 +7,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from typing import Any
 
@@ -27,7 +26,7 @@ from celery_echomq import (
 from celery_echomq.state import get_state
 from celery_echomq.views import read_tree
 
-from .conftest import ROOT, Env, wait_for
+from .conftest import ROOT, Env, quiet, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -64,21 +63,6 @@ def snapshot(broker: redis.Redis) -> dict[bytes, Any]:
 
 def keys_of(client: redis.Redis, names: list[bytes]) -> dict[bytes, Any]:
     return {name: content(client, name) for name in names}
-
-
-def quiet(read: Any) -> Any:
-    """What ``read()`` returns once it stays the same over a quarter of a second."""
-    last = [read()]
-
-    def same() -> bool:
-        time.sleep(0.25)
-        now = read()
-        unchanged = now == last[0]
-        last[0] = now
-        return unchanged
-
-    wait_for(same, timeout=30)
-    return last[0]
 
 
 def gate_key() -> str:

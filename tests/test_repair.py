@@ -13,7 +13,7 @@ import redis
 from celery_echomq import FlowFailed, FlowResult, NotRepairableError, flow, get_state
 from celery_echomq.repair import release_flow, retry_flow
 
-from .conftest import Env, wait_for
+from .conftest import Env, quiet, wait_for
 from .test_cli import echomq, echomq_process, jid, job, settle, state_of
 from .test_repair_scripts import snapshot
 
@@ -105,7 +105,7 @@ def test_retry_of_a_child_that_did_not_fail_under_fail_is_refused(
     proj: Any, worker: Any, store: redis.Redis, flag: str
 ) -> None:
     res, (ok, bad1, bad2) = failed_flow(proj, store, flag, uuid.uuid4().hex)
-    before = snapshot(store, res.id, ok, bad1, bad2)
+    before = quiet(lambda: snapshot(store, res.id, ok, bad1, bad2))
     out = echomq("retry", res.id, "--child", ok)
     assert out.exit_code == 1
     assert f"child {ok} of flow {res.id} is done" in out.stderr
@@ -122,7 +122,7 @@ def test_retry_is_refused_for_a_held_or_done_flow_and_changes_nothing(
     assert settle(done) == 4
 
     ids = (held.id, jid(fast), jid(slow), done.id, jid(other))
-    before = snapshot(store, *ids)
+    before = quiet(lambda: snapshot(store, *ids))
     out = echomq("retry", held.id)
     assert out.exit_code == 1 and out.stdout == ""
     assert f"flow {held.id} is awaiting_children (held, with no child failed under 'fail')" in (
@@ -239,7 +239,7 @@ def test_release_of_an_unknown_or_finished_flow_exits_non_zero(
     child = job(proj.add.s(2, 2))
     done = flow(proj.tsum.s(), [child]).apply_async()
     assert settle(done) == 4
-    before = snapshot(store, done.id, jid(child))
+    before = quiet(lambda: snapshot(store, done.id, jid(child)))
     missing = f"JOB{uuid.uuid4().hex}"
     unknown = echomq_process(env, "release", missing)
     assert unknown.returncode == 1
@@ -318,7 +318,7 @@ def test_retry_of_a_flow_whose_keys_expired_in_part_is_refused(
 ) -> None:
     res, (ok, bad1, bad2) = failed_flow(proj, store, flag, uuid.uuid4().hex)
     store.delete(f"emq:{{celery}}:{bad2}")  # as when its result TTL ran out
-    before = snapshot(store, res.id, ok, bad1, bad2)
+    before = quiet(lambda: snapshot(store, res.id, ok, bad1, bad2))
     with pytest.raises(NotRepairableError, match=f"children {bad2}"):
         res.retry()
     assert snapshot(store, res.id, ok, bad1, bad2) == before
