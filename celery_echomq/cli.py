@@ -388,6 +388,17 @@ def cancel(ctx: click.Context, job_id: str, as_json: bool) -> None:
         click.echo(line)
 
 
+def _report_repair(state: EchoMQ, job_id: str, outcome: Any, as_json: bool, summary: str) -> None:
+    """What retry and release print: the outcome and the flow's tree as it now stands."""
+    after = read_tree(state, job_id, with_result=False)
+    if as_json:
+        _emit_json({**dataclasses.asdict(outcome), "tree": node_dict(after)})
+        return
+    click.echo(summary)
+    for line in render_tree(after, color=True):
+        click.echo(line)
+
+
 @echomq.command()
 @click.argument("job_id")
 @click.option("--child", "child", default=None, help="Retry this one failed child only.")
@@ -406,16 +417,14 @@ def retry(ctx: click.Context, job_id: str, child: str | None, as_json: bool) -> 
 
     state = _state(ctx)
     outcome = retry_flow(state, job_id, child=child)
-    after = read_tree(state, job_id, with_result=False)
-    if as_json:
-        _emit_json({**dataclasses.asdict(outcome), "tree": node_dict(after)})
-        return
-    click.echo(
+    _report_repair(
+        state,
+        job_id,
+        outcome,
+        as_json,
         f"flow {job_id}: {outcome.state}; re-published {len(outcome.republished)} child(ren)"
-        + (f", held again: {', '.join(outcome.held)}" if len(outcome.held) > 1 else "")
+        + (f", held again: {', '.join(outcome.held)}" if len(outcome.held) > 1 else ""),
     )
-    for line in render_tree(after, color=True):
-        click.echo(line)
 
 
 @echomq.command()
@@ -434,17 +443,15 @@ def release(ctx: click.Context, job_id: str, revoke: bool, as_json: bool) -> Non
 
     state = _state(ctx)
     outcome = release_flow(state, job_id, revoke=revoke)
-    after = read_tree(state, job_id, with_result=False)
-    if as_json:
-        _emit_json({**dataclasses.asdict(outcome), "tree": node_dict(after)})
-        return
-    click.echo(
+    _report_repair(
+        state,
+        job_id,
+        outcome,
+        as_json,
         f"flow {job_id}: released with {outcome.values} value(s); "
         f"{len(outcome.outstanding)} child(ren) outstanding"
-        + (f", {len(outcome.revoked)} revoked" if revoke else "")
+        + (f", {len(outcome.revoked)} revoked" if revoke else ""),
     )
-    for line in render_tree(after, color=True):
-        click.echo(line)
 
 
 @echomq.command()

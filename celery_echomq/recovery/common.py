@@ -139,3 +139,18 @@ def guarded(
     except Exception:
         logger.exception("echomq recovery: could not repair %s %s on %s", what, job_id, queue)
         return None
+
+
+def repair_stalled(
+    state: EchoMQ,
+    queue: str,
+    set_name: str,
+    what: str,
+    repair: Callable[[EchoMQ, str, str], str | None],
+    batch: int,
+) -> list[str]:
+    """``repair(state, queue, id)`` (guarded) for each entry of one of the queue's sets that
+    has waited there longer than a stall timeout: a step its writer never finished."""
+    due = overdue(state, queue, set_name, now_ms(state.client) - state.settings.stall_ms, batch)
+    lines = (guarded(what, repair, state, queue, job_id) for job_id, _ in due)
+    return [line for line in lines if line]

@@ -35,6 +35,7 @@ from .common import (
     guarded,
     now_ms,
     overdue,
+    repair_stalled,
     valid_ids,
     with_values,
 )
@@ -326,15 +327,7 @@ def _credit(state: EchoMQ, queue: str, job_id: str, row: dict[str, Any]) -> str 
 
 def unsealed_flows(state: EchoMQ, queue: str, batch: int) -> list[str]:
     """(f) flows open past the stall timeout: their producer died before sealing them."""
-    client = state.client
-    stall = state.settings.stall_ms
-    due = overdue(state, queue, "open", now_ms(client) - stall, batch)
-    repairs = []
-    for parent_id, _ in due:
-        line = guarded("open flow", _seal_or_abandon, state, queue, parent_id)
-        if line:
-            repairs.append(line)
-    return repairs
+    return repair_stalled(state, queue, "open", "open flow", _seal_or_abandon, batch)
 
 
 def _seal_or_abandon(state: EchoMQ, queue: str, parent_id: str) -> str | None:
@@ -379,13 +372,7 @@ def _seal_or_abandon(state: EchoMQ, queue: str, parent_id: str) -> str | None:
 def unwritten_children(state: EchoMQ, queue: str, batch: int) -> list[str]:
     """(g) children of other slots added to a held flow (grow_flow) but never written on their
     own slots: the adder died between its two steps."""
-    due = overdue(state, queue, "adding", now_ms(state.client) - state.settings.stall_ms, batch)
-    repairs = []
-    for parent_id, _ in due:
-        line = guarded("added children", _write_added, state, queue, parent_id)
-        if line:
-            repairs.append(line)
-    return repairs
+    return repair_stalled(state, queue, "adding", "added children", _write_added, batch)
 
 
 def _write_added(state: EchoMQ, queue: str, parent_id: str) -> str | None:
