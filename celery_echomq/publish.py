@@ -484,14 +484,20 @@ def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
     if isinstance(producer, RedisPushes) and not _publish_receivers():
         templates = Templates(app, producer)
     declared: set[str] = set()
+    task_defaults: dict[str, dict[str, Any]] = {}
     for job in jobs:
         name = job["task"]
         args, kwargs = tuple(job["args"]), dict(job["kwargs"])
         options = dict(job["options"])
         task = app.tasks.get(name)
         if task is not None:
-            # What Task.apply_async adds: the task's own defaults under the job's options.
-            defaults = {k: v for k, v in task._get_exec_options().items() if v is not None}
+            # What Task.apply_async adds: the task's own defaults under the job's options
+            # (read once per task and batch: a dozen descriptor reads each).
+            defaults = task_defaults.get(name)
+            if defaults is None:
+                defaults = task_defaults[name] = {
+                    k: v for k, v in task._get_exec_options().items() if v is not None
+                }
             options = {**defaults, **options}
             options.setdefault("ignore_result", task.ignore_result)
             if task.priority:
