@@ -8,18 +8,47 @@ producer never waits on a child: the parent does, through Redis). ``AsyncResult(
 still works; it subscribes when called. A custom ``Task.apply_async`` or ``shadow_name`` is
 not called for flow jobs.
 
-With kombu's ``Producer.batch()`` (kombu >= 5.7) the Redis transport sends all the messages in
-one pipelined round trip instead of one LPUSH each; other transports publish as before.
+On kombu's Redis transport (kombu >= 5.7, whose transport batches), the messages do not go
+through ``Producer.publish`` one by one: :class:`RedisPushes` takes kombu's own steps for each
+and sends every queue's messages in one LPUSH of one pipeline, and the jobs of a batch that
+differ only in id and arguments share one message built by Celery (:class:`Template`). The
+bytes a worker reads are the same (a random ``delivery_tag`` aside). Elsewhere (another
+transport, ``task_send_sent_event``, a caller's own ``Producer.batch()``), the producer
+publishes them in one ``Producer.batch()``; with ``before/after_task_publish`` receivers, the
+signals are sent per message and no template is used.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
+from celery import signals
 from celery.utils.functional import maybe_list
+from celery.utils.saferepr import saferepr
+from kombu import serialization
+from kombu.entity import Exchange, Queue
+from kombu.exceptions import BatchPublishError
+
+
+def _redis_transport() -> Any:
+    try:
+        from kombu.transport import redis as transport
+    except ImportError:  # pragma: no cover - kombu's Redis transport needs redis-py
+        return None
+    return transport
+
+
+REDIS_TRANSPORT: Any = _redis_transport()
+_serialize: Any = serialization.dumps
+
+try:
+    from celery.app.amqp import _callback_publish_retry
+except ImportError:  # a Celery that does not retry a worker's callback publishes
+    _callback_publish_retry = None
 
 # The send_task arguments that become fields of the message rather than routing options.
 MESSAGE_OPTIONS = (
@@ -93,60 +122,436 @@ def _expiration(app: Any, expires: Any) -> float | None:
     return max(seconds, 0.0)
 
 
+# Values one LPUSH carries at most: a flow of 10,000 children is ten commands, not one
+# 10,000-argument command held whole in Redis's query buffer.
+PUSH_CHUNK = 1000
+
+
+class RedisPushes:
+    """A stand-in for kombu's ``Producer`` (its ``publish`` alone) on kombu's Redis transport:
+    each message is built by the same kombu steps ``Producer.publish`` takes (serialize,
+    ``prepare_message``, declare, the channel's ``basic_publish`` down to ``_put``), and the
+    final Redis commands are collected instead of sent; :meth:`flush` sends them in one
+    pipeline, each queue's messages in one LPUSH.
+
+    What a worker reads is what ``Producer.publish`` inside ``Producer.batch()`` leaves: the
+    same JSON per message (its random ``delivery_tag`` aside), in the same order per list.
+    Skipped: kombu's per-message layers (``Connection.ensure``, the batch session) and one
+    command per message. Taken only where :meth:`of` finds it exact; else ``send_jobs``
+    publishes through the producer as before.
+    """
+
+    def __init__(self, producer: Any, channel: Any) -> None:
+        self.producer = producer
+        self.channel = channel
+        self.commands: list[tuple[str, tuple[Any, ...]]] = []
+        # The last message published, for a Template: (message dict as pushed, serializer,
+        # the commands it added), or None when it cannot be one (compressed, pre-serialized).
+        self.last: tuple[dict[str, Any], str, list[tuple[str, tuple[Any, ...]]]] | None = None
+
+    @classmethod
+    def of(cls, app: Any, producer: Any) -> RedisPushes | None:
+        """The stand-in for ``producer``, or None where publishing through it would differ."""
+        if app.conf.task_send_sent_event:
+            return None  # the task-sent event is published through the producer itself
+        if _callback_publish_retry is not None and _callback_publish_retry.get():
+            return None  # a worker's callback publish retries each message on its own
+        if REDIS_TRANSPORT is None or not hasattr(producer, "batch"):
+            return None
+        if getattr(producer._batch_local, "current", None) is not None:
+            return None  # inside the caller's own batch: its messages stay in its order
+        channel = producer.channel
+        # The kombu versions whose Redis transport batches: _put takes the collector below
+        # (an older one would ignore it and LPUSH at once). Where the transport may retry a
+        # pipeline (retry_on_timeout), kombu does not batch, and neither does this.
+        if not isinstance(channel, REDIS_TRANSPORT.Channel):
+            return None
+        if not hasattr(channel, "create_publish_batch"):
+            return None
+        if not channel.supports_batch_publish:
+            return None
+        return cls(producer, channel)
+
+    def publish(
+        self,
+        body: Any,
+        routing_key: str | None = None,
+        delivery_mode: Any = None,
+        mandatory: bool = False,
+        immediate: bool = False,
+        priority: int = 0,
+        content_type: str | None = None,
+        content_encoding: str | None = None,
+        serializer: str | None = None,
+        headers: dict[str, Any] | None = None,
+        compression: str | None = None,
+        exchange: Any = None,
+        retry: bool = False,
+        retry_policy: dict[str, Any] | None = None,
+        declare: list[Any] | None = None,
+        expiration: float | None = None,
+        timeout: float | None = None,
+        confirm_timeout: float | None = None,
+        **properties: Any,
+    ) -> None:
+        """kombu's ``Producer.publish`` then ``Producer._publish``, step for step."""
+        producer, channel = self.producer, self.channel
+        declare = [] if declare is None else declare
+        headers = {} if headers is None else headers
+        retry_policy = {} if retry_policy is None else retry_policy
+        routing_key = producer.routing_key if routing_key is None else routing_key
+        compression = producer.compression if compression is None else compression
+        exchange_name, properties["delivery_mode"] = producer._delivery_details(
+            exchange or producer.exchange, delivery_mode
+        )
+        if expiration is not None:
+            properties["expiration"] = str(int(expiration * 1000))
+        serialized_here = content_type is None
+        body, content_type, content_encoding = producer._prepare(
+            body, serializer, content_type, content_encoding, compression, headers
+        )
+        if producer.auto_declare and producer.exchange.name and producer.exchange not in declare:
+            declare.append(producer.exchange)
+        message = channel.prepare_message(
+            body, priority, content_type, content_encoding, headers, properties
+        )
+        for entity in declare:
+            # Binds the queue (_kombu.binding.*) once per connection, as kombu does.
+            producer.maybe_declare(entity, retry=retry, **retry_policy)
+        reply_to = properties.get("reply_to")
+        if isinstance(reply_to, Queue):
+            properties["reply_to"] = reply_to.name
+        first = len(self.commands)
+        channel.basic_publish(
+            message,
+            exchange=exchange_name,
+            routing_key=routing_key,
+            mandatory=mandatory,
+            immediate=immediate,
+            timeout=timeout,
+            confirm_timeout=confirm_timeout,
+            _publish_batch=self,
+        )
+        self.last = None
+        if serialized_here and not compression:
+            self.last = (message, serializer or producer.serializer, self.commands[first:])
+
+    def add(self, name: str, *args: Any) -> None:
+        """What the channel's ``_put``/``_put_fanout`` would send: kept for :meth:`flush`."""
+        self.commands.append((name, args))
+
+    def flush(self) -> None:
+        """Send the collected commands in one pipeline: each list's values in one LPUSH
+        (chunked), in the order they came, which leaves each list as one LPUSH per message
+        would; a queue's PEXPIREs (an ``x-expires`` queue) once, after its pushes."""
+        pushes: dict[Any, list[Any]] = {}
+        others: list[tuple[str, tuple[Any, ...]]] = []
+        for name, args in self.commands:
+            if name == "lpush" and len(args) == 2:
+                pushes.setdefault(args[0], []).append(args[1])
+            elif name != "pexpire" or (name, args) not in others:
+                others.append((name, args))
+        self.commands = []
+        if not pushes and not others:
+            return
+        with _client(self.channel).pipeline(transaction=False) as pipe:
+            for key, values in pushes.items():
+                for start in range(0, len(values), PUSH_CHUNK):
+                    pipe.lpush(key, *values[start : start + PUSH_CHUNK])
+            for name, args in others:
+                getattr(pipe, name)(*args)
+            try:
+                pipe.execute()
+            except Exception as exc:
+                # As kombu's batch reports it: some pushes may have landed.
+                raise BatchPublishError(
+                    "Redis publish batch failed; delivery is uncertain"
+                ) from exc
+
+
+# A redis-py client per kombu channel, on the channel's own connection pool: what kombu's
+# conn_or_acquire() gives, without building a client object per batch (a fifth of a small
+# flow's publish).
+_CLIENTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _client(channel: Any) -> Any:
+    client = _CLIENTS.get(channel)
+    if client is None:
+        with channel.conn_or_acquire() as client:
+            _CLIENTS[channel] = client
+    return client
+
+
+# The header values that differ between the messages of one template (the rest is the same
+# for every job of the group); a job whose own headers set one of them takes no template.
+PER_MESSAGE = frozenset({"id", "root_id", "argsrepr", "kwargsrepr"})
+
+
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal and encoded alike: same types and key order; other objects only when identical
+    (``1 == True`` and ``{"a": 1, "b": 2} == {"b": 2, "a": 1}``, yet they encode apart).
+    Written out rather than recursing per value: it runs for every job of a batch."""
+    if a is b:
+        return True
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind in _SCALARS:
+        return bool(a == b)
+    if isinstance(a, dict):  # a Signature too: JSON encodes its items alone
+        if len(a) != len(b):
+            return False
+        pairs = zip(a.items(), b.items(), strict=True)
+    elif kind is list or kind is tuple:
+        if len(a) != len(b):
+            return False
+        pairs = zip(enumerate(a), enumerate(b), strict=True)
+    else:
+        # The router's Queue (and its Exchange) may be a new object per job: kombu's equality
+        # compares what routing and the message read from it (name, exchange type and
+        # delivery mode, routing key, arguments).
+        return isinstance(a, Queue | Exchange) and bool(a == b)
+    for (ka, va), (kb, vb) in pairs:
+        if ka != kb or type(ka) is not type(kb):
+            return False
+        if va is vb:
+            continue
+        value_kind = type(va)
+        if value_kind is not type(vb):
+            return False
+        if value_kind in _SCALARS:
+            if va != vb:
+                return False
+        elif not _same(va, vb):
+            return False
+    return True
+
+
+def _publish_receivers() -> bool:
+    """Whether anything listens to the signals Celery sends around each publish."""
+    return bool(
+        signals.before_task_publish.receivers
+        or signals.after_task_publish.receivers
+        or signals.task_sent.receivers
+    )
+
+
+class Template:
+    """A message Celery and kombu built for one job, reused for the jobs of its group: the
+    same task, options and routing, differing only in id and arguments. Each further job's
+    message is the template's with its own ``id`` (and ``correlation_id``, and ``root_id``
+    where that defaulted to the id), ``argsrepr``/``kwargsrepr``, body and ``delivery_tag``,
+    in the template's key order: the JSON ``as_task_v2`` and ``Producer.publish`` would give.
+    """
+
+    def __init__(
+        self,
+        key: tuple[Any, ...],
+        message: dict[str, Any],
+        serializer: str,
+        list_key: Any,
+        embed: dict[str, Any],
+        own_root: bool,
+        own_reprs: bool,
+    ) -> None:
+        self.key = key
+        self.message = message
+        self.serializer = serializer
+        self.list_key = list_key
+        self.embed = embed
+        self.own_root = own_root
+        self.own_reprs = own_reprs
+
+
+class Templates:
+    """The templates of one ``send_jobs`` batch, found by strict equality of their key."""
+
+    # A batch seldom mixes more than a few kinds of job; past this many, the rest are built
+    # in full rather than each being compared with every template.
+    LIMIT = 16
+
+    def __init__(self, app: Any, pushes: RedisPushes) -> None:
+        self.pushes = pushes
+        self.amqp = app.amqp
+        self.maxlevels = app.conf.task_repr_maxlevels
+        self.found: list[Template] = []
+
+    def learn(
+        self,
+        key: tuple[Any, ...],
+        task_id: str,
+        named: dict[str, Any],
+        routed: dict[str, Any],
+        link: Any,
+        link_error: Any,
+        own_reprs: bool,
+    ) -> None:
+        """Keep the message just published for ``key``'s group, when a template can be it."""
+        last = self.pushes.last
+        if last is None or len(self.found) >= self.LIMIT:
+            return
+        message, serializer, commands = last
+        # Time read per message (countdown, expires: eta and the broker TTL), or a header set
+        # by the job itself where Celery writes the id: those are built per message.
+        if named.get("countdown") or named.get("expires") is not None:
+            return
+        if PER_MESSAGE & (routed.get("headers") or {}).keys():
+            return
+        if len(commands) != 1 or commands[0][0] != "lpush" or len(commands[0][1]) != 2:
+            return  # fanout, an expiring queue: built per message
+        headers, properties = message["headers"], message["properties"]
+        if headers.get("id") != task_id or properties.get("correlation_id") != task_id:
+            return
+        own_root = not (named.get("root_id") or routed.get("root_id"))
+        if own_root and headers.get("root_id") != task_id:
+            return
+        embed = {
+            "callbacks": maybe_list(link),
+            "errbacks": maybe_list(link_error),
+            "chain": named.get("chain"),
+            "chord": named.get("chord"),
+        }
+        self.found.append(
+            Template(key, message, serializer, commands[0][1][0], embed, own_root, own_reprs)
+        )
+
+    def push(
+        self,
+        key: tuple[Any, ...],
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reprs: tuple[str, str] | None,
+    ) -> bool:
+        """Push the job's message from its group's template; False when it has none."""
+        for template in self.found:
+            if _same(key, template.key):
+                break
+        else:
+            return False
+        pushes = self.pushes
+        channel = pushes.channel
+        base = template.message
+        content_type, content_encoding, body = _serialize(
+            (args, kwargs, template.embed), serializer=template.serializer
+        )
+        if content_type != base["content-type"] or content_encoding != base["content-encoding"]:
+            return False
+        headers = dict(base["headers"])
+        headers["id"] = task_id
+        if template.own_root:
+            headers["root_id"] = task_id
+        if template.own_reprs:
+            if reprs is None:
+                amqp = self.amqp
+                reprs = (
+                    saferepr(args, amqp.argsrepr_maxsize, maxlevels=self.maxlevels),
+                    saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=self.maxlevels),
+                )
+            headers["argsrepr"], headers["kwargsrepr"] = reprs
+        properties = dict(base["properties"])
+        properties["correlation_id"] = task_id
+        properties["delivery_tag"] = channel._next_delivery_tag()
+        message = dict(base)
+        message["body"], _ = channel.encode_body(body, channel.body_encoding)
+        message["headers"] = headers
+        message["properties"] = properties
+        pushes.add("lpush", template.list_key, REDIS_TRANSPORT.dumps(message))
+        return True
+
+
 def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
     """Publish each job dict (task, args, kwargs, options with ``task_id``) in one batch."""
+    with app.producer_or_acquire(None) as producer:
+        pushes = RedisPushes.of(app, producer)
+        if pushes is None:
+            with _batch(producer):
+                _send(app, producer, jobs)
+        else:
+            _send(app, pushes, jobs)
+            pushes.flush()
+
+
+def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
     amqp = app.amqp
     current = app.current_worker_task
+    sent_event = app.conf.task_send_sent_event
+    templates = None
+    if isinstance(producer, RedisPushes) and not _publish_receivers():
+        templates = Templates(app, producer)
     declared: set[str] = set()
-    with app.producer_or_acquire(None) as producer, _batch(producer):
-        for job in jobs:
-            name = job["task"]
-            args, kwargs = tuple(job["args"]), dict(job["kwargs"])
-            options = dict(job["options"])
-            task = app.tasks.get(name)
-            if task is not None:
-                # What Task.apply_async adds: the task's own defaults under the job's options.
-                defaults = {k: v for k, v in task._get_exec_options().items() if v is not None}
-                options = {**defaults, **options}
-                options.setdefault("ignore_result", task.ignore_result)
-                if task.priority:
-                    options.setdefault("priority", task.priority)
-            task_id = options.pop("task_id")
-            link, link_error = options.pop("link", None), options.pop("link_error", None)
-            ignore_result = options.pop("ignore_result", None)
-            named = {k: options.pop(k) for k in MESSAGE_OPTIONS if k in options}
-            if current is not None:
-                named.setdefault("root_id", current.request.root_id or current.request.id)
-                named.setdefault("parent_id", current.request.id)
-            named.setdefault("reply_to", app.thread_oid)
-            expiration = _expiration(app, named.get("expires"))
-            if expiration is not None:
-                options["expiration"] = expiration
-            routed = amqp.router.route(options, name, args, kwargs, task)
-            queue = routed.get("queue")
-            queue_name = str(getattr(queue, "name", queue))
-            if queue_name in declared:
-                # Declared by an earlier message of this batch: kombu would copy and re-bind
-                # the Queue entity for every message before its cache answers.
-                routed["declare"] = []
-            declared.add(queue_name)
-            reprs = _fast_repr(args, kwargs)
-            given = routed.keys() | named.keys()
-            if reprs is not None and not {"argsrepr", "kwargsrepr"} & given:
-                named["argsrepr"], named["kwargsrepr"] = reprs
-            message = amqp.create_task_message(
-                task_id,
-                name,
-                args,
-                kwargs,
-                callbacks=maybe_list(link),
-                errbacks=maybe_list(link_error),
-                create_sent_event=app.conf.task_send_sent_event,
-                ignore_result=ignore_result,
-                **named,
-                **routed,
-            )
-            amqp.send_task_message(producer, name, message, **routed)
+    task_defaults: dict[str, dict[str, Any]] = {}
+    for job in jobs:
+        name = job["task"]
+        args, kwargs = tuple(job["args"]), dict(job["kwargs"])
+        options = dict(job["options"])
+        task = app.tasks.get(name)
+        if task is not None:
+            # What Task.apply_async adds: the task's own defaults under the job's options
+            # (read once per task and batch: a dozen descriptor reads each).
+            defaults = task_defaults.get(name)
+            if defaults is None:
+                defaults = task_defaults[name] = {
+                    k: v for k, v in task._get_exec_options().items() if v is not None
+                }
+            options = {**defaults, **options}
+            options.setdefault("ignore_result", task.ignore_result)
+            if task.priority:
+                options.setdefault("priority", task.priority)
+        task_id = options.pop("task_id")
+        link, link_error = options.pop("link", None), options.pop("link_error", None)
+        ignore_result = options.pop("ignore_result", None)
+        named = {k: options.pop(k) for k in MESSAGE_OPTIONS if k in options}
+        if current is not None:
+            named.setdefault("root_id", current.request.root_id or current.request.id)
+            named.setdefault("parent_id", current.request.id)
+        named.setdefault("reply_to", app.thread_oid)
+        expiration = _expiration(app, named.get("expires"))
+        if expiration is not None:
+            options["expiration"] = expiration
+        routed = amqp.router.route(options, name, args, kwargs, task)
+        reprs = _fast_repr(args, kwargs)
+        own_reprs = not {"argsrepr", "kwargsrepr"} & (routed.keys() | named.keys())
+        key: tuple[Any, ...] = ()
+        if templates is not None:
+            # Everything the message is built from but the id and the arguments ("declare"
+            # aside: the job the template was made from declared its queue).
+            key = (name, ignore_result, link, link_error, named, _without(routed, "declare"))
+            if templates.push(key, task_id, args, kwargs, reprs if own_reprs else None):
+                continue
+        queue = routed.get("queue")
+        queue_name = str(getattr(queue, "name", queue))
+        if queue_name in declared:
+            # Declared by an earlier message of this batch: kombu would copy and re-bind
+            # the Queue entity for every message before its cache answers.
+            routed = {**routed, "declare": []}  # a copy: a template's key holds the dict
+        declared.add(queue_name)
+        given = dict(named)
+        if reprs is not None and own_reprs:
+            given["argsrepr"], given["kwargsrepr"] = reprs
+        message = amqp.create_task_message(
+            task_id,
+            name,
+            args,
+            kwargs,
+            callbacks=maybe_list(link),
+            errbacks=maybe_list(link_error),
+            create_sent_event=sent_event,
+            ignore_result=ignore_result,
+            **given,
+            **routed,
+        )
+        amqp.send_task_message(producer, name, message, **routed)
+        if templates is not None:
+            templates.learn(key, task_id, named, routed, link, link_error, own_reprs)
+
+
+def _without(options: dict[str, Any], name: str) -> dict[str, Any]:
+    return {k: v for k, v in options.items() if k != name} if name in options else options
 
 
 def publish(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
