@@ -41,10 +41,10 @@ sys.path[:0] = [str(HERE), str(HERE.parent)]
 
 import bench  # noqa: E402 - needs the path above
 import bench_app  # noqa: E402
-import celery_echomq.flows as echomq_flows  # noqa: E402
 import proposals  # noqa: E402
 
 import celery_echomq.canvas as echomq_canvas  # noqa: E402
+import celery_echomq.publish as echomq_publish  # noqa: E402
 from celery_echomq.embedded import RedisServer  # noqa: E402
 from celery_echomq.scripts import Scripts  # noqa: E402
 from celery_echomq.state import EchoMQ  # noqa: E402
@@ -75,7 +75,7 @@ def phases(timer: PhaseTimer) -> Iterator[None]:
     """Wrap the steps of ``flow.apply_async``; everything else is ``start_flow``'s pipelines."""
     targets: list[tuple[Any, str, str]] = [
         (echomq_canvas, "plan_flow", "plan: ids, gate, job dicts"),
-        (echomq_flows, "publish", "publish: N messages"),
+        (echomq_publish, "send_jobs", "publish: N messages"),
         (Scripts, "enqueue_flow", "enqueue_flow script (EVALSHA)"),
         (EchoMQ, "dumps", "serialize payloads for Redis"),
     ]
