@@ -264,3 +264,47 @@ def parent_ref(headers: Any) -> ParentRef | None:
     return ParentRef(
         str(parent_id), str(getattr(headers, H_PARENT_QUEUE, None) or getattr(headers, H_QUEUE))
     )
+
+
+# A child's stored job, compact: the children a flow writes in one enqueue_flow step share
+# one template (the job dict of the first of them, without its task_id), kept on their
+# parent's row; each child's row keeps only what differs from it (its ``delta``), so that
+# the row stays small enough for Redis's compact hash encoding. Its task_id is the row's own
+# id (the template keeps the task_id key, as None, so a joined job's options keep their
+# order). A nested flow's entry, and children written by other steps, keep their full payload.
+_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, and encoded alike by any serializer: same types (1, 1.0 and True are not the
+    same argument), same key order; a value of another type never counts as the same."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(v, b[k]) for k, v in a.items())
+    return isinstance(a, _SCALARS) and bool(a == b)
+
+
+def child_template(jobs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The template a level's children are stored against: the first child job's dict
+    without its task_id; None when the level has no child job (only nested flows)."""
+    for job in jobs:
+        if "nested" not in job:
+            return {**job, "options": {**job["options"], "task_id": None}}
+    return None
+
+
+def job_delta(template: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] | None:
+    """What ``job`` differs from ``template`` in (its task_id aside): the fields to store in
+    its row. None when it is not told that way (a nested flow's entry): store it whole."""
+    if "nested" in job or list(job) != list(template):
+        return None
+    delta: dict[str, Any] = {}
+    for key, value in job.items():
+        if key == "options":
+            value = {**value, "task_id": None}
+        if not _same(value, template[key]):
+            delta[key] = value
+    return delta

@@ -17,7 +17,7 @@ from redis.cluster import RedisCluster
 
 from .config import safe_url
 from .errors import EchoMQError, FlowCancelled, FlowExistsError, StoreUnavailableError
-from .plan import H_SINCE, Plan, child_id, child_queue
+from .plan import H_SINCE, Plan, child_id, child_queue, child_template, job_delta
 from .publish import publish
 from .replies import Status
 from .scripts import ParentRef
@@ -35,10 +35,18 @@ JOB_SETS = ("pending", "active", "failed", "outbox", "open", "recent", "adding")
 
 
 class Encoded(NamedTuple):
-    """A level's stored messages, encoded before anything is written."""
+    """A level's stored messages, encoded before anything is written.
+
+    A level written in one enqueue_flow step stores its children compactly: ``template`` (kept
+    on the parent's row) and, per child, a delta against it where ``kinds`` has a ``d`` (a
+    whole payload where it has a ``p``; see :mod:`~celery_echomq.stored`). A chunked level's
+    children are whole payloads (``kinds`` empty).
+    """
 
     parent: bytes
     children: list[tuple[str, bytes]]
+    template: bytes = b""
+    kinds: str = ""
 
 
 def _encode(state: EchoMQ, job: dict[str, Any], where: str) -> bytes:
@@ -57,17 +65,31 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
     """Every level's messages, by parent id; refuses (``EncodeError``) an argument the
     serializer cannot encode, naming its job, before any Redis command or publish."""
     encoded: dict[str, Encoded] = {}
+    chunk = state.settings.chunk_size
     # Inner levels first: a bad argument is named where it is, not by the nested flow's
     # entry that carries it.
     for level in reversed(list(plan.levels())):
+        # Only a level written in one step keeps its template on the parent's row, on its
+        # children's slot; a chunked level's children may live on other slots.
+        template = None if level.chunked(chunk) else child_template(level.children)
         children = []
+        kinds = []
         for position, job in enumerate(level.children, 1):
             cid = child_id(job)
             what = "a nested flow" if "nested" in job else job["task"]
             where = f"flow {level.parent_id}: child {position} ({what}, {cid})"
-            children.append((cid, _encode(state, job, where)))
+            delta = job_delta(template, job) if template is not None else None
+            kinds.append("p" if delta is None else "d")
+            children.append((cid, _encode(state, job if delta is None else delta, where)))
         where = f"flow {level.parent_id}: the parent ({level.parent['task']})"
-        encoded[level.parent_id] = Encoded(_encode(state, level.parent, where), children)
+        parent = _encode(state, level.parent, where)
+        if template is None:
+            encoded[level.parent_id] = Encoded(parent, children)
+            continue
+        where = f"flow {level.parent_id}: its children's template ({template['task']})"
+        encoded[level.parent_id] = Encoded(
+            parent, children, _encode(state, template, where), "".join(kinds)
+        )
     return encoded
 
 
@@ -134,6 +156,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                         outer=level.outer,
                         recent_ttl_ms=state.settings.result_ttl * 1000,
                         recent_max=state.settings.recent_flows,
+                        template=encoded[level.parent_id].template,
+                        kinds=encoded[level.parent_id].kinds,
                     )
                     written.append((level.queue, level.parent_id, level.child_ids()))
                     whole.append(level)

@@ -12,6 +12,7 @@ from celery_echomq.errors import FlowExistsError
 from celery_echomq.keyspace import Keyspace
 from celery_echomq.loader import TRANSITIONS, load_source
 from celery_echomq.scripts import ParentRef, Scripts
+from celery_echomq.stored import Delta
 
 TTL = 600
 LEASE = 60_000
@@ -61,6 +62,30 @@ def test_enqueue_flow_holds_the_parent_and_makes_children_claimable(
         assert crow[b"parent"] == parent.encode()
         assert crow[b"payload"] == f"payload-{child}".encode()
     assert not any(parent.encode() in k for k in db.keys("*:active"))
+
+
+def test_enqueue_flow_stores_deltas_against_a_template_and_hands_them_out(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (a, b) = jid(), [jid(), jid()]
+    scripts.enqueue_flow(
+        queue, parent, b"parent", [(a, b"delta-a"), (b, b"whole-b")], template=b"tpl", kinds="dp"
+    )
+    assert db.hget(f"emq:{{{queue}}}:{parent}", "template") == b"tpl"
+    row_a = db.hgetall(f"emq:{{{queue}}}:{a}")
+    assert row_a[b"delta"] == b"delta-a" and b"payload" not in row_a
+    # A small row keeps Redis's compact hash encoding.
+    assert db.object("encoding", f"emq:{{{queue}}}:{a}") in (b"listpack", b"ziplist")
+    row_b = db.hgetall(f"emq:{{{queue}}}:{b}")
+    assert row_b[b"payload"] == b"whole-b" and b"delta" not in row_b
+    # What hands a stored job out says which form it is: a delta names the parent whose row
+    # holds the template.
+    db.zadd(f"emq:{{{queue}}}:pending", {a: 0, b: 0})
+    assert scripts.requeue(queue, a, 1, "pending") == ("requeued", Delta(b"delta-a", parent))
+    assert scripts.requeue(queue, b, 1, "pending") == ("requeued", b"whole-b")
+    scripts.claim(queue, a, "host|7|x", LEASE)
+    assert scripts.claim(queue, a, "dup", LEASE)[0] == "busy"
+    assert scripts.drop(queue, a, "host|7|") == ("requeued", Delta(b"delta-a", parent))
 
 
 @pytest.mark.parametrize("bad", ["parent", "child"])
