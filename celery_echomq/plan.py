@@ -8,7 +8,7 @@ Pure: nothing here touches Redis or the broker. ``start.py`` sends a :class:`Pla
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -287,7 +287,7 @@ def _same(a: Any, b: Any) -> bool:
     return isinstance(a, _SCALARS) and bool(a == b)
 
 
-def child_template(jobs: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+def child_template(jobs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The template a level's children are stored against: the first child job's dict
     without its task_id; None when the level has no child job (only nested flows)."""
     for job in jobs:

@@ -249,7 +249,10 @@ class Scripts(ScriptRunner):
         *,
         recent_ttl_ms: int = RECENT_TTL_MS,
         recent_max: int = RECENT_MAX,
+        template: Value = b"",
     ) -> int:
+        """Hold the parent for the chunked path; ``template``: kept on its row, for the
+        deltas add_children writes on its slot (see :mod:`~celery_echomq.stored`)."""
         row = self.keys.job_key(queue, parent_id)
         keys = [
             row,
@@ -260,6 +263,8 @@ class Scripts(ScriptRunner):
             self.keys.queue_key(queue, "counters"),
         ]
         argv = [parent_id, payload, str(n), policy, outer, str(recent_ttl_ms), str(recent_max)]
+        if template:
+            argv.append(template)
         return int(self._run("open_flow", keys, argv))
 
     def add_children(
@@ -267,8 +272,13 @@ class Scripts(ScriptRunner):
         queue: str,
         parent: ParentRef,
         children: Sequence[tuple[str, Value, str]],
+        kinds: str = "",
     ) -> int:
-        """Write one chunk of children that live on ``queue``: (id, payload, policy or '')."""
+        """Write one chunk of children that live on ``queue``: (id, payload, policy or '').
+
+        ``kinds``: a character per child, ``d`` where its value is a delta against the
+        template open_flow kept on the parent's row (on the parent's own slot only), ``p``
+        where it is a whole payload (empty: every value is a payload)."""
         keys = [
             self.keys.queue_key(queue, "pending"),
             *(self.keys.job_key(queue, cid) for cid, _, _ in children),
@@ -280,6 +290,8 @@ class Scripts(ScriptRunner):
         ]
         for cid, payload, policy in children:
             argv += [cid, payload, policy]
+        if kinds:
+            argv.append(kinds)
         return int(self._run("add_children", keys, argv))
 
     def grow_flow(

@@ -176,14 +176,16 @@ def _messages(broker: Any, queue: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-@pytest.mark.parametrize("form", ["compact", "whole"])
+@pytest.mark.parametrize("form", ["compact", "chunked", "whole"])
 def test_a_lost_child_is_republished_as_it_was_first_sent(
     proj: Any, env: Env, store: Any, queue: str, form: str
 ) -> None:
     # Children that differ from the first in each way a stored job can: arguments of other
     # types (1.0 and True are not 1), keyword arguments (in another order), another task,
-    # another option. Each is stored as a delta against the flow's template ("compact"), or
-    # whole, as rows written before templates were ("whole"): recovery reads both.
+    # another option. Each is stored as a delta against the flow's template, written in one
+    # step ("compact") or in chunks ("chunked"), or whole, as rows written before templates
+    # were ("whole"): recovery reads each.
+    app = side_app(env, env.store, echomq_chunk_size=3) if form == "chunked" else proj.app
     kids = [
         proj.add.s(1, 2),
         proj.add.s(1.0, 2),
@@ -196,11 +198,11 @@ def test_a_lost_child_is_republished_as_it_was_first_sent(
     ]
     ids = [new_job_id() for _ in kids]
     kids = [k.set(task_id=cid) for k, cid in zip(kids, ids, strict=True)]
-    res = flow(proj.collect.s(), kids).apply_async(queue=queue)
+    res = flow(proj.collect.s(), kids, app=app).apply_async(queue=queue)
     broker = redis.Redis.from_url(env.broker)
     sent = _messages(broker, queue)
     assert sorted(sent) == sorted(ids)
-    state = get_state(proj.app)
+    state = get_state(app)
     parent_row = f"emq:{{{queue}}}:{res.id}"
     assert store.hexists(parent_row, "template")
     for cid in ids:
@@ -221,7 +223,7 @@ def test_a_lost_child_is_republished_as_it_was_first_sent(
 
     broker.delete(queue)  # every message is lost
     time.sleep(0.7)  # past the stall timeout
-    lines = two_looks(short_stall(proj.app, 0.5), queue)
+    lines = two_looks(short_stall(app, 0.5), queue)
     assert len(lines) == len(ids)
     assert _messages(broker, queue) == sent
 

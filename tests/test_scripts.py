@@ -323,6 +323,21 @@ def test_chunked_path_open_add_seal_and_a_repeated_add_writes_nothing(
         scripts.add_children(queue, ParentRef(jid(), queue), children[:1])
 
 
+def test_chunked_path_stores_deltas_against_the_template_open_flow_kept(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, a, b = jid(), jid(), jid()
+    scripts.open_flow(queue, parent, b"p", 2, "fail", template=b"tpl")
+    assert db.hget(f"emq:{{{queue}}}:{parent}", "template") == b"tpl"
+    ref = ParentRef(parent, queue)
+    assert scripts.add_children(queue, ref, [(a, b"da", ""), (b, b"wb", "")], "dp") == 2
+    assert db.hget(f"emq:{{{queue}}}:{a}", "delta") == b"da"
+    assert not db.hexists(f"emq:{{{queue}}}:{a}", "payload")
+    assert db.object("encoding", f"emq:{{{queue}}}:{a}") in (b"listpack", b"ziplist")
+    assert db.hget(f"emq:{{{queue}}}:{b}", "payload") == b"wb"
+    assert not db.hexists(f"emq:{{{queue}}}:{b}", "delta")
+
+
 def test_grow_flow_adds_children_to_a_held_parent_and_refuses_a_closed_one(
     db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
