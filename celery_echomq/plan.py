@@ -272,19 +272,22 @@ def parent_ref(headers: Any) -> ParentRef | None:
 # the row stays small enough for Redis's compact hash encoding. Its task_id is the row's own
 # id (the template keeps the task_id key, as None, so a joined job's options keep their
 # order). A nested flow's entry, and children written by other steps, keep their full payload.
-_SCALARS = (str, int, float, bool, bytes, type(None))
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
 
 
 def _same(a: Any, b: Any) -> bool:
     """Equal, and encoded alike by any serializer: same types (1, 1.0 and True are not the
     same argument), same key order; a value of another type never counts as the same."""
-    if type(a) is not type(b):
+    kind = type(a)
+    if kind is not type(b):
         return False
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, dict):
+    if kind in _SCALARS:
+        return bool(a == b)
+    if kind is list or kind is tuple:
+        return len(a) == len(b) and all(map(_same, a, b))
+    if kind is dict:
         return list(a) == list(b) and all(_same(v, b[k]) for k, v in a.items())
-    return isinstance(a, _SCALARS) and bool(a == b)
+    return False
 
 
 def child_template(jobs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
@@ -304,7 +307,12 @@ def job_delta(template: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] |
     delta: dict[str, Any] = {}
     for key, value in job.items():
         if key == "options":
-            value = {**value, "task_id": None}
-        if not _same(value, template[key]):
+            # The template's task_id is a placeholder: every other option compared.
+            mine = template["options"]
+            if list(value) != list(mine) or not all(
+                k == "task_id" or _same(v, mine[k]) for k, v in value.items()
+            ):
+                delta[key] = {**value, "task_id": None}
+        elif not _same(value, template[key]):
             delta[key] = value
     return delta
