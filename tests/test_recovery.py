@@ -220,6 +220,7 @@ def test_a_lost_child_is_republished_as_it_was_first_sent(
     # What show reads of each child: its task.
     tree = read_tree(state, res.id, queue=queue)
     assert [c.task for c in tree.children] == [k.task for k in kids]
+    assert read_tree(state, ids[5], queue=queue).task == "tests.proj.square"  # a child alone
 
     broker.delete(queue)  # every message is lost
     time.sleep(0.7)  # past the stall timeout
