@@ -22,6 +22,7 @@ from .replies import Status
 from .settle import dispatch_parent
 from .start import cancel_flow
 from .state import EchoMQ
+from .stored import Stored, load_job
 from .views import JobNode, read_tree
 
 logger = logging.getLogger("celery_echomq")
@@ -101,7 +102,8 @@ class _Retry:
 
     def __init__(self, state: EchoMQ) -> None:
         self.state = state
-        self.payloads: list[tuple[str, bytes]] = []
+        self.payloads: list[tuple[str, Stored]] = []
+        self.queue_of: dict[str, str] = {}  # child id -> the queue whose slot holds its row
         self.held: list[str] = []
         self.released: list[tuple[str, str]] = []  # (queue, parent id)
 
@@ -118,13 +120,16 @@ class _Retry:
         nested = [c for c in targets if c.flow is not None]
         elsewhere = [cid for ids in remote.values() for cid in ids] + [c.id for c in nested]
         status, pairs = scripts.retry_flow(node.queue, node.id, local, [*elsewhere, *others])
+        self.queue_of.update((cid, node.queue) for cid, _ in pairs)
         if status not in (Status.RETRIED, Status.RELEASED):
             raise NotRepairableError(
                 f"flow {node.id} is {status}; nothing changed: {RETRY_ALLOWS}", str(status)
             )
         self.held.append(node.id)
         for queue, ids in remote.items():
-            pairs += scripts.retry_children(queue, node.id, ids)
+            there = scripts.retry_children(queue, node.id, ids)
+            self.queue_of.update((cid, queue) for cid, _ in there)
+            pairs += there
         self.payloads += pairs
         if status is Status.RELEASED:
             self.released.append((node.queue, node.id))
@@ -140,7 +145,12 @@ class _Retry:
             with contextlib.suppress(NotImplementedError):  # a backend that keeps nothing
                 backend.forget(job_id)
         if self.payloads:
-            publish(self.state.app, [self.state.loads(p) for _, p in self.payloads])
+            templates: dict[str, bytes | None] = {}  # one read of each flow's template
+            jobs = [
+                load_job(self.state, self.queue_of[cid], cid, stored, templates)
+                for cid, stored in self.payloads
+            ]
+            publish(self.state.app, jobs)
         for queue, parent_id in self.released:
             dispatch_parent(self.state, queue, parent_id)
 

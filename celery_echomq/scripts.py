@@ -15,6 +15,7 @@ from typing import Any
 from .replies import Status
 from .runner import ScriptRunner, Value
 from .store import text
+from .stored import Stored, stored_of
 
 # The recent-flow index's bounds when a caller gives none (``install`` passes the app's
 # result TTL and ``echomq_recent_flows``).
@@ -24,6 +25,16 @@ RECENT_MAX = 10000
 
 def _status(value: Any) -> Status:
     return Status(text(value))
+
+
+def _stored_children(reply: Sequence[Any], parent_id: str) -> list[tuple[str, Stored]]:
+    """``(id, stored job)`` from a retry script's flat reply ``id, payload, delta, ...``."""
+    found = []
+    for i in range(0, len(reply), 3):
+        stored = stored_of(reply[i + 1], reply[i + 2], parent_id)
+        if stored is not None:
+            found.append((text(reply[i]), stored))
+    return found
 
 
 @dataclass(frozen=True)
@@ -72,9 +83,15 @@ class Scripts(ScriptRunner):
         *,
         recent_ttl_ms: int = RECENT_TTL_MS,
         recent_max: int = RECENT_MAX,
+        template: Value = b"",
+        kinds: str = "",
     ) -> int:
         """Hold the parent and write its children; ``recent_ttl_ms`` and ``recent_max`` bound
-        the queue's recent-flow index (normally the result TTL and ``echomq_recent_flows``)."""
+        the queue's recent-flow index (normally the result TTL and ``echomq_recent_flows``).
+
+        ``template``: kept on the parent's row; ``kinds``: a character per child, ``d`` where
+        its value is a delta against ``template``, ``p`` where it is a whole payload (empty:
+        every value is a payload). See :mod:`~celery_echomq.stored`."""
         parent_key = self.keys.job_key(queue, parent_id)
         keys = [
             parent_key,
@@ -88,6 +105,8 @@ class Scripts(ScriptRunner):
         for cid, payload in children:
             argv += [cid, payload]
         argv += [outer, str(recent_ttl_ms), str(recent_max)]
+        if kinds:
+            argv += [template, kinds]
         return int(self._run("enqueue_flow", keys, argv))
 
     def claim(
@@ -230,7 +249,10 @@ class Scripts(ScriptRunner):
         *,
         recent_ttl_ms: int = RECENT_TTL_MS,
         recent_max: int = RECENT_MAX,
+        template: Value = b"",
     ) -> int:
+        """Hold the parent for the chunked path; ``template``: kept on its row, for the
+        deltas add_children writes on its slot (see :mod:`~celery_echomq.stored`)."""
         row = self.keys.job_key(queue, parent_id)
         keys = [
             row,
@@ -241,6 +263,8 @@ class Scripts(ScriptRunner):
             self.keys.queue_key(queue, "counters"),
         ]
         argv = [parent_id, payload, str(n), policy, outer, str(recent_ttl_ms), str(recent_max)]
+        if template:
+            argv.append(template)
         return int(self._run("open_flow", keys, argv))
 
     def add_children(
@@ -248,8 +272,13 @@ class Scripts(ScriptRunner):
         queue: str,
         parent: ParentRef,
         children: Sequence[tuple[str, Value, str]],
+        kinds: str = "",
     ) -> int:
-        """Write one chunk of children that live on ``queue``: (id, payload, policy or '')."""
+        """Write one chunk of children that live on ``queue``: (id, payload, policy or '').
+
+        ``kinds``: a character per child, ``d`` where its value is a delta against the
+        template open_flow kept on the parent's row (on the parent's own slot only), ``p``
+        where it is a whole payload (empty: every value is a payload)."""
         keys = [
             self.keys.queue_key(queue, "pending"),
             *(self.keys.job_key(queue, cid) for cid, _, _ in children),
@@ -261,6 +290,8 @@ class Scripts(ScriptRunner):
         ]
         for cid, payload, policy in children:
             argv += [cid, payload, policy]
+        if kinds:
+            argv.append(kinds)
         return int(self._run("add_children", keys, argv))
 
     def grow_flow(
@@ -395,12 +426,12 @@ class Scripts(ScriptRunner):
         parent_id: str,
         local: Sequence[str],
         others: Sequence[str] = (),
-    ) -> tuple[Status, list[tuple[str, bytes]]]:
+    ) -> tuple[Status, list[tuple[str, Stored]]]:
         """Put a flow failed under policy fail back to awaiting_children (retry_flow.lua).
 
         ``local``: failed children on the parent's slot to make pending again; ``others``:
         children retried elsewhere (another slot, or a nested flow) whose :settled entry goes.
-        Returns the status and ``(id, payload)`` of each child made pending.
+        Returns the status and ``(id, stored job)`` of each child made pending.
         """
         deps, processed, ignored = self.keys.flow_keys(queue, parent_id)
         keys = [
@@ -415,20 +446,20 @@ class Scripts(ScriptRunner):
             *(self.keys.job_key(queue, cid) for cid in local),
         ]
         reply = self._run("retry_flow", keys, [parent_id, str(len(local)), *local, *others])
-        pairs = [(text(reply[i]), reply[i + 1]) for i in range(1, len(reply), 2)]
-        return _status(reply[0]), pairs
+        return _status(reply[0]), _stored_children(reply[1:], parent_id)
 
     def retry_children(
         self, queue: str, parent_id: str, child_ids: Sequence[str]
-    ) -> list[tuple[str, bytes]]:
-        """Make failed children of another slot than their parent's pending again."""
+    ) -> list[tuple[str, Stored]]:
+        """Make failed children of another slot than their parent's pending again: the
+        ``(id, stored job)`` of each one made pending."""
         keys = [
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "failed"),
             *(self.keys.job_key(queue, cid) for cid in child_ids),
         ]
         reply = self._run("retry_children", keys, [parent_id, *child_ids])
-        return [(text(reply[i]), reply[i + 1]) for i in range(0, len(reply), 2)]
+        return _stored_children(reply, parent_id)
 
     def release(
         self, queue: str, parent_id: str, child_ids: Sequence[str], *, revoke: bool, ttl: int
@@ -448,9 +479,9 @@ class Scripts(ScriptRunner):
 
     def requeue(
         self, queue: str, job_id: str, stall_ms: int, seen_state: str, token: str = ""
-    ) -> tuple[Status, bytes | None]:
-        """Take back a lost job: ``("requeued", payload)`` to re-publish, or ``(status, None)``
-        when it is not (or no longer) stalled in ``seen_state``."""
+    ) -> tuple[Status, Stored | None]:
+        """Take back a lost job: ``("requeued", stored job)`` to re-publish, or
+        ``(status, None)`` when it is not (or no longer) stalled in ``seen_state``."""
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
@@ -460,7 +491,7 @@ class Scripts(ScriptRunner):
         ]
         reply = self._run("requeue", keys, [job_id, str(stall_ms), seen_state, token])
         status = _status(reply[0])
-        return (status, reply[1]) if status is Status.REQUEUED else (status, None)
+        return (status, stored_of(*reply[1:4])) if status is Status.REQUEUED else (status, None)
 
     def extend(
         self,
@@ -479,9 +510,9 @@ class Scripts(ScriptRunner):
         argv = [str(lease_ms), str(len(running)), str(len(held)), *running, *held, *released]
         return int(self._run("extend", keys, argv))
 
-    def drop(self, queue: str, job_id: str, holder_prefix: str) -> tuple[Status, bytes | None]:
-        """End the lease of a holder known dead: ``("lapsed", None)``, ``("requeued", payload)``
-        (the host re-publishes it) or ``("noop", None)``."""
+    def drop(self, queue: str, job_id: str, holder_prefix: str) -> tuple[Status, Stored | None]:
+        """End the lease of a holder known dead: ``("lapsed", None)``, ``("requeued", stored
+        job)`` (the host re-publishes it) or ``("noop", None)``."""
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "active"),
@@ -490,7 +521,7 @@ class Scripts(ScriptRunner):
         ]
         reply = self._run("drop", keys, [job_id, holder_prefix])
         status = _status(reply[0])
-        return (status, reply[1]) if status is Status.REQUEUED else (status, None)
+        return (status, stored_of(*reply[1:4])) if status is Status.REQUEUED else (status, None)
 
     def hand_over(self, queue: str, job_id: str, token: str) -> Status:
         """The job was replaced (Task.replace): its outcome is the replacement's."""

@@ -17,7 +17,7 @@ from redis.cluster import RedisCluster
 
 from .config import safe_url
 from .errors import EchoMQError, FlowCancelled, FlowExistsError, StoreUnavailableError
-from .plan import H_SINCE, Plan, child_id, child_queue
+from .plan import H_SINCE, Plan, child_id, child_queue, child_template, job_delta
 from .publish import publish
 from .replies import Status
 from .scripts import ParentRef
@@ -35,10 +35,18 @@ JOB_SETS = ("pending", "active", "failed", "outbox", "open", "recent", "adding")
 
 
 class Encoded(NamedTuple):
-    """A level's stored messages, encoded before anything is written."""
+    """A level's stored messages, encoded before anything is written.
+
+    A level's children on its parent's slot are stored compactly: ``template`` (kept on the
+    parent's row) and, per child, a delta against it where ``kinds`` has a ``d``; a whole
+    payload where it has a ``p`` (a nested flow's entry, a child routed to another queue).
+    See :mod:`~celery_echomq.stored`. ``kinds`` empty: every child's is a whole payload.
+    """
 
     parent: bytes
     children: list[tuple[str, bytes]]
+    template: bytes = b""
+    kinds: str = ""
 
 
 def _encode(state: EchoMQ, job: dict[str, Any], where: str) -> bytes:
@@ -60,14 +68,29 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
     # Inner levels first: a bad argument is named where it is, not by the nested flow's
     # entry that carries it.
     for level in reversed(list(plan.levels())):
+        # The template lives on the parent's row: only a child on the same slot (routed to
+        # the parent's queue) can be stored against it.
+        template = child_template(j for j in level.children if child_queue(j) == level.queue)
         children = []
+        kinds = []
         for position, job in enumerate(level.children, 1):
             cid = child_id(job)
             what = "a nested flow" if "nested" in job else job["task"]
             where = f"flow {level.parent_id}: child {position} ({what}, {cid})"
-            children.append((cid, _encode(state, job, where)))
+            delta = None
+            if template is not None and child_queue(job) == level.queue:
+                delta = job_delta(template, job)
+            kinds.append("p" if delta is None else "d")
+            children.append((cid, _encode(state, job if delta is None else delta, where)))
         where = f"flow {level.parent_id}: the parent ({level.parent['task']})"
-        encoded[level.parent_id] = Encoded(_encode(state, level.parent, where), children)
+        parent = _encode(state, level.parent, where)
+        if template is None:
+            encoded[level.parent_id] = Encoded(parent, children)
+            continue
+        where = f"flow {level.parent_id}: its children's template ({template['task']})"
+        encoded[level.parent_id] = Encoded(
+            parent, children, _encode(state, template, where), "".join(kinds)
+        )
     return encoded
 
 
@@ -134,6 +157,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                         outer=level.outer,
                         recent_ttl_ms=state.settings.result_ttl * 1000,
                         recent_max=state.settings.recent_flows,
+                        template=encoded[level.parent_id].template,
+                        kinds=encoded[level.parent_id].kinds,
                     )
                     written.append((level.queue, level.parent_id, level.child_ids()))
                     whole.append(level)
@@ -244,19 +269,26 @@ def _enqueue_chunked(
         outer=level.outer,
         recent_ttl_ms=state.settings.result_ttl * 1000,
         recent_max=state.settings.recent_flows,
+        template=encoded.template,
     )
     written.append((level.queue, level.parent_id, []))
     by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
-    for job, (cid, payload) in zip(level.children, encoded.children, strict=True):
+    kinds_by_queue: dict[str, list[str]] = {}  # a kind per row: a delta or a whole payload
+    kinds = encoded.kinds or "p" * len(level.children)
+    for job, (cid, payload), kind in zip(level.children, encoded.children, kinds, strict=True):
         by_queue.setdefault(child_queue(job), []).append(
             (cid, payload, level.child_policies.get(cid, ""))
         )
+        kinds_by_queue.setdefault(child_queue(job), []).append(kind)
     parent = ParentRef(level.parent_id, level.queue)
     open_key = state.keys.queue_key(level.queue, "open")
     for queue, rows in by_queue.items():
         for start in range(0, len(rows), chunk):
             rows_chunk = rows[start : start + chunk]
-            scripts.add_children(queue, parent, rows_chunk)
+            rows_kinds = "".join(kinds_by_queue[queue][start : start + chunk])
+            scripts.add_children(
+                queue, parent, rows_chunk, "" if "d" not in rows_kinds else rows_kinds
+            )
             written.append((queue, "", [cid for cid, _, _ in rows_chunk]))
             # A producer still writing is alive: recovery takes an open flow for abandoned a
             # stall timeout after its last chunk, not after its first, however large it is.

@@ -18,6 +18,7 @@ from .errors import EchoMQError
 from .reads import locate, scan_queues
 from .state import EchoMQ
 from .store import text
+from .stored import Delta, load_job, stored_of
 
 # A job in one of these states will not change again (until its keys expire).
 FINISHED = frozenset({"done", "failed", "cancelled"})
@@ -36,7 +37,11 @@ _ROW_FIELDS = (
     "failed_child",
     "started",
     "dispatched",
+    "delta",
+    "template",
 )
+# Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
+_STORED = frozenset({"payload", "delta", "template"})
 # A nested flow is a child that is itself a parent; a cycle cannot be written (enqueue_flow
 # refuses an id that exists), but a depth cap keeps a corrupted store from hanging the CLI.
 MAX_DEPTH = 32
@@ -124,15 +129,30 @@ def _load(state: EchoMQ, raw: Any) -> Any:
 
 
 def _row(fields: list[Any]) -> dict[str, Any]:
-    # Text fields decoded; the payload stays bytes (a pickle payload is not UTF-8).
     pairs = zip(_ROW_FIELDS, fields, strict=True)
-    return {name: v if name == "payload" else text(v) for name, v in pairs}
+    return {name: v if name in _STORED else text(v) for name, v in pairs}
 
 
-def _task_and_children(state: EchoMQ, payload: Any) -> tuple[str | None, list[str]]:
-    if payload is None:
+def _task_and_children(
+    state: EchoMQ, queue: str, job_id: str, row: dict[str, Any], template: bytes | None = None
+) -> tuple[str | None, list[str]]:
+    """A row's task name and, for a parent, its children's ids, from its stored job.
+
+    ``template``: the encoded template on the parent's row, when the caller has it (a
+    child's delta is joined with it; else it is read)."""
+    stored = stored_of(row["payload"], row["delta"], row["parent"])
+    if stored is None:
         return None, []
-    job = _load(state, payload)
+    if isinstance(stored, Delta):
+        try:
+            known: dict[str, bytes | None] | None = None
+            if template is not None:
+                known = {stored.parent: template}
+            job = load_job(state, queue, job_id, stored, known)
+        except Exception:
+            return None, []  # its template gone, or not readable: shown without a task
+    else:
+        job = _load(state, stored)
     if not isinstance(job, dict):
         return None, []
     children = job.get("children") or []
@@ -205,7 +225,7 @@ def _build(
     depth: int,
 ) -> JobNode:
     """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
-    task, child_ids = _task_and_children(state, row["payload"])
+    task, child_ids = _task_and_children(state, queue, job_id, row, facts.get("template"))
     keys, client = state.keys, state.client
     node = JobNode(
         id=job_id,
@@ -259,6 +279,8 @@ def _build(
         child_facts: dict[str, Any] = {
             "policy": policy,
             "policy_is_default": own is None,
+            # Its delta's template, where it has one: on this row, on the same slot.
+            "template": row["template"] if child_queue == queue else None,
             "outcome": _outcome(
                 child_row["state"] or MISSING,
                 policy,
@@ -294,7 +316,7 @@ def read_progress(
     keys, client = state.keys, state.client
     where = locate(state, job_id, queue, verify=True)
     row = _row(client.hmget(keys.job_key(where, job_id), _ROW_FIELDS))
-    _, child_ids = _task_and_children(state, row["payload"])
+    _, child_ids = _task_and_children(state, where, job_id, row)
     cache = {} if child_queues is None else child_queues
     pipe = client.pipeline(transaction=False)
     pipe.get(keys.flow_keys(where, job_id)[0])

@@ -21,6 +21,7 @@ from celery_echomq import flow
 from celery_echomq.plan import new_job_id
 from celery_echomq.scripts import ParentRef
 from celery_echomq.state import get_state
+from celery_echomq.stored import load_job, read_stored
 
 from .conftest import Env, wait_for
 
@@ -141,7 +142,8 @@ def test_a_copy_takes_over_only_once_the_holders_lease_lapsed(
     # row stays where its headers say), so the holder's worker cannot be the one that gets them.
     side = f"{queue}-side"
     other = start_worker(queues=side, concurrency=1, name="other", extra_env=stall)
-    copy = get_state(proj.app).loads(store.hget(f"emq:{{{queue}}}:{slow}", "payload"))
+    state = get_state(proj.app)
+    copy = load_job(state, queue, slow, read_stored(state, queue, slow))
     copy["options"]["queue"] = side
     try:
         # The holder's worker is alive and renews its lease: a copy is skipped.

@@ -36,6 +36,8 @@ from celery_echomq.recovery import HOLD_MS, LEASE, leased_pass, run_pass
 from celery_echomq.scripts import ParentRef
 from celery_echomq.settle import dispatch_parent
 from celery_echomq.state import EchoMQ, get_state
+from celery_echomq.stored import load_job, read_stored
+from celery_echomq.views import read_tree
 
 from .conftest import ROOT, Env, wait_for
 
@@ -155,6 +157,76 @@ def test_a_backlog_is_not_loss_and_a_lost_message_is_republished_once(
     assert res.dependencies() == (0, 2)
     for cid in ids:
         assert row(store, queue, cid)["attempts"] == "1"
+
+
+def _messages(broker: Any, queue: str) -> dict[str, dict[str, Any]]:
+    """The queue's messages by task id, as a worker would read them: body decoded, and
+    without what every send makes anew (its delivery tag) or only a flow's first send
+    carries (the pending time, echomq_t)."""
+    import base64
+    import json
+
+    found = {}
+    for raw in broker.lrange(queue, 0, -1):
+        message = json.loads(raw)
+        message["body"] = json.loads(base64.b64decode(message["body"]))
+        message["headers"].pop("echomq_t", None)
+        message["properties"].pop("delivery_tag")
+        found[message["headers"]["id"]] = message
+    return found
+
+
+@pytest.mark.parametrize("form", ["compact", "chunked", "whole"])
+def test_a_lost_child_is_republished_as_it_was_first_sent(
+    proj: Any, env: Env, store: Any, queue: str, form: str
+) -> None:
+    # Children that differ from the first in each way a stored job can: arguments of other
+    # types (1.0 and True are not 1), keyword arguments (in another order), another task,
+    # another option. Each is stored as a delta against the flow's template, written in one
+    # step ("compact") or in chunks ("chunked"), or whole, as rows written before templates
+    # were ("whole"): recovery reads each.
+    app = side_app(env, env.store, echomq_chunk_size=3) if form == "chunked" else proj.app
+    kids = [
+        proj.add.s(1, 2),
+        proj.add.s(1.0, 2),
+        proj.add.s(True, 2),
+        proj.add.s(x=1, y=2),
+        proj.add.s(y=2, x=1),
+        proj.square.s(3),
+        proj.add.s(1, 2).set(soft_time_limit=30),
+        proj.add.s(1, 2),
+    ]
+    ids = [new_job_id() for _ in kids]
+    kids = [k.set(task_id=cid) for k, cid in zip(kids, ids, strict=True)]
+    res = flow(proj.collect.s(), kids, app=app).apply_async(queue=queue)
+    broker = redis.Redis.from_url(env.broker)
+    sent = _messages(broker, queue)
+    assert sorted(sent) == sorted(ids)
+    state = get_state(app)
+    parent_row = f"emq:{{{queue}}}:{res.id}"
+    assert store.hexists(parent_row, "template")
+    for cid in ids:
+        child_row = f"emq:{{{queue}}}:{cid}"
+        assert store.hexists(child_row, "delta") and not store.hexists(child_row, "payload")
+        if len(store.hget(child_row, "delta")) <= 64:  # hash-max-listpack-value
+            # A small row keeps Redis's compact encoding.
+            assert store.object("encoding", child_row) in (b"listpack", b"ziplist")
+        if form == "whole":
+            job = load_job(state, queue, cid, read_stored(state, queue, cid))
+            store.hset(child_row, "payload", state.dumps(job))
+            store.hdel(child_row, "delta")
+    if form == "whole":
+        store.hdel(parent_row, "template")
+    # What show reads of each child: its task.
+    tree = read_tree(state, res.id, queue=queue)
+    assert [c.task for c in tree.children] == [k.task for k in kids]
+    assert read_tree(state, ids[5], queue=queue).task == "tests.proj.square"  # a child alone
+
+    broker.delete(queue)  # every message is lost
+    time.sleep(0.7)  # past the stall timeout
+    lines = two_looks(short_stall(app, 0.5), queue)
+    assert len(lines) == len(ids)
+    assert _messages(broker, queue) == sent
 
 
 def test_a_delayed_child_is_not_taken_for_a_lost_one(
@@ -687,18 +759,25 @@ def test_payloads_use_the_apps_serializer_and_foreign_content_is_refused(
 ) -> None:
     import json
 
-    # Stored with the app's task serializer: JSON for tests.proj ...
+    # Stored with the app's task serializer (the children's template on the parent's row,
+    # each child's delta on its own): JSON for tests.proj ...
     ids, kids = children(proj, 1)
-    flow(proj.collect.s(), kids).apply_async(queue=queue)
-    stored = store.hget(f"emq:{{{queue}}}:{ids[0]}", "payload")
-    assert json.loads(stored)["task"] == "tests.proj.add"
+    res = flow(proj.collect.s(), kids).apply_async(queue=queue)
+    template = store.hget(f"emq:{{{queue}}}:{res.id}", "template")
+    assert json.loads(template)["task"] == "tests.proj.add"
+    assert json.loads(store.hget(f"emq:{{{queue}}}:{ids[0]}", "delta")) == {}
     # ... pickle for an app that chose pickle.
     pickled = side_app(env, env.store, task_serializer="pickle", accept_content=["pickle"])
     pids, pkids = children(proj, 1)
-    flow(proj.collect.s(), pkids, app=pickled).apply_async(queue=queue)
-    payload = store.hget(f"emq:{{{queue}}}:{pids[0]}", "payload")
-    assert payload.startswith(b"\x80")
-    assert pickle.loads(payload)["args"] == [0, 0]
+    pres = flow(proj.collect.s(), pkids, app=pickled).apply_async(queue=queue)
+    template = store.hget(f"emq:{{{queue}}}:{pres.id}", "template")
+    assert template.startswith(b"\x80")
+    assert pickle.loads(template)["args"] == [0, 0]
+    delta = store.hget(f"emq:{{{queue}}}:{pids[0]}", "delta")
+    assert delta.startswith(b"\x80") and pickle.loads(delta) == {}
+    pstate = get_state(pickled)
+    job = load_job(pstate, queue, pids[0], read_stored(pstate, queue, pids[0]))
+    assert job["args"] == [0, 0] and job["options"]["task_id"] == pids[0]
 
     # A state whose app does not accept its own serializer refuses what it reads back.
     refusing = side_app(env, env.store, task_serializer="pickle", accept_content=["json"])
@@ -706,7 +785,8 @@ def test_payloads_use_the_apps_serializer_and_foreign_content_is_refused(
     with pytest.raises(ContentDisallowed):
         state.loads(state.dumps({"x": 1}))
 
-    # A pickle planted in a JSON app's store is refused, never unpickled and never published.
+    # A pickle planted in a JSON app's store (as a whole payload, which a row may keep instead
+    # of a delta) is refused, never unpickled and never published.
     marker = tmp_path / "unpickled"
     store.hset(f"emq:{{{queue}}}:{ids[0]}", "payload", pickle.dumps(_Planted(str(marker))))
     store.zadd(f"emq:{{{queue}}}:pending", {ids[0]: 0})  # long overdue; nothing else is

@@ -11,6 +11,7 @@ import redis
 from celery_echomq import KindError
 from celery_echomq.replies import Status
 from celery_echomq.scripts import ParentRef, Scripts
+from celery_echomq.stored import Delta
 
 from .test_scripts import LEASE, TTL, enqueue, jid, run_child
 
@@ -97,6 +98,21 @@ def test_retry_flow_reholds_the_parent_and_makes_only_its_failed_children_pendin
     # The new attempt counts once and the last child releases the parent.
     assert run_child(scripts, queue, parent, bad, b"1") == "credited"
     assert run_child(scripts, queue, parent, waiting, b"2") == "released"
+
+
+def test_retry_flow_hands_out_a_childs_delta_with_its_parent(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    # A child stored as a delta against its flow's template is handed out as one.
+    parent, bad, whole = jid(), jid(), jid()
+    scripts.enqueue_flow(
+        queue, parent, b"parent", [(bad, b"d"), (whole, b"w")], template=b"t", kinds="dp"
+    )
+    assert fail_child(scripts, queue, parent, bad) == "parent_failed"
+    assert scripts.retry_flow(queue, parent, [bad]) == (
+        Status.RETRIED,
+        [(bad, Delta(b"d", parent))],
+    )
 
 
 def test_retry_flow_releases_a_parent_whose_children_all_settled_meanwhile(

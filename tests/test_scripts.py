@@ -12,6 +12,7 @@ from celery_echomq.errors import FlowExistsError
 from celery_echomq.keyspace import Keyspace
 from celery_echomq.loader import TRANSITIONS, load_source
 from celery_echomq.scripts import ParentRef, Scripts
+from celery_echomq.stored import Delta
 
 TTL = 600
 LEASE = 60_000
@@ -61,6 +62,30 @@ def test_enqueue_flow_holds_the_parent_and_makes_children_claimable(
         assert crow[b"parent"] == parent.encode()
         assert crow[b"payload"] == f"payload-{child}".encode()
     assert not any(parent.encode() in k for k in db.keys("*:active"))
+
+
+def test_enqueue_flow_stores_deltas_against_a_template_and_hands_them_out(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (a, b) = jid(), [jid(), jid()]
+    scripts.enqueue_flow(
+        queue, parent, b"parent", [(a, b"delta-a"), (b, b"whole-b")], template=b"tpl", kinds="dp"
+    )
+    assert db.hget(f"emq:{{{queue}}}:{parent}", "template") == b"tpl"
+    row_a = db.hgetall(f"emq:{{{queue}}}:{a}")
+    assert row_a[b"delta"] == b"delta-a" and b"payload" not in row_a
+    # A small row keeps Redis's compact hash encoding.
+    assert db.object("encoding", f"emq:{{{queue}}}:{a}") in (b"listpack", b"ziplist")
+    row_b = db.hgetall(f"emq:{{{queue}}}:{b}")
+    assert row_b[b"payload"] == b"whole-b" and b"delta" not in row_b
+    # What hands a stored job out says which form it is: a delta names the parent whose row
+    # holds the template.
+    db.zadd(f"emq:{{{queue}}}:pending", {a: 0, b: 0})
+    assert scripts.requeue(queue, a, 1, "pending") == ("requeued", Delta(b"delta-a", parent))
+    assert scripts.requeue(queue, b, 1, "pending") == ("requeued", b"whole-b")
+    scripts.claim(queue, a, "host|7|x", LEASE)
+    assert scripts.claim(queue, a, "dup", LEASE)[0] == "busy"
+    assert scripts.drop(queue, a, "host|7|") == ("requeued", Delta(b"delta-a", parent))
 
 
 @pytest.mark.parametrize("bad", ["parent", "child"])
@@ -296,6 +321,21 @@ def test_chunked_path_open_add_seal_and_a_repeated_add_writes_nothing(
     # Another flow cannot add a row that belongs to this one.
     with pytest.raises(FlowExistsError):
         scripts.add_children(queue, ParentRef(jid(), queue), children[:1])
+
+
+def test_chunked_path_stores_deltas_against_the_template_open_flow_kept(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, a, b = jid(), jid(), jid()
+    scripts.open_flow(queue, parent, b"p", 2, "fail", template=b"tpl")
+    assert db.hget(f"emq:{{{queue}}}:{parent}", "template") == b"tpl"
+    ref = ParentRef(parent, queue)
+    assert scripts.add_children(queue, ref, [(a, b"da", ""), (b, b"wb", "")], "dp") == 2
+    assert db.hget(f"emq:{{{queue}}}:{a}", "delta") == b"da"
+    assert not db.hexists(f"emq:{{{queue}}}:{a}", "payload")
+    assert db.object("encoding", f"emq:{{{queue}}}:{a}") in (b"listpack", b"ziplist")
+    assert db.hget(f"emq:{{{queue}}}:{b}", "payload") == b"wb"
+    assert not db.hexists(f"emq:{{{queue}}}:{b}", "delta")
 
 
 def test_grow_flow_adds_children_to_a_held_parent_and_refuses_a_closed_one(

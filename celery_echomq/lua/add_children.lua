@@ -8,8 +8,12 @@
 --             then credited on the parent's slot by credit.lua); '' on the parent's slot
 -- ARGV[3]     k, the number of children in this call
 -- ARGV[1+3i]  child i's id
--- ARGV[2+3i]  child i's payload
+-- ARGV[2+3i]  child i's stored job: its payload, or its delta (see ARGV[4+3k])
 -- ARGV[3+3i]  child i's parent_policy ('' to use the flow's default, read on the parent's slot)
+-- ARGV[4+3k]  optional: one character per child, 'd' where ARGV[2+3i] is a delta against the
+--             template open_flow kept on the parent's row (only on the parent's own slot; the
+--             row keeps it as 'delta', small enough to stay a listpack), 'p' where it is a
+--             whole payload ('' or absent: every child's is a payload)
 --
 -- Reply: the number of rows written. A row that already exists for this same parent is
 -- left as it is (a repeated add writes nothing twice).
@@ -46,10 +50,15 @@ for first = 1, k, SLICE do
   end
 end
 local now = now_ms()
+local kinds = ARGV[4 + 3 * k] or ''
 local members = {}
 for n, i in ipairs(fresh) do
   local row = KEYS[1 + i]
-  redis.call('HSET', row, 'state', 'pending', 'attempts', '0', 'payload', ARGV[2 + 3 * i],
+  local field = 'payload'
+  if string.byte(kinds, i) == 100 then -- 'd'
+    field = 'delta'
+  end
+  redis.call('HSET', row, 'state', 'pending', 'attempts', '0', field, ARGV[2 + 3 * i],
     'parent', ARGV[1])
   if ARGV[2] ~= '' then
     redis.call('HSET', row, 'pq', ARGV[2])

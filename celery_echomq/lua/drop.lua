@@ -12,9 +12,11 @@
 -- Reply:
 --   {"lapsed"}             the lease ends now: the broker's redelivery (acks late) claims it
 --                          at once; without one, recovery's next pass settles it
---   {"requeued", payload}  a duplicate delivery was skipped while the dead holder looked
---                          alive, so no message is left for it: the job is pending again and
---                          the host re-publishes payload
+--   {"requeued", payload, delta, parent}  a duplicate delivery was skipped while the dead
+--                          holder looked alive, so no message is left for it: the job is
+--                          pending again and the host re-publishes its stored job (the
+--                          payload, or with a nil payload the delta against the template on
+--                          the parent's row; see stored.py)
 --   {"noop"}               not active under that holder (finished, retried, claimed anew)
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
@@ -35,7 +37,8 @@ if row[3] then
   redis.call('HINCRBY', KEYS[4], 'republished', 1)
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('ZADD', KEYS[3], now, ARGV[1])
-  return {'requeued', redis.call('HGET', KEYS[1], 'payload')}
+  local stored = redis.call('HMGET', KEYS[1], 'payload', 'delta', 'parent')
+  return {'requeued', stored[1], stored[2], stored[3]}
 end
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 return {'lapsed'}

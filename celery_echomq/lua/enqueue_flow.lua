@@ -12,10 +12,15 @@
 -- ARGV[2]      parent payload
 -- ARGV[3]      N, the number of children
 -- ARGV[2+2i]   child i's id
--- ARGV[3+2i]   child i's payload
+-- ARGV[3+2i]   child i's stored job: its payload, or its delta (see ARGV[8+2N])
 -- ARGV[4+2N]   the outer flow's parent id when this flow is nested in another, else ''
 -- ARGV[5+2N]   how long, in ms, a flow stays in the recent index (the result TTL)
 -- ARGV[6+2N]   the most flows the recent index keeps
+-- ARGV[7+2N]   optional: the template the children's deltas are stored against, kept on the
+--              parent's row ('' or absent: none)
+-- ARGV[8+2N]   optional: one character per child, 'd' where ARGV[3+2i] is a delta (the row
+--              keeps it as 'delta' rather than 'payload': a small row stays a listpack),
+--              'p' where it is a whole payload ('' or absent: every child's is a payload)
 --
 -- Reply: N (the counter).  Scores in the pending set are the server time in ms, so recovery
 -- can tell how long a job has waited.
@@ -78,12 +83,18 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 -- Each child: its row claimable (state pending), carrying the parent id, and in the pending
 -- set (one variadic ZADD per slice).
+local template = ARGV[7 + 2 * n] or ''
+local kinds = ARGV[8 + 2 * n] or ''
 local members = {}
 for i = 1, n do
   local child = KEYS[5 + i]
   local cid = ARGV[2 + 2 * i]
-  local cpayload = ARGV[3 + 2 * i]
-  redis.call('HSET', child, 'state', 'pending', 'attempts', '0', 'payload', cpayload, 'parent', ARGV[1])
+  local field = 'payload'
+  if string.byte(kinds, i) == 100 then -- 'd'
+    field = 'delta'
+  end
+  redis.call('HSET', child, 'state', 'pending', 'attempts', '0', field, ARGV[3 + 2 * i],
+    'parent', ARGV[1])
   members[#members + 1] = now
   members[#members + 1] = cid
   if #members >= 2 * SLICE or i == n then
@@ -102,6 +113,9 @@ if n == 0 then
   redis.call('HINCRBY', KEYS[5], 'released', 1)
 else
   redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2])
+  if template ~= '' then
+    redis.call('HSET', KEYS[1], 'template', template)
+  end
   redis.call('HINCRBY', KEYS[5], 'held', 1)
 end
 redis.call('SET', KEYS[2], n)

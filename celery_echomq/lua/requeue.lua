@@ -22,9 +22,11 @@
 -- ARGV[4]  for 'active', the token the caller found (the claim whose holder is presumed lost)
 --
 -- Reply:
---   {"requeued", payload}  pending, scored now (an active job leaves the active set: the
+--   {"requeued", payload, delta, parent}  pending, scored now (an active job leaves the active set: the
 --                 lapsed holder's token can no longer complete it, and the re-published
---                 delivery claims it as a first one). The host re-publishes payload (a flow
+--                 delivery claims it as a first one). The host re-publishes its stored job: the
+--                 payload, or (nil payload) the delta against the template on the parent's
+--                 row (a child its flow wrote in one step; see stored.py) (a flow
 --                 parent with its children's values, which it reads from :processed in
 --                 chunks, as dispatch does).
 --   {"fresh"}     not stalled (claimed, retried, renewed or requeued since the caller looked)
@@ -76,4 +78,5 @@ redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('HDEL', KEYS[1], 'suspect')
 redis.call('HINCRBY', KEYS[1], 'requeued', 1)
 redis.call('HINCRBY', KEYS[5], 'republished', 1)
-return {'requeued', redis.call('HGET', KEYS[1], 'payload')}
+local stored = redis.call('HMGET', KEYS[1], 'payload', 'delta', 'parent')
+return {'requeued', stored[1], stored[2], stored[3]}

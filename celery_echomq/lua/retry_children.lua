@@ -12,7 +12,9 @@
 --
 -- Only a failed row is changed, so a second run of the same retry changes nothing.
 --
--- Reply: {id1, payload1, id2, payload2, ...} the children made pending (maybe none)
+-- Reply: {id1, payload1, delta1, id2, payload2, delta2, ...} the children made pending (maybe
+--        none): each one's stored job, its payload or (nil payload) its delta against the
+--        template on the parent's row (see stored.py)
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "now_ms"
@@ -33,7 +35,9 @@ for i = 1, #KEYS - 2 do
     redis.call('ZREM', KEYS[2], cid)
     redis.call('ZADD', KEYS[1], now, cid)
     reply[#reply + 1] = cid
-    reply[#reply + 1] = redis.call('HGET', child, 'payload')
+    local stored = redis.call('HMGET', child, 'payload', 'delta')
+    reply[#reply + 1] = stored[1]
+    reply[#reply + 1] = stored[2]
   end
 end
 return reply

@@ -24,8 +24,9 @@
 -- the flow's default) is 'fail': a child counted under ignore/remove/continue, or one already
 -- retried, is left alone, so a second run of the same retry changes nothing.
 --
--- Reply: {status, id1, payload1, id2, payload2, ...} the children made pending (the host
---        publishes their payloads)
+-- Reply: {status, id1, payload1, delta1, id2, payload2, delta2, ...} the children made
+--        pending (the host publishes their stored jobs: the payload or, nil payload, the
+--        delta against the template on the parent's row; see stored.py)
 --   "retried"    the parent awaits its children again
 --   "released"   the parent awaits nothing (its counter is 0: every outstanding child has
 --                settled meanwhile): it is now pending and the host dispatches it
@@ -66,7 +67,9 @@ for i = 1, n do
     redis.call('ZADD', KEYS[6], now, cid)
     redis.call('HDEL', KEYS[5], cid)
     reply[#reply + 1] = cid
-    reply[#reply + 1] = redis.call('HGET', child, 'payload')
+    local stored = redis.call('HMGET', child, 'payload', 'delta')
+    reply[#reply + 1] = stored[1]
+    reply[#reply + 1] = stored[2]
   end
 end
 local others = #ARGV - 2 - n

@@ -12,6 +12,7 @@ from ..errors import InvalidIdError
 from ..keyspace import check_id
 from ..state import EchoMQ
 from ..store import text
+from ..stored import Stored, TemplateMissingError, load_job
 
 logger = logging.getLogger("celery_echomq")
 
@@ -66,13 +67,19 @@ def valid_ids(raw: Iterable[Any], queue: str) -> list[str]:
     return ids
 
 
-def decode_job(state: EchoMQ, queue: str, job_id: str, payload: Any) -> dict[str, Any] | None:
-    """The stored job, or None when its payload is missing or refused (never executed)."""
+def decode_job(
+    state: EchoMQ, queue: str, job_id: str, payload: Stored | None
+) -> dict[str, Any] | None:
+    """The stored job (a payload, or a delta joined with its flow's template), or None when
+    it is missing or refused (never executed)."""
     if payload is None:
         logger.warning("echomq recovery: %s on %s has no payload; left alone", job_id, queue)
         return None
     try:
-        job = state.loads(payload)
+        job = load_job(state, queue, job_id, payload)
+    except TemplateMissingError as exc:
+        logger.warning("echomq recovery: %s on %s: %s; left alone", job_id, queue, exc)
+        return None
     except Exception as exc:
         # Content the app does not accept (e.g. a pickle planted in a JSON app's store) is
         # refused by kombu before it is decoded, and is never published.

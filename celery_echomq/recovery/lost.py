@@ -19,6 +19,7 @@ from ..settle import (
 )
 from ..state import EchoMQ
 from ..store import text
+from ..stored import read_stored
 from .common import BUDGET, HOLD_MS, decode_job, guarded, keep_locator, now_ms, overdue
 
 logger = logging.getLogger("celery_echomq")
@@ -144,9 +145,7 @@ def _maybe_lost(
     """Re-publish (dispatch, for a parent) a pending job if the evidence shows its message is
     gone, and held at an earlier look too."""
     stall = state.settings.stall_ms
-    job = decode_job(
-        state, queue, job_id, state.client.hget(state.keys.job_key(queue, job_id), "payload")
-    )
+    job = decode_job(state, queue, job_id, read_stored(state, queue, job_id))
     if job is not None:
         if now - since < stall + _delay_ms(job, since):
             return None  # a delayed message, not a late one (yet)

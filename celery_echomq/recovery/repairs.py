@@ -27,6 +27,7 @@ from ..settle import (
 )
 from ..state import EchoMQ
 from ..store import text
+from ..stored import STORED_FIELDS, Stored, stored_of
 from .common import (
     BUDGET,
     FAILED_MARK,
@@ -75,13 +76,13 @@ def lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
             state.keys.job_key(queue, job_id),
             "state",
             "token",
-            "payload",
             "replaced",
             "replaced_by",
+            *STORED_FIELDS,
         )
     rows = pipe.execute()
     repairs: list[str] = []
-    for (job_id, _), (row_state, token, payload, replaced, by) in zip(due, rows, strict=True):
+    for (job_id, _), (row_state, token, replaced, by, *stored) in zip(due, rows, strict=True):
         if row_state is None or text(row_state) != Status.ACTIVE:
             continue
         if len(repairs) >= BUDGET:
@@ -93,7 +94,7 @@ def lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
             queue,
             job_id,
             text(token or b""),
-            payload,
+            stored_of(*stored),
             text(by) if by else (job_id if replaced is not None else ""),
         )
         if line:
@@ -102,7 +103,12 @@ def lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
 
 
 def _repair_active(
-    state: EchoMQ, queue: str, job_id: str, token: str, payload: Any, replaced_by: str = ""
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    payload: Stored | None,
+    replaced_by: str = "",
 ) -> str | None:
     """Settle a job whose lease lapsed, from its result in Celery's backend; or a job handed
     over to a replacement (``replaced_by``: the id the replacement stores its result under)."""
@@ -289,7 +295,7 @@ def uncredited_outbox(state: EchoMQ, queue: str, batch: int) -> list[str]:
     due = overdue(state, queue, "outbox", now_ms(client) - state.settings.stall_ms, batch)
     if not due:
         return []
-    fields = ("state", "value", "error", "parent_policy", "payload")
+    fields = ("state", "value", "error", "parent_policy", *STORED_FIELDS)
     pipe = client.pipeline(transaction=False)
     for job_id, _ in due:
         pipe.hmget(state.keys.job_key(queue, job_id), fields)
@@ -304,7 +310,8 @@ def uncredited_outbox(state: EchoMQ, queue: str, batch: int) -> list[str]:
 
 def _credit(state: EchoMQ, queue: str, job_id: str, row: dict[str, Any]) -> str | None:
     outbox = state.keys.queue_key(queue, "outbox")
-    job = decode_job(state, queue, job_id, row["payload"]) if row["payload"] is not None else None
+    stored = stored_of(row["payload"], row["delta"], row["parent"])
+    job = decode_job(state, queue, job_id, stored) if stored is not None else None
     parent = parent_ref(Headers.of_job(job)) if job is not None else None
     row_state = text(row["state"]) if row["state"] is not None else Status.MISSING
     if parent is None or row_state not in (Status.DONE, Status.FAILED):
