@@ -76,7 +76,7 @@ def phases(timer: PhaseTimer) -> Iterator[None]:
     targets: list[tuple[Any, str, str]] = [
         (echomq_canvas, "plan_flow", "plan: ids, gate, job dicts"),
         (echomq_publish, "send_jobs", "publish: N messages"),
-        (Scripts, "enqueue_flow", "enqueue_flow script (EVALSHA)"),
+        (Scripts, "enqueue_flow_at", "enqueue_flow script (EVALSHA)"),
         (EchoMQ, "dumps", "serialize payloads for Redis"),
     ]
     # A step the library no longer has is left out; its time shows up under "other".

@@ -21,6 +21,7 @@ signals are sent per message and no template is used.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Iterable
 from datetime import datetime
@@ -148,6 +149,8 @@ class RedisPushes:
         # The last message published, for a Template: (message dict as pushed, serializer,
         # the commands it added), or None when it cannot be one (compressed, pre-serialized).
         self.last: tuple[dict[str, Any], str, list[tuple[str, tuple[Any, ...]]]] | None = None
+        # The entities the last message declared (kombu's cache decides whether it does).
+        self.last_declared: list[Any] = []
 
     @classmethod
     def of(cls, app: Any, producer: Any) -> RedisPushes | None:
@@ -218,6 +221,7 @@ class RedisPushes:
         for entity in declare:
             # Binds the queue (_kombu.binding.*) once per connection, as kombu does.
             producer.maybe_declare(entity, retry=retry, **retry_policy)
+        self.last_declared = declare
         reply_to = properties.get("reply_to")
         if isinstance(reply_to, Queue):
             properties["reply_to"] = reply_to.name
@@ -286,6 +290,18 @@ def _client(channel: Any) -> Any:
 # The header values that differ between the messages of one template (the rest is the same
 # for every job of the group); a job whose own headers set one of them takes no template.
 PER_MESSAGE = frozenset({"id", "root_id", "argsrepr", "kwargsrepr"})
+# Every header Celery writes itself (as_task_v2). A job's own header of another name whose
+# value is a str or an int is copied into the message as it is: it may differ between the
+# jobs of one template (a flow's children name their flow's parent), and is set per message.
+CELERY_HEADERS = frozenset(
+    {
+        "lang", "task", "id", "shadow", "eta", "expires", "group", "group_index", "retries",
+        "timelimit", "root_id", "parent_id", "argsrepr", "kwargsrepr", "origin",
+        "ignore_result", "replaced_task_nesting", "stamped_headers", "stamps",
+    }
+)  # fmt: skip
+# Stands for a header value set per message, in a template's key.
+_PER_JOB = object()
 
 
 _SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
@@ -342,10 +358,11 @@ def _publish_receivers() -> bool:
 
 class Template:
     """A message Celery and kombu built for one job, reused for the jobs of its group: the
-    same task, options and routing, differing only in id and arguments. Each further job's
-    message is the template's with its own ``id`` (and ``correlation_id``, and ``root_id``
-    where that defaulted to the id), ``argsrepr``/``kwargsrepr``, body and ``delivery_tag``,
-    in the template's key order: the JSON ``as_task_v2`` and ``Producer.publish`` would give.
+    same task, options and routing, differing only in id, arguments and the values of their
+    own plain headers. Each further job's message is the template's with its own ``id`` (and
+    ``correlation_id``, and ``root_id`` where that defaulted to the id),
+    ``argsrepr``/``kwargsrepr``, those headers, body and ``delivery_tag``, in the template's
+    key order: the JSON ``as_task_v2`` and ``Producer.publish`` would give.
     """
 
     def __init__(
@@ -357,6 +374,9 @@ class Template:
         embed: dict[str, Any],
         own_root: bool,
         own_reprs: bool,
+        varying: tuple[str, ...],
+        queue: str,
+        declared: list[Any],
     ) -> None:
         self.key = key
         self.message = message
@@ -365,23 +385,59 @@ class Template:
         self.embed = embed
         self.own_root = own_root
         self.own_reprs = own_reprs
+        self.varying = varying
+        self.queue = queue
+        # kombu's declaration cache (per connection) says whether a publish declares again:
+        # the template stands for its message only while every entity it declared is there.
+        self.idents = tuple(hash(entity) for entity in declared)
+        # The batch (Templates.batch) in which valid_on last held.
+        self.checked = -1
+
+    def valid_on(self, channel: Any) -> bool:
+        """Whether publishing through ``channel`` now gives this message: kombu would
+        declare nothing (its cache has every entity), and the queue does not expire."""
+        connection = channel.connection
+        if connection is None:
+            return False
+        cached = connection.client.declared_entities
+        if not all(ident in cached for ident in self.idents):
+            return False
+        expires = getattr(channel, "_expires", None)
+        return not (expires and self.queue in expires)
 
 
 class Templates:
-    """The templates of one ``send_jobs`` batch, found by strict equality of their key."""
+    """The templates of one kombu channel, found by strict equality of their key; kept from
+    one batch to the next while the process, the channel and the app's ``amqp`` are the same
+    (a message names its process in ``origin``)."""
 
-    # A batch seldom mixes more than a few kinds of job; past this many, the rest are built
-    # in full rather than each being compared with every template.
-    LIMIT = 16
+    # Templates kept per task name: a batch seldom mixes more than a few kinds of job of one
+    # task; past this many, the oldest goes.
+    PER_TASK = 4
+    # Task names kept: past this many, the oldest name goes with its templates.
+    TASKS = 64
 
-    def __init__(self, app: Any, pushes: RedisPushes) -> None:
-        self.pushes = pushes
-        self.amqp = app.amqp
-        self.maxlevels = app.conf.task_repr_maxlevels
-        self.found: list[Template] = []
+    def __init__(self, amqp: Any) -> None:
+        self.amqp = amqp
+        self.pid = os.getpid()
+        self.by_task: dict[Any, list[Template]] = {}
+        self.maxlevels: Any = None
+        self.batch = 0
+
+    @classmethod
+    def of(cls, app: Any, channel: Any) -> Templates:
+        """The channel's templates, for one more batch (new ones after a fork or for another
+        app)."""
+        templates = _TEMPLATES.get(channel)
+        if templates is None or templates.pid != os.getpid() or templates.amqp is not app.amqp:
+            templates = _TEMPLATES[channel] = cls(app.amqp)
+        templates.batch += 1
+        templates.maxlevels = app.conf.task_repr_maxlevels
+        return templates
 
     def learn(
         self,
+        pushes: RedisPushes,
         key: tuple[Any, ...],
         task_id: str,
         named: dict[str, Any],
@@ -389,10 +445,12 @@ class Templates:
         link: Any,
         link_error: Any,
         own_reprs: bool,
+        varying: tuple[str, ...],
+        declared: list[Any],
     ) -> None:
         """Keep the message just published for ``key``'s group, when a template can be it."""
-        last = self.pushes.last
-        if last is None or len(self.found) >= self.LIMIT:
+        last = pushes.last
+        if last is None:
             return
         message, serializer, commands = last
         # Time read per message (countdown, expires: eta and the broker TTL), or a header set
@@ -409,32 +467,63 @@ class Templates:
         own_root = not (named.get("root_id") or routed.get("root_id"))
         if own_root and headers.get("root_id") != task_id:
             return
+        if not all(name in headers for name in varying):
+            return
+        if not all(entity.can_cache_declaration for entity in declared):
+            return  # kombu declares it again for every message
         embed = {
             "callbacks": maybe_list(link),
             "errbacks": maybe_list(link_error),
             "chain": named.get("chain"),
             "chord": named.get("chord"),
         }
-        self.found.append(
-            Template(key, message, serializer, commands[0][1][0], embed, own_root, own_reprs)
+        template = Template(
+            key,
+            message,
+            serializer,
+            commands[0][1][0],
+            embed,
+            own_root,
+            own_reprs,
+            varying,
+            _queue_name(routed),
+            declared,
         )
+        if key[0] not in self.by_task and len(self.by_task) >= self.TASKS:
+            del self.by_task[next(iter(self.by_task))]
+        found = self.by_task.setdefault(key[0], [])
+        if len(found) >= self.PER_TASK:
+            del found[0]
+        template.checked = self.batch
+        found.append(template)
 
     def push(
         self,
+        pushes: RedisPushes,
         key: tuple[Any, ...],
         task_id: str,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         reprs: tuple[str, str] | None,
+        headers_given: dict[str, Any] | None,
     ) -> bool:
         """Push the job's message from its group's template; False when it has none."""
-        for template in self.found:
+        found = self.by_task.get(key[0])
+        if not found:
+            return False
+        for template in found:
             if _same(key, template.key):
                 break
         else:
             return False
-        pushes = self.pushes
         channel = pushes.channel
+        if template.checked != self.batch:
+            # Learnt in an earlier batch: still what a publish would give? (Once per batch:
+            # nothing this batch does undeclares an entity.)
+            if not template.valid_on(channel):
+                found.remove(template)
+                return False
+            template.checked = self.batch
         base = template.message
         content_type, content_encoding, body = _serialize(
             (args, kwargs, template.embed), serializer=template.serializer
@@ -453,6 +542,9 @@ class Templates:
                     saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=self.maxlevels),
                 )
             headers["argsrepr"], headers["kwargsrepr"] = reprs
+        if template.varying and headers_given:
+            for name in template.varying:
+                headers[name] = headers_given[name]
         properties = dict(base["properties"])
         properties["correlation_id"] = task_id
         properties["delivery_tag"] = channel._next_delivery_tag()
@@ -462,6 +554,37 @@ class Templates:
         message["properties"] = properties
         pushes.add("lpush", template.list_key, REDIS_TRANSPORT.dumps(message))
         return True
+
+
+# The templates of each kombu channel (see Templates.of).
+_TEMPLATES: weakref.WeakKeyDictionary[Any, Templates] = weakref.WeakKeyDictionary()
+
+
+def _queue_name(routed: dict[str, Any]) -> str:
+    queue = routed.get("queue")
+    return str(getattr(queue, "name", queue))
+
+
+def _key_routing(routed: dict[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``routed`` as a template's key holds it ("declare" aside: the job the template was
+    made from declared its queue), and the names of the job's own headers whose values are
+    set per message: there, the key holds a marker instead of the value."""
+    headers = routed.get("headers")
+    varying: tuple[str, ...] = ()
+    if isinstance(headers, dict):
+        varying = tuple(
+            name
+            for name, value in headers.items()
+            if name not in CELERY_HEADERS and (type(value) is str or type(value) is int)
+        )
+    if not varying and "declare" not in routed:
+        return routed, ()
+    keyed = {k: v for k, v in routed.items() if k != "declare"}
+    if varying and isinstance(headers, dict):
+        keyed["headers"] = {
+            name: _PER_JOB if name in varying else value for name, value in headers.items()
+        }
+    return keyed, varying
 
 
 def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
@@ -481,9 +604,11 @@ def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
     current = app.current_worker_task
     sent_event = app.conf.task_send_sent_event
     templates = None
-    if isinstance(producer, RedisPushes) and not _publish_receivers():
-        templates = Templates(app, producer)
-    declared: set[str] = set()
+    pushes = producer if isinstance(producer, RedisPushes) else None
+    if pushes is not None and not _publish_receivers():
+        templates = Templates.of(app, pushes.channel)
+    # The entities each queue's first message of the batch declared.
+    declared: dict[str, list[Any]] = {}
     task_defaults: dict[str, dict[str, Any]] = {}
     for job in jobs:
         name = job["task"]
@@ -517,19 +642,28 @@ def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
         reprs = _fast_repr(args, kwargs)
         own_reprs = not {"argsrepr", "kwargsrepr"} & (routed.keys() | named.keys())
         key: tuple[Any, ...] = ()
+        varying: tuple[str, ...] = ()
         if templates is not None:
-            # Everything the message is built from but the id and the arguments ("declare"
-            # aside: the job the template was made from declared its queue).
-            key = (name, ignore_result, link, link_error, named, _without(routed, "declare"))
-            if templates.push(key, task_id, args, kwargs, reprs if own_reprs else None):
+            # Everything the message is built from but the id, the arguments and the values
+            # of the job's own plain headers.
+            keyed, varying = _key_routing(routed)
+            key = (name, ignore_result, link, link_error, named, keyed)
+            if templates.push(
+                producer,
+                key,
+                task_id,
+                args,
+                kwargs,
+                reprs if own_reprs else None,
+                routed.get("headers"),
+            ):
                 continue
-        queue = routed.get("queue")
-        queue_name = str(getattr(queue, "name", queue))
-        if queue_name in declared:
+        queue_name = _queue_name(routed)
+        first = queue_name not in declared
+        if not first:
             # Declared by an earlier message of this batch: kombu would copy and re-bind
             # the Queue entity for every message before its cache answers.
             routed = {**routed, "declare": []}  # a copy: a template's key holds the dict
-        declared.add(queue_name)
         given = dict(named)
         if reprs is not None and own_reprs:
             given["argsrepr"], given["kwargsrepr"] = reprs
@@ -546,8 +680,24 @@ def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
             **routed,
         )
         amqp.send_task_message(producer, name, message, **routed)
-        if templates is not None:
-            templates.learn(key, task_id, named, routed, link, link_error, own_reprs)
+        if pushes is not None:
+            if first:
+                declared[queue_name] = list(pushes.last_declared)
+            if templates is not None:
+                templates.learn(
+                    pushes,
+                    key,
+                    task_id,
+                    named,
+                    routed,
+                    link,
+                    link_error,
+                    own_reprs,
+                    varying,
+                    [*declared[queue_name], *pushes.last_declared],
+                )
+        else:
+            declared.setdefault(queue_name, [])
 
 
 def _without(options: dict[str, Any], name: str) -> dict[str, Any]:

@@ -85,13 +85,56 @@ class Scripts(ScriptRunner):
         recent_max: int = RECENT_MAX,
         template: Value = b"",
         kinds: str = "",
+        policy: str = "",
+        locator_ttl: int = 0,
+        register: Sequence[str] = (),
     ) -> int:
         """Hold the parent and write its children; ``recent_ttl_ms`` and ``recent_max`` bound
         the queue's recent-flow index (normally the result TTL and ``echomq_recent_flows``).
+        Returns the counter (N); :meth:`enqueue_flow_at` also the time the children became
+        pending.
 
         ``template``: kept on the parent's row; ``kinds``: a character per child, ``d`` where
         its value is a delta against ``template``, ``p`` where it is a whole payload (empty:
-        every value is a payload). See :mod:`~celery_echomq.stored`."""
+        every value is a payload). See :mod:`~celery_echomq.stored`. ``policy``: kept on the
+        parent's row ('' writes none, which reads as ``fail``). ``locator_ttl``: also write the
+        parent's locator (a key of another slot: not on a Redis Cluster), with this TTL in
+        seconds; ``register``: queue names to add to the registry of queues (also a key of
+        another slot), in the same step."""
+        return self.enqueue_flow_at(
+            queue,
+            parent_id,
+            parent_payload,
+            children,
+            outer,
+            recent_ttl_ms=recent_ttl_ms,
+            recent_max=recent_max,
+            template=template,
+            kinds=kinds,
+            policy=policy,
+            locator_ttl=locator_ttl,
+            register=register,
+        )[0]
+
+    def enqueue_flow_at(
+        self,
+        queue: str,
+        parent_id: str,
+        parent_payload: Value,
+        children: Sequence[tuple[str, Value]],
+        outer: str = "",
+        *,
+        recent_ttl_ms: int = RECENT_TTL_MS,
+        recent_max: int = RECENT_MAX,
+        template: Value = b"",
+        kinds: str = "",
+        policy: str = "",
+        locator_ttl: int = 0,
+        register: Sequence[str] = (),
+    ) -> tuple[int, int | None]:
+        """:meth:`enqueue_flow`, returning ``(N, ms)``: ``ms`` the server time (ms) the script
+        read, every child's pending score; None when the call was recognised as landed by an
+        earlier attempt whose reply was lost (its time is not known)."""
         parent_key = self.keys.job_key(queue, parent_id)
         keys = [
             parent_key,
@@ -105,9 +148,19 @@ class Scripts(ScriptRunner):
         for cid, payload in children:
             argv += [cid, payload]
         argv += [outer, str(recent_ttl_ms), str(recent_max)]
-        if kinds:
+        if policy or locator_ttl or register:
+            argv += [template, kinds, policy, str(locator_ttl) if locator_ttl else "", queue]
+            if locator_ttl:
+                keys.append(self.keys.locator_key(parent_id))
+            if register:
+                keys.append(self.keys.queues_key())
+                argv += list(register)
+        elif kinds:
             argv += [template, kinds]
-        return int(self._run("enqueue_flow", keys, argv))
+        reply = self._run("enqueue_flow", keys, argv)
+        if isinstance(reply, list):
+            return int(reply[0]), int(reply[1]) if reply[1] not in (b"", "", None) else None
+        return int(reply), None
 
     def claim(
         self,

@@ -126,42 +126,61 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     chunk = state.settings.chunk_size
     levels = list(plan.levels())
     written: list[tuple[str, str, list[str]]] = []
+    # On one Redis (not a Cluster, whose slots these keys span), each level's script also
+    # writes its locator, and the first one registers the tree's queues: a small flow is one
+    # round trip before its publish.
+    cluster = isinstance(state.client, RedisCluster)
+    chunked = [level.chunked(chunk) for level in levels]
+    # When each level's children became pending (the store's clock, no later than their
+    # pending score): their messages carry it, sparing each claim a read (see H_SINCE).
+    since: dict[str, int | None] = {}
     try:
         # Before the flow lands, not after: a producer killed right after the EVAL must still
         # leave its queues where recovery looks (SADD is idempotent).
         queues = {level.queue for level in levels}
         queues.update(child_queue(job) for level in levels for job in level.children)
-        # The store's clock before the enqueue: no later than any pending score it writes
-        # (the children's messages carry it, sparing each claim a read; see H_SINCE). Not on
-        # a cluster, where TIME would come from any node's clock, not the queue's master's.
-        since = None
-        if isinstance(state.client, RedisCluster):
-            state.client.sadd(keys.queues_key(), *sorted(queues))
-        else:
+        register: list[str] = sorted(queues)
+        clock = None
+        if cluster:
+            state.client.sadd(keys.queues_key(), *register)
+            register = []
+        elif any(chunked):
+            # The store's clock before the enqueue, for the chunked levels' children (their
+            # scripts do not return the time they read). Not on a cluster, where TIME would
+            # come from any node's clock, not the queue's master's.
             first = state.client.pipeline(transaction=False)
-            first.sadd(keys.queues_key(), *sorted(queues))
+            first.sadd(keys.queues_key(), *register)
             first.time()
             _, (seconds, micros) = first.execute()
-            since = int(seconds) * 1000 + int(micros) // 1000
+            clock = int(seconds) * 1000 + int(micros) // 1000
+            register = []
         whole = []
         try:
-            for level in levels:
-                if level.chunked(chunk):
+            for level, is_chunked in zip(levels, chunked, strict=True):
+                if is_chunked:
                     _enqueue_chunked(state, level, encoded[level.parent_id], chunk, written)
-                else:
-                    scripts.enqueue_flow(
-                        level.queue,
-                        level.parent_id,
-                        encoded[level.parent_id].parent,
-                        encoded[level.parent_id].children,
-                        outer=level.outer,
-                        recent_ttl_ms=state.settings.result_ttl * 1000,
-                        recent_max=state.settings.recent_flows,
-                        template=encoded[level.parent_id].template,
-                        kinds=encoded[level.parent_id].kinds,
-                    )
-                    written.append((level.queue, level.parent_id, level.child_ids()))
-                    whole.append(level)
+                    since[level.parent_id] = clock
+                    continue
+                step = encoded[level.parent_id]
+                _, since[level.parent_id] = scripts.enqueue_flow_at(
+                    level.queue,
+                    level.parent_id,
+                    step.parent,
+                    step.children,
+                    outer=level.outer,
+                    recent_ttl_ms=state.settings.result_ttl * 1000,
+                    recent_max=state.settings.recent_flows,
+                    template=step.template,
+                    kinds=step.kinds,
+                    # A missing policy reads as "fail" (settle_child, views): the default
+                    # costs nothing.
+                    policy="" if level.policy == "fail" else level.policy,
+                    locator_ttl=0 if cluster else state.locator_ttl,
+                    register=register,
+                )
+                register = []
+                written.append((level.queue, level.parent_id, level.child_ids()))
+                whole.append(level)
         except EchoMQError:
             # A refusal after an earlier level or chunk landed: take back exactly what this
             # call wrote, so bad input leaves nothing behind.
@@ -170,28 +189,25 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                 "echomq: flow %s refused; %d steps taken back", plan.parent_id, len(written)
             )
             raise
-        # After the atomic land: each flow's default policy and each child's own, on the
-        # same slot (one MULTI per slot, as Redis Cluster requires), before any child can run
-        # (none is published yet).
-        side = state.client.pipeline(transaction=False)
+        # After the atomic land: each child's own policy, on the same slot (one MULTI per
+        # slot, as Redis Cluster requires), before any child can run (none is published yet).
         for level in whole:
-            parent_row = keys.job_key(level.queue, level.parent_id)
-            if not level.child_policies:
-                # A missing policy reads as "fail" (settle_child, views): the default costs
-                # nothing. Another is one HSET, atomic by itself: no MULTI, and it shares the
-                # locator's round trip below.
-                if level.policy != "fail":
-                    side.hset(parent_row, "policy", level.policy)
-                continue
-            pipe = state.client.pipeline(transaction=True)
-            pipe.hset(parent_row, "policy", level.policy)
-            for cid, child_policy in level.child_policies.items():
-                pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
-            pipe.execute()
-        # Outside the flow's slot: where a bare id lives.
-        for level in levels:
-            side.set(keys.locator_key(level.parent_id), level.queue, ex=state.locator_ttl)
-        side.execute()
+            if level.child_policies:
+                pipe = state.client.pipeline(transaction=True)
+                for cid, child_policy in level.child_policies.items():
+                    pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
+                pipe.execute()
+        # Outside the flow's slot: where a bare id lives (written by the script where it can).
+        located = [
+            level
+            for level, is_chunked in zip(levels, chunked, strict=True)
+            if cluster or is_chunked
+        ]
+        if located:
+            side = state.client.pipeline(transaction=False)
+            for level in located:
+                side.set(keys.locator_key(level.parent_id), level.queue, ex=state.locator_ttl)
+            side.execute()
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         where = f"Redis at {safe_url(state.settings.redis_url or '')!r}"
         if not written:
@@ -203,16 +219,22 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             f"{where} became unavailable ({exc}) after flow {plan.parent_id} was enqueued; "
             "nothing was published: recovery publishes its children once Redis is back"
         ) from exc
-    logger.info(
-        "echomq: flow %s enqueued on %s with %d children%s",
-        plan.parent_id,
-        plan.queue,
-        len(plan.children),
-        f" ({len(levels) - 1} nested flows)" if len(levels) > 1 else "",
-    )
-    leaves = [job for level in levels for job in level.children if "nested" not in job]
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "echomq: flow %s enqueued on %s with %d children%s",
+            plan.parent_id,
+            plan.queue,
+            len(plan.children),
+            f" ({len(levels) - 1} nested flows)" if len(levels) > 1 else "",
+        )
+    leaves = [
+        _with_since(job, since[level.parent_id])
+        for level in levels
+        for job in level.children
+        if "nested" not in job
+    ]
     if leaves:
-        publish(state.app, [_with_since(job, since) for job in leaves])
+        publish(state.app, leaves)
     for level in levels:
         if not level.children:
             dispatch_parent(state, level.queue, level.parent_id)
@@ -243,6 +265,8 @@ def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
             pipe.zrem(keys.queue_key(queue, "pending"), *child_ids)
         if parent_id:
             pipe.delete(keys.job_key(queue, parent_id), keys.flow_keys(queue, parent_id)[0])
+            # Its locator, where its script wrote one (a key of another slot: on its own).
+            pipe.delete(keys.locator_key(parent_id))
             pipe.zrem(keys.queue_key(queue, "open"), parent_id)
             pipe.zrem(keys.queue_key(queue, "pending"), parent_id)
             # Undo what open_flow/enqueue_flow counted: the flow never existed.

@@ -124,6 +124,7 @@ def test_fast_path_publishes_what_the_producer_would(
         return templated[-1]
 
     monkeypatch.setattr(publish.Templates, "push", counted)
+    publish._TEMPLATES.clear()  # no template from an earlier test's batch
     publish.send_jobs(proj.app, jobs)
     fast = _drain(broker, [q1, q2])
     with monkeypatch.context() as m:
@@ -145,8 +146,9 @@ def test_fast_path_publishes_what_the_producer_would(
                 assert json.loads(mine) == json.loads(theirs)
                 assert mine == theirs  # byte for byte
     # Most jobs were built from the template of an alike job: all but the first of each
-    # kind (nine kinds, two header sets) and those whose expiry is read from the clock.
-    assert templated.count(True) == 3 * 9 - 1 - 3
+    # kind (nine kinds) and those whose expiry is read from the clock; a nested flow's leaf
+    # on its outer flow's queue too (their own headers differ in value only).
+    assert templated.count(True) == 3 * 9 - 3 + 1
     # The queues are bound as kombu binds them, for a consumer routing by exchange.
     bindings = broker.smembers(f"_kombu.binding.{q2}")
     assert bindings == {f"{q2}\x06\x16\x06\x16{q2}".encode()}
@@ -176,3 +178,61 @@ def test_fast_path_sends_the_publish_signals_per_message(
     messages = [json.loads(m) for m in broker.lrange(queue, 0, -1)[::-1]]
     assert seen == [job["options"]["task_id"] for job in jobs]
     assert [m["headers"]["traced"] for m in messages] == [i[-4:] for i in seen]
+
+
+def _alike(proj: Any, queue: str, n: int) -> Any:
+    return flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(n)]).set(queue=queue)
+
+
+def test_a_later_batch_is_built_from_the_templates_an_earlier_one_learnt(
+    proj: Any, env: Any, own_queue: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flows of alike children, one batch each: after the first, every message comes from
+    a template (their parent and enqueue time differ in value only), and is the message the
+    producer would have published."""
+    queue = own_queue("fastlater")
+    broker = redis.Redis.from_url(env.broker)
+    templated: list[bool] = []
+    push = publish.Templates.push
+
+    def counted(self: Any, *args: Any) -> bool:
+        templated.append(push(self, *args))
+        return templated[-1]
+
+    monkeypatch.setattr(publish.Templates, "push", counted)
+    publish._TEMPLATES.clear()
+    batches = [_leaves(proj, _alike(proj, queue, 3)) for _ in range(3)]
+    for i, jobs in enumerate(batches):
+        for job in jobs:
+            job["options"]["headers"]["echomq_t"] += i  # read per flow
+        publish.send_jobs(proj.app, jobs)
+    fast = _drain(broker, [queue])
+    with monkeypatch.context() as m:
+        m.setattr(publish.RedisPushes, "of", classmethod(lambda cls, app, producer: None))
+        for jobs in batches:
+            publish.send_jobs(proj.app, jobs)
+    ordinary = _drain(broker, [queue])
+    assert templated == [False, True, True] + [True] * 6
+    assert fast == ordinary and len(fast[queue]) == 9
+    parents = {json.loads(m)["headers"]["echomq_p"] for m in fast[queue]}
+    assert len(parents) == 3
+
+
+def test_a_template_is_not_used_where_kombu_would_declare_again(
+    proj: Any, env: Any, own_queue: Any
+) -> None:
+    """kombu declares a queue once per connection, and again after a reconnect (which clears
+    its cache of declared entities): a batch after that declares it again, as the producer
+    would, rather than reuse a template."""
+    queue = own_queue("fastdeclare")
+    broker = redis.Redis.from_url(env.broker)
+    publish._TEMPLATES.clear()
+    publish.send_jobs(proj.app, _leaves(proj, _alike(proj, queue, 2)))
+    with proj.app.producer_or_acquire(None) as producer:
+        declared = producer.channel.connection.client.declared_entities
+        ident = hash(proj.app.amqp.queues[queue])
+        assert ident in declared
+        declared.clear()  # as a reconnect does
+    publish.send_jobs(proj.app, _leaves(proj, _alike(proj, queue, 2)))
+    assert ident in declared
+    assert broker.llen(queue) == 4

@@ -259,11 +259,11 @@ def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)
 
 if point == "after_eval":
-    enqueue = scripts.Scripts.enqueue_flow
+    enqueue = scripts.Scripts.enqueue_flow_at
     def enqueue_then_die(self, *args, **kwargs):
         enqueue(self, *args, **kwargs)
         die()
-    scripts.Scripts.enqueue_flow = enqueue_then_die
+    scripts.Scripts.enqueue_flow_at = enqueue_then_die
 elif point == "before_publish":
     start.publish = die
 else:

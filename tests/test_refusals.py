@@ -16,7 +16,7 @@ import redis
 from celery import group
 from kombu.exceptions import EncodeError
 
-from celery_echomq import flow
+from celery_echomq import FlowExistsError, flow
 
 NOT_SIGNATURES = [
     pytest.param("tests.proj.add", "a str", id="str"),
@@ -96,3 +96,32 @@ def test_an_argument_the_serializer_cannot_encode_is_refused_before_any_write(
         assert f"(tests.proj.add, {bad_id})" in message
     untouched(store, broker, queue, ids)
     untouched(store, broker, other, ids)
+
+
+def test_a_nested_flow_refused_inside_takes_back_its_outer_level_and_locator(
+    proj: Any, own_queue: Any, env: Any, store: redis.Redis
+) -> None:
+    """An outer level lands (its script writes its locator too), then the nested level is
+    refused for a child id another flow holds: both are taken back, locators included, and
+    nothing of the refused flow is published."""
+    queue = own_queue("refused-nested")
+    broker = redis.Redis.from_url(env.broker)
+    taken = "JOB" + uuid.uuid4().hex
+    first = flow(proj.tsum.s(), [proj.add.s(1, 1).set(task_id=taken)]).apply_async(queue=queue)
+    held = store.hgetall(f"emq:{{{queue}}}:{taken}")
+    published = broker.llen(queue)
+    assert store.get(f"emq:loc:{{{first.id}}}") == queue.encode()
+
+    ok = proj.add.s(2, 2).set(task_id="JOB" + uuid.uuid4().hex)
+    inner = flow(proj.tsum.s(), [proj.add.s(3, 3).set(task_id=taken)])
+    f = flow(proj.tsum.s(), [ok, inner])
+    f.freeze()
+    outer_id, inner_id = f.parent.options["task_id"], inner.parent.options["task_id"]
+    with pytest.raises(FlowExistsError, match=taken):
+        f.apply_async(queue=queue)
+    for job_id in (outer_id, inner_id, ok.options["task_id"]):
+        assert store.keys(f"*{job_id}*") == []
+    assert broker.llen(queue) == published
+    # The other flow is untouched.
+    assert store.hgetall(f"emq:{{{queue}}}:{taken}") == held
+    assert store.get(f"emq:loc:{{{first.id}}}") == queue.encode()

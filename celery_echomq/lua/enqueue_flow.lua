@@ -8,6 +8,10 @@
 -- KEYS[4]      the queue's recent-flow index   emq:{q}:recent
 -- KEYS[5]      the queue's counters            emq:{q}:counters
 -- KEYS[5+i]    child i's row, i = 1..N         emq:{q}:JOBc
+-- KEYS[6+N]    optional (with ARGV[10+2N]): the parent's locator   emq:loc:{JOBp}
+-- KEYS[#KEYS]  optional (with ARGV[12+2N..]): the registry of queues that hold flows
+--              emq:queues (after the locator when both are given)
+--              (these two live on other slots than the queue's: never passed on a Cluster)
 -- ARGV[1]      parent id
 -- ARGV[2]      parent payload
 -- ARGV[3]      N, the number of children
@@ -21,9 +25,16 @@
 -- ARGV[8+2N]   optional: one character per child, 'd' where ARGV[3+2i] is a delta (the row
 --              keeps it as 'delta' rather than 'payload': a small row stays a listpack),
 --              'p' where it is a whole payload ('' or absent: every child's is a payload)
+-- ARGV[9+2N]   optional: the flow's policy, kept on the parent's row ('' or absent: none,
+--              which reads as 'fail')
+-- ARGV[10+2N]  optional: the locator's TTL in seconds; KEYS[6+N] is set to ARGV[11+2N] (the
+--              queue's name) with it ('' or absent: no locator written here)
+-- ARGV[11+2N]  the queue's name (with ARGV[10+2N])
+-- ARGV[12+2N..] optional: queue names to add to KEYS[#KEYS] (every queue of the flow's tree,
+--              so that recovery looks there; they land with the flow)
 --
--- Reply: N (the counter).  Scores in the pending set are the server time in ms, so recovery
--- can tell how long a job has waited.
+-- Reply: {N (the counter), now}: now is the server time in ms this script read, the score of
+-- every child in the pending set (so recovery can tell how long a job has waited).
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
 --- @include "gate"
 --- @include "recent"
@@ -119,5 +130,18 @@ else
   redis.call('HINCRBY', KEYS[5], 'held', 1)
 end
 redis.call('SET', KEYS[2], n)
+local policy = ARGV[9 + 2 * n] or ''
+if policy ~= '' then
+  redis.call('HSET', KEYS[1], 'policy', policy)
+end
+-- Where a bare id lives, and where recovery looks: written with the flow, so a producer that
+-- dies after this script leaves neither missing, and a refused flow leaves neither behind.
+local locator_ttl = ARGV[10 + 2 * n] or ''
+if locator_ttl ~= '' then
+  redis.call('SET', KEYS[6 + n], ARGV[11 + 2 * n], 'EX', locator_ttl)
+end
+if #ARGV >= 12 + 2 * n then
+  redis.call('SADD', KEYS[#KEYS], unpack(ARGV, 12 + 2 * n))
+end
 index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]), t)
-return n
+return {n, now}
