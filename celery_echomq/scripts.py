@@ -34,6 +34,16 @@ class ParentRef:
     queue: str
 
 
+@dataclass(frozen=True)
+class ResultWrite:
+    """A job's result for Celery's Redis backend, as ``RedisBackend._set`` would send it for a
+    SUCCESS: SET (EX ``expires`` when set) and PUBLISH of ``meta`` under ``key``."""
+
+    key: str
+    meta: Value
+    expires: int | None
+
+
 class Scripts(ScriptRunner):
     """The EchoMQ transitions, bound to one Redis client and one keyspace."""
 
@@ -141,7 +151,10 @@ class Scripts(ScriptRunner):
         is_parent: bool,
         parent: ParentRef | None,
         value: Value,
+        result: ResultWrite | None = None,
     ) -> Status:
+        """``result``: the job's result for Celery's Redis backend, written on the job's
+        active -> done transition (see results.py)."""
         remote = parent is not None and parent.queue != queue
         keys = [
             self.keys.job_key(queue, job_id),
@@ -164,6 +177,10 @@ class Scripts(ScriptRunner):
             value,
             "1" if remote else "0",
         ]
+        if result is not None:
+            keys.append(result.key)
+            expires = str(result.expires) if result.expires else ""
+            argv += ["1", result.meta, expires]
         return _status(self._run("complete", keys, argv)[0])
 
     def fail(

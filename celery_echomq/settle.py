@@ -15,7 +15,7 @@ from .errors import FlowFailed
 from .plan import H_PARENT, H_PARENT_QUEUE
 from .publish import publish
 from .replies import UNSETTLED, Status
-from .scripts import ParentRef
+from .scripts import ParentRef, ResultWrite
 from .state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
@@ -134,8 +134,11 @@ def settle_success(
     is_parent: bool,
     parent: ParentRef | None,
     value: bytes,
+    result: ResultWrite | None = None,
 ) -> Status:
-    """A job succeeded: complete it and credit its parent (on whichever slot it lives)."""
+    """A job succeeded: complete it and credit its parent (on whichever slot it lives).
+
+    ``result``: its result for Celery's backend, written by the completion itself."""
     status = state.scripts.complete(
         queue,
         job_id,
@@ -144,6 +147,7 @@ def settle_success(
         is_parent=is_parent,
         parent=parent,
         value=value,
+        result=result,
     )
     if status is Status.STAGED and parent is not None:
         status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")

@@ -10,6 +10,8 @@
 -- KEYS[8]  the parent's :processed      } passes none of these and never enters the
 -- KEYS[9]  the parent's pending set     } fan-in branch
 -- KEYS[10] the parent queue's counters   }
+-- KEYS[#KEYS] the job's key in Celery's Redis result backend, last, only when ARGV[8] == '1'
+--          (after KEYS[2..5], KEYS[6] the outbox, or KEYS[6..10], whichever were passed)
 -- ARGV[1]  job id
 -- ARGV[2]  the token the claim gave this delivery
 -- ARGV[3]  result TTL in seconds for the finished row
@@ -19,6 +21,10 @@
 -- ARGV[7]  '1' when the parent lives on another slot: then KEYS[6] is this queue's outbox
 --          and no parent keys are passed; the value is kept on the row and the child staged
 --          in the outbox until credit.lua has counted it on the parent's slot
+-- ARGV[8]  '1' when this script writes the job's result (the message said ignore_result and
+--          the store's server and db are the result backend's; see results.py), else ''
+-- ARGV[9]  the result's encoded meta, exactly as Celery's RedisBackend would store it
+-- ARGV[10] its expiry in seconds (the backend's result_expires), '' for none
 --
 -- Reply: {status}
 --   "released"    credited, and it was the last outstanding child: the parent is now pending
@@ -42,6 +48,18 @@ local ttl = tonumber(ARGV[3])
 local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'done')
 expire_keys(ttl, ARGV[4] == '1' and {KEYS[1], KEYS[3], KEYS[4], KEYS[5]} or {KEYS[1]})
+if ARGV[8] == '1' and was_active == 1 then
+  -- What RedisBackend._set sends (SETEX or SET, then PUBLISH to the key's channel for a
+  -- waiting AsyncResult.get), once: a stale or duplicate completion never rewrites it. Before
+  -- the fan-in, so a released parent's waiter finds every child's result already stored.
+  local result_key = KEYS[#KEYS]
+  if ARGV[10] ~= '' then
+    redis.call('SET', result_key, ARGV[9], 'EX', ARGV[10])
+  else
+    redis.call('SET', result_key, ARGV[9])
+  end
+  redis.call('PUBLISH', result_key, ARGV[9])
+end
 if ARGV[7] == '1' then
   if was_active == 1 then
     redis.call('HSET', KEYS[1], 'value', ARGV[6])
@@ -52,7 +70,7 @@ if ARGV[7] == '1' then
 end
 -- The fan-in: EXACTLY once per child, inside was_active == 1, so a redelivered or stale
 -- completion never re-enters it.
-if KEYS[6] and was_active == 1 then
+if ARGV[5] ~= '' and was_active == 1 then
   local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
     pending = KEYS[9], counters = KEYS[10]}
   return {settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]}
