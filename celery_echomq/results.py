@@ -166,6 +166,21 @@ def success_write(state: EchoMQ, task: Any, request: Any, result: Any) -> Result
     return None
 
 
+def store_success(task: Any, request: Any, result: Any) -> None:
+    """SUCCESS through the backend, for a marked job whose completion wrote none (it was not
+    the job's transition: another delivery holds it, or it was cancelled while running).
+    Celery's chord child would store it: its ``_store_result`` never overwrites a SUCCESS."""
+    _guarded(
+        "SUCCESS",
+        request.id,
+        task.backend.store_result,
+        request.id,
+        result,
+        states.SUCCESS,
+        request=request,
+    )
+
+
 def _guarded(what: str, task_id: str, store: Any, *args: Any, **kwargs: Any) -> None:
     """Store a rare outcome; an error is logged, never raised: the receiver's transition
     (fail, retry, revoke) must still run whatever Celery's backend answers."""

@@ -9,6 +9,7 @@ process dies in between.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from .errors import FlowFailed
@@ -135,11 +136,14 @@ def settle_success(
     parent: ParentRef | None,
     value: bytes,
     result: ResultWrite | None = None,
+    unwritten: Callable[[], None] | None = None,
 ) -> Status:
     """A job succeeded: complete it and credit its parent (on whichever slot it lives).
 
-    ``result``: its result for Celery's backend, written by the completion itself."""
-    status = state.scripts.complete(
+    ``result``: its result for Celery's backend, written by the completion itself; where the
+    completion was not the job's transition (a stale token, a job cancelled meanwhile) it
+    writes nothing and ``unwritten`` is called, to store it as Celery would."""
+    status, written = state.scripts.complete_writing(
         queue,
         job_id,
         token,
@@ -149,6 +153,8 @@ def settle_success(
         value=value,
         result=result,
     )
+    if result is not None and not written and unwritten is not None:
+        unwritten()
     if status is Status.STAGED and parent is not None:
         status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")
     if parent is not None:

@@ -27,6 +27,7 @@ from .results import (
     store_retry,
     store_revoked,
     store_started,
+    store_success,
     success_write,
 )
 from .settle import error_text, settle_failure, settle_success
@@ -162,6 +163,7 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
         parent_ref(request),
         state.dumps(result),
         success_write(state, sender, request, result),
+        lambda: store_success(sender, request, result),
     )
 
 

@@ -270,25 +270,44 @@ def test_only_the_real_completion_writes_the_result(db: redis.Redis, scripts: Sc
     ref = ParentRef(parent, queue)
     key = f"celery-task-meta-{child}"
 
-    def complete(token: str, meta: bytes) -> str:
+    def complete(token: str, meta: bytes) -> tuple[str, bool]:
         write = ResultWrite(key, meta, 100)
-        return scripts.complete(
+        return scripts.complete_writing(
             queue, child, token, ttl=600, is_parent=False, parent=ref, value=b"1", result=write
         )
 
     scripts.claim(queue, child, "old", LEASE)
     scripts.claim(queue, child, "new", LEASE, force=True)
-    assert complete("old", b"stale") == "stale"
+    assert complete("old", b"stale") == ("stale", False)
     assert db.get(key) is None
     pubsub = db.pubsub()
     pubsub.subscribe(key)
     assert pubsub.get_message(timeout=1)["type"] == "subscribe"
-    assert complete("new", b"first") == "released"
+    assert complete("new", b"first") == ("released", True)
     assert db.get(key) == b"first" and 95 < db.ttl(key) <= 100
     message = pubsub.get_message(timeout=1)
     assert message is not None and message["data"] == b"first"
     # A duplicate completion (a redelivery's, the same token resent) writes nothing.
-    assert complete("new", b"second") == "done"
+    assert complete("new", b"second") == ("done", False)
     assert db.get(key) == b"first"
     assert pubsub.get_message(timeout=0.2) is None
     pubsub.close()
+
+
+def test_a_child_cancelled_while_running_still_stores_its_success(
+    env: Env, fused: tuple[Celery, str]
+) -> None:
+    # Its completion is no transition any more (the flow released it, revoking the children
+    # still out): the result is stored as Celery would store a chord child's.
+    app, queue = fused
+    cid, gate = f"JOB{uuid.uuid4().hex}", f"test:gate:{uuid.uuid4().hex}"
+    res = flow(
+        task(app, "collect", queue=queue), [task(app, "gated", 5, gate, task_id=cid)]
+    ).apply_async(queue=queue)
+    row = f"emq:{{{queue}}}:{cid}"
+    store = redis.Redis.from_url(env.store)
+    wait_for(lambda: store.hget(row, "state") == b"active", timeout=TIMEOUT)
+    assert res.release(revoke=True).revoked == (cid,)
+    store.set(gate, 1)
+    assert AsyncResult(cid, app=app).get(timeout=TIMEOUT) == 5
+    assert store.hget(row, "state") == b"cancelled"

@@ -26,7 +26,9 @@
 -- ARGV[9]  the result's encoded meta, exactly as Celery's RedisBackend would store it
 -- ARGV[10] its expiry in seconds (the backend's result_expires), '' for none
 --
--- Reply: {status}
+-- Reply: {status} or, when ARGV[8] == '1', {status, written}: written '1' when this call
+-- wrote the result (the job's one active -> done transition), else '' (the host stores it the
+-- way Celery would, which never overwrites a SUCCESS)
 --   "released"    credited, and it was the last outstanding child: the parent is now pending
 --                 (the host dispatches it)
 --   "credited"    credited; other children outstanding, or the parent no longer waits
@@ -48,6 +50,7 @@ local ttl = tonumber(ARGV[3])
 local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'done')
 expire_keys(ttl, ARGV[4] == '1' and {KEYS[1], KEYS[3], KEYS[4], KEYS[5]} or {KEYS[1]})
+local written = ''
 if ARGV[8] == '1' and was_active == 1 then
   -- What RedisBackend._set sends (SETEX or SET, then PUBLISH to the key's channel for a
   -- waiting AsyncResult.get), once: a stale or duplicate completion never rewrites it. Before
@@ -59,20 +62,21 @@ if ARGV[8] == '1' and was_active == 1 then
     redis.call('SET', result_key, ARGV[9])
   end
   redis.call('PUBLISH', result_key, ARGV[9])
+  written = '1'
 end
 if ARGV[7] == '1' then
   if was_active == 1 then
     redis.call('HSET', KEYS[1], 'value', ARGV[6])
     redis.call('ZADD', KEYS[6], now_ms(), ARGV[1])
-    return {'staged'}
+    return {'staged', written}
   end
-  return {'done'}
+  return {'done', written}
 end
 -- The fan-in: EXACTLY once per child, inside was_active == 1, so a redelivered or stale
 -- completion never re-enters it.
 if ARGV[5] ~= '' and was_active == 1 then
   local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
     pending = KEYS[9], counters = KEYS[10]}
-  return {settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]}
+  return {settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1], written}
 end
-return {'done'}
+return {'done', written}
