@@ -118,6 +118,40 @@ def test_a_childs_stored_result_is_what_celery_stores_for_a_plain_task(
     assert parent["name"] == "tests.proj.tsum"
 
 
+def test_without_result_extended_the_meta_is_celerys_too(
+    env: Env, own_queue: Any, start_worker: Any
+) -> None:
+    queue = own_queue("plainmeta")
+    start_worker(queues=queue, extra_env={"ECHOMQ_T_BACKEND": env.store})
+    app = caller(env, env.store)
+    try:
+        cid = f"JOB{uuid.uuid4().hex}"
+        res = flow(
+            task(app, "tsum", queue=queue), [task(app, "add", 3, 4, task_id=cid)]
+        ).apply_async(queue=queue)
+        assert res.get(timeout=TIMEOUT) == 7
+        plain = app.send_task("tests.proj.add", (3, 4), queue=queue)
+        assert plain.get(timeout=TIMEOUT) == 7
+        meta, reference = stored(env, env.store, cid), stored(env, env.store, plain.id)
+        assert meta is not None and reference is not None
+        assert (
+            set(meta)
+            == set(reference)
+            == {
+                "status",
+                "result",
+                "traceback",
+                "children",
+                "date_done",
+                "task_id",
+            }
+        )
+        assert comparable(meta) == comparable(reference)
+        assert meta["task_id"] == cid and meta["date_done"]
+    finally:
+        app.close()
+
+
 def test_a_failing_child_raises_as_a_chord_child_would(env: Env, fused: tuple[Celery, str]) -> None:
     app, queue = fused
     bad = f"JOB{uuid.uuid4().hex}"
