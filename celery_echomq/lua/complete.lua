@@ -41,7 +41,15 @@
 --- @include "expire"
 --- @include "holder"
 --- @include "settle_child"
-local refused = gate_ids(1, 1) or not_holder(KEYS[1], ARGV[2])
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
+end
+local is_parent = ARGV[4] == '1'
+-- A parent's credited_failed, read with its holder: its :ignored exists only once a child
+-- failed under 'ignore', which counts credited_failed in the same script (settle_child).
+local failed_children
+refused, failed_children = not_holder(KEYS[1], ARGV[2], is_parent and 'credited_failed' or nil)
 if refused then
   return refused
 end
@@ -49,7 +57,13 @@ local ttl = tonumber(ARGV[3])
 -- ZREM gives was_active: exactly one completion per active->done transition gets 1.
 local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'done')
-expire_keys(ttl, ARGV[4] == '1' and {KEYS[1], KEYS[3], KEYS[4], KEYS[5]} or {KEYS[1]})
+if not is_parent then
+  expire_keys(ttl, {KEYS[1]})
+elseif failed_children then
+  expire_keys(ttl, {KEYS[1], KEYS[3], KEYS[4], KEYS[5]})
+else
+  expire_keys(ttl, {KEYS[1], KEYS[3], KEYS[4]})  -- no :ignored to expire
+end
 local written = ''
 if ARGV[8] == '1' and was_active == 1 then
   -- What RedisBackend._set sends (SETEX or SET, then PUBLISH to the key's channel for a
