@@ -184,11 +184,13 @@ def on_failure(
         if getattr(request, "id", None) != task_id:
             request = _received.get(task_id)  # Celery versions that push no request context
         token = ""
-    _received.pop(task_id, None)
-    if exception is not None and getattr(request, "id", None) == task_id:
-        # Celery's main process stores such a failure without a traceback.
-        traceback = None if lost else getattr(einfo, "traceback", None)
-        store_failure(sender, request, task_id, exception, traceback)
+    received = _received.pop(task_id, None)
+    if exception is not None:
+        # The main process (a lost or timed-out pool process, a Reject without requeue) stores
+        # a failure without a traceback, and may push no request context.
+        holder = request if getattr(request, "id", None) == task_id else received
+        traceback = None if lost or holder is received else getattr(einfo, "traceback", None)
+        store_failure(sender, holder, task_id, exception, traceback)
     state = _flow_state(sender, request)
     if state is None or token is None:
         return
