@@ -44,7 +44,10 @@ class Env:
         self.base = base
         self.broker = broker or f"{base}/11"
         # ECHOMQ_TEST_SHARED_DB=1: the result backend on the store's database, where the store
-        # writes a flow job's result itself (celery_echomq/results.py).
+        # writes a flow job's result itself (celery_echomq/results.py). For the behaviour
+        # tests: those that list the store's keys or watch its commands (test_cli's forget and
+        # show, test_e2e_held's MONITOR) and test_store_results (its own databases) then see
+        # Celery's keys there too.
         shared = os.environ.get("ECHOMQ_TEST_SHARED_DB") == "1"
         self.backend = f"{base}/13" if shared else f"{base}/12"
         self.store = f"{base}/13"
