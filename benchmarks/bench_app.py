@@ -2,8 +2,8 @@
 
 The worker subprocess imports this module with the environment that ``bench.py`` sets, so both
 sides agree on the Redis server and on whether celery-echomq is installed. Broker, result
-backend and flow store are three databases of one private Redis, so one ``INFO commandstats``
-covers all three.
+backend and flow store are on one private Redis (the store on the backend's database, where a
+flow job's completion writes its result too), so one ``INFO commandstats`` covers them all.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ ENV_URL = "ECHOMQ_BENCH_REDIS"
 ENV_INSTALL = "ECHOMQ_BENCH_INSTALL"
 ENV_PROFILE = "ECHOMQ_BENCH_PROFILE_DIR"
 ENV_READY = "ECHOMQ_BENCH_READY_FILE"
-BROKER_DB, BACKEND_DB, STORE_DB = 0, 1, 2
+# The flow store shares the result backend's database: then a flow job's completion writes its
+# result too (celery_echomq/results.py).
+BROKER_DB, BACKEND_DB, STORE_DB = 0, 1, 1
 
 app = Celery("bench_app")
 

@@ -16,6 +16,7 @@ from . import reads
 from .errors import NoResultBackendError
 from .plan import H_QUEUE, check_policy, new_job_id, plan_flow
 from .reads import locate
+from .results import writes_results
 from .start import cancel_flow, start_flow
 from .state import get_state
 
@@ -241,6 +242,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             kwargs=kwargs,
             options=merged,
             child_results=state.settings.child_results,
+            store_results=writes_results(state),
         )
         if replaced is not None:
             queue, job_id = replaced

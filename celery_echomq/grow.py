@@ -41,6 +41,7 @@ from .plan import (
 from .publish import publish
 from .reads import locate
 from .replies import Status
+from .results import writes_results
 from .scripts import ParentRef
 from .state import EchoMQ, get_state
 from .store import text
@@ -123,6 +124,7 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
         sigs,
         shared={"queue": parent.queue},
         child_results=state.settings.child_results,
+        store_results=writes_results(state),
     )
     check_unique([parent.id, *(cid for level in plan.levels() for cid in level.child_ids())])
     keys, client, scripts = state.keys, state.client, state.scripts

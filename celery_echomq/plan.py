@@ -29,6 +29,9 @@ H_FLOW = "echomq_f"  # "1" on a flow parent: it has keys of its own to expire
 # On a child's first message only (not in its stored payload): the store's clock in ms, read
 # just before the flow was enqueued. The claim takes it for the job's pending time.
 H_SINCE = "echomq_t"
+# "1": the store writes this job's result into Celery's result backend when the job completes
+# (the message says ignore_result, so Celery's trace writes none; see results.py).
+H_RESULT = "echomq_r"
 
 # Options that belong to the flow's parent alone: the rest reach every child too.
 PARENT_ONLY = frozenset(
@@ -151,6 +154,7 @@ def plan_flow(
     outer: str = "",
     outer_queue: str = "",
     child_results: bool = True,
+    store_results: bool = False,
 ) -> Plan:
     """Assign and gate every id and build every message; touches neither Redis nor the broker.
 
@@ -158,13 +162,23 @@ def plan_flow(
     than its parent is credited across slots (see ``start_flow``). ``child_results`` False
     (``echomq_child_results``): a child task whose signature does not say otherwise is sent
     with ``ignore_result``; its value reaches the parent through the store alone.
+    ``store_results`` (the app's result backend is on the store's server and database, see
+    results.py): every job whose options leave ``ignore_result`` unset is marked for the
+    store to write its result (:func:`mark_for_store`).
     """
     parent_id = job_id_of(parent.options, options.get("task_id"))
     queue = route_queue(app, parent, options)
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
     plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer)
     plan_children(
-        app, plan, children, args=args, kwargs=kwargs, shared=shared, child_results=child_results
+        app,
+        plan,
+        children,
+        args=args,
+        kwargs=kwargs,
+        shared=shared,
+        child_results=child_results,
+        store_results=store_results,
     )
     parent_opts = {k: v for k, v in options.items() if k not in CHILD_ONLY}
     if not outer:
@@ -179,6 +193,8 @@ def plan_flow(
             headers[H_PARENT_QUEUE] = outer_queue
     plan.parent = _job_dict(parent, parent_opts, headers)
     plan.parent["options"]["task_id"] = parent_id
+    if store_results:
+        mark_for_store(plan.parent)
     plan.parent["children"] = plan.child_ids()
     if not outer:
         # Every id of the tree once: a nested parent is listed as its outer flow's child.
@@ -195,6 +211,7 @@ def plan_children(
     kwargs: dict[str, Any] | None = None,
     shared: dict[str, Any] | None = None,
     child_results: bool = True,
+    store_results: bool = False,
 ) -> None:
     """Plan ``children`` as children of ``plan``'s parent: append them (ids assigned and
     gated, messages built) to ``plan.children`` and their policies to ``plan.child_policies``.
@@ -221,6 +238,7 @@ def plan_children(
                 outer=parent_id,
                 outer_queue=queue,
                 child_results=child_results,
+                store_results=store_results,
             )
             cid = inner.parent_id
             plan.children.append({"nested": inner.to_dict()})
@@ -237,9 +255,26 @@ def plan_children(
             job["options"]["task_id"] = cid
             if not child_results:
                 job["options"].setdefault("ignore_result", True)
+            elif store_results:
+                mark_for_store(job)
             plan.children.append(job)
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
+
+
+def mark_for_store(job: dict[str, Any]) -> None:
+    """Send ``job`` with ``ignore_result`` and the :data:`H_RESULT` header: the store writes
+    its result when it completes, in the same script call (see results.py).
+
+    Not for a job whose options decide ``ignore_result`` themselves, nor for one that is part
+    of a chord (a flow in a chord's header): Celery's ``mark_as_done`` must store its result
+    before ``on_chord_part_return`` counts it.
+    """
+    options = job["options"]
+    if "ignore_result" in options or options.get("chord"):
+        return
+    options["ignore_result"] = True
+    options["headers"][H_RESULT] = "1"
 
 
 class Headers:

@@ -45,6 +45,16 @@ class ParentRef:
     queue: str
 
 
+@dataclass(frozen=True)
+class ResultWrite:
+    """A job's result for Celery's Redis backend, as ``RedisBackend._set`` would send it for a
+    SUCCESS: SET (EX ``expires`` when set) and PUBLISH of ``meta`` under ``key``."""
+
+    key: str
+    meta: Value
+    expires: int | None
+
+
 class Scripts(ScriptRunner):
     """The EchoMQ transitions, bound to one Redis client and one keyspace."""
 
@@ -213,7 +223,35 @@ class Scripts(ScriptRunner):
         is_parent: bool,
         parent: ParentRef | None,
         value: Value,
+        result: ResultWrite | None = None,
     ) -> Status:
+        """``result``: the job's result for Celery's Redis backend, written on the job's
+        active -> done transition (see results.py and :meth:`complete_writing`)."""
+        return self.complete_writing(
+            queue,
+            job_id,
+            token,
+            ttl=ttl,
+            is_parent=is_parent,
+            parent=parent,
+            value=value,
+            result=result,
+        )[0]
+
+    def complete_writing(
+        self,
+        queue: str,
+        job_id: str,
+        token: str,
+        *,
+        ttl: int,
+        is_parent: bool,
+        parent: ParentRef | None,
+        value: Value,
+        result: ResultWrite | None = None,
+    ) -> tuple[Status, bool]:
+        """:meth:`complete`, and whether it wrote ``result`` (only the job's real
+        active -> done transition does; a stale or repeated completion does not)."""
         remote = parent is not None and parent.queue != queue
         keys = [
             self.keys.job_key(queue, job_id),
@@ -236,7 +274,12 @@ class Scripts(ScriptRunner):
             value,
             "1" if remote else "0",
         ]
-        return _status(self._run("complete", keys, argv)[0])
+        if result is not None:
+            keys.append(result.key)
+            expires = str(result.expires) if result.expires else ""
+            argv += ["1", result.meta, expires]
+        reply = self._run("complete", keys, argv)
+        return _status(reply[0]), len(reply) > 1 and text(reply[1]) == "1"
 
     def fail(
         self,

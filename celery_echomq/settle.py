@@ -9,13 +9,14 @@ process dies in between.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from .errors import FlowFailed
 from .plan import H_PARENT, H_PARENT_QUEUE
 from .publish import publish
 from .replies import UNSETTLED, Status
-from .scripts import ParentRef
+from .scripts import ParentRef, ResultWrite
 from .state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
@@ -134,9 +135,15 @@ def settle_success(
     is_parent: bool,
     parent: ParentRef | None,
     value: bytes,
+    result: ResultWrite | None = None,
+    unwritten: Callable[[], None] | None = None,
 ) -> Status:
-    """A job succeeded: complete it and credit its parent (on whichever slot it lives)."""
-    status = state.scripts.complete(
+    """A job succeeded: complete it and credit its parent (on whichever slot it lives).
+
+    ``result``: its result for Celery's backend, written by the completion itself; where the
+    completion was not the job's transition (a stale token, a job cancelled meanwhile) it
+    writes nothing and ``unwritten`` is called, to store it as Celery would."""
+    status, written = state.scripts.complete_writing(
         queue,
         job_id,
         token,
@@ -144,7 +151,10 @@ def settle_success(
         is_parent=is_parent,
         parent=parent,
         value=value,
+        result=result,
     )
+    if result is not None and not written and unwritten is not None:
+        unwritten()
     if status is Status.STAGED and parent is not None:
         status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")
     if parent is not None:

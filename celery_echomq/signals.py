@@ -22,6 +22,14 @@ from celery.exceptions import Ignore
 
 from .plan import H_FLOW, H_QUEUE, H_SINCE, Headers, parent_ref
 from .replies import DUPLICATE_DELIVERY, STARTED, Status
+from .results import (
+    store_failure,
+    store_retry,
+    store_revoked,
+    store_started,
+    store_success,
+    success_write,
+)
 from .settle import error_text, settle_failure, settle_success
 from .state import EchoMQ, find_state
 
@@ -113,6 +121,7 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         )
     if status in STARTED:
         _tokens[task_id] = token
+        store_started(task, request)
         if status is Status.CLAIMED:
             logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
         else:
@@ -153,22 +162,35 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
         bool(getattr(request, H_FLOW, None)),
         parent_ref(request),
         state.dumps(result),
+        success_write(state, sender, request, result),
+        lambda: store_success(sender, request, result),
     )
 
 
 def on_failure(
-    sender: Any = None, task_id: str = "", exception: BaseException | None = None, **_: Any
+    sender: Any = None,
+    task_id: str = "",
+    exception: BaseException | None = None,
+    einfo: Any = None,
+    **_: Any,
 ) -> None:
     request = sender.request
     token = _tokens.pop(task_id, None)
-    if token is None and isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
+    lost = token is None and isinstance(exception, (WorkerLostError, TimeLimitExceeded))
+    if lost:
         # Reported by the worker's main process: the pool process that held the token was
         # killed (acks early: the message is gone with it) or hit its hard time limit. The
         # failure applies whatever token the row has, at once, as a chord's header fails then.
         if getattr(request, "id", None) != task_id:
             request = _received.get(task_id)  # Celery versions that push no request context
         token = ""
-    _received.pop(task_id, None)
+    received = _received.pop(task_id, None)
+    if exception is not None:
+        # The main process (a lost or timed-out pool process, a Reject without requeue) stores
+        # a failure without a traceback, and may push no request context.
+        holder = request if getattr(request, "id", None) == task_id else received
+        traceback = None if lost or holder is received else getattr(einfo, "traceback", None)
+        store_failure(sender, holder, task_id, exception, traceback)
     state = _flow_state(sender, request)
     if state is None or token is None:
         return
@@ -194,10 +216,16 @@ def _due_in_ms(reason: Any) -> int:
     return 0
 
 
-def on_retry(sender: Any = None, request: Any = None, reason: Any = None, **_: Any) -> None:
+def on_retry(
+    sender: Any = None, request: Any = None, reason: Any = None, einfo: Any = None, **_: Any
+) -> None:
     state = _flow_state(sender, request)
     if state is None:
         return
+    if reason is not None:
+        store_retry(
+            sender, request, getattr(reason, "exc", None), getattr(einfo, "traceback", None)
+        )
     token = _tokens.pop(request.id, None)
     if token is not None:
         status = state.scripts.retry(
@@ -248,6 +276,9 @@ def on_revoked(
     state = find_state(sender.app)
     if state is None:
         return
+    store_revoked(
+        sender, request, "expired" if expired else "terminated" if terminated else "revoked"
+    )
     reason = "TaskRevokedError: expired" if expired else "TaskRevokedError: revoked"
     settle_failure(
         state,

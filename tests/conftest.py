@@ -43,7 +43,13 @@ class Env:
     def __init__(self, base: str, broker: str | None = None) -> None:
         self.base = base
         self.broker = broker or f"{base}/11"
-        self.backend = f"{base}/12"
+        # ECHOMQ_TEST_SHARED_DB=1: the result backend on the store's database, where the store
+        # writes a flow job's result itself (celery_echomq/results.py). For the behaviour
+        # tests: those that list the store's keys or watch its commands (test_cli's forget and
+        # show, test_e2e_held's MONITOR) and test_store_results (its own databases) then see
+        # Celery's keys there too.
+        shared = os.environ.get("ECHOMQ_TEST_SHARED_DB") == "1"
+        self.backend = f"{base}/13" if shared else f"{base}/12"
         self.store = f"{base}/13"
 
     def environ(self, **extra: str) -> dict[str, str]:

@@ -32,6 +32,7 @@ app.conf.update(
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
     result_expires=3600,
+    result_extended=os.environ.get("ECHOMQ_T_RESULT_EXTENDED") == "1",
 )
 if os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess":
     # The fast tier's in-process worker shares this process: results still awaited when the
@@ -250,6 +251,19 @@ def autoretry_later(self: Any, x: int, tries: int) -> int:
     mark(f"autoretry_later:{self.request.id}")
     if self.request.retries + 1 < tries:
         raise Flaky(f"try {self.request.retries + 1}")
+    return x
+
+
+@app.task(ignore_result=True)
+def add_quietly(x: int, y: int) -> int:
+    """A task class that ignores its results: nothing is stored for it, in a flow or not."""
+    return x + y
+
+
+@app.task(track_started=True)
+def gated_tracked(x: int, gate: str) -> int:
+    """``gated`` with track_started: STARTED is stored while it waits for ``gate``."""
+    _wait_gate(gate)
     return x
 
 

@@ -259,8 +259,28 @@ def test_finished_rows_expire_and_sets_are_trimmed(
     )
     for suffix in ("", ":dependencies", ":processed"):
         assert 0 < db.ttl(f"emq:{{{queue}}}:{parent}{suffix}") <= TTL
+    assert not db.exists(f"emq:{{{queue}}}:{parent}:ignored")
     assert zmembers(db, f"emq:{{{queue}}}:pending") == set()
     assert zmembers(db, f"emq:{{{queue}}}:active") == set()
+
+
+def test_a_finished_parents_ignored_failures_expire_with_it(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (good, bad) = enqueue(scripts, queue, 2)
+    run_child(scripts, queue, parent, good, b"1")
+    scripts.claim(queue, bad, "t", LEASE)
+    ref = ParentRef(parent, queue)
+    db.hset(f"emq:{{{queue}}}:{parent}", "policy", "ignore")  # the flow's default policy
+    assert scripts.fail(queue, bad, "t", "E: x", ttl=TTL, is_parent=False, parent=ref) == (
+        "released",
+        "ignore",
+    )
+    scripts.dispatch(queue, parent)
+    scripts.claim(queue, parent, "p", LEASE)
+    scripts.complete(queue, parent, "p", ttl=TTL, is_parent=True, parent=None, value=b"2")
+    for suffix in ("", ":dependencies", ":processed", ":ignored"):
+        assert 0 < db.ttl(f"emq:{{{queue}}}:{parent}{suffix}") <= TTL
 
 
 def test_noscript_falls_back_to_eval(db: redis.Redis, scripts: Scripts, queue: str) -> None:

@@ -10,6 +10,8 @@
 -- KEYS[8]  the parent's :processed      } passes none of these and never enters the
 -- KEYS[9]  the parent's pending set     } fan-in branch
 -- KEYS[10] the parent queue's counters   }
+-- KEYS[#KEYS] the job's key in Celery's Redis result backend, last, only when ARGV[8] == '1'
+--          (after KEYS[2..5], KEYS[6] the outbox, or KEYS[6..10], whichever were passed)
 -- ARGV[1]  job id
 -- ARGV[2]  the token the claim gave this delivery
 -- ARGV[3]  result TTL in seconds for the finished row
@@ -19,8 +21,14 @@
 -- ARGV[7]  '1' when the parent lives on another slot: then KEYS[6] is this queue's outbox
 --          and no parent keys are passed; the value is kept on the row and the child staged
 --          in the outbox until credit.lua has counted it on the parent's slot
+-- ARGV[8]  '1' when this script writes the job's result (the message said ignore_result and
+--          the store's server and db are the result backend's; see results.py), else ''
+-- ARGV[9]  the result's encoded meta, exactly as Celery's RedisBackend would store it
+-- ARGV[10] its expiry in seconds (the backend's result_expires), '' for none
 --
--- Reply: {status}
+-- Reply: {status} or, when ARGV[8] == '1', {status, written}: written '1' when this call
+-- wrote the result (the job's one active -> done transition), else '' (the host stores it the
+-- way Celery would, which never overwrites a SUCCESS)
 --   "released"    credited, and it was the last outstanding child: the parent is now pending
 --                 (the host dispatches it)
 --   "credited"    credited; other children outstanding, or the parent no longer waits
@@ -33,7 +41,15 @@
 --- @include "expire"
 --- @include "holder"
 --- @include "settle_child"
-local refused = gate_ids(1, 1) or not_holder(KEYS[1], ARGV[2])
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
+end
+local is_parent = ARGV[4] == '1'
+-- A parent's credited_failed, read with its holder: its :ignored exists only once a child
+-- failed under 'ignore', which counts credited_failed in the same script (settle_child).
+local failed_children
+refused, failed_children = not_holder(KEYS[1], ARGV[2], is_parent and 'credited_failed' or nil)
 if refused then
   return refused
 end
@@ -41,20 +57,40 @@ local ttl = tonumber(ARGV[3])
 -- ZREM gives was_active: exactly one completion per active->done transition gets 1.
 local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'done')
-expire_keys(ttl, ARGV[4] == '1' and {KEYS[1], KEYS[3], KEYS[4], KEYS[5]} or {KEYS[1]})
+if not is_parent then
+  expire_keys(ttl, {KEYS[1]})
+elseif failed_children then
+  expire_keys(ttl, {KEYS[1], KEYS[3], KEYS[4], KEYS[5]})
+else
+  expire_keys(ttl, {KEYS[1], KEYS[3], KEYS[4]})  -- no :ignored to expire
+end
+local written = ''
+if ARGV[8] == '1' and was_active == 1 then
+  -- What RedisBackend._set sends (SETEX or SET, then PUBLISH to the key's channel for a
+  -- waiting AsyncResult.get), once: a stale or duplicate completion never rewrites it. Before
+  -- the fan-in, so a released parent's waiter finds every child's result already stored.
+  local result_key = KEYS[#KEYS]
+  if ARGV[10] ~= '' then
+    redis.call('SET', result_key, ARGV[9], 'EX', ARGV[10])
+  else
+    redis.call('SET', result_key, ARGV[9])
+  end
+  redis.call('PUBLISH', result_key, ARGV[9])
+  written = '1'
+end
 if ARGV[7] == '1' then
   if was_active == 1 then
     redis.call('HSET', KEYS[1], 'value', ARGV[6])
     redis.call('ZADD', KEYS[6], now_ms(), ARGV[1])
-    return {'staged'}
+    return {'staged', written}
   end
-  return {'done'}
+  return {'done', written}
 end
 -- The fan-in: EXACTLY once per child, inside was_active == 1, so a redelivered or stale
 -- completion never re-enters it.
-if KEYS[6] and was_active == 1 then
+if ARGV[5] ~= '' and was_active == 1 then
   local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
     pending = KEYS[9], counters = KEYS[10]}
-  return {settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]}
+  return {settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1], written}
 end
-return {'done'}
+return {'done', written}
