@@ -27,6 +27,7 @@ from celery_echomq.plan import H_RESULT
 from celery_echomq.results import fusable
 from celery_echomq.scripts import ParentRef, ResultWrite, Scripts
 from celery_echomq.state import get_state
+from celery_echomq.stored import load_job, read_stored
 
 from .conftest import Env, wait_for
 
@@ -72,11 +73,12 @@ def stored(env: Env, url: str, task_id: str) -> dict[str, Any] | None:
     return None if raw is None else dict(json.loads(raw))
 
 
-def headers_of(env: Env, queue: str, job_id: str) -> tuple[dict[str, Any], Any]:
+def headers_of(app: Celery, queue: str, job_id: str) -> tuple[dict[str, Any], Any]:
     """The stored message of a flow job: its headers and its ignore_result option."""
-    payload = redis.Redis.from_url(env.store).hget(f"emq:{{{queue}}}:{job_id}", "payload")
-    assert payload is not None
-    options = json.loads(payload)["options"]
+    state = get_state(app)
+    kept = read_stored(state, queue, job_id)
+    assert kept is not None
+    options = load_job(state, queue, job_id, kept)["options"]
     return options.get("headers") or {}, options.get("ignore_result")
 
 
@@ -98,7 +100,7 @@ def test_a_childs_stored_result_is_what_celery_stores_for_a_plain_task(
 
     # Marked: sent with ignore_result, so only the store can have written these results.
     for job_id in (*ids, res.id):
-        headers, ignore = headers_of(env, queue, job_id)
+        headers, ignore = headers_of(app, queue, job_id)
         assert headers[H_RESULT] == "1" and ignore is True
     assert [AsyncResult(cid, app=app).get(timeout=TIMEOUT) for cid in ids] == [0, 2, 4]
     reference = stored(env, env.store, plain.id)
@@ -259,7 +261,7 @@ def test_a_worker_whose_backend_is_elsewhere_stores_through_celery(
         res = flow(
             task(app, "tsum", queue=queue), [task(app, "add", 4, 4, task_id=cid)]
         ).apply_async(queue=queue)
-        assert headers_of(env, queue, cid)[0][H_RESULT] == "1"
+        assert headers_of(app, queue, cid)[0][H_RESULT] == "1"
         assert wait_for(lambda: stored(env, env.backend, res.id), timeout=TIMEOUT)["result"] == 8
         meta = stored(env, env.backend, cid)
         assert meta is not None and meta["status"] == "SUCCESS" and meta["result"] == 8
@@ -286,10 +288,10 @@ def test_another_backend_or_lean_children_are_not_marked(env: Env, own_queue: An
             res = flow(
                 task(app, "tsum", queue=queue), [task(app, "add", 1, 1, task_id=cid, **options)]
             ).apply_async(queue=queue)
-            headers, ignored = headers_of(env, queue, cid)
+            headers, ignored = headers_of(app, queue, cid)
             assert H_RESULT not in headers and ignored is ignore
             if app is not mine:
-                assert H_RESULT not in headers_of(env, queue, res.id)[0]
+                assert H_RESULT not in headers_of(app, queue, res.id)[0]
     finally:
         for app in (other, lean, mine):
             app.close()
