@@ -83,48 +83,9 @@ class Scripts(ScriptRunner):
         }
         return [known[name] for name in names]
 
-    def enqueue_flow(
-        self,
-        queue: str,
-        parent_id: str,
-        parent_payload: Value,
-        children: Sequence[tuple[str, Value]],
-        outer: str = "",
-        *,
-        recent_ttl_ms: int = RECENT_TTL_MS,
-        recent_max: int = RECENT_MAX,
-        template: Value = b"",
-        kinds: str = "",
-        policy: str = "",
-        locator_ttl: int = 0,
-        register: Sequence[str] = (),
-    ) -> int:
-        """Hold the parent and write its children; ``recent_ttl_ms`` and ``recent_max`` bound
-        the queue's recent-flow index (normally the result TTL and ``echomq_recent_flows``).
-        Returns the counter (N); :meth:`enqueue_flow_at` also the time the children became
-        pending.
-
-        ``template``: kept on the parent's row; ``kinds``: a character per child, ``d`` where
-        its value is a delta against ``template``, ``p`` where it is a whole payload (empty:
-        every value is a payload). See :mod:`~celery_echomq.stored`. ``policy``: kept on the
-        parent's row ('' writes none, which reads as ``fail``). ``locator_ttl``: also write the
-        parent's locator (a key of another slot: not on a Redis Cluster), with this TTL in
-        seconds; ``register``: queue names to add to the registry of queues (also a key of
-        another slot), in the same step."""
-        return self.enqueue_flow_at(
-            queue,
-            parent_id,
-            parent_payload,
-            children,
-            outer,
-            recent_ttl_ms=recent_ttl_ms,
-            recent_max=recent_max,
-            template=template,
-            kinds=kinds,
-            policy=policy,
-            locator_ttl=locator_ttl,
-            register=register,
-        )[0]
+    def enqueue_flow(self, *args: Any, **kwargs: Any) -> int:
+        """:meth:`enqueue_flow_at` (same arguments), returning the counter (N) alone."""
+        return self.enqueue_flow_at(*args, **kwargs)[0]
 
     def enqueue_flow_at(
         self,
@@ -142,9 +103,19 @@ class Scripts(ScriptRunner):
         locator_ttl: int = 0,
         register: Sequence[str] = (),
     ) -> tuple[int, int | None]:
-        """:meth:`enqueue_flow`, returning ``(N, ms)``: ``ms`` the server time (ms) the script
-        read, every child's pending score; None when the call was recognised as landed by an
-        earlier attempt whose reply was lost (its time is not known)."""
+        """Hold the parent and write its children; ``recent_ttl_ms`` and ``recent_max`` bound
+        the queue's recent-flow index (normally the result TTL and ``echomq_recent_flows``).
+        Returns ``(N, ms)``: the counter, and the server time (ms) the script read, every
+        child's pending score (None when the call was recognised as landed by an earlier
+        attempt whose reply was lost: its time is not known).
+
+        ``template``: kept on the parent's row; ``kinds``: a character per child, ``d`` where
+        its value is a delta against ``template``, ``p`` where it is a whole payload (empty:
+        every value is a payload). See :mod:`~celery_echomq.stored`. ``policy``: kept on the
+        parent's row ('' writes none, which reads as ``fail``). ``locator_ttl``: also write the
+        parent's locator (a key of another slot: not on a Redis Cluster), with this TTL in
+        seconds; ``register``: queue names to add to the registry of queues (also a key of
+        another slot), in the same step."""
         parent_key = self.keys.job_key(queue, parent_id)
         keys = [
             parent_key,

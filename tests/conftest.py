@@ -46,10 +46,11 @@ class Env:
         # ECHOMQ_TEST_SHARED_DB=1: the result backend on the store's database, where the store
         # writes a flow job's result itself (celery_echomq/results.py). For the behaviour
         # tests: those that list the store's keys or watch its commands (test_cli's forget and
-        # show, test_e2e_held's MONITOR) and test_store_results (its own databases) then see
-        # Celery's keys there too.
-        shared = os.environ.get("ECHOMQ_TEST_SHARED_DB") == "1"
-        self.backend = f"{base}/13" if shared else f"{base}/12"
+        # show) leave Celery's result keys out; those that need the two apart (test_e2e_held's
+        # MONITOR of the store's database, some of test_store_results) skip with
+        # ``needs_own_backend_db``.
+        self.shared = os.environ.get("ECHOMQ_TEST_SHARED_DB") == "1"
+        self.backend = f"{base}/13" if self.shared else f"{base}/12"
         self.store = f"{base}/13"
 
     def environ(self, **extra: str) -> dict[str, str]:
@@ -257,3 +258,9 @@ def scripts(db: redis.Redis) -> Any:
     from celery_echomq.scripts import Scripts
 
     return Scripts(db, Keyspace("emq"))
+
+
+needs_own_backend_db = pytest.mark.skipif(
+    os.environ.get("ECHOMQ_TEST_SHARED_DB") == "1",
+    reason="needs the result backend on a database of its own (ECHOMQ_TEST_SHARED_DB=1)",
+)

@@ -66,7 +66,10 @@ def gate(store: redis.Redis) -> Iterator[str]:
 
 
 def flow_keys(store: redis.Redis, job_id: str) -> list[bytes]:
-    return sorted(store.scan_iter(match=f"*{job_id}*"))
+    """The store's keys naming ``job_id``; Celery's own result key (there when the result
+    backend shares the store's database) is the backend's, not the flow's."""
+    keys = store.scan_iter(match=f"*{job_id}*")
+    return sorted(k for k in keys if not k.startswith(b"celery-task-meta-"))
 
 
 def state_of(store: redis.Redis, job_id: str, queue: str = "celery") -> str | None:

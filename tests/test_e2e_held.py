@@ -10,7 +10,7 @@ import redis
 
 from celery_echomq import children_values, dependencies, flow, get_state
 
-from .conftest import wait_for
+from .conftest import needs_own_backend_db, wait_for
 
 HOT_PATH = ("claim", "complete", "fail", "retry", "dispatch")
 
@@ -65,6 +65,7 @@ def test_delay_and_call_start_the_flow_too(proj: Any, worker: Any) -> None:
     assert flow(proj.tsum.s(), [proj.add.s(2, 2)])().get(timeout=60) == 4
 
 
+@needs_own_backend_db
 def test_non_flow_tasks_cause_no_redis_command(
     proj: Any, worker: Any, store: redis.Redis, env: Any
 ) -> None:

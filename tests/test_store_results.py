@@ -29,7 +29,7 @@ from celery_echomq.scripts import ParentRef, ResultWrite, Scripts
 from celery_echomq.state import get_state
 from celery_echomq.stored import load_job, read_stored
 
-from .conftest import Env, wait_for
+from .conftest import Env, needs_own_backend_db, wait_for
 
 TIMEOUT = 60
 EXPIRES = 3600  # tests/proj.py's result_expires
@@ -248,6 +248,7 @@ def test_a_task_class_that_ignores_results_stores_none(env: Env, fused: tuple[Ce
     assert stored(env, env.store, cid) is None
 
 
+@needs_own_backend_db
 def test_a_worker_whose_backend_is_elsewhere_stores_through_celery(
     env: Env, own_queue: Any, start_worker: Any
 ) -> None:
@@ -270,6 +271,7 @@ def test_a_worker_whose_backend_is_elsewhere_stores_through_celery(
         app.close()
 
 
+@needs_own_backend_db
 def test_another_backend_or_lean_children_are_not_marked(env: Env, own_queue: Any) -> None:
     # Planning only (nothing runs on this queue): a job's stored message says who stores.
     queue = own_queue("unmarked")
@@ -331,6 +333,7 @@ def test_only_the_real_completion_writes_the_result(db: redis.Redis, scripts: Sc
     pubsub.close()
 
 
+@needs_own_backend_db
 def test_a_child_cancelled_while_running_still_stores_its_success(
     env: Env, fused: tuple[Celery, str]
 ) -> None:

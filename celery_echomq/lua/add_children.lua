@@ -20,6 +20,7 @@
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row of another flow.
 --- @include "gate"
 --- @include "now_ms"
+--- @include "child_row"
 local k = tonumber(ARGV[3])
 local refused = gate_ids(1, 1) or gate_ids(4, 1 + 3 * k, 3)
 if refused then
@@ -54,12 +55,7 @@ local kinds = ARGV[4 + 3 * k] or ''
 local members = {}
 for n, i in ipairs(fresh) do
   local row = KEYS[1 + i]
-  local field = 'payload'
-  if string.byte(kinds, i) == 100 then -- 'd'
-    field = 'delta'
-  end
-  redis.call('HSET', row, 'state', 'pending', 'attempts', '0', field, ARGV[2 + 3 * i],
-    'parent', ARGV[1])
+  write_child_row(row, ARGV[1], ARGV[2 + 3 * i], string.byte(kinds, i) == 100) -- 'd'
   if ARGV[2] ~= '' then
     redis.call('HSET', row, 'pq', ARGV[2])
   end

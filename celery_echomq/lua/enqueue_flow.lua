@@ -38,6 +38,7 @@
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
 --- @include "gate"
 --- @include "recent"
+--- @include "child_row"
 
 -- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
 -- write.
@@ -100,12 +101,7 @@ local members = {}
 for i = 1, n do
   local child = KEYS[5 + i]
   local cid = ARGV[2 + 2 * i]
-  local field = 'payload'
-  if string.byte(kinds, i) == 100 then -- 'd'
-    field = 'delta'
-  end
-  redis.call('HSET', child, 'state', 'pending', 'attempts', '0', field, ARGV[3 + 2 * i],
-    'parent', ARGV[1])
+  write_child_row(child, ARGV[1], ARGV[3 + 2 * i], string.byte(kinds, i) == 100) -- 'd'
   members[#members + 1] = now
   members[#members + 1] = cid
   if #members >= 2 * SLICE or i == n then

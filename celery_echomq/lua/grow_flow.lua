@@ -29,6 +29,7 @@
 --   already exists.
 --- @include "gate"
 --- @include "now_ms"
+--- @include "child_row"
 local k = tonumber(ARGV[4])
 local r = tonumber(ARGV[5])
 local refused = gate_ids(1, 1) or gate_ids(6, 3 + 3 * (k + r), 3)
@@ -50,8 +51,7 @@ end
 local now = now_ms()
 for i = 1, k do
   local child = KEYS[5 + i]
-  redis.call('HSET', child, 'state', 'pending', 'attempts', '0', 'payload', ARGV[4 + 3 * i],
-    'parent', ARGV[1])
+  write_child_row(child, ARGV[1], ARGV[4 + 3 * i], false)
   if ARGV[5 + 3 * i] ~= '' then
     redis.call('HSET', child, 'parent_policy', ARGV[5 + 3 * i])
   end
