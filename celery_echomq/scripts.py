@@ -184,30 +184,9 @@ class Scripts(ScriptRunner):
             marks[(queue, priority)] = int(mark)
         return _status(status), int(attempts), text(holder)
 
-    def complete(
-        self,
-        queue: str,
-        job_id: str,
-        token: str,
-        *,
-        ttl: int,
-        is_parent: bool,
-        parent: ParentRef | None,
-        value: Value,
-        result: ResultWrite | None = None,
-    ) -> Status:
-        """``result``: the job's result for Celery's Redis backend, written on the job's
-        active -> done transition (see results.py and :meth:`complete_writing`)."""
-        return self.complete_writing(
-            queue,
-            job_id,
-            token,
-            ttl=ttl,
-            is_parent=is_parent,
-            parent=parent,
-            value=value,
-            result=result,
-        )[0]
+    def complete(self, *args: Any, **kwargs: Any) -> Status:
+        """:meth:`complete_writing` (same arguments), returning the status alone."""
+        return self.complete_writing(*args, **kwargs)[0]
 
     def complete_writing(
         self,
@@ -221,8 +200,10 @@ class Scripts(ScriptRunner):
         value: Value,
         result: ResultWrite | None = None,
     ) -> tuple[Status, bool]:
-        """:meth:`complete`, and whether it wrote ``result`` (only the job's real
-        active -> done transition does; a stale or repeated completion does not)."""
+        """Finish an active job (complete.lua) and credit its parent; returns the status and
+        whether it wrote ``result``, the job's result for Celery's Redis backend (see
+        results.py): only the job's real active -> done transition writes it, never a stale or
+        repeated completion."""
         remote = parent is not None and parent.queue != queue
         keys = [
             self.keys.job_key(queue, job_id),
