@@ -32,7 +32,6 @@ from celery.utils.functional import maybe_list
 from celery.utils.saferepr import saferepr
 from kombu import serialization
 from kombu.entity import Exchange, Queue
-from kombu.exceptions import BatchPublishError
 
 
 def _redis_transport() -> Any:
@@ -267,7 +266,10 @@ class RedisPushes:
             try:
                 pipe.execute()
             except Exception as exc:
-                # As kombu's batch reports it: some pushes may have landed.
+                # As kombu's batch reports it: some pushes may have landed. Imported here: the
+                # kombu versions without it (before 5.7) never take this path (of() above).
+                from kombu.exceptions import BatchPublishError
+
                 raise BatchPublishError(
                     "Redis publish batch failed; delivery is uncertain"
                 ) from exc

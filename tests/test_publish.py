@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis
+from kombu.transport import redis as kombu_redis
 from celery import signals, signature
 from celery.utils.saferepr import saferepr
 
@@ -20,6 +21,13 @@ from celery_echomq import flow, publish
 from celery_echomq.plan import plan_flow
 from celery_echomq.publish import _fast_repr
 from celery_echomq.start import _with_since
+
+# kombu's Redis transport batches publishes from 5.7 on; with an older kombu every message takes
+# Producer.publish, and there is no second path to compare.
+needs_batching = pytest.mark.skipif(
+    not hasattr(kombu_redis.Channel, "create_publish_batch"),
+    reason="this kombu's Redis transport does not batch publishes (kombu < 5.7)",
+)
 
 VALUES: list[Any] = [
     0, -5, 2**40, 10**30, 1.5, -0.0, float("inf"), float("nan"), True, None,
@@ -110,6 +118,7 @@ def _timeless(raw: bytes) -> dict[str, Any]:
     return dict(message)
 
 
+@needs_batching
 def test_fast_path_publishes_what_the_producer_would(
     proj: Any, env: Any, own_queue: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -184,6 +193,7 @@ def _alike(proj: Any, queue: str, n: int) -> Any:
     return flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(n)]).set(queue=queue)
 
 
+@needs_batching
 def test_a_later_batch_is_built_from_the_templates_an_earlier_one_learnt(
     proj: Any, env: Any, own_queue: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
