@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 import redis
-from kombu.transport import redis as kombu_redis
 from celery import signals, signature
 from celery.utils.saferepr import saferepr
+from kombu.transport import redis as kombu_redis
 
 from celery_echomq import flow, publish
 from celery_echomq.plan import plan_flow
