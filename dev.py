@@ -20,7 +20,12 @@ ROOT = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("ECHOMQ_VENV", ROOT / ".venv"))
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PY = BIN / "python"
-EXTRAS = {"quickstart": "embedded", "test": "test,lint", "bench": "test", "lint": "lint,dashboard"}
+EXTRAS = {
+    "quickstart": "embedded",
+    "test": "test,lint",
+    "bench": "test",
+    "lint": "test,lint,dashboard",
+}
 
 
 def ensure(extras: str) -> None:
