@@ -118,13 +118,8 @@ def _timeless(raw: bytes) -> dict[str, Any]:
     return dict(message)
 
 
-@needs_batching
-def test_fast_path_publishes_what_the_producer_would(
-    proj: Any, env: Any, own_queue: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    q1, q2 = own_queue("fast1"), own_queue("fast2")
-    broker = redis.Redis.from_url(env.broker)
-    jobs = _leaves(proj, _varied_flow(proj, q1, q2))
+def count_templated(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Records, per message published from here on, whether it was built from a template."""
     templated: list[bool] = []
     push = publish.Templates.push
 
@@ -133,6 +128,17 @@ def test_fast_path_publishes_what_the_producer_would(
         return templated[-1]
 
     monkeypatch.setattr(publish.Templates, "push", counted)
+    return templated
+
+
+@needs_batching
+def test_fast_path_publishes_what_the_producer_would(
+    proj: Any, env: Any, own_queue: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q1, q2 = own_queue("fast1"), own_queue("fast2")
+    broker = redis.Redis.from_url(env.broker)
+    jobs = _leaves(proj, _varied_flow(proj, q1, q2))
+    templated = count_templated(monkeypatch)
     publish._TEMPLATES.clear()  # no template from an earlier test's batch
     publish.send_jobs(proj.app, jobs)
     fast = _drain(broker, [q1, q2])
@@ -202,14 +208,7 @@ def test_a_later_batch_is_built_from_the_templates_an_earlier_one_learnt(
     producer would have published."""
     queue = own_queue("fastlater")
     broker = redis.Redis.from_url(env.broker)
-    templated: list[bool] = []
-    push = publish.Templates.push
-
-    def counted(self: Any, *args: Any) -> bool:
-        templated.append(push(self, *args))
-        return templated[-1]
-
-    monkeypatch.setattr(publish.Templates, "push", counted)
+    templated = count_templated(monkeypatch)
     publish._TEMPLATES.clear()
     batches = [_leaves(proj, _alike(proj, queue, 3)) for _ in range(3)]
     for i, jobs in enumerate(batches):
