@@ -68,8 +68,11 @@ def install(app: Any) -> EchoMQ:
     """Connect celery-echomq to ``app``: settings, worker signals and the recovery step."""
     from . import signals
     from .recovery import RecoveryStep
+    from .shapes import register_tasks
 
     state = install_state(app)
+    # What a flow whose parent is a group, a chord or a flow runs (see shapes.py).
+    register_tasks(app)
     signals.connect()
     # A set: installing twice adds the step once.
     app.steps["worker"].add(RecoveryStep)

@@ -17,6 +17,7 @@ from .errors import NoResultBackendError
 from .plan import H_QUEUE, check_policy, new_job_id, plan_flow
 from .reads import locate
 from .results import writes_results
+from .shapes import assign_ids, check_tree, normal_flow, value_task
 from .start import cancel_flow, start_flow
 from .state import get_state
 
@@ -98,6 +99,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         children: Iterable[Any] | None = None,
         *,
         policy: str = "fail",
+        single: bool = False,
         args: Iterable[Any] | None = None,
         app: Any = None,
         task: str = FLOW_TASK,
@@ -119,10 +121,14 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         options.pop("kwargs", None)
         immutable = options.pop("immutable", False)
         opts = options.pop("options", None) or {}
+        own: dict[str, Any] = {"parent": parent_sig, "children": child_sigs, "policy": policy}
+        if single:
+            # A chain's step (see shapes.py): the parent takes its one child's value as is.
+            own["single"] = True
         super().__init__(
             task,
             tuple(args or ()),
-            {"parent": parent_sig, "children": child_sigs, "policy": policy},
+            own,
             {**opts, **options},
             app=app,
             subtask_type="flow",
@@ -136,6 +142,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             kwargs["parent"],
             kwargs["children"],
             policy=kwargs.get("policy", "fail"),
+            single=bool(kwargs.get("single", False)),
             args=d.get("args"),
             app=app,
             options=dict(d.get("options") or {}),
@@ -153,6 +160,22 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
     @property
     def policy(self) -> str:
         return str(self.kwargs["policy"])
+
+    @property
+    def single(self) -> bool:
+        return bool(self.kwargs.get("single", False))
+
+    def shape(self) -> tuple[flow, str]:
+        """This flow as one whose parents are single tasks (see shapes.py), and the id of the
+        job that holds its own children ("" when that is its parent). What ``freeze`` made
+        is kept, and what ``apply_async`` then sends; unfrozen, each send makes it anew
+        (new ids, as a chord's)."""
+        made = self.__dict__.get("_shape")
+        if made is None:
+            made = normal_flow(self)
+            if made[0] is not self:
+                check_tree(made[0])
+        return made
 
     def _get_app(self) -> Any:
         app = self._app
@@ -183,16 +206,31 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         ):
             if value is not None:
                 self.options[name] = value
-        parent_opts = self.parent.options
+        given = self.options.get("task_id", _job_namespaced(_id))
+        top, parent = value_task(self), self.parent
+        composite = top is not parent
+        if composite or self.__dict__.get("_shape") is not None:
+            # A canvas among its parts: every task takes an id now, the one whose value is
+            # the flow's takes the flow's, and the shape is made with those ids.
+            if top is not None and given is not None:
+                top.options.setdefault("task_id", given)
+            if self.__dict__.get("_shape") is None:
+                assign_ids(self)
+            shape, fan = self.__dict__["_shape"] = self.shape()
+            self.options["task_id"] = shape.options["task_id"]
+            return FlowResult(self.options["task_id"], app=self._get_app(), fan_in=fan)
+        parent_opts = parent.options
         if "task_id" not in parent_opts:
-            given = self.options.get("task_id", _job_namespaced(_id))
             parent_opts["task_id"] = new_job_id() if given is None else given
         self.options["task_id"] = parent_opts["task_id"]
         for child in self.children:
             if isinstance(child, flow):
                 child.freeze()
             else:
-                child.options.setdefault("task_id", new_job_id())
+                assign_ids(child)
+        if not all(isinstance(c, flow) or value_task(c) is c for c in self.children):
+            shape, fan = self.__dict__["_shape"] = self.shape()
+            return FlowResult(self.options["task_id"], app=self._get_app(), fan_in=fan)
         return FlowResult(parent_opts["task_id"], app=self._get_app())
 
     def clone(self, args: Any = None, kwargs: Any = None, **opts: Any) -> flow:
@@ -201,6 +239,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             self.parent.clone(),
             [child.clone() for child in self.children],
             policy=self.policy,
+            single=self.single,
             args=(*tuple(args or ()), *self.args),
             app=self._app,
             options={**deepcopy(self.options), **opts},
@@ -219,13 +258,19 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             # As chord.apply_async does: run in this process, send nothing.
             return self.apply(args, kwargs, task_id=task_id, **options)
         state = get_state(app)
-        merged = {**self.options, **options}
+        if task_id is not None:
+            task_id = _job_namespaced(task_id)
+        shape, fan = self.shape()
+        if task_id is not None and shape is not self and "_shape" not in self.__dict__:
+            shape, fan = normal_flow(self.clone(task_id=task_id))
+            check_tree(shape)
+        merged = {**shape.options, **options}
         if task_id is not None:
             merged["task_id"] = task_id
         for name in ("producer", "connection", "add_to_parent"):
             merged.pop(name, None)
-        partial = () if self.immutable else (*tuple(args or ()), *self.args)
-        parent = self.parent
+        partial = () if shape.immutable else (*tuple(args or ()), *shape.args)
+        parent = shape.parent
         replaced = _replaced_job(merged.get("task_id") or parent.options.get("task_id"), merged)
         if replaced is not None:
             # Task.replace(flow): Celery gives the replacement the replaced task's id, which
@@ -236,8 +281,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         plan = plan_flow(
             app,
             parent,
-            self.children,
-            policy=self.policy,
+            shape.children,
+            policy=shape.policy,
+            single=shape.single,
             args=tuple(partial),
             kwargs=kwargs,
             options=merged,
@@ -248,7 +294,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             queue, job_id = replaced
             state.client.hset(state.keys.job_key(queue, job_id), "replaced_by", plan.parent_id)
         start_flow(state, plan)
-        return FlowResult(plan.parent_id, app=app, queue=plan.queue)
+        return FlowResult(plan.parent_id, app=app, queue=plan.queue, fan_in=fan)
 
     def apply(
         self,
@@ -261,6 +307,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         (``children_values()`` and the rest) are held in memory."""
         from .eager import apply_flow
 
+        if options.get("task_id") is not None:
+            options["task_id"] = _job_namespaced(options["task_id"])
         return apply_flow(self, tuple(args or ()), kwargs, **options)
 
     def delay(self, *args: Any, **kwargs: Any) -> FlowResult:
@@ -276,9 +324,24 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
 class FlowResult(AsyncResult):  # type: ignore[misc]
     """The parent's result, with reads of the flow's state in Redis."""
 
-    def __init__(self, id: str, *args: Any, queue: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        id: str,
+        *args: Any,
+        queue: str | None = None,
+        fan_in: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(id, *args, **kwargs)
         self.flow_queue = queue
+        # The job holding the flow's own children, where it is not the parent (a chain, a
+        # group, a chord or a flow as the parent): the reads and add_children go there.
+        self.fan_in = fan_in or id
+
+    def _fan(self) -> tuple[str, str | None]:
+        if self.fan_in == self.id:
+            return self.id, self.flow_queue
+        return self.fan_in, None
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
         """The parent's value, as ``AsyncResult.get``; at once a clear error when the app has
@@ -295,22 +358,26 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
 
     def children_values(self) -> dict[str, Any]:
         """``{child_job_id: value}`` for the children completed so far."""
-        return reads.children_values(self.id, app=self.app, queue=self.flow_queue)
+        job_id, queue = self._fan()
+        return reads.children_values(job_id, app=self.app, queue=queue)
 
     def dependencies(self) -> reads.Dependencies:
         """``.outstanding`` (the counter) and ``.processed`` (children credited)."""
-        return reads.dependencies(self.id, app=self.app, queue=self.flow_queue)
+        job_id, queue = self._fan()
+        return reads.dependencies(job_id, app=self.app, queue=queue)
 
     def ignored_failures(self) -> dict[str, str]:
         """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
-        return reads.ignored_failures(self.id, app=self.app, queue=self.flow_queue)
+        job_id, queue = self._fan()
+        return reads.ignored_failures(job_id, app=self.app, queue=queue)
 
     def add_children(self, children: Any) -> list[str]:
         """Add ``children`` to this flow while its parent is held: see
         :func:`celery_echomq.add_children`. Returns the ids added."""
         from .grow import add_children
 
-        return add_children(children, self.id, app=self.app, queue=self.flow_queue)
+        job_id, queue = self._fan()
+        return add_children(children, job_id, app=self.app, queue=queue)
 
     def retry(self, child: str | None = None) -> Any:
         """Run this flow again after it failed under policy ``fail``: see
@@ -326,7 +393,7 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         :func:`celery_echomq.release_flow`."""
         from .repair import release_flow
 
-        return release_flow(get_state(self.app), self.id, revoke=revoke)
+        return release_flow(get_state(self.app), self._fan()[0], revoke=revoke)
 
     def _forget_cached(self) -> None:
         # A result that already read the failure keeps it cached, and its readiness promise

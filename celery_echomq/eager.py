@@ -29,9 +29,10 @@ from celery.result import EagerResult
 from . import reads
 from .canvas import FlowResult
 from .errors import FlowClosedError, FlowFailed
-from .plan import Plan, is_flow, plan_children, plan_flow
+from .plan import Plan, is_flow, parent_args, plan_children, plan_flow
 from .reads import Dependencies
 from .settle import error_text
+from .shapes import expand
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Growing:
             )
         added = Plan(queue=self.plan.queue, parent_id=self.plan.parent_id, parent={})
         # Added children take no partial arguments, as on a worker.
+        sigs = expand(list(sigs), self.app)
         plan_children(self.app, added, sigs, shared={"queue": self.plan.queue})
         listed = {cid for _, cid, _, _, _ in self.entries}
         fresh: list[str] = []
@@ -199,6 +201,11 @@ def apply_flow(
     merged = {k: v for k, v in {**sig.options, **options}.items() if v is not None}
     for name in ("producer", "connection", "add_to_parent", "publisher", "router"):
         merged.pop(name, None)
+    if options.get("task_id") is not None and "_shape" not in sig.__dict__:
+        sig = sig.clone(task_id=options["task_id"])
+    # The same shape as on a worker: chains, groups and chords as flows of single tasks.
+    sig, fan = sig.shape()
+    merged = {**{k: v for k, v in sig.options.items() if v is not None}, **merged}
     partial = () if sig.immutable else (*tuple(args or ()), *sig.args)
     # The same ids, gates and policy checks as on a worker; the plan is then only read.
     plan = plan_flow(
@@ -209,8 +216,12 @@ def apply_flow(
         args=tuple(partial),
         kwargs=kwargs,
         options=merged,
+        single=sig.single,
     )
-    result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged)
+    seen: dict[str, FanIn] = {}
+    result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged, seen)
+    if fan and fan in seen:
+        result.fanin = seen[fan]
     if throw is None:
         throw = bool(app.conf.task_eager_propagates)
     if throw and result.state in states.PROPAGATE_STATES:
@@ -226,18 +237,23 @@ def _run(
     partial: tuple[Any, ...],
     kwargs: dict[str, Any],
     options: dict[str, Any],
+    seen: dict[str, FanIn],
 ) -> EagerFlowResult:
     child_ids = plan.child_ids()
-    fanin = FanIn(plan.parent_id, len(child_ids), plan.policy)
+    fanin = seen[plan.parent_id] = FanIn(plan.parent_id, len(child_ids), plan.policy)
     parent_options = {k: v for k, v in options.items() if k in ("link", "link_error")}
     parent_res: Any = None
+    silent = set(plan.silent)
 
     def run_parent() -> Any:
-        values = fanin.released_values(child_ids)
+        values = fanin.released_values([cid for cid in child_ids if cid not in silent])
         reads.EAGER[plan.parent_id] = fanin
         try:
             return sig.parent.apply(
-                (values,), task_id=plan.parent_id, throw=False, **parent_options
+                tuple(parent_args({"args": [], "single": plan.single}, values)),
+                task_id=plan.parent_id,
+                throw=False,
+                **parent_options,
             )
         finally:
             reads.EAGER.pop(plan.parent_id, None)
@@ -266,7 +282,7 @@ def _run(
             i += 1
             token = CURRENT.set(plan.parent_id)
             try:
-                res = _run_child(app, child, job, c_args, c_kwargs, cid)
+                res = _run_child(app, child, job, c_args, c_kwargs, cid, seen)
             finally:
                 CURRENT.reset(token)
             ok, data = _outcome(res)
@@ -298,12 +314,13 @@ def _run_child(
     partial: tuple[Any, ...],
     kwargs: dict[str, Any],
     cid: str,
+    seen: dict[str, FanIn],
 ) -> Any:
     if is_flow(child):
         inner_partial = () if child.immutable else (*partial, *child.args)
         inner = Plan.from_dict(job["nested"])
         inner_opts = {k: v for k, v in child.options.items() if k in ("link", "link_error")}
-        return _run(app, child, inner, inner_partial, kwargs, inner_opts)
+        return _run(app, child, inner, inner_partial, kwargs, inner_opts, seen)
     run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
     return run.apply(task_id=cid, throw=False)
 

@@ -55,6 +55,17 @@ def job_id_of(options: dict[str, Any], fallback: str | None = None) -> str:
     return check_id(given)
 
 
+def _child_id(options: dict[str, Any], position: int) -> str:
+    """A child's id, gated; a refusal names the child's place among its siblings."""
+    try:
+        return job_id_of(options)
+    except ValueError as exc:
+        raise type(exc)(
+            f"flow child {position}: {exc}; allowed: a signature without task_id, or "
+            "task_id='JOB' + uuid.uuid4().hex"
+        ) from exc
+
+
 def check_policy(policy: object, where: str) -> str:
     if policy not in POLICIES:
         raise PolicyError(
@@ -78,6 +89,10 @@ class Plan:
     policy: str = "fail"
     child_policies: dict[str, str] = field(default_factory=dict)
     outer: str = ""
+    # The parent takes its one child's value as is, not as a list (a chain's step).
+    single: bool = False
+    # Children whose values the parent does not get (a spread, see shapes.py).
+    silent: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +110,11 @@ class Plan:
 
     def child_ids(self) -> list[str]:
         return [child_id(job) for job in self.children]
+
+    def valued_ids(self) -> list[str]:
+        """The children whose values the parent gets, in order."""
+        silent = set(self.silent)
+        return [cid for cid in self.child_ids() if cid not in silent]
 
     def chunked(self, chunk_size: int) -> bool:
         """Whether this level takes open/add/seal instead of one enqueue_flow script."""
@@ -142,6 +162,24 @@ def is_flow(sig: Any) -> bool:
     return getattr(sig, "subtask_type", None) == "flow"
 
 
+def parent_args(job: dict[str, Any], values: list[Any]) -> list[Any]:
+    """A released parent's arguments: the values of its children (the one value as is, for a
+    chain's step), then its own; an immutable parent's own alone."""
+    if job.get("immutable"):
+        return list(job["args"])
+    if job.get("single"):
+        return [values[0] if values else None, *job["args"]]
+    return [values, *job["args"]]
+
+
+def valued(job: dict[str, Any]) -> list[str]:
+    """The ids of a stored parent's children whose values it gets, in order."""
+    silent = job.get("silent")
+    if not silent:
+        return list(job["children"])
+    return [cid for cid in job["children"] if cid not in set(silent)]
+
+
 def plan_flow(
     app: Any,
     parent: Signature,
@@ -155,6 +193,7 @@ def plan_flow(
     outer_queue: str = "",
     child_results: bool = True,
     store_results: bool = False,
+    single: bool = False,
 ) -> Plan:
     """Assign and gate every id and build every message; touches neither Redis nor the broker.
 
@@ -169,7 +208,9 @@ def plan_flow(
     parent_id = job_id_of(parent.options, options.get("task_id"))
     queue = route_queue(app, parent, options)
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
-    plan = Plan(queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer)
+    plan = Plan(
+        queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer, single=single
+    )
     plan_children(
         app,
         plan,
@@ -196,6 +237,10 @@ def plan_flow(
     if store_results:
         mark_for_store(plan.parent)
     plan.parent["children"] = plan.child_ids()
+    if single:
+        plan.parent["single"] = True
+    if plan.silent:
+        plan.parent["silent"] = list(plan.silent)
     if not outer:
         # Every id of the tree once: a nested parent is listed as its outer flow's child.
         check_unique([parent_id, *(cid for level in plan.levels() for cid in level.child_ids())])
@@ -219,13 +264,16 @@ def plan_children(
     What a flow does for its children at start, and what ``add_children`` does for children
     added while it runs. Pure.
     """
+    from .shapes import expand
+
     shared = shared or {}
     parent_id, queue = plan.parent_id, plan.queue
-    for child in children:
+    for position, child in enumerate(expand(list(children), app), len(plan.children) + 1):
         child_policy = child.options.get("parent_policy")
         if is_flow(child):
             inner_opts = {**shared, **child.options}
             inner_opts.pop("parent_policy", None)
+            silent = inner_opts.pop("echomq_silent", False)
             inner_args = () if child.immutable else (*args, *child.args)
             inner = plan_flow(
                 app,
@@ -239,11 +287,14 @@ def plan_children(
                 outer_queue=queue,
                 child_results=child_results,
                 store_results=store_results,
+                single=child.single,
             )
             cid = inner.parent_id
+            if silent:
+                plan.silent.append(cid)
             plan.children.append({"nested": inner.to_dict()})
         else:
-            cid = job_id_of(child.options)
+            cid = _child_id(child.options, position)
             if args or kwargs:
                 child = child.clone(args=args, kwargs=kwargs)
             child_queue = route_queue(app, child, shared)

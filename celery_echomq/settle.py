@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .errors import FlowFailed
-from .plan import H_PARENT, H_PARENT_QUEUE
+from .plan import H_PARENT, H_PARENT_QUEUE, parent_args, valued
 from .publish import publish
 from .replies import UNSETTLED, Status
 from .scripts import ParentRef, ResultWrite
@@ -27,9 +27,16 @@ def error_text(exc: BaseException) -> str:
 
 
 def dispatch_parent(
-    state: EchoMQ, queue: str, parent_id: str, redispatch_after_ms: int = 0
+    state: EchoMQ,
+    queue: str,
+    parent_id: str,
+    redispatch_after_ms: int = 0,
+    released_by: str = "",
 ) -> bool:
-    """Publish a released parent, once: the dispatch script decides who may."""
+    """Publish a released parent, once: the dispatch script decides who may.
+
+    ``released_by``: the child that released it, the parent's ``parent_id`` (a chord's body
+    is the child of the header task that completed it)."""
     claimed = state.scripts.dispatch(
         queue, parent_id, redispatch_after_ms, inline_max=state.settings.chunk_size
     )
@@ -37,9 +44,10 @@ def dispatch_parent(
         return False
     payload, stored = claimed
     job = state.loads(payload)
-    values = [state.loads(stored[cid]) for cid in job["children"] if cid in stored]
-    if not job.get("immutable"):
-        job["args"] = [values, *job["args"]]
+    values = [state.loads(stored[cid]) for cid in valued(job) if cid in stored]
+    job["args"] = parent_args(job, values)
+    if released_by:
+        job["options"]["parent_id"] = released_by
     publish(state.app, [job])
     logger.info("echomq: parent %s dispatched with %d values", parent_id, len(values))
     return True
@@ -117,7 +125,7 @@ def follow(state: EchoMQ, status: Status, job_id: str, parent: ParentRef, error:
     """Act on what a child's transition made of its parent: publish it, or settle its failure."""
     if status is Status.RELEASED:
         logger.info("echomq: parent %s released by child %s", parent.id, job_id)
-        dispatch_parent(state, parent.queue, parent.id)
+        dispatch_parent(state, parent.queue, parent.id, released_by=job_id)
     elif status is Status.PARENT_FAILED:
         exc, outer = parent_failed(state, parent.queue, parent.id, job_id, error)
         if outer is not None:

@@ -328,3 +328,208 @@ def replace_by_flow(self: Any, x: int) -> Any:
     """Replace this task (in a chain or a chord's header) by a flow: tsum([x + 1, x + 2])."""
     mark(f"replace_by_flow:{self.request.id}")
     raise self.replace(celery_echomq.flow(tsum.s(), [add.s(x, 1), add.s(x, 2)]))
+
+
+# --- Tasks of tests/test_celery_chords.py: Celery's t/integration/tasks.py, for flows ---------
+# A task that replaces itself returns ``self.replace(...)``: in eager mode ``replace`` gives the
+# replacement's value back instead of raising.
+
+
+class ExpectedException(Exception):
+    """What ``fail`` raises (Celery's sentinel exception of its integration tests)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ExpectedException) and self.args == other.args
+
+    def __hash__(self) -> int:
+        return hash(self.args)
+
+
+@app.task
+def identity(x: Any) -> Any:
+    return x
+
+
+@app.task
+def add_z(x: Any, y: Any, z: Any = None) -> Any:
+    """Celery's ``add``: two numbers, or three."""
+    return x + y + z if z else x + y
+
+
+@app.task
+def fail(*args: Any) -> None:
+    raise ExpectedException("Task expected to fail", *args)
+
+
+@app.task
+def xsum(nums: list[Any]) -> int:
+    """The sum of numbers and of lists of numbers."""
+    return sum(sum(n) if isinstance(n, list) else n for n in nums)
+
+
+@app.task(bind=True)
+def add_replaced(self: Any, x: int, y: int) -> Any:
+    return self.replace(add.s(x, y))
+
+
+@app.task(bind=True)
+def add_to_all(self: Any, nums: list[Any], val: Any) -> Any:
+    """Replace this task by a group adding ``val`` to each of ``nums``."""
+    from celery import group
+
+    return self.replace(group(*[add.s(num, val) for num in nums]))
+
+
+@app.task(bind=True)
+def add_to_all_to_flow(self: Any, nums: list[int], val: int) -> int:
+    """Celery's ``add_to_all_to_chord``: add ``add(num, val)`` siblings, then return 0."""
+    celery_echomq.add_children([add.s(num, val) for num in nums])
+    return 0
+
+
+@app.task(bind=True)
+def add_flow_to_flow(self: Any, nums: list[int], val: int) -> int:
+    """Celery's ``add_chord_to_chord``: add a nested flow summing ``add(num, val)``."""
+    celery_echomq.add_children([celery_echomq.flow(tsum.s(), [add.s(num, val) for num in nums])])
+    return 0
+
+
+@app.task
+def flow_add(x: int, y: int) -> Any:
+    """Celery's ``chord_add``: apply a flow from inside a task (eager when the app is)."""
+    return celery_echomq.flow(tsum.s(), [add.s(x, x), add.s(y, y)]).apply_async().get()
+
+
+@app.task(bind=True)
+def replace_with_chain(self: Any, *args: Any, link_msg: Any = None) -> Any:
+    from celery import chain
+
+    c = chain(identity.s(*args), identity.s())
+    link_sig = redis_echo.s()
+    if link_msg is not None:
+        link_sig.args = (link_msg,)
+        link_sig.set(immutable=True)
+    c.link(link_sig)
+    return self.replace(c)
+
+
+@app.task
+def redis_echo(message: Any, redis_key: str = "redis-echo") -> None:
+    """Append ``message`` to the list ``redis_key`` of the flow store's database."""
+    _store().rpush(redis_key, message)
+
+
+@app.task
+def redis_count(redis_key: str = "redis-count") -> None:
+    _store().incr(redis_key)
+
+
+@app.task
+def errback_old_style(request_id: str) -> str:
+    redis_count(request_id)
+    return request_id
+
+
+@app.task
+def errback_new_style(request: Any, exc: Any, tb: Any) -> str:
+    redis_count(request.id)
+    return str(request.id)
+
+
+@app.task
+def print_unicode(log_message: str = "håå®ƒ valmuefrø", print_message: str = "hiöäüß") -> None:
+    import logging
+
+    logging.getLogger("tests.proj").warning(log_message)
+    print(print_message)
+
+
+@app.task(bind=True)
+def return_priority(self: Any, *_args: Any) -> str:
+    return f"Priority: {self.request.delivery_info['priority']}"
+
+
+@app.task(bind=True)
+def return_request_eta(self: Any, *_args: Any) -> Any:
+    return self.request.eta
+
+
+@app.task
+def delayed_sum(numbers: list[int], pause_time: float = 1) -> int:
+    time.sleep(pause_time)
+    return sum(numbers)
+
+
+@app.task
+def delayed_sum_with_soft_guard(numbers: list[int], pause_time: float = 1) -> int:
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    try:
+        time.sleep(pause_time)
+        return sum(numbers)
+    except SoftTimeLimitExceeded:
+        return 0
+
+
+@app.task
+def write_to_file_and_return_int(file_name: str, i: int) -> int:
+    with open(file_name, mode="a", buffering=1) as handle:
+        handle.write(f"{i}\n")
+    return i
+
+
+@app.task(bind=True)
+def ids(self: Any, i: int) -> tuple[Any, Any, int]:
+    """``(root_id, parent_id, i)`` of this run."""
+    return self.request.root_id, self.request.parent_id, i
+
+
+@app.task(bind=True)
+def collect_ids(self: Any, res: Any, i: int) -> tuple[Any, tuple[Any, Any, int]]:
+    """``(previous result, (root_id, parent_id, i))`` of this run."""
+    return res, (self.request.root_id, self.request.parent_id, i)
+
+
+@app.task
+def return_nested_flow(kind: str) -> Any:
+    """A nested canvas holding a flow (never run): Celery's ``return_nested_signature_*``."""
+    from celery import chain, group
+
+    def inner() -> Any:
+        return celery_echomq.flow(add.s(), [add.s()])
+
+    canvases = {
+        "chain_flow": lambda: chain(inner()),
+        "group_flow": lambda: group(inner()),
+        "flow_chain": lambda: celery_echomq.flow(add.s(), [chain([add.s()])]),
+        "flow_group": lambda: celery_echomq.flow(add.s(), group([add.s()])),
+        "flow_flow": lambda: celery_echomq.flow(add.s(), [inner()]),
+    }
+    return canvases[kind]()
+
+
+@app.task
+def rebuild_signature(sig_dict: dict[str, Any]) -> list[str]:
+    """Rebuild a canvas from its JSON and walk it: the kinds met, depth first (a signature
+    that did not come back as one raises ``TypeError``)."""
+    from celery import Signature, chord, group
+    from celery.canvas import _chain
+
+    seen: list[str] = []
+
+    def walk(sig: Any) -> None:
+        if not isinstance(sig, Signature):
+            raise TypeError(f"{sig!r} is not a signature object")
+        seen.append(sig.subtask_type or "task")
+        if isinstance(sig, celery_echomq.flow):
+            walk(sig.parent)
+            for child in sig.children:
+                walk(child)
+        elif isinstance(sig, (_chain, group, chord)):
+            for task in sig.tasks:
+                walk(task)
+            if isinstance(sig, chord):
+                walk(sig.body)
+
+    walk(Signature.from_dict(sig_dict, app=app))
+    return seen

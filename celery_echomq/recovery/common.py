@@ -10,6 +10,7 @@ import redis
 
 from ..errors import InvalidIdError
 from ..keyspace import check_id
+from ..plan import parent_args, valued
 from ..state import EchoMQ
 from ..store import text
 from ..stored import Stored, TemplateMissingError, load_job
@@ -106,9 +107,8 @@ def with_values(state: EchoMQ, queue: str, parent_id: str, job: dict[str, Any]) 
     _, processed, _ = state.keys.flow_keys(queue, parent_id)
     chunk = state.settings.chunk_size
     stored = {text(k): v for k, v in state.client.hscan_iter(processed, count=chunk)}
-    values = [state.loads(stored[cid]) for cid in job["children"] if cid in stored]
-    if not job.get("immutable"):
-        job["args"] = [values, *job["args"]]
+    values = [state.loads(stored[cid]) for cid in valued(job) if cid in stored]
+    job["args"] = parent_args(job, values)
     return job
 
 

@@ -1,0 +1,426 @@
+"""Any canvas as a tree of flows whose parents are single tasks: what a flow takes where a
+chord takes a canvas, in the only shape the store holds (a held row per parent).
+
+- a group among the children is unrolled into its tasks (nested groups flattened), as a
+  chord's header is;
+- a chain ``a | b | c`` is a nested flow whose parent is ``c``, held on a one-child flow
+  whose parent is ``b``, held on ``a``: each step is a held row, and takes its single
+  child's value as is (``single``), not as a list;
+- a chord child ``chord(header, body)`` is ``flow(body, header)``;
+- a parent that fans out (a group, a chord or a flow) is held as the *spread* task: once
+  released, it adds that canvas's children, each given the values, to the flow whose
+  parent stands for the canvas's own parent (``spread`` below). A group parent's own
+  parent is *collect*, which returns the list of its children's values as is.
+
+Every id of the tree is assigned here, including the ids of what a spread will add, so a
+spread delivered twice adds the same jobs, which the second time are already there.
+Pure: nothing here touches Redis or the broker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from celery.canvas import Signature, _chain, _chord, group, maybe_signature
+
+from .keyspace import check_id, check_unique
+
+SPREAD_TASK = "celery_echomq.spread"
+COLLECT_TASK = "celery_echomq.collect"
+
+# Options of a chain, group or chord that are its own, not handed down to its tasks.
+_OWN = frozenset(
+    {
+        "task_id",
+        "group_id",
+        "group_index",
+        "chord",
+        "parent_policy",
+        "subtask_type",
+        "link",
+        "link_error",
+        "chain",
+        "reply_to",
+        "root_id",
+        "parent_id",
+        "echomq_silent",
+    }
+)
+
+
+def new_job_id() -> str:
+    import uuid
+
+    return "JOB" + uuid.uuid4().hex
+
+
+def is_task(sig: Any) -> bool:
+    """A single task's signature (not a chain, group, chord or flow)."""
+    return type(sig) is Signature or (
+        isinstance(sig, Signature)
+        and not isinstance(sig, (_chain, _chord, group))
+        and getattr(sig, "subtask_type", None) != "flow"
+    )
+
+
+def register_tasks(app: Any) -> None:
+    """The spread and collect tasks on ``app``: a worker runs them, as eager mode does."""
+    if SPREAD_TASK in app.tasks:
+        return
+    app.task(name=SPREAD_TASK, bind=True, shared=False, lazy=False)(spread_task)
+    app.task(name=COLLECT_TASK, shared=False, lazy=False)(collect_task)
+
+
+def collect_task(values: Any) -> Any:
+    """A group parent's values: the list of its tasks' values, as they came."""
+    return values
+
+
+def spread_task(task: Any, values: Any, children: list[Any], args: list[Any] | None = None) -> int:
+    """Add ``children`` (their ids assigned when the flow was planned), each given ``values``
+    first, to this job's own parent: the flow that stands for the canvas they belong to.
+
+    Delivered again, it adds nothing: the flow already lists those ids.
+    """
+    from .grow import add_children
+
+    partial = (values, *(args or ()))
+    sigs = [maybe_signature(child, app=task.app).clone(args=partial) for child in children]
+    return len(add_children(sigs, app=task.app))
+
+
+def _options_of(sig: Signature) -> dict[str, Any]:
+    return {k: v for k, v in sig.options.items() if k not in _OWN}
+
+
+def _task(sig: Signature, inherited: dict[str, Any], task_id: Any = None) -> Signature:
+    """A copy of a task with an id of its own and the options of the canvases around it."""
+    copy = sig.clone()
+    for key, value in inherited.items():
+        copy.options.setdefault(key, value)
+    if task_id is not None:
+        copy.options.setdefault("task_id", task_id)
+    copy.options.setdefault("task_id", new_job_id())
+    return copy
+
+
+def _flow(
+    parent: Signature,
+    children: list[Signature],
+    inherited: dict[str, Any],
+    *,
+    policy: str = "fail",
+    single: bool = False,
+) -> Signature:
+    from .canvas import flow
+
+    node = flow(parent, children, policy=policy, single=single, options=dict(inherited))
+    node.options["task_id"] = parent.options["task_id"]
+    return node
+
+
+def is_normal(sig: Any) -> bool:
+    """A task, or a flow whose parent is a task and whose children are normal: planned as
+    it is (what this module makes, and the common case)."""
+    if is_task(sig):
+        return True
+    return (
+        getattr(sig, "subtask_type", None) == "flow"
+        and is_task(sig.parent)
+        and all(map(is_normal, sig.children))
+    )
+
+
+def expand(children: list[Any], app: Any) -> list[Signature]:
+    """Children as the flow children they stand for: tasks and normal flows as they are."""
+    out: list[Signature] = []
+    for child in children:
+        if is_normal(child):
+            out.append(child)
+        else:
+            out.extend(as_children(child, app, {}))
+    return out
+
+
+def normal_flow(sig: Any) -> tuple[Any, str]:
+    """A flow as a normal one (itself when it is), and the id of its fan-in: the job that
+    holds its own children, whose reads (``children_values()`` and the rest) are the flow's."""
+    app = sig._get_app()
+    if is_normal(sig):
+        return sig, ""
+    kids = [n for c in sig.children for n in as_children(c, app, {})]
+    node, fan = _held(
+        sig.parent, kids, app, {}, policy=sig.policy, single=sig.single, own_id=_own(sig)
+    )
+    node.args = tuple(sig.args)
+    node.immutable = sig.immutable
+    for key, value in sig.options.items():
+        if key != "task_id":
+            node.options.setdefault(key, value)
+    return node, fan
+
+
+def _own(sig: Signature) -> Any:
+    return sig.options.get("task_id")
+
+
+def value_task(sig: Any) -> Signature | None:
+    """The task whose value is a canvas's value (None for a group's: a list of values)."""
+    sig = maybe_signature(sig)
+    if isinstance(sig, _chain):
+        return value_task(sig.tasks[-1]) if sig.tasks else None
+    if isinstance(sig, _chord):
+        return value_task(sig.body) if sig.body is not None else None
+    if isinstance(sig, group):
+        return None
+    if getattr(sig, "subtask_type", None) == "flow":
+        return value_task(sig.parent)
+    return sig
+
+
+def assign_ids(sig: Any) -> None:
+    """Give every task of a canvas an id of its own, where it has none (``freeze``)."""
+    sig = maybe_signature(sig)
+    if isinstance(sig, (_chain, group)):
+        for task in sig.tasks:
+            if isinstance(task, Signature):
+                assign_ids(task)
+    elif isinstance(sig, _chord):
+        header = sig.tasks.tasks if isinstance(sig.tasks, group) else sig.tasks
+        for task in header:
+            if isinstance(task, Signature):
+                assign_ids(task)
+        if sig.body is not None:
+            assign_ids(sig.body)
+    elif getattr(sig, "subtask_type", None) == "flow":
+        assign_ids(sig.parent)
+        for child in sig.children:
+            assign_ids(child)
+    else:
+        sig.options.setdefault("task_id", new_job_id())
+
+
+def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature]:
+    """A child canvas as the flow children it stands for (a group: one per task)."""
+    sig = maybe_signature(sig, app=app)
+    policy = sig.options.get("parent_policy")
+    if isinstance(sig, group):
+        mine = {**inherited, **_options_of(sig)}
+        nodes = [node for task in _group_tasks(sig) for node in as_children(task, app, mine)]
+    elif is_task(sig):
+        return [_task(sig, inherited)]
+    else:
+        nodes = [as_node(sig, app, inherited)]
+    if policy is not None:
+        for node in nodes:
+            node.options.setdefault("parent_policy", policy)
+    return nodes
+
+
+def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
+    """A chain, chord or flow as one flow whose parent is a single task."""
+    mine = {**inherited, **_options_of(sig)}
+    if isinstance(sig, _chain):
+        steps = [maybe_signature(s, app=app) for s in sig.tasks]
+        if not steps:
+            raise ValueError("a chain among a flow's children has no tasks")
+        first = as_children(steps[0], app, mine)
+        if len(steps) == 1:
+            if len(first) != 1:
+                raise ValueError("a chain of one group among a flow's children: use the group")
+            return first[0]
+        return _chain_on(steps[1:], first, _fans(steps[0]), app, mine, _own(sig))[0]
+    if isinstance(sig, _chord):
+        if sig.body is None:
+            raise ValueError("a chord among a flow's children has no body")
+        header = [n for t in _header(sig, app) for n in as_children(t, app, mine)]
+        return _held(sig.body, header, app, mine, own_id=_own(sig))[0]
+    if getattr(sig, "subtask_type", None) == "flow":
+        kids = [n for c in sig.children for n in as_children(c, app, mine)]
+        node, _ = _held(
+            sig.parent, kids, app, mine, policy=sig.policy, single=sig.single, own_id=_own(sig)
+        )
+        if sig.options.get("echomq_silent"):
+            node.options["echomq_silent"] = True
+        return node
+    raise TypeError(f"{sig!r:.80} is not a task, a chain, a group, a chord or a flow")
+
+
+def _group_tasks(sig: group) -> list[Any]:
+    return [maybe_signature(t, app=sig._app) for t in sig.tasks]
+
+
+def _header(sig: _chord, app: Any) -> list[Any]:
+    tasks = sig.tasks
+    if isinstance(tasks, group):
+        return _group_tasks(tasks)
+    return [maybe_signature(t, app=app) for t in tasks]
+
+
+def _fans(sig: Any) -> bool:
+    """Whether a step's value is the list of a group's values, not a single value."""
+    return isinstance(maybe_signature(sig), group)
+
+
+def _chain_on(
+    steps: list[Any],
+    children: list[Signature],
+    fans: bool,
+    app: Any,
+    inherited: dict[str, Any],
+    own_id: Any,
+) -> tuple[Signature, str]:
+    """Each of ``steps`` held on the one before it, the first on ``children`` (the values of
+    a group when ``fans``, else one value taken as is). Returns the last step's node and the
+    id of the first step's fan-in."""
+    node, fan = _held(
+        steps[0],
+        children,
+        app,
+        inherited,
+        single=not fans,
+        own_id=own_id if len(steps) == 1 else None,
+    )
+    for i, step in enumerate(steps[1:], 2):
+        node, _ = _held(
+            step,
+            [node],
+            app,
+            inherited,
+            single=not _fans(steps[i - 2]),
+            own_id=own_id if i == len(steps) else None,
+        )
+    return node, fan
+
+
+def _held(
+    parent: Any,
+    children: list[Signature],
+    app: Any,
+    inherited: dict[str, Any],
+    *,
+    policy: str = "fail",
+    single: bool = False,
+    own_id: Any = None,
+) -> tuple[Signature, str]:
+    """A flow whose value is ``parent``'s, ``parent`` given ``children``'s values (the one
+    value as is, when ``single``); and the id of the job that holds ``children``.
+
+    ``own_id``: the id the canvas was given, which its value's job takes.
+    """
+    parent = maybe_signature(parent, app=app)
+    if is_task(parent):
+        task = _task(parent, inherited, own_id)
+        node = _flow(task, children, inherited, policy=policy, single=single)
+        return node, str(task.options["task_id"])
+    mine = {**inherited, **_options_of(parent)}
+    own_id = own_id if own_id is not None else _own(parent)
+    if isinstance(parent, _chain):
+        steps = [maybe_signature(s, app=app) for s in parent.tasks]
+        node, fan = _held(
+            steps[0],
+            children,
+            app,
+            mine,
+            policy=policy,
+            single=single,
+            own_id=own_id if len(steps) == 1 else None,
+        )
+        if len(steps) == 1:
+            return node, fan
+        return _chain_on(steps[1:], [node], _fans(steps[0]), app, mine, own_id)[0], fan
+    if isinstance(parent, group):
+        collect = app.signature(COLLECT_TASK)
+        collect.options["task_id"] = own_id or new_job_id()
+        fanned = _group_tasks(parent)
+        return _spread(collect, fanned, "fail", children, app, mine, policy, single)
+    if isinstance(parent, _chord):
+        if parent.body is None:
+            raise ValueError("a chord as a flow's parent has no body")
+        body = maybe_signature(parent.body, app=app)
+        fanned = _header(parent, app)
+        return _spread(body, fanned, "fail", children, app, mine, policy, single, own_id=own_id)
+    if getattr(parent, "subtask_type", None) == "flow":
+        return _spread(
+            parent.parent,
+            parent.children,
+            parent.policy,
+            children,
+            app,
+            mine,
+            policy,
+            single,
+            args=list(parent.args),
+            immutable=parent.immutable,
+            own_id=own_id,
+        )
+    raise TypeError(
+        f"flow parent {parent!r:.80} is not a task, a chain, a group, a chord or a flow"
+    )
+
+
+def _spread(
+    own_parent: Any,
+    fanned: list[Any],
+    fanned_policy: str,
+    children: list[Signature],
+    app: Any,
+    inherited: dict[str, Any],
+    policy: str,
+    single: bool,
+    *,
+    args: list[Any] | None = None,
+    immutable: bool = False,
+    own_id: Any = None,
+) -> tuple[Signature, str]:
+    """``own_parent`` held on ``fanned``, each of which gets ``children``'s values: the spread
+    task is held on ``children`` and, once released, adds ``fanned`` (their ids assigned
+    now) under ``own_parent``."""
+    register_tasks(app)
+    fanned_nodes = [n for f in fanned for n in as_children(f, app, inherited)]
+    spread = app.signature(
+        SPREAD_TASK,
+        kwargs={"children": [dict(n) for n in fanned_nodes], "args": list(args or ())},
+        immutable=immutable,
+    )
+    spread.options["task_id"] = new_job_id()
+    spreader = _flow(spread, children, inherited, policy=policy, single=single)
+    # The spread's own value is not among the values ``own_parent`` gets (echomq_silent),
+    # and a failure of the fan-in fails the whole canvas, whatever ``fanned_policy`` says.
+    spreader.options["parent_policy"] = "fail"
+    spreader.options["echomq_silent"] = True
+    node, _ = _held(own_parent, [spreader], app, inherited, policy=fanned_policy, own_id=own_id)
+    return node, str(spread.options["task_id"])
+
+
+def ids(node: Signature) -> Iterator[str]:
+    """Every job id of a normal tree, what its spreads will add included."""
+    yield str(node.options.get("task_id"))
+    yield from _added(node.parent, node._app)
+    for child in node.children:
+        yield from _ids_of(child)
+
+
+def _added(parent: Signature, app: Any) -> Iterator[str]:
+    if parent.task == SPREAD_TASK:
+        for child in parent.kwargs["children"]:
+            yield from _ids_of(maybe_signature(child, app=app))
+
+
+def _ids_of(sig: Signature) -> Iterator[str]:
+    if getattr(sig, "subtask_type", None) == "flow":
+        yield from ids(sig)
+    elif "task_id" in sig.options:
+        yield str(sig.options["task_id"])
+    else:
+        yield from _added(sig, sig._app)
+
+
+def check_tree(node: Signature) -> None:
+    """Every id a spread will add gated and unique with the rest, before anything reaches
+    Redis (the ids planned now are gated by the plan)."""
+    found = [i for i in ids(node) if i != "None"]
+    for job_id in found:
+        check_id(job_id)
+    check_unique(found)
