@@ -290,6 +290,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             child_results=state.settings.child_results,
             store_results=writes_results(state),
         )
+        if fan and fan != plan.parent_id:
+            # What operators' repairs follow from the flow's id to its children (release).
+            plan.parent["fan_in"] = fan
         if replaced is not None:
             queue, job_id = replaced
             state.client.hset(state.keys.job_key(queue, job_id), "replaced_by", plan.parent_id)

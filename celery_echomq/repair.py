@@ -83,6 +83,16 @@ def _flow(state: EchoMQ, job_id: str) -> JobNode:
     return node
 
 
+def _fan_in(state: EchoMQ, node: JobNode) -> str:
+    """The job holding the flow's own children, where its parent is a canvas; else ""."""
+    payload = state.client.hget(state.keys.job_key(node.queue, node.id), "payload")
+    try:
+        fan_in = state.loads(payload).get("fan_in") if payload else None
+    except Exception:  # a payload this process cannot read names no fan-in
+        return ""
+    return str(fan_in) if fan_in and fan_in != node.id else ""
+
+
 def _plan(node: JobNode, targets: list[JobNode]) -> None:
     """Refuse, before anything changes, a nested target that retry cannot run again."""
     for child in targets:
@@ -243,6 +253,11 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
     changed) unless the parent is held.
     """
     node = _flow(state, job_id)
+    fan_in = _fan_in(state, node)
+    if fan_in:
+        # Its parent is a chain, a group, a chord or a flow: what waits for the flow's own
+        # children is the job that holds them (see shapes.py); that is what runs now.
+        return release_flow(state, fan_in, revoke=revoke)
     if node.state != "awaiting_children":
         raise NotRepairableError(
             f"flow {job_id} is {node.state}; nothing changed: {RELEASE_ALLOWS}", node.state

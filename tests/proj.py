@@ -533,3 +533,9 @@ def rebuild_signature(sig_dict: dict[str, Any]) -> list[str]:
 
     walk(Signature.from_dict(sig_dict, app=app))
     return seen
+
+
+@app.task(bind=True)
+def lineage(self: Any, *args: Any) -> dict[str, Any]:
+    """A parent that reports its own lineage: the task it is the child of, and the root."""
+    return {"parent_id": self.request.parent_id, "root_id": self.request.root_id}

@@ -3,13 +3,17 @@ children and as its parent, each case run eagerly and on a worker, with the same
 
 from __future__ import annotations
 
+import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from celery import chain, chord, group
 
-from celery_echomq import FlowFailed, flow
+from celery_echomq import FlowCancelled, FlowFailed, KindError, flow
+
+from .conftest import wait_for
 
 # name -> (a function of the test app making the flow, the parent's value)
 CASES: dict[str, tuple[Callable[[Any], Any], Any]] = {
@@ -127,3 +131,118 @@ def test_a_frozen_flow_with_a_chain_parent_sends_the_ids_it_froze(proj: Any, wor
     res = sig.apply_async()
     assert res.id == frozen.id
     assert res.get(timeout=60) == 4
+
+
+@pytest.mark.parametrize("how", ["eager", "worker"])
+def test_a_uuid_as_the_flows_id_becomes_a_job_id(proj: Any, worker: Any, how: str) -> None:
+    given = uuid.uuid4()
+    sig = flow(proj.tsum.s(), [proj.add.s(1, 1)])
+    res = sig.apply(task_id=str(given)) if how == "eager" else sig.apply_async(task_id=str(given))
+    assert res.id == "JOB" + given.hex
+    assert res.get(timeout=60) == 2
+
+
+@pytest.mark.parametrize("how", ["eager", "worker"])
+def test_a_chain_ending_in_a_flow_runs_again_after_apply_async(
+    proj: Any, worker: Any, how: str
+) -> None:
+    # Celery's chain hands the flow an id of its own (a uuid): taken as a JOB id, both ways.
+    c = chain(proj.add.s(1, 1), flow(proj.tsum.s(), [proj.add.s(1), proj.add.s(2)]))
+    assert c.apply_async().get(timeout=60) == 7
+    assert c.apply().get(timeout=60) == 7
+
+
+@pytest.mark.parametrize("how", ["eager", "worker"])
+def test_a_child_id_outside_the_job_namespace_is_refused_by_position(
+    proj: Any, worker: Any, how: str, store: Any
+) -> None:
+    good = proj.add.s(1, 1).set(task_id="JOB" + uuid.uuid4().hex)
+    bad = proj.add.s(2, 2).set(task_id=str(uuid.uuid4()))
+    parent = proj.tsum.s().set(task_id="JOB" + uuid.uuid4().hex)
+    with pytest.raises(KindError) as info:
+        run(flow(parent, [good, bad]), how)
+    assert "flow child 2" in str(info.value)
+    assert "'JOB' + uuid.uuid4().hex" in str(info.value)
+    for job_id in (good.options["task_id"], parent.options["task_id"]):
+        assert store.keys(f"*{job_id}*") == []
+
+
+def test_the_released_parent_is_the_child_of_the_child_that_released_it(
+    proj: Any, worker: Any
+) -> None:
+    kid = proj.add.s(1, 1)
+    sig = flow(proj.lineage.s(), [kid])
+    sig.freeze()
+    assert sig.apply_async().get(timeout=60)["parent_id"] == kid.options["task_id"]
+
+
+def test_show_lists_a_chain_childs_steps_inside_it(proj: Any, worker: Any) -> None:
+    steps = chain(proj.add.s(1, 1), proj.square.s())
+    sig = flow(proj.tsum.s(), [steps, proj.add.s(2, 2)])
+    sig.freeze()
+    # Celery's chain holds copies of the signatures it was given: the ids are on those.
+    first, second = steps.tasks
+    res = sig.apply_async()
+    assert res.get(timeout=60) == 8
+    lines = wait_for(lambda: _show_done(res.id))
+    step = next(line for line in lines if second.options["task_id"] in line)
+    below = lines[lines.index(step) + 1]
+    assert "tests.proj.square  done" in step and "value=4" in step
+    assert f"{first.options['task_id']}  tests.proj.add  done" in below and "value=2" in below
+
+
+def _show_done(job_id: str) -> list[str] | None:
+    from .test_cli import echomq
+
+    out = echomq("show", job_id)
+    lines = out.stdout.splitlines()
+    return lines if out.exit_code == 0 and "  done  " in lines[0] else None
+
+
+def test_release_of_a_chain_parent_runs_the_chain_with_the_values_so_far(
+    proj: Any, worker: Any, store: Any
+) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    fast = proj.add.s(1, 1)
+    sig = flow(chain(proj.tsum.s(), proj.square.s()), [fast, proj.gated.s(5, gate)])
+    sig.freeze()
+    try:
+        res = sig.apply_async()
+        wait_for(lambda: res.children_values().get(fast.options["task_id"]) == 2)
+        # From the flow's own id, as an operator names it: the chain's first step runs.
+        from .test_cli import echomq
+
+        out = echomq("release", res.id)
+        assert out.exit_code == 0, out.output
+        assert res.get(timeout=60) == 4
+    finally:
+        store.set(gate, 1)
+
+
+@pytest.mark.parametrize("shape", ["chain parent", "group parent", "chain child"])
+def test_revoke_cancels_the_whole_canvas(proj: Any, worker: Any, store: Any, shape: str) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    held = proj.gated.s(5, gate)
+    tag = uuid.uuid4().hex
+    if shape == "chain child":
+        # A chain holds copies: the gated task's id is the copy's.
+        steps = chain(held, proj.collect.s(tag=tag))
+        held = steps.tasks[0]
+    if shape == "chain parent":
+        sig = flow(chain(proj.tsum.s(), proj.collect.s(tag=tag)), [held])
+    elif shape == "group parent":
+        sig = flow(group(proj.collect.s(tag=tag)), [held])
+    else:
+        sig = flow(proj.collect.s(tag=tag), [steps])
+    sig.freeze()
+    try:
+        res = sig.apply_async()
+        wait_for(lambda: store.hget(f"emq:{{celery}}:{held.options['task_id']}", "state"))
+        res.revoke()
+        with pytest.raises(FlowCancelled):
+            res.get(timeout=60)
+    finally:
+        store.set(gate, 1)
+    # Nothing after the cancelled part runs, whatever the gated child does once let go.
+    time.sleep(1.5)
+    assert not store.exists(f"test:ran:collect:{tag}")
