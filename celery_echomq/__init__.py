@@ -68,7 +68,7 @@ def install(app: Any) -> EchoMQ:
     """Connect celery-echomq to ``app``: settings, worker signals and the recovery step."""
     from . import signals
     from .recovery import RecoveryStep
-    from .shapes import register_tasks
+    from .tasks import register_tasks
 
     state = install_state(app)
     # What a flow whose parent is a group, a chord or a flow runs (see shapes.py).

@@ -8,6 +8,7 @@ escape its tag or name another key raises here, before any Redis command.
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Iterable
 
 from .errors import DuplicateIdError, InvalidIdError, KindError
@@ -40,6 +41,11 @@ def check_id(job_id: object) -> str:
     if not text.startswith(KIND):
         raise KindError(f"job id {text!r} must be JOB-namespaced (start with 'JOB')")
     return text
+
+
+def new_job_id() -> str:
+    """A fresh id in the job namespace: ``JOB`` + a uuid4's hex."""
+    return KIND + uuid.uuid4().hex
 
 
 def check_queue(queue: object) -> str:

@@ -24,14 +24,14 @@ from typing import Any
 
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 
-from .keyspace import check_id, check_unique
+from .keyspace import check_id, check_unique, new_job_id
+from .tasks import COLLECT_TASK, SPREAD_TASK, register_tasks
 
-SPREAD_TASK = "celery_echomq.spread"
-COLLECT_TASK = "celery_echomq.collect"
+FLOW_TASK = "celery_echomq.flow"
 
 # Options of a chain, group or chord that are its own, not handed down to its tasks.
 _OWN = frozenset(
-    {
+    [
         "task_id",
         "group_id",
         "group_index",
@@ -45,14 +45,8 @@ _OWN = frozenset(
         "root_id",
         "parent_id",
         "echomq_silent",
-    }
+    ]
 )
-
-
-def new_job_id() -> str:
-    import uuid
-
-    return "JOB" + uuid.uuid4().hex
 
 
 def is_task(sig: Any) -> bool:
@@ -62,32 +56,6 @@ def is_task(sig: Any) -> bool:
         and not isinstance(sig, (_chain, _chord, group))
         and getattr(sig, "subtask_type", None) != "flow"
     )
-
-
-def register_tasks(app: Any) -> None:
-    """The spread and collect tasks on ``app``: a worker runs them, as eager mode does."""
-    if SPREAD_TASK in app.tasks:
-        return
-    app.task(name=SPREAD_TASK, bind=True, shared=False, lazy=False)(spread_task)
-    app.task(name=COLLECT_TASK, shared=False, lazy=False)(collect_task)
-
-
-def collect_task(values: Any) -> Any:
-    """A group parent's values: the list of its tasks' values, as they came."""
-    return values
-
-
-def spread_task(task: Any, values: Any, children: list[Any], args: list[Any] | None = None) -> int:
-    """Add ``children`` (their ids assigned when the flow was planned), each given ``values``
-    first, to this job's own parent: the flow that stands for the canvas they belong to.
-
-    Delivered again, it adds nothing: the flow already lists those ids.
-    """
-    from .grow import add_children
-
-    partial = (values, *(args or ()))
-    sigs = [maybe_signature(child, app=task.app).clone(args=partial) for child in children]
-    return len(add_children(sigs, app=task.app))
 
 
 def _options_of(sig: Signature) -> dict[str, Any]:
@@ -113,10 +81,19 @@ def _flow(
     policy: str = "fail",
     single: bool = False,
 ) -> Signature:
-    from .canvas import flow
-
-    node = flow(parent, children, policy=policy, single=single, options=dict(inherited))
-    node.options["task_id"] = parent.options["task_id"]
+    # Made from its registered type (canvas.flow), as its JSON would be: this module comes
+    # before the signature class in the package's imports.
+    node = Signature.from_dict(
+        {
+            "task": FLOW_TASK,
+            "subtask_type": "flow",
+            "args": (),
+            "kwargs": {"parent": parent, "children": children, "policy": policy, "single": single},
+            "options": {**inherited, "task_id": parent.options["task_id"]},
+            "immutable": False,
+        },
+        app=parent._app,
+    )
     return node
 
 
@@ -165,42 +142,6 @@ def _own(sig: Signature) -> Any:
     return sig.options.get("task_id")
 
 
-def value_task(sig: Any) -> Signature | None:
-    """The task whose value is a canvas's value (None for a group's: a list of values)."""
-    sig = maybe_signature(sig)
-    if isinstance(sig, _chain):
-        return value_task(sig.tasks[-1]) if sig.tasks else None
-    if isinstance(sig, _chord):
-        return value_task(sig.body) if sig.body is not None else None
-    if isinstance(sig, group):
-        return None
-    if getattr(sig, "subtask_type", None) == "flow":
-        return value_task(sig.parent)
-    return sig
-
-
-def assign_ids(sig: Any) -> None:
-    """Give every task of a canvas an id of its own, where it has none (``freeze``)."""
-    sig = maybe_signature(sig)
-    if isinstance(sig, (_chain, group)):
-        for task in sig.tasks:
-            if isinstance(task, Signature):
-                assign_ids(task)
-    elif isinstance(sig, _chord):
-        header = sig.tasks.tasks if isinstance(sig.tasks, group) else sig.tasks
-        for task in header:
-            if isinstance(task, Signature):
-                assign_ids(task)
-        if sig.body is not None:
-            assign_ids(sig.body)
-    elif getattr(sig, "subtask_type", None) == "flow":
-        assign_ids(sig.parent)
-        for child in sig.children:
-            assign_ids(child)
-    else:
-        sig.options.setdefault("task_id", new_job_id())
-
-
 def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature]:
     """A child canvas as the flow children it stands for (a group: one per task)."""
     sig = maybe_signature(sig, app=app)
@@ -210,6 +151,8 @@ def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature
         nodes = [node for task in _group_tasks(sig) for node in as_children(task, app, mine)]
     elif is_task(sig):
         return [_task(sig, inherited)]
+    elif isinstance(sig, _chain) and len(sig.tasks) == 1:
+        nodes = as_children(sig.tasks[0], app, {**inherited, **_options_of(sig)})
     else:
         nodes = [as_node(sig, app, inherited)]
     if policy is not None:
@@ -226,9 +169,7 @@ def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
         if not steps:
             raise ValueError("a chain among a flow's children has no tasks")
         first = as_children(steps[0], app, mine)
-        if len(steps) == 1:
-            if len(first) != 1:
-                raise ValueError("a chain of one group among a flow's children: use the group")
+        if len(steps) == 1 and len(first) == 1:
             return first[0]
         return _chain_on(steps[1:], first, _fans(steps[0]), app, mine, _own(sig))[0]
     if isinstance(sig, _chord):
