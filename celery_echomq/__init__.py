@@ -11,6 +11,7 @@ from typing import Any
 from .canvas import FlowResult, flow
 from .errors import (
     ConfigError,
+    DepthError,
     DuplicateIdError,
     EchoMQError,
     FlowCancelled,
@@ -33,6 +34,7 @@ from .state import EchoMQ, get_state, install_state
 __all__ = [
     "ConfigError",
     "Dependencies",
+    "DepthError",
     "DuplicateIdError",
     "EchoMQError",
     "FlowCancelled",

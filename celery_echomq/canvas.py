@@ -11,7 +11,7 @@ from celery import current_app
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 
 from .keyspace import new_job_id
-from .plan import H_QUEUE, check_policy, plan_flow
+from .plan import H_QUEUE, check_depth, check_policy, plan_flow, too_deep
 from .result import FlowResult
 from .results import writes_results
 from .shapes import FLOW_TASK, check_tree, normal_flow
@@ -291,6 +291,20 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             # As chord.apply_async does: run in this process, send nothing.
             return self.apply(args, kwargs, task_id=task_id, **options)
         state = get_state(app)
+        try:
+            return self._send(app, state, args, kwargs, task_id, options)
+        except RecursionError:
+            raise too_deep(state.settings.max_depth) from None
+
+    def _send(
+        self,
+        app: Any,
+        state: Any,
+        args: Iterable[Any] | None,
+        kwargs: dict[str, Any] | None,
+        task_id: str | None,
+        options: dict[str, Any],
+    ) -> FlowResult:
         if task_id is not None:
             task_id = _job_namespaced(task_id)
         shape, fan = self.shape()
@@ -323,6 +337,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             child_results=state.settings.child_results,
             store_results=writes_results(state),
         )
+        check_depth(plan, state.settings.max_depth)
         if fan and fan != plan.parent_id:
             # What operators' repairs follow from the flow's id to its children (release).
             plan.parent["fan_in"] = fan

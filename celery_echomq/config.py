@@ -68,6 +68,9 @@ class Settings:
     # do. False: their values live only in the parent's :processed (children_values()), and
     # each child saves the backend's write and publish.
     child_results: bool = True
+    # The most flow levels on any path of one tree (a chain's steps are levels too): what
+    # flow(...) and add_children refuse beyond, and what show, cancel and release walk.
+    max_depth: int = 32
 
     @property
     def stall_ms(self) -> int:
@@ -276,4 +279,5 @@ def read_settings(conf: Any) -> Settings:
         serializer=str(conf.get("task_serializer") or "json"),
         accept_content=tuple(accept),
         child_results=_flag(conf, "echomq_child_results", True),
+        max_depth=int(_positive(conf, "echomq_max_depth", 32)),
     )

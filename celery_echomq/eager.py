@@ -28,11 +28,13 @@ from celery.result import EagerResult
 
 from . import reads
 from .canvas import FlowResult
+from .config import Settings
 from .errors import FlowClosedError, FlowFailed
-from .plan import Plan, is_flow, parent_args, plan_children, plan_flow
+from .plan import Plan, check_depth, is_flow, parent_args, plan_children, plan_flow, too_deep
 from .reads import Dependencies
 from .settle import error_text
 from .shapes import expand
+from .state import find_state
 
 
 @dataclass
@@ -203,21 +205,27 @@ def apply_flow(
         merged.pop(name, None)
     if options.get("task_id") is not None and "_shape" not in sig.__dict__:
         sig = sig.clone(task_id=options["task_id"])
-    # The same shape as on a worker: chains, groups and chords as flows of single tasks.
-    sig, fan = sig.shape()
-    merged = {**{k: v for k, v in sig.options.items() if v is not None}, **merged}
-    partial = () if sig.immutable else (*tuple(args or ()), *sig.args)
-    # The same ids, gates and policy checks as on a worker; the plan is then only read.
-    plan = plan_flow(
-        app,
-        sig.parent,
-        sig.children,
-        policy=sig.policy,
-        args=tuple(partial),
-        kwargs=kwargs,
-        options=merged,
-        single=sig.single,
-    )
+    state = find_state(app)
+    limit = state.settings.max_depth if state is not None else Settings.max_depth
+    try:
+        # The same shape as on a worker: chains, groups and chords as flows of single tasks.
+        sig, fan = sig.shape()
+        merged = {**{k: v for k, v in sig.options.items() if v is not None}, **merged}
+        partial = () if sig.immutable else (*tuple(args or ()), *sig.args)
+        # The same ids, gates and policy checks as on a worker; the plan is then only read.
+        plan = plan_flow(
+            app,
+            sig.parent,
+            sig.children,
+            policy=sig.policy,
+            args=tuple(partial),
+            kwargs=kwargs,
+            options=merged,
+            single=sig.single,
+        )
+    except RecursionError:
+        raise too_deep(limit) from None
+    check_depth(plan, limit)
     seen: dict[str, FanIn] = {}
     result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged, seen)
     if fan and fan in seen:

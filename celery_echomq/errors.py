@@ -40,6 +40,10 @@ class FlowExistsError(EchoMQError, ValueError):
     """A job id of the flow already exists in Redis; nothing was written or published."""
 
 
+class DepthError(EchoMQError, ValueError):
+    """A flow tree deeper than ``echomq_max_depth`` levels (a chain's steps count as levels)."""
+
+
 class PolicyError(EchoMQError, ValueError):
     """An unknown ``parent_policy`` name."""
 

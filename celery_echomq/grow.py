@@ -31,8 +31,11 @@ from celery import current_app
 from .errors import EchoMQError, FlowClosedError, FlowExistsError
 from .keyspace import check_id, check_unique
 from .plan import (
+    H_PARENT,
+    H_PARENT_QUEUE,
     H_QUEUE,
     Plan,
+    check_depth,
     child_id,
     child_queue,
     parent_ref,
@@ -127,6 +130,8 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
         store_results=writes_results(state),
     )
     check_unique([parent.id, *(cid for level in plan.levels() for cid in level.child_ids())])
+    if any("nested" in j for j in plan.children):
+        check_depth(plan, state.settings.max_depth, _levels_above(state, parent))
     keys, client, scripts = state.keys, state.client, state.scripts
     row_key = keys.job_key(parent.queue, parent.id)
     for _ in range(MAX_STALE):
@@ -185,6 +190,22 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
         counter,
     )
     return [child_id(j) for j in fresh]
+
+
+def _levels_above(state: EchoMQ, parent: ParentRef) -> int:
+    """How many flows ``parent`` is nested in, read up its rows' stored headers."""
+    above, ref = 0, parent
+    while above <= state.settings.max_depth:
+        payload = state.client.hget(state.keys.job_key(ref.queue, ref.id), "payload")
+        headers = (
+            (state.loads(payload).get("options") or {}).get("headers") or {} if payload else {}
+        )
+        outer = headers.get(H_PARENT)
+        if not outer:
+            break
+        above += 1
+        ref = ParentRef(str(outer), str(headers.get(H_PARENT_QUEUE) or ref.queue))
+    return above
 
 
 def _levels(job: dict[str, Any]) -> list[Plan]:

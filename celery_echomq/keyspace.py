@@ -30,7 +30,9 @@ def _check_text(value: object, what: str) -> str:
         raise InvalidIdError(f"{what} is empty; allowed: {ALLOWED_TEXT}")
     if len(value) > MAX_ID_LENGTH:
         raise InvalidIdError(f"{what} is {len(value)} characters long; allowed: {ALLOWED_TEXT}")
-    if not _ALLOWED.fullmatch(value):
+    # isprintable(): no Unicode category C (format characters such as U+200B and U+202E
+    # included) and no separator but the ASCII space, which the pattern refuses.
+    if not _ALLOWED.fullmatch(value) or not value.isprintable():
         raise InvalidIdError(f"{what} {value!r} has a forbidden character; allowed: {ALLOWED_TEXT}")
     return value
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from celery.canvas import Signature
 
-from .errors import PolicyError
+from .errors import DepthError, PolicyError
 from .keyspace import check_id, check_queue, check_unique
 from .keyspace import new_job_id as new_job_id  # where the tests and benchmarks import it
 from .scripts import ParentRef
@@ -33,6 +33,9 @@ H_SINCE = "echomq_t"
 # "1": the store writes this job's result into Celery's result backend when the job completes
 # (the message says ignore_result, so Celery's trace writes none; see results.py).
 H_RESULT = "echomq_r"
+
+# The prefix of every header above: reserved for the plan's own.
+RESERVED = "echomq_"
 
 # Options that belong to the flow's parent alone: the rest reach every child too.
 PARENT_ONLY = frozenset(
@@ -144,7 +147,12 @@ def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
 
 def _job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
     opts = {k: v for k, v in {**options, **sig.options}.items() if k not in NOT_STORED}
-    opts["headers"] = {**(opts.get("headers") or {}), **headers}
+    given = opts.get("headers") or {}
+    if any(str(name).startswith(RESERVED) for name in given):
+        # The flow's own headers are the plan's alone: one a signature brings (copied from a
+        # request, or from untrusted JSON) must not name another flow's job.
+        given = {k: v for k, v in given.items() if not str(k).startswith(RESERVED)}
+    opts["headers"] = {**given, **headers}
     return {
         "task": sig.task,
         "args": list(sig.args),
@@ -157,6 +165,29 @@ def _job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) 
 
 def is_flow(sig: Any) -> bool:
     return getattr(sig, "subtask_type", None) == "flow"
+
+
+def check_depth(plan: Plan, limit: int, above: int = 0) -> None:
+    """Refuse a tree whose deepest path has more than ``limit`` flow levels (``above``: the
+    levels over ``plan``'s parent, for children added to a nested flow)."""
+    deepest, stack = 0, [(plan.children, above + 1)]
+    while stack:
+        children, depth = stack.pop()
+        deepest = max(deepest, depth)
+        stack.extend((job["nested"]["children"], depth + 1) for job in children if "nested" in job)
+    if deepest > limit:
+        raise DepthError(
+            f"flow {plan.parent_id} is {deepest} levels deep (a chain's steps count as levels); "
+            f"allowed: at most {limit} (the echomq_max_depth setting); nothing was sent"
+        )
+
+
+def too_deep(limit: int) -> DepthError:
+    """What a tree too deep for Python to plan raises (its depth was never counted)."""
+    return DepthError(
+        f"flow tree too deep to plan; allowed: at most {limit} levels (the echomq_max_depth "
+        "setting); nothing was sent"
+    )
 
 
 def parent_args(job: dict[str, Any], values: list[Any]) -> list[Any]:

@@ -55,6 +55,8 @@ class Status(StrEnum):
     SEALED = "sealed"
     # any transition that checks the caller's token
     STALE = "stale"
+    # claim, complete, fail: the caller named another parent than the job row's own
+    FORGED = "forged"
     NOOP = "noop"
     # retry, requeue, drop, hand_over, abandon_flow
     RETRIED = "retried"
@@ -73,7 +75,9 @@ DUPLICATE_DELIVERY = frozenset(
     {Status.BUSY, Status.DONE, Status.FAILED, Status.CANCELLED, Status.HELD}
 )
 # What settling a finished job can answer when it changed nothing for the parent.
-UNSETTLED = frozenset({Status.STALE, Status.FINISHED, Status.FAILED, Status.DUPLICATE})
+UNSETTLED = frozenset(
+    {Status.STALE, Status.FINISHED, Status.FAILED, Status.DUPLICATE, Status.FORGED}
+)
 
 
 def server_error(exc: redis.ResponseError) -> Exception:

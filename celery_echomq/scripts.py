@@ -154,6 +154,7 @@ class Scripts(ScriptRunner):
         force: bool = False,
         retries: int = 0,
         since: int | None = None,
+        parent: str | None = None,
     ) -> tuple[Status, int, str]:
         """``(status, attempts, holder)``: see claim.lua (holder: the live token when busy).
 
@@ -179,6 +180,8 @@ class Scripts(ScriptRunner):
             str(known) if known else "",
             str(since) if since else "",
         ]
+        if parent is not None:
+            argv.append(parent)
         status, attempts, holder, mark = self._run("claim", keys, argv)
         if mark not in (b"", "", None) and int(mark) > known:
             marks[(queue, priority)] = int(mark)

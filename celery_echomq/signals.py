@@ -20,7 +20,8 @@ from celery import signals
 from celery.app.task import Task
 from celery.exceptions import Ignore
 
-from .plan import H_FLOW, H_QUEUE, H_SINCE, Headers, parent_ref
+from .plan import H_FLOW, H_PARENT, H_QUEUE, H_SINCE, Headers, parent_ref
+from .received import may_expire, on_rejected, on_unknown
 from .replies import DUPLICATE_DELIVERY, STARTED, Status
 from .results import (
     store_failure,
@@ -100,6 +101,8 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     lease, priority = state.settings.stall_ms, _priority(request)
     retries = int(getattr(request, "retries", 0) or 0)
     since = getattr(request, H_SINCE, None)
+    # The parent the message names: the claim compares it with the row's own.
+    named = str(getattr(request, H_PARENT, None) or "")
     status, attempts, holder = state.scripts.claim(
         queue,
         task_id,
@@ -108,6 +111,7 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         priority=priority,
         retries=retries,
         since=since if isinstance(since, int) else None,
+        parent=named,
     )
     if status is Status.BUSY and holder == token:
         # The store's client resent this claim after a lost reply (a failover): the first
@@ -117,7 +121,14 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         # Its pool process died on this host (acks late: this is the broker's redelivery):
         # the holder is known dead, so its lease does not have to lapse first.
         status, attempts, holder = state.scripts.claim(
-            queue, task_id, token, lease, priority=priority, force=True, retries=retries
+            queue,
+            task_id,
+            token,
+            lease,
+            priority=priority,
+            force=True,
+            retries=retries,
+            parent=named,
         )
     if status in STARTED:
         _tokens[task_id] = token
@@ -126,6 +137,17 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
             logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
         else:
             logger.info("echomq: claim %s -> taken over (attempt %d)", task_id, attempts)
+    elif status is Status.FORGED:
+        # The row's own parent is not the one this message names: a forged or copied header.
+        # The body does not run, and nothing of the flow changes.
+        _skip.add(task_id)
+        logger.warning(
+            "echomq: refused delivery of %s on %s: its message names parent %r, which is not "
+            "the job's own (its body is skipped; counted as forged_refused)",
+            task_id,
+            queue,
+            named or None,
+        )
     elif status in DUPLICATE_DELIVERY:
         # A duplicate delivery: the job runs under a live lease elsewhere, or it is finished,
         # or (a parent) it still waits for its children. Its body is skipped and its message
@@ -276,13 +298,24 @@ def on_revoked(
     state = find_state(sender.app)
     if state is None:
         return
+    reason = "TaskRevokedError: expired" if expired else "TaskRevokedError: revoked"
+    queue = getattr(headers, H_QUEUE)
+    if expired and not may_expire(state, queue, request.id):
+        # An expired copy of a job whose own message never expires (a forged or replayed
+        # message): the row decides, and its job runs as sent.
+        logger.warning(
+            "echomq: ignored an expired delivery of %s on %s: the job's stored message has no "
+            "expiry",
+            request.id,
+            queue,
+        )
+        return
     store_revoked(
         sender, request, "expired" if expired else "terminated" if terminated else "revoked"
     )
-    reason = "TaskRevokedError: expired" if expired else "TaskRevokedError: revoked"
     settle_failure(
         state,
-        getattr(headers, H_QUEUE),
+        queue,
         request.id,
         "",
         reason,
@@ -298,6 +331,8 @@ def connect() -> None:
     signals.task_failure.connect(on_failure, weak=False, dispatch_uid="echomq_failure")
     signals.task_retry.connect(on_retry, weak=False, dispatch_uid="echomq_retry")
     signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="echomq_revoked")
+    signals.task_unknown.connect(on_unknown, weak=False, dispatch_uid="echomq_unknown")
+    signals.task_rejected.connect(on_rejected, weak=False, dispatch_uid="echomq_rejected")
     signals.task_received.connect(on_received, weak=False, dispatch_uid="echomq_received")
     signals.task_postrun.connect(on_postrun, weak=False, dispatch_uid="echomq_postrun")
     # On Celery's base class, so that tasks with a custom base get it too; Celery's tracer

@@ -43,8 +43,8 @@ _ROW_FIELDS = (
 # Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
 _STORED = frozenset({"payload", "delta", "template"})
 # A nested flow is a child that is itself a parent; a cycle cannot be written (enqueue_flow
-# refuses an id that exists), but a depth cap keeps a corrupted store from hanging the CLI.
-MAX_DEPTH = 32
+# refuses an id that exists), and the depth a flow may have (echomq_max_depth) caps the walk,
+# so a corrupted store cannot hang the CLI either.
 
 
 @dataclass(frozen=True)
@@ -294,8 +294,11 @@ def _build(
             child_facts["value"] = _load(state, processed[cid])
         if cid in ignored:
             child_facts["ignored_error"] = ignored[cid]
-        if depth + 1 >= MAX_DEPTH:
-            raise EchoMQError(f"flow tree under {job_id!r} is deeper than {MAX_DEPTH} levels")
+        if depth + 1 >= state.settings.max_depth:
+            raise EchoMQError(
+                f"flow tree under {job_id!r} is deeper than {state.settings.max_depth} levels "
+                "(the echomq_max_depth setting)"
+            )
         children.append(
             _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
         )

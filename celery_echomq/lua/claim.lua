@@ -24,6 +24,9 @@
 --          pending score: spares the ZSCORE. A message re-published by recovery, or retried,
 --          carries an older time or none ('': read the score), which can only leave a mark
 --          lower, never claim that a job was delivered later than it was
+-- ARGV[9]  optional: the parent id the delivery's message names ('' for none). The row's
+--          own 'parent' decides: a message that names another (a forged or copied header)
+--          claims nothing (absent: not compared, for a caller that knows no message)
 --
 -- Reply: {status, attempts, holder, mark}
 --   mark: the claim mark this priority is now known to have reached ('' when this claim
@@ -38,6 +41,8 @@
 --   "done" | "failed" | "cancelled"   already finished: nothing changed but the counters
 --   "held"        a parent still awaiting its children: nothing changed
 --   "missing"     no row (never written, or expired): nothing changed
+--   "forged"      the message names another parent than the row: nothing changed but the
+--                 queue's 'forged_refused' count
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "now_ms"
@@ -46,10 +51,14 @@ if refused then
   return refused
 end
 local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced', 'retries',
-  'skipped', 'suspect')
+  'skipped', 'suspect', 'parent')
 local state = row[1]
 if not state then
   return {'missing', 0, '', ''}
+end
+if ARGV[9] and ARGV[9] ~= (row[8] or '') then
+  redis.call('HINCRBY', KEYS[6], 'forged_refused', 1)
+  return {'forged', tonumber(row[2]) or 0, '', ''}
 end
 if state == 'awaiting_children' then
   return {'held', 0, '', ''}

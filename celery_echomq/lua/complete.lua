@@ -35,6 +35,8 @@
 --   "staged"      finished and staged in the outbox (ARGV[7] == '1'): the host credits it
 --   "done"        finished; no parent to credit
 --   "stale"       the token is not the current one: nothing changed
+--   "forged"      ARGV[5] is not the row's own parent (a message's headers named another):
+--                 nothing changed
 --   "<state>"     the job is not active (done, failed, pending, ...): nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
@@ -49,7 +51,8 @@ local is_parent = ARGV[4] == '1'
 -- A parent's credited_failed, read with its holder: its :ignored exists only once a child
 -- failed under 'ignore', which counts credited_failed in the same script (settle_child).
 local failed_children
-refused, failed_children = not_holder(KEYS[1], ARGV[2], is_parent and 'credited_failed' or nil)
+refused, failed_children = not_holder(KEYS[1], ARGV[2], is_parent and 'credited_failed' or nil,
+  ARGV[5])
 if refused then
   return refused
 end

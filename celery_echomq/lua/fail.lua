@@ -39,6 +39,8 @@
 --   "staged"         staged in the outbox (ARGV[7] == '1'); policy is the child's own
 --                    parent_policy or '' (the flow's default, read on the parent's slot)
 --   "stale"          the token is not the current one: nothing changed
+--   "forged"         ARGV[6] is not the row's own parent (a message's headers named
+--                    another): nothing changed
 --   "finished"       already done, failed or cancelled: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
@@ -49,7 +51,11 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local state = redis.call('HGET', KEYS[1], 'state')
+local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent')
+local state = row[1]
+if state and (row[3] or '') ~= ARGV[6] then
+  return {'forged', ''}
+end
 local now = now_ms()
 local ttl = tonumber(ARGV[4])
 if ARGV[8] == '1' then
@@ -60,7 +66,7 @@ else
   if state == 'done' or state == 'failed' or state == 'cancelled' then
     return {'finished', ''}
   end
-  if ARGV[2] ~= '' and (state ~= 'active' or redis.call('HGET', KEYS[1], 'token') ~= ARGV[2]) then
+  if ARGV[2] ~= '' and (state ~= 'active' or row[2] ~= ARGV[2]) then
     return {'stale', ''}
   end
   redis.call('ZREM', KEYS[2], ARGV[1])

@@ -1,0 +1,173 @@
+"""A flow obeys only its own jobs and its operators: the job rows in the store decide, not a
+message's headers. Forged messages here are real messages on the broker, published with kombu."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from celery import chain
+
+from celery_echomq import DepthError, FlowFailed, InvalidIdError, flow
+
+from .conftest import wait_for
+
+
+def job_id() -> str:
+    return "JOB" + uuid.uuid4().hex
+
+
+def gate_name() -> str:
+    return f"test:gate:{uuid.uuid4().hex}"
+
+
+def row(store: redis.Redis, jid: str, field: str, queue: str = "celery") -> str | None:
+    value = store.hget(f"emq:{{{queue}}}:{jid}", field)
+    return value.decode() if value is not None else None
+
+
+def forge(app: Any, task: str, task_id: str, args: tuple[Any, ...], **headers: Any) -> None:
+    """Publish a task message for ``task_id`` with ``headers`` added, straight through kombu:
+    what anyone with access to the broker can send."""
+    message = app.amqp.create_task_message(task_id, task, args, {})
+    with app.connection_for_write() as conn:
+        producer = conn.Producer()
+        producer.publish(
+            message.body,
+            exchange="",
+            routing_key="celery",
+            headers={**message.headers, **headers},
+            serializer="json",
+            **message.properties,
+        )
+
+
+def test_a_signatures_own_flow_headers_cannot_credit_another_flow(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = gate_name()
+    held = flow(proj.tsum.s(), [proj.gated.s(5, gate)])
+    held.freeze()
+    try:
+        victim = held.apply_async()
+        # A parent signature that names the held flow in the flow's own header names.
+        sneaky = proj.tsum.s().set(headers={"echomq_p": victim.id, "echomq_pq": "celery"})
+        assert flow(sneaky, [proj.add.s(1, 1)]).apply_async().get(timeout=60) == 2
+        time.sleep(0.5)
+        assert row(store, victim.id, "state") == "awaiting_children"
+        assert victim.children_values() == {}
+    finally:
+        store.set(gate, 1)
+    assert victim.get(timeout=60) == 5
+
+
+def test_a_forged_message_for_another_flows_child_changes_neither_flow(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate_t = gate_name()
+    # V's child waits in the worker's timer, not in a pool process: the forged message
+    # finds a free one.
+    t_child, v_child = proj.gated.s(3, gate_t), proj.add.s(2, 2).set(countdown=6)
+    t, v = flow(proj.tsum.s(), [t_child]), flow(proj.tsum.s(), [v_child])
+    t.freeze()
+    v.freeze()
+    before = int(store.hget("emq:{celery}:counters", "forged_refused") or 0)
+    try:
+        t_res, v_res = t.apply_async(), v.apply_async()
+        forged_id = t_child.options["task_id"]
+        # T's child id, V named as its parent, other arguments: what a forger would send.
+        forge(
+            proj.app, "tests.proj.add", forged_id, (100, 100), echomq_q="celery", echomq_p=v_res.id
+        )
+        wait_for(lambda: int(store.hget("emq:{celery}:counters", "forged_refused") or 0) > before)
+        assert row(store, v_res.id, "state") == "awaiting_children"
+        assert row(store, t_res.id, "state") == "awaiting_children"
+    finally:
+        store.set(gate_t, 1)
+    assert t_res.get(timeout=60) == 3
+    assert v_res.get(timeout=60) == 4
+
+
+def test_a_forged_expired_copy_does_not_fail_the_flow(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = gate_name()
+    child = proj.gated.s(6, gate)
+    sig = flow(proj.tsum.s(), [child])
+    sig.freeze()
+    try:
+        res = sig.apply_async()
+        cid = child.options["task_id"]
+        wait_for(lambda: row(store, cid, "state") == "active")
+        message = proj.app.amqp.create_task_message(
+            cid, "tests.proj.gated", (6, gate), {}, expires="2000-01-01T00:00:00+00:00"
+        )
+        with proj.app.connection_for_write() as conn:
+            conn.Producer().publish(
+                message.body,
+                exchange="",
+                routing_key="celery",
+                headers={**message.headers, "echomq_q": "celery", "echomq_p": res.id},
+                serializer="json",
+                **message.properties,
+            )
+        time.sleep(1.5)  # the worker takes the copy, finds it expired, and revokes it
+        assert row(store, cid, "state") == "active"
+        assert row(store, res.id, "state") == "awaiting_children"
+    finally:
+        store.set(gate, 1)
+    assert res.get(timeout=60) == 6
+
+
+@pytest.mark.parametrize("where", ["child", "inside a chain child"])
+def test_a_task_no_worker_registered_fails_its_flow_at_once(
+    proj: Any, worker: Any, where: str
+) -> None:
+    missing = proj.app.signature("tests.proj.not_a_task", args=(1,))
+    child = missing if where == "child" else chain(proj.add.s(1, 1), missing)
+    started = time.monotonic()
+    with pytest.raises(FlowFailed, match="NotRegistered: task 'tests.proj.not_a_task'"):
+        flow(proj.tsum.s(), [child, proj.add.s(1, 1)]).apply_async().get(timeout=60)
+    # Long before the stall timeout (300 s in these tests) would let recovery look.
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.parametrize("bad", ["JOB\u200babc", "JOB\u202eabc", "JOB\u00a0abc"])
+def test_the_id_gate_refuses_invisible_characters(proj: Any, bad: str) -> None:
+    with pytest.raises(InvalidIdError, match="forbidden character"):
+        flow(proj.tsum.s().set(task_id=bad), [proj.add.s(1, 1)]).apply_async()
+
+
+def nested(proj: Any, depth: int) -> Any:
+    sig = flow(proj.tsum.s(), [proj.add.s(1, 1)])
+    for _ in range(depth - 1):
+        sig = flow(proj.tsum.s(), [sig])
+    return sig
+
+
+@pytest.mark.parametrize("how", ["eager", "worker"])
+@pytest.mark.parametrize("depth", [33, 1000])
+def test_one_depth_limit_refuses_a_deeper_flow_before_anything_is_sent(
+    proj: Any, worker: Any, store: redis.Redis, how: str, depth: int
+) -> None:
+    sig = nested(proj, depth)
+    top = sig.parent.set(task_id=job_id())
+    with pytest.raises(DepthError, match="at most 32"):
+        sig.apply() if how == "eager" else sig.apply_async()
+    assert store.keys(f"*{top.options['task_id']}*") == []
+
+
+@pytest.mark.parametrize("how", ["eager", "worker"])
+def test_a_flow_at_the_depth_limit_runs(proj: Any, worker: Any, how: str) -> None:
+    sig = nested(proj, 32)
+    res = sig.apply() if how == "eager" else sig.apply_async()
+    assert res.get(timeout=60) == 2
+
+
+def test_a_chain_child_longer_than_the_depth_limit_is_refused(proj: Any, worker: Any) -> None:
+    steps = chain(proj.add.s(0, 1), *[proj.add.s(1) for _ in range(40)])
+    with pytest.raises(DepthError, match="a chain's steps count as levels"):
+        flow(proj.tsum.s(), [steps]).apply_async()
