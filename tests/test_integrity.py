@@ -129,7 +129,7 @@ def test_a_task_no_worker_registered_fails_its_flow_at_once(
     missing = proj.app.signature("tests.proj.not_a_task", args=(1,))
     child = missing if where == "child" else chain(proj.add.s(1, 1), missing)
     started = time.monotonic()
-    with pytest.raises(FlowFailed, match="NotRegistered: task 'tests.proj.not_a_task'"):
+    with pytest.raises(FlowFailed, match=r"NotRegistered: task 'tests\.proj\.not_a_task'"):
         flow(proj.tsum.s(), [child, proj.add.s(1, 1)]).apply_async().get(timeout=60)
     # Long before the stall timeout (300 s in these tests) would let recovery look.
     assert time.monotonic() - started < 30
