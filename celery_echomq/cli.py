@@ -289,7 +289,8 @@ def recover(ctx: click.Context, queues: tuple[str, ...], as_json: bool) -> None:
 @_errors
 def stats(ctx: click.Context, as_json: bool) -> None:
     """Per queue that holds flows: pending, active, held parents and failed jobs; messages
-    recovery re-published and duplicate deliveries skipped (both counted since the start)."""
+    recovery re-published, duplicate deliveries skipped and forged ones refused (counted since
+    the start)."""
     rows = queue_stats(_state(ctx))
     if as_json:
         _emit_json({"queues": [dataclasses.asdict(row) for row in rows]})
@@ -300,12 +301,12 @@ def stats(ctx: click.Context, as_json: bool) -> None:
     width = max(len("queue"), *(len(row.queue) for row in rows))
     click.echo(
         f"{'queue':<{width}}  {'pending':>7}  {'active':>6}  {'held':>6}  {'failed':>6}  "
-        f"{'republished':>11}  {'skipped':>7}"
+        f"{'republished':>11}  {'skipped':>7}  {'forged':>6}"
     )
     for row in rows:
         click.echo(
             f"{row.queue:<{width}}  {row.pending:>7}  {row.active:>6}  {row.held:>6}  "
-            f"{row.failed:>6}  {row.republished:>11}  {row.skipped:>7}"
+            f"{row.failed:>6}  {row.republished:>11}  {row.skipped:>7}  {row.forged:>6}"
         )
 
 

@@ -112,6 +112,7 @@ class QueueStats:
     failed: int  # jobs that failed for good within the result TTL
     republished: int = 0  # messages recovery re-published (or dispatched again), ever
     skipped: int = 0  # duplicate deliveries acknowledged without running their body, ever
+    forged: int = 0  # deliveries refused: their message named another parent than the row's
 
 
 def _int(value: Any) -> int | None:
@@ -387,8 +388,10 @@ def queue_stats(state: EchoMQ) -> list[QueueStats]:
         pipe = client.pipeline(transaction=False)
         for set_name in ("pending", "active", "failed"):
             pipe.zcard(keys.queue_key(name, set_name))
-        pipe.hmget(keys.queue_key(name, "counters"), "republished", "duplicates_skipped")
-        pending, active, failed, (republished, skipped) = pipe.execute()
+        pipe.hmget(
+            keys.queue_key(name, "counters"), "republished", "duplicates_skipped", "forged_refused"
+        )
+        pending, active, failed, (republished, skipped, forged) = pipe.execute()
         stats.append(
             QueueStats(
                 name,
@@ -398,6 +401,7 @@ def queue_stats(state: EchoMQ) -> list[QueueStats]:
                 int(failed),
                 int(republished or 0),
                 int(skipped or 0),
+                int(forged or 0),
             )
         )
     return stats

@@ -351,6 +351,7 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
             "failed": 0,
             "republished": 0,
             "skipped": 0,
+            "forged": 0,
         }
     ]
 
@@ -363,8 +364,9 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
         "failed",
         "republished",
         "skipped",
+        "forged",
     ]
-    assert [queue, "1", "1", "1", "0", "0", "0"] in [
+    assert [queue, "1", "1", "1", "0", "0", "0", "0"] in [
         line.split() for line in text.stdout.splitlines()
     ]
 
@@ -386,6 +388,7 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
             "failed": 2,
             "republished": 0,
             "skipped": 0,
+            "forged": 0,
         }
     ]
 

@@ -3,6 +3,7 @@ message's headers. Forged messages here are real messages on the broker, publish
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any
@@ -85,6 +86,10 @@ def test_a_forged_message_for_another_flows_child_changes_neither_flow(
         wait_for(lambda: int(store.hget("emq:{celery}:counters", "forged_refused") or 0) > before)
         assert row(store, v_res.id, "state") == "awaiting_children"
         assert row(store, t_res.id, "state") == "awaiting_children"
+        from .test_cli import echomq
+
+        stats = json.loads(echomq("stats", "--json").stdout)["queues"]
+        assert next(q for q in stats if q["queue"] == "celery")["forged"] > before
     finally:
         store.set(gate_t, 1)
     assert t_res.get(timeout=60) == 3

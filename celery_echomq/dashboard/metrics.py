@@ -43,6 +43,11 @@ class EchoMQCollector(Collector):
                 ("dispatched", "dispatches", "Released parents handed out for publishing"),
                 ("republished", "republished", "Messages recovery published again"),
                 ("duplicates_skipped", "duplicates_skipped", "Duplicate deliveries skipped"),
+                (
+                    "forged_refused",
+                    "forged_refused",
+                    "Deliveries refused: their message named another parent than the job's row",
+                ),
             )
         }
         failures = CounterMetricFamily(

@@ -31,6 +31,7 @@ COUNTERS = (
     "dispatched",
     "republished",
     "duplicates_skipped",
+    "forged_refused",
     "failed_fail",
     "failed_ignore",
     "failed_remove",
