@@ -17,6 +17,7 @@ TRANSITIONS = (
     # release a held parent now
     "retry_flow",
     "retry_children",
+    "retry_counted",
     "release",
     # the chunked / cross-slot path: open, add per queue and chunk, seal; credit on the parent
     "open_flow",

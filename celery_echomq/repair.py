@@ -165,6 +165,28 @@ class _Retry:
             dispatch_parent(self.state, queue, parent_id)
 
 
+def _retry_counted(state: EchoMQ, node: JobNode, child: JobNode) -> RetryOutcome:
+    """Retry one child failed under ignore, remove or continue: it was counted as resolved,
+    and now counts toward its parent again (see retry_counted.lua)."""
+    if child.flow is not None or child.queue != node.queue:
+        raise NotRepairableError(
+            f"child {child.id} of flow {node.id} failed under {child.policy}: only a task child "
+            "on its parent's queue can be retried that way; nothing changed",
+            child.state,
+        )
+    status, pairs = state.scripts.retry_counted(node.queue, node.id, child.id)
+    if status is not Status.RETRIED:
+        raise NotRepairableError(
+            f"child {child.id} of flow {node.id} is {status}; nothing changed", str(status)
+        )
+    with contextlib.suppress(NotImplementedError):  # a backend that keeps nothing
+        state.app.backend.forget(child.id)
+    publish(state.app, [load_job(state, node.queue, cid, stored) for cid, stored in pairs])
+    logger.info("echomq: child %s of flow %s retried (policy %s)", child.id, node.id, child.policy)
+    after = read_tree(state, node.id, with_result=False)
+    return RetryOutcome(flow_id=node.id, republished=(child.id,), held=(), state=after.state)
+
+
 def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> RetryOutcome:
     """Run the flow ``job_id`` again after it failed under policy ``fail``.
 
@@ -175,8 +197,12 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
     outer flow puts that outer flow back to held too (and so on up). Celery's stored failure
     of every re-held parent is cleared, so ``get()`` waits for the new outcome.
 
-    ``child``: retry that one failed child only. A held flow is accepted when it has children
-    failed under ``fail`` (a partial retry, or one a crash cut short): those are retried.
+    ``child``: retry that one failed child only, under any policy. One failed under
+    ``ignore``, ``remove`` or ``continue`` was counted as resolved: it counts toward the
+    parent again, which waits for it if it has not been released yet (a released parent keeps
+    its course, and the child's new value is recorded). A held flow is accepted when it has
+    children failed under ``fail`` (a partial retry, or one a crash cut short): those are
+    retried.
     Raises :class:`NotRepairableError` (nothing changed) for any other state.
     """
     node = _flow(state, job_id)
@@ -185,10 +211,12 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
         match = [c for c in node.children if c.id == child]
         if not match:
             raise NotRepairableError(f"{child} is not a child of flow {job_id}", node.state)
+        if match[0].state == "failed" and match[0].policy != "fail":
+            return _retry_counted(state, node, match[0])
         if match[0] not in failed:
             raise NotRepairableError(
                 f"child {child} of flow {job_id} is {match[0].state} (policy "
-                f"{match[0].policy}); --child retries a child failed under policy 'fail'",
+                f"{match[0].policy}); --child retries a failed child",
                 match[0].state,
             )
         failed = match

@@ -499,6 +499,24 @@ class Scripts(ScriptRunner):
         reply = self._run("retry_flow", keys, [parent_id, str(len(local)), *local, *others])
         return _status(reply[0]), _stored_children(reply[1:], parent_id)
 
+    def retry_counted(
+        self, queue: str, parent_id: str, child_id: str
+    ) -> tuple[Status, list[tuple[str, Stored]]]:
+        """Make a child failed under ignore, remove or continue pending again and count it
+        toward its parent again (retry_counted.lua): the status and its stored job."""
+        deps, _, ignored = self.keys.flow_keys(queue, parent_id)
+        keys = [
+            self.keys.job_key(queue, child_id),
+            self.keys.job_key(queue, parent_id),
+            deps,
+            ignored,
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "failed"),
+        ]
+        status, *stored = self._run("retry_counted", keys, [child_id, parent_id])
+        pairs = _stored_children([child_id, *stored], parent_id) if stored else []
+        return _status(status), pairs
+
     def retry_children(
         self, queue: str, parent_id: str, child_ids: Sequence[str]
     ) -> list[tuple[str, Stored]]:

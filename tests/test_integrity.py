@@ -176,3 +176,46 @@ def test_a_chain_child_longer_than_the_depth_limit_is_refused(proj: Any, worker:
     steps = chain(proj.add.s(0, 1), *[proj.add.s(1) for _ in range(40)])
     with pytest.raises(DepthError, match="a chain's steps count as levels"):
         flow(proj.tsum.s(), [steps]).apply_async()
+
+
+@pytest.mark.parametrize("policy", ["ignore", "remove", "continue"])
+def test_retry_child_takes_a_child_failed_under_any_policy_while_held(
+    proj: Any, worker: Any, store: redis.Redis, policy: str
+) -> None:
+    flag, gate = f"test:flag:{uuid.uuid4().hex}", gate_name()
+    bad = proj.flaky.s(5, flag).set(parent_policy=policy, task_id=job_id())
+    sig = flow(proj.tsum.s(), [bad, proj.gated.s(1, gate)])
+    sig.freeze()
+    try:
+        res = sig.apply_async()
+        wait_for(lambda: row(store, bad.options["task_id"], "state") == "failed")
+        if policy == "continue":
+            # Released at once with no value: the retried child is recorded, not waited for.
+            assert res.get(timeout=60) == 0
+        store.set(flag, 1)
+        from .test_cli import echomq
+
+        out = echomq("retry", res.id, "--child", bad.options["task_id"])
+        assert out.exit_code == 0, out.output
+    finally:
+        store.set(gate, 1)
+    if policy != "continue":
+        assert res.get(timeout=60) == 6  # the retried child's value counts again
+    wait_for(lambda: res.children_values().get(bad.options["task_id"]) == 5)
+    assert res.ignored_failures() == {}
+    wait_for(lambda: res.dependencies().outstanding == 0)
+
+
+def test_retry_child_after_the_parent_ran_records_the_new_value(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    bad = proj.flaky.s(5, flag).set(parent_policy="ignore", task_id=job_id())
+    res = flow(proj.tsum.s(), [bad, proj.add.s(1, 1)]).apply_async()
+    assert res.get(timeout=60) == 2
+    store.set(flag, 1)
+    res.retry(child=bad.options["task_id"])
+    wait_for(lambda: res.children_values().get(bad.options["task_id"]) == 5)
+    assert res.ignored_failures() == {}
+    assert res.dependencies().outstanding == 0
+    assert res.get(timeout=60) == 2  # the parent ran once; it does not run again

@@ -1,0 +1,49 @@
+-- retry_counted: an operator retries one child that failed under ignore, remove or continue
+-- (on the parent's slot, the child's too). Such a child was counted as resolved when it
+-- failed: this takes that back, so that its new attempt counts toward the parent again.
+-- The parent is not held again: a parent still awaiting its children waits for this one
+-- too; one already released (under continue, or by its other children) keeps its course,
+-- and the child's new value is recorded in its :processed without releasing it again.
+--
+-- KEYS[1]  the child's row
+-- KEYS[2]  the parent row
+-- KEYS[3]  the parent's :dependencies
+-- KEYS[4]  the parent's :ignored
+-- KEYS[5]  the queue's pending set
+-- KEYS[6]  the queue's failed set
+-- ARGV[1]  the child's id
+-- ARGV[2]  the parent's id (a child whose row names another parent is left alone)
+--
+-- Reply: {status, payload, delta}
+--   "retried"   the child is pending again (the host publishes its stored job: the payload
+--               or, nil payload, the delta against the template on the parent's row)
+--   "<state>"   the child is not failed under ignore, remove or continue ('fail': retry the
+--               flow; 'forged': it is not this parent's child): nothing changed
+-- Errors: "EMQKIND ..." a non-JOB id.
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(1, 2)
+if refused then
+  return refused
+end
+local c = redis.call('HMGET', KEYS[1], 'state', 'parent_policy', 'parent', 'payload', 'delta')
+if c[3] ~= ARGV[2] then
+  return {c[1] and 'forged' or 'missing'}
+end
+if c[1] ~= 'failed' then
+  return {c[1]}
+end
+local policy = c[2] or redis.call('HGET', KEYS[2], 'policy') or 'fail'
+if policy == 'fail' then
+  return {'fail'}
+end
+redis.call('HSET', KEYS[1], 'state', 'pending')
+redis.call('HDEL', KEYS[1], 'error', 'suspect', 'token')
+redis.call('PERSIST', KEYS[1])
+redis.call('ZREM', KEYS[6], ARGV[1])
+redis.call('ZADD', KEYS[5], now_ms(), ARGV[1])
+-- Uncounted: one more outstanding, one resolved failure fewer, its error no longer ignored.
+redis.call('INCR', KEYS[3])
+redis.call('HINCRBY', KEYS[2], 'credited_failed', -1)
+redis.call('HDEL', KEYS[4], ARGV[1])
+return {'retried', c[4], c[5]}
