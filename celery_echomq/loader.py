@@ -13,6 +13,7 @@ TRANSITIONS = (
     "retry",
     "dispatch",
     "cancel",
+    "cancel_elsewhere",
     # an operator's repairs: retry a failed flow (its parent's slot, then its children's),
     # release a held parent now
     "retry_flow",

@@ -16,11 +16,11 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
+from .cancel import cancel_flow
 from .errors import NotRepairableError
 from .publish import publish
 from .replies import Status
 from .settle import dispatch_parent
-from .start import cancel_flow
 from .state import EchoMQ
 from .stored import Stored, load_job
 from .views import JobNode, read_tree
@@ -276,8 +276,9 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
 
     As under policy ``continue``: children that complete later are still recorded in the
     parent's ``:processed`` and counted, but never release it again. ``revoke``: also revoke
-    the children still outstanding (Celery's revoke; their rows become cancelled, so no
-    delivery runs them and nothing counts them). Raises :class:`NotRepairableError` (nothing
+    the children that have not started, on every slot alike (Celery's revoke; their rows
+    become cancelled, so no delivery runs them and nothing counts them), as BullMQ's
+    ``removeUnprocessedChildren``: running ones finish and are recorded. Raises :class:`NotRepairableError` (nothing
     changed) unless the parent is held.
     """
     node = _flow(state, job_id)
@@ -296,7 +297,7 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
         # A held nested flow is a flow of its own: cancelled whole, its children revoked.
         for c in outstanding:
             if c.flow is not None:
-                revoked += cancel_flow(state, c.queue, c.id)
+                revoked += cancel_flow(state, c.queue, c.id, settle=False)
     local = [c.id for c in outstanding if c.queue == node.queue]
     status, cancelled = state.scripts.release(
         node.queue, node.id, local, revoke=revoke, ttl=state.settings.result_ttl
@@ -306,12 +307,19 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
             f"flow {job_id} is {status}; nothing changed: {RELEASE_ALLOWS}", str(status)
         )
     if revoke:
-        # Children of another slot are revoked through Celery alone: their revocation fails
-        # them there, which counts toward a parent that no longer waits.
-        remote = [c.id for c in outstanding if c.queue != node.queue]
-        revoked += cancelled + remote
-        if cancelled or remote:
-            state.app.control.revoke([*cancelled, *remote])
+        # Children of other slots alike: those not started are cancelled there; running
+        # ones, on every slot, finish and are recorded.
+        remote: dict[str, list[str]] = {}
+        for c in outstanding:
+            if c.queue != node.queue and c.flow is None:
+                remote.setdefault(c.queue, []).append(c.id)
+        for queue, ids in remote.items():
+            cancelled += state.scripts.cancel_elsewhere(
+                queue, node.id, ids, ttl=state.settings.result_ttl, started=False
+            )
+        revoked += cancelled
+        if cancelled:
+            state.app.control.revoke(cancelled)
     dispatch_parent(state, node.queue, node.id)
     values = sum(1 for c in node.children if c.outcome == "credited")
     after = read_tree(state, job_id, with_result=False)

@@ -8,9 +8,9 @@ from celery.result import AsyncResult
 from vine import promise
 
 from . import reads
+from .cancel import cancel_flow
 from .errors import NoResultBackendError
 from .reads import locate
-from .start import cancel_flow
 from .state import get_state
 
 
@@ -102,12 +102,16 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         wait: bool = False,
         timeout: float | None = None,
     ) -> None:
-        """Cancel the flow: revoke every outstanding child; the parent will never run.
+        """Cancel the flow: revoke every outstanding job of its tree, on every queue; the
+        parent will never run.
 
         ``get()`` then raises :class:`~celery_echomq.FlowCancelled`. A parent that already
-        started is revoked like any task.
+        started is revoked like any task (and its children still outstanding, say under
+        ``continue``, are cancelled).
         """
         state = get_state(self.app)
         queue = locate(state, self.id, self.flow_queue)
-        if not cancel_flow(state, queue, self.id, terminate=terminate) and not self.ready():
+        cancel_flow(state, queue, self.id, terminate=terminate)
+        parent_state = state.client.hget(state.keys.job_key(queue, self.id), "state")
+        if parent_state != b"cancelled" and not self.ready():
             super().revoke(connection, terminate, signal, wait, timeout)

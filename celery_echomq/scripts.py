@@ -471,6 +471,26 @@ class Scripts(ScriptRunner):
             return _status(reply[0]), _status(reply[0]), []
         return _status(reply[0]), _status(reply[1]), [text(cid) for cid in reply[2:]]
 
+    def cancel_elsewhere(
+        self,
+        queue: str,
+        parent_id: str,
+        child_ids: Sequence[str],
+        *,
+        ttl: int,
+        started: bool,
+    ) -> list[str]:
+        """Cancel ``parent_id``'s outstanding children on ``queue``'s slot (``started``: the
+        running ones too): the ids cancelled (cancel_elsewhere.lua)."""
+        keys = [
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "counters"),
+            *(self.keys.job_key(queue, cid) for cid in child_ids),
+        ]
+        argv = [parent_id, str(ttl), "1" if started else "0", *child_ids]
+        return [text(cid) for cid in self._run("cancel_elsewhere", keys, argv)]
+
     def retry_flow(
         self,
         queue: str,

@@ -16,12 +16,11 @@ from kombu.exceptions import EncodeError
 from redis.cluster import RedisCluster
 
 from .config import safe_url
-from .errors import EchoMQError, FlowCancelled, FlowExistsError, StoreUnavailableError
+from .errors import EchoMQError, FlowExistsError, StoreUnavailableError
 from .plan import H_SINCE, Plan, child_id, child_queue, child_template, job_delta
 from .publish import publish
-from .replies import Status
 from .scripts import ParentRef
-from .settle import dispatch_parent, record_failure
+from .settle import dispatch_parent
 from .state import EchoMQ
 from .views import JobNode, walk
 
@@ -333,44 +332,6 @@ def resume_nested(state: EchoMQ, plan: Plan) -> None:
     # re-publishes.
     with contextlib.suppress(FlowExistsError):
         start_flow(state, plan)
-
-
-def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = False) -> list[str]:
-    """Cancel a flow whose parent has not started: the ids of the children it revoked.
-
-    Returns an empty list when the parent already started or finished (nothing to cancel).
-    """
-    row = state.keys.job_key(queue, parent_id)
-    payload = state.client.hget(row, "payload")
-    children = state.loads(payload)["children"] if payload else []
-    # Nested flows first, inner before outer: each is a flow of its own to cancel.
-    pipe = state.client.pipeline(transaction=False)
-    for cid in children:
-        pipe.exists(state.keys.flow_keys(queue, cid)[0])
-    revoked = []
-    for cid, nested in zip(children, pipe.execute(), strict=True):
-        if nested and state.client.hget(state.keys.job_key(queue, cid), "state") in (
-            b"awaiting_children",
-            b"pending",
-        ):
-            revoked += cancel_flow(state, queue, cid, terminate)
-    status, was, outstanding = state.scripts.cancel(
-        queue, parent_id, children, ttl=state.settings.result_ttl
-    )
-    if status is not Status.CANCELLED:
-        return revoked
-    # A released parent's message is on its way: revoke it too, so it never runs.
-    to_revoke = [*outstanding, parent_id] if was is Status.PENDING else outstanding
-    if to_revoke:
-        state.app.control.revoke(to_revoke, terminate=terminate)
-    exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
-    record_failure(
-        state, parent_id, exc, state.loads(payload) if payload else None, call_errbacks=False
-    )
-    logger.info(
-        "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
-    )
-    return revoked + outstanding
 
 
 def forget_flow(state: EchoMQ, node: JobNode) -> list[str]:

@@ -539,3 +539,14 @@ def rebuild_signature(sig_dict: dict[str, Any]) -> list[str]:
 def lineage(self: Any, *args: Any) -> dict[str, Any]:
     """A parent that reports its own lineage: the task it is the child of, and the root."""
     return {"parent_id": self.request.parent_id, "root_id": self.request.root_id}
+
+
+# --- Tasks of tests/test_canvas_faults.py --------------------------------------------------------
+
+
+@app.task(bind=True)
+def redeliver_boom(self: Any, message: str = "boom", countdown: float = 0.0) -> None:
+    """``redeliver`` that fails: send this very message again once, then raise."""
+    if _delivery(self.request.id) == 1:
+        self.signature_from_request().apply_async(countdown=countdown or None)
+    raise ValueError(message)

@@ -185,7 +185,7 @@ def test_release_runs_a_held_parent_once_and_later_completions_are_only_recorded
     assert scripts.dispatch(queue, parent) is None
 
 
-def test_release_with_revoke_cancels_the_outstanding_children(
+def test_release_with_revoke_cancels_the_children_not_started(
     db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:
     parent, (done, running, waiting) = enqueue(scripts, queue, 3)
@@ -195,20 +195,38 @@ def test_release_with_revoke_cancels_the_outstanding_children(
     status, cancelled = scripts.release(
         queue, parent, [done, running, waiting], revoke=True, ttl=TTL
     )
-    assert status is Status.RELEASED and sorted(cancelled) == sorted([running, waiting])
-    for child in (running, waiting):
-        assert db.hget(f"emq:{{{queue}}}:{child}", "state") == b"cancelled"
+    assert status is Status.RELEASED and cancelled == [waiting]
+    assert db.hget(f"emq:{{{queue}}}:{waiting}", "state") == b"cancelled"
+    assert db.hget(f"emq:{{{queue}}}:{running}", "state") == b"active"
     assert {m.decode() for m in db.zrange(f"emq:{{{queue}}}:pending", 0, -1)} == {parent}
-    assert db.zcard(f"emq:{{{queue}}}:active") == 0
-    # The running child's completion no longer counts.
+    # The running child finishes and is recorded; the released parent is not released again.
     assert (
         scripts.complete(
             queue, running, token, ttl=TTL, is_parent=False, parent=ParentRef(parent, queue),
             value=b"9",
         )
-        == "cancelled"
+        == "credited"
     )  # fmt: skip
-    assert db.hkeys(f"emq:{{{queue}}}:{parent}:processed") == [done.encode()]
+    assert sorted(db.hkeys(f"emq:{{{queue}}}:{parent}:processed")) == sorted(
+        [done.encode(), running.encode()]
+    )
+
+
+def test_a_forged_parent_changes_nothing_in_claim_complete_and_fail(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, (child,) = enqueue(scripts, queue, 1)
+    other = ParentRef("JOB" + uuid.uuid4().hex, queue)
+    token = uuid.uuid4().hex
+    assert scripts.claim(queue, child, token, LEASE, parent=other.id)[0] == "forged"
+    assert db.hget(f"emq:{{{queue}}}:{child}", "state") == b"pending"
+    assert scripts.claim(queue, child, token, LEASE, parent=parent)[0] == "claimed"
+    done = scripts.complete(queue, child, token, ttl=TTL, is_parent=False, parent=other, value=b"1")
+    assert done == "forged"
+    failed = scripts.fail(queue, child, token, "X: y", ttl=TTL, is_parent=False, parent=other)
+    assert failed[0] == "forged"
+    assert db.hget(f"emq:{{{queue}}}:{child}", "state") == b"active"
+    assert db.get(f"emq:{{{queue}}}:{parent}:dependencies") == b"1"
 
 
 def test_the_repair_scripts_repeat_the_kind_gate(scripts: Scripts, db: redis.Redis) -> None:

@@ -8,7 +8,8 @@
 -- KEYS[5]    the queue's pending set
 -- KEYS[6]    the queue's active set
 -- KEYS[7]    the queue's counters: one parent fewer held when it was held
--- KEYS[7+i]  child i's row, i = 1..N (children on this slot)
+-- KEYS[7+i]  child i's row, i = 1..N (children on this slot; those of other slots are
+--            cancelled there by cancel_elsewhere, once this has cancelled the parent)
 -- ARGV[1]    parent id
 -- ARGV[2]    result TTL in seconds
 -- ARGV[2+i]  child i's id
@@ -39,5 +40,5 @@ end
 for i = 1, 4 do
   redis.call('EXPIRE', KEYS[i], ttl)
 end
-cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply)
+cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply, true, ARGV[1])
 return reply

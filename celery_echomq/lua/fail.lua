@@ -25,8 +25,9 @@
 --           and no parent keys are passed; the child is staged there until credit.lua has
 --           applied its policy on the parent's slot
 -- ARGV[8]   '1' to carry a nested flow's failure to its outer flow: the job is a nested
---           flow's parent that one of its own children failed (policy fail), so it is
---           failed already; this applies that failure, once, to the flow it is a child of
+--           flow's parent that one of its own children failed (policy fail), or that was
+--           cancelled, so it is failed or cancelled already; this applies that failure,
+--           once, to the flow it is a child of
 --           (ARGV[2] is then ignored). '0' otherwise
 --
 -- Reply: {status, policy}
@@ -59,7 +60,8 @@ end
 local now = now_ms()
 local ttl = tonumber(ARGV[4])
 if ARGV[8] == '1' then
-  if state ~= 'failed' or redis.call('HSETNX', KEYS[1], 'propagated', '1') == 0 then
+  if (state ~= 'failed' and state ~= 'cancelled')
+      or redis.call('HSETNX', KEYS[1], 'propagated', '1') == 0 then
     return {'finished', ''}
   end
 else

@@ -11,9 +11,10 @@
 -- KEYS[4+i]  child i's row, i = 1..N (children on this slot; only read with ARGV[3] == '1')
 -- ARGV[1]    parent id
 -- ARGV[2]    result TTL in seconds (a revoked child's row expires with it)
--- ARGV[3]    '1' to revoke the outstanding children: each pending, active or held child on
---            this slot becomes cancelled (no later claim runs it, no completion counts it);
---            '0' to let them run
+-- ARGV[3]    '1' to revoke the children not started: each pending or held child on this
+--            slot becomes cancelled (no later claim runs it, no completion counts it), while
+--            running ones finish and are recorded (children of other slots: cancel_elsewhere);
+--            '0' to let them all run
 -- ARGV[3+i]  child i's id
 --
 -- Reply: {status, id1, id2, ...}
@@ -38,6 +39,6 @@ release_parent(KEYS[1], KEYS[2], ARGV[1], KEYS[4])
 redis.call('HSET', KEYS[1], 'released_by', 'operator')
 local reply = {'released'}
 if ARGV[3] == '1' then
-  cancel_children(5, 4, KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), reply)
+  cancel_children(5, 4, KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), reply, false, ARGV[1])
 end
 return reply
