@@ -219,3 +219,43 @@ def test_retry_child_after_the_parent_ran_records_the_new_value(
     assert res.ignored_failures() == {}
     assert res.dependencies().outstanding == 0
     assert res.get(timeout=60) == 2  # the parent ran once; it does not run again
+
+
+@pytest.mark.parametrize("policy", ["remove", "fail"])
+def test_a_nested_flow_cancelled_on_its_own_settles_against_its_outer_flow(
+    proj: Any, worker: Any, store: redis.Redis, policy: str
+) -> None:
+    gate = gate_name()
+    inner = flow(proj.tsum.s(), [proj.gated.s(5, gate)]).set(parent_policy=policy)
+    outer = flow(proj.tsum.s(), [proj.add.s(1, 1), inner])
+    outer.freeze()
+    inner_id = inner.parent.options["task_id"]
+    try:
+        res = outer.apply_async()
+        wait_for(lambda: row(store, inner_id, "state") == "awaiting_children")
+        from celery_echomq import FlowResult
+
+        FlowResult(inner_id, app=proj.app).revoke()
+        if policy == "remove":
+            assert res.get(timeout=60) == 2
+        else:
+            with pytest.raises(FlowFailed, match="FlowCancelled"):
+                res.get(timeout=60)
+    finally:
+        store.set(gate, 1)
+    assert row(store, inner_id, "state") == "cancelled"
+
+
+def test_revoke_after_a_continue_release_stops_the_children_still_outstanding(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    tag, late_tag = uuid.uuid4().hex, uuid.uuid4().hex
+    late = proj.collect.s([], tag=late_tag).set(countdown=4, task_id=job_id())
+    res = flow(
+        proj.collect.s(tag=tag), [proj.boom.s("x").set(parent_policy="continue"), late]
+    ).apply_async()
+    assert res.get(timeout=60) == {"values": [], "tag": tag}  # released at once by continue
+    res.revoke()
+    assert row(store, late.options["task_id"], "state") == "cancelled"
+    time.sleep(5)  # past the countdown: the revoked message never runs
+    assert not store.exists(f"test:ran:collect:{late_tag}")
