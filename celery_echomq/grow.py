@@ -29,6 +29,7 @@ from typing import Any
 from celery import current_app
 
 from .errors import EchoMQError, FlowClosedError, FlowExistsError
+from .ids import refuse_taken
 from .keyspace import check_id, check_unique
 from .plan import (
     H_PARENT,
@@ -150,6 +151,7 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
             row = (cid, state.dumps(j), plan.child_policies.get(cid, ""))
             (local if child_queue(j) == parent.queue else remote).append(row)
         _refuse_taken(state, [j for j in fresh if child_queue(j) != parent.queue])
+        refuse_taken(state, {child_id(j): child_queue(j) for j in fresh})
         queues = {parent.queue, *(child_queue(j) for j in fresh)}
         queues.update(lv.queue for j in fresh if "nested" in j for lv in _levels(j))
         queues.update(

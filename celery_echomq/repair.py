@@ -278,8 +278,8 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
     parent's ``:processed`` and counted, but never release it again. ``revoke``: also revoke
     the children that have not started, on every slot alike (Celery's revoke; their rows
     become cancelled, so no delivery runs them and nothing counts them), as BullMQ's
-    ``removeUnprocessedChildren``: running ones finish and are recorded. Raises :class:`NotRepairableError` (nothing
-    changed) unless the parent is held.
+    ``removeUnprocessedChildren``: running ones finish and are recorded. Raises
+    :class:`NotRepairableError` (nothing changed) unless the parent is held.
     """
     node = _flow(state, job_id)
     fan_in = _fan_in(state, node)

@@ -20,6 +20,7 @@ from celery import signals
 from celery.app.task import Task
 from celery.exceptions import Ignore
 
+from .config import safe_url
 from .plan import H_FLOW, H_PARENT, H_QUEUE, H_SINCE, Headers, parent_ref
 from .received import may_expire, on_rejected, on_unknown
 from .replies import DUPLICATE_DELIVERY, STARTED, Status
@@ -137,6 +138,17 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
             logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
         else:
             logger.info("echomq: claim %s -> taken over (attempt %d)", task_id, attempts)
+    elif status is Status.MISSING:
+        # A flow job's message with no row here: expired long ago, or (far likelier when it
+        # happens to every job) the producer writes to another store than this worker reads.
+        logger.warning(
+            "echomq: flow job %s (queue %s) has no row in this worker's store %s; if the "
+            "producer's echomq_redis_url names another store, point both at one. Its body runs "
+            "as a plain task, outside the flow",
+            task_id,
+            queue,
+            safe_url(state.settings.redis_url or ""),
+        )
     elif status is Status.FORGED:
         # The row's own parent is not the one this message names: a forged or copied header.
         # The body does not run, and nothing of the flow changes.

@@ -17,6 +17,7 @@ from redis.cluster import RedisCluster
 
 from .config import safe_url
 from .errors import EchoMQError, FlowExistsError, StoreUnavailableError
+from .ids import refuse_taken
 from .plan import H_SINCE, Plan, child_id, child_queue, child_template, job_delta
 from .publish import publish
 from .scripts import ParentRef
@@ -139,6 +140,13 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
         queues = {level.queue for level in levels}
         queues.update(child_queue(job) for level in levels for job in level.children)
         register: list[str] = sorted(queues)
+        refuse_taken(
+            state,
+            {
+                **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
+                **{child_id(j): child_queue(j) for lv in levels for j in lv.children},
+            },
+        )
         clock = None
         if cluster:
             state.client.sadd(keys.queues_key(), *register)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Any, cast
 
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
@@ -36,6 +37,7 @@ class EchoMQ:
         self._scripts: Scripts | None = None
         self._content_type, self._encoding, _ = registry._encoders[settings.serializer]
         self._accept = prepare_accept_content(settings.accept_content)  # type: ignore[no-untyped-call]
+        self._queues: tuple[float, frozenset[str]] = (0.0, frozenset())
 
     def _ensure(self) -> None:
         if self._pid != os.getpid():
@@ -63,6 +65,19 @@ class EchoMQ:
     def scripts(self) -> Scripts:
         self._ensure()
         return cast(Scripts, self._scripts)
+
+    def known_queues(self, max_age: float = 1.0) -> frozenset[str]:
+        """The queues that hold flows (``emq:queues``), read at most once per ``max_age``
+        seconds: what the id check across queues looks at."""
+        read_at, names = self._queues
+        now = time.monotonic()
+        if now - read_at > max_age or self._pid != os.getpid():
+            raw = self.client.smembers(self.keys.queues_key())
+            names = frozenset(
+                filter(None, (m.decode() if isinstance(m, bytes) else str(m) for m in raw))
+            )
+            self._queues = (now, names)
+        return names
 
     @property
     def locator_ttl(self) -> int:

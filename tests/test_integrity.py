@@ -12,7 +12,7 @@ import pytest
 import redis
 from celery import chain
 
-from celery_echomq import DepthError, FlowFailed, InvalidIdError, flow
+from celery_echomq import DepthError, FlowExistsError, FlowFailed, InvalidIdError, flow
 
 from .conftest import wait_for
 
@@ -259,3 +259,42 @@ def test_revoke_after_a_continue_release_stops_the_children_still_outstanding(
     assert row(store, late.options["task_id"], "state") == "cancelled"
     time.sleep(5)  # past the countdown: the revoked message never runs
     assert not store.exists(f"test:ran:collect:{late_tag}")
+
+
+@pytest.mark.parametrize("how", ["apply_async", "add_children"])
+def test_an_id_names_one_job_across_queues(
+    proj: Any, worker: Any, store: redis.Redis, own_queue: Any, how: str
+) -> None:
+    other = own_queue("ids")
+    taken = job_id()
+    first = flow(proj.tsum.s(), [proj.add.s(1, 1).set(task_id=taken)])
+    assert first.apply_async().get(timeout=60) == 2
+    time.sleep(1.1)  # the store's queues, as the producer reads them at most once a second
+    again = proj.add.s(2, 2).set(task_id=taken, queue=other)
+    if how == "apply_async":
+        parent = proj.tsum.s().set(task_id=job_id(), queue=other)
+        with pytest.raises(FlowExistsError, match="already exists in Redis, on queue 'celery'"):
+            flow(parent, [again]).apply_async()
+        assert store.keys(f"*{parent.options['task_id']}*") == []
+    else:
+        gate = gate_name()
+        try:
+            held = flow(proj.tsum.s(), [proj.gated.s(1, gate)]).apply_async()
+            with pytest.raises(FlowExistsError, match="on queue 'celery'"):
+                held.add_children([again])
+            assert held.dependencies().outstanding == 1
+        finally:
+            store.set(gate, 1)
+    assert not store.exists(f"emq:{{{other}}}:{taken}")
+
+
+def test_a_worker_reading_another_store_says_so(
+    proj: Any, env: Any, start_worker: Any, own_queue: Any
+) -> None:
+    queue = own_queue("elsewhere")
+    elsewhere = env.store.rsplit("/", 1)[0] + "/9"
+    worker = start_worker(queues=queue, extra_env={"ECHOMQ_T_STORE": elsewhere})
+    flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async(queue=queue)
+    wait_for(lambda: "has no row in this worker's store" in worker.output(), timeout=60)
+    line = next(x for x in worker.output().splitlines() if "has no row in this worker" in x)
+    assert elsewhere.rsplit(":", 1)[-1] in line  # the store it reads: port and db
