@@ -3,12 +3,15 @@
 Modes: group, chord, flow, and flow-lean (a flow with echomq_child_results = False: its
 children store no result in Celery's backend). Before the worker starts, flow's enqueue is
 paired with BullMQ's FlowProducer (benchmarks/bullmq/, run with node; skipped with a message
-where node is absent) on the same redis-server. The closing table gives each target, met or
-missed.
+where node is absent) on the same redis-server. Then, on the same worker, chain children:
+one parent over N chains of S tasks as a flow (flow-chain) and as a chord with the chains in
+its header (chord-chain), beside a flow and a chord over N*S plain children (--chains). The
+closing table gives each target, met or missed, and the chain rows as information.
 
     python3 dev.py bench                 # the default run (a few minutes)
     python3 dev.py bench --quick         # a smoke run (under a minute)
     python benchmarks/bench.py --sizes 20x50,2x1000 --rounds 5
+    python benchmarks/bench.py --chains-only --chains 20x3,100x3   # the chain section alone
 
 Every number is taken side by side: the modes run interleaved (the order rotates each round)
 against the same worker, and the report gives medians and the per-round paired ratios, since
@@ -39,7 +42,7 @@ from types import FrameType
 from typing import Any
 
 import redis
-from celery import chord, group
+from celery import chain, chord, group
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -62,6 +65,10 @@ HOLD_QUEUE = "bench_hold"  # no worker consumes it: what is enqueued there stays
 PLAIN_QUEUES = {"install": "plain_on", "no_install": "plain_off"}
 DEFAULT_SIZES = "200x5,20x50,2x1000,1x10000"
 QUICK_SIZES = "40x5,4x50,1x500"
+# Chain children: N children, each a chain of S tasks, fanned in by one parent (flow-chain vs
+# chord-chain), beside flow and chord over N*S plain children (the same number of tasks).
+CHAIN_MODES = ("flow-chain", "chord-chain", "flow", "chord")
+DEFAULT_CHAINS = "20x3,100x3"
 # What the benchmark itself sends to read the counters, never part of a mode's cost; its
 # result polls (EXISTS) are counted and subtracted instead, since the scripts use EXISTS too.
 OWN_COMMANDS = frozenset({"info", "memory", "scan", "flushdb"})
@@ -71,14 +78,17 @@ OWN_COMMANDS = frozenset({"info", "memory", "scan", "flushdb"})
 class Size:
     flows: int
     children: int
+    steps: int = 1  # tasks per child: > 1 makes each child a chain (the ``-chain`` modes)
 
     @property
     def total(self) -> int:
-        return self.flows * self.children
+        """Tasks the children run (a chain child counts each of its steps)."""
+        return self.flows * self.children * self.steps
 
     @property
     def label(self) -> str:
-        return f"{self.flows}x{self.children}"
+        tail = f"x{self.steps}" if self.steps > 1 else ""
+        return f"{self.flows}x{self.children}{tail}"
 
 
 def parse_sizes(text: str) -> list[Size]:
@@ -88,6 +98,16 @@ def parse_sizes(text: str) -> list[Size]:
         if not flows.isdigit() or not children.isdigit() or int(flows) < 1 or int(children) < 1:
             raise argparse.ArgumentTypeError(f"size {part!r} is not KxN (e.g. 20x50)")
         sizes.append(Size(int(flows), int(children)))
+    return sizes
+
+
+def parse_chain_sizes(text: str) -> list[Size]:
+    """``NxS,...``: one parent over N chains of S steps each (S >= 2)."""
+    sizes = []
+    for size in parse_sizes(text):
+        if size.children < 2:
+            raise argparse.ArgumentTypeError(f"chain size {size.label}: a chain has 2+ steps")
+        sizes.append(Size(1, size.flows, size.children))
     return sizes
 
 
@@ -190,15 +210,29 @@ class Worker(WorkerProcess):
 
 
 def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
-    """K canvases of N trivial children; built before the clock starts, as a caller would."""
+    """K canvases of N trivial children; built before the clock starts, as a caller would.
+
+    In a ``-chain`` mode each child is ``chain(add.s(i, 1), add.s(1), ...)`` of
+    ``size.steps`` tasks, and ``chord-chain`` is a chord with those chains in its header.
+    """
     opts = {"queue": queue} if queue else {}
     canvases: list[Any] = []
     for _ in range(size.flows):
-        children = [bench_app.add.s(i, i).set(**opts) for i in range(size.children)]
+        children: list[Any]
+        if mode.endswith("-chain"):
+            children = [
+                chain(
+                    bench_app.add.s(i, 1).set(**opts),
+                    *(bench_app.add.s(1).set(**opts) for _ in range(size.steps - 1)),
+                )
+                for i in range(size.children)
+            ]
+        else:
+            children = [bench_app.add.s(i, i).set(**opts) for i in range(size.children)]
         parent = bench_app.tsum.s().set(**opts)
         if mode == "group":
             canvases.append(group(children))
-        elif mode == "chord":
+        elif mode in ("chord", "chord-chain"):
             canvases.append(chord(children, parent))
         elif mode.startswith("flow"):
             canvases.append(flow(parent, children))
@@ -208,6 +242,8 @@ def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
 
 
 def expected(mode: str, size: Size) -> Any:
+    if mode.endswith("-chain"):
+        return sum(i + size.steps for i in range(size.children))
     values = [2 * i for i in range(size.children)]
     return values if mode == "group" else sum(values)
 
@@ -399,6 +435,119 @@ def plain_once(
     return PlainRun(variant, rnd, tasks, elapsed, commands)
 
 
+# --- chain children: flow-chain vs chord-chain ---------------------------------------------
+
+
+def chain_case(mode: str, size: Size) -> Size:
+    """What ``mode`` runs for the chain size ``size``: the chains themselves, or (flow, chord)
+    the same number of tasks as plain children of one parent."""
+    return size if mode.endswith("-chain") else Size(1, size.children * size.steps)
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    return {"median": med(values), "min": min(values), "max": max(values)}
+
+
+# Ratios of the chain section, numerator/denominator, in the bench's convention: e2e is the
+# numerator's tasks per second over the denominator's (>1: the numerator is faster, i.e. the
+# denominator's time per round over the numerator's), cmds the numerator's over the other's.
+CHAIN_RATIOS = ("flow-chain/chord-chain", "flow/chord", "flow-chain/flow", "chord-chain/chord")
+
+
+def summarize_chains(runs: list[Run], size: Size) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "chains": size.children,
+        "steps": size.steps,
+        "tasks": size.total,
+        "modes": {},
+        "ratios": {},
+    }
+    for mode in CHAIN_MODES:
+        mine = [r for r in runs if r.mode == mode]
+        top: dict[str, int] = {}
+        for r in mine:
+            for cmd, n in r.by_command.items():
+                top[cmd] = top.get(cmd, 0) + n
+        out["modes"][mode] = {
+            "canvas": f"{size.children} chains of {size.steps}"
+            if mode.endswith("-chain")
+            else f"{size.total} plain children",
+            "e2e_s": spread([r.e2e_s for r in mine]),
+            "enqueue_s": med([r.enqueue_s for r in mine]),
+            "e2e_tasks_per_s": med([r.e2e_rate for r in mine]),
+            "commands_per_task": med([r.commands_per_child for r in mine]),
+            "commands_per_task_by_command": {
+                cmd: round(n / sum(r.children for r in mine), 3)
+                for cmd, n in sorted(top.items(), key=lambda kv: -kv[1])
+            },
+        }
+    for key in CHAIN_RATIOS:
+        num, den = key.split("/")
+        out["ratios"][key] = {
+            "e2e": spread(paired(runs, num, den, lambda r: r.e2e_rate)),
+            "commands_per_task": spread(paired(runs, num, den, lambda r: r.commands_per_child)),
+        }
+    return out
+
+
+def versus_chains(
+    admin: redis.Redis,  # type: ignore[type-arg]
+    waiter: Waiter,
+    sizes: Sequence[Size],
+    rounds: int,
+    hook: ModeHook,
+) -> dict[str, Any]:
+    """Each chain size: the four modes interleaved (order rotating) against the running worker."""
+    out: dict[str, Any] = {}
+    for mode in CHAIN_MODES:  # warm up: the chain shapes' scripts and the chord's counters
+        run_once(admin, waiter, mode, chain_case(mode, Size(1, 5, 3)), -1, hook)
+    for size in sizes:
+        label = f"{size.children}x{size.steps}"
+        runs: list[Run] = []
+        for rnd in range(rounds):
+            for mode in rotated(CHAIN_MODES, rnd):
+                run = run_once(admin, waiter, mode, chain_case(mode, size), rnd, hook)
+                runs.append(run)
+                log(
+                    f"  {label:<8} round {rnd} {mode:<12} e2e {run.e2e_s * 1000:>7.0f} ms "
+                    f"({run.e2e_rate:>6,.0f} tasks/s)  {run.commands_per_child:5.1f} cmds/task"
+                )
+        out[label] = {
+            **summarize_chains(runs, size),
+            "runs": [{**asdict(r), "e2e_rate": r.e2e_rate} for r in runs],
+        }
+    return out
+
+
+def render_chains(chains: dict[str, Any]) -> str:
+    w = max(len(x) for x in (*CHAIN_MODES, *CHAIN_RATIOS)) + 2
+    head = (
+        f"{'chains':<9}{'mode':<{w}}{'canvas':<20}{'e2e ms/round [min-max]':>26}"
+        f"{'tasks/s':>10}{'cmds/task':>11}"
+    )
+    lines = [head, "-" * len(head)]
+    for label, summary in chains.items():
+        for mode, m in summary["modes"].items():
+            t = m["e2e_s"]
+            span = f"{t['median'] * 1000:,.0f} [{t['min'] * 1000:,.0f}-{t['max'] * 1000:,.0f}]"
+            lines.append(
+                f"{label:<9}{mode:<{w}}{m['canvas']:<20}{span:>26}"
+                f"{fmt_rate(m['e2e_tasks_per_s']):>10}{m['commands_per_task']:>11.1f}"
+            )
+        for key, r in summary["ratios"].items():
+            lines.append(
+                f"{'':<9}{key:<{w}}{'':<20}{fmt_ratio(r['e2e']):>26}{'':>10}"
+                f"{r['commands_per_task']['median']:>10.2f}x"
+            )
+        lines.append("")
+    lines.append("chains NxS: one parent over N chains of S tasks (flow-chain, chord-chain); flow")
+    lines.append("and chord: one parent over N*S plain children, the same number of tasks. An e2e")
+    lines.append("ratio A/B is B's time per round over A's, median [min-max] of the per-round")
+    lines.append("pairs (>1: A is faster); cmds/task counts every Redis command (INFO")
+    lines.append("commandstats delta) per task run, the parent excluded from the count of tasks.")
+    return "\n".join(lines)
+
+
 # --- summary ------------------------------------------------------------------------------
 
 
@@ -510,7 +659,8 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
     """Each target, met or missed, for ``flow`` and (when measured) ``flow-lean``."""
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, size: str, value: float, ok: bool, spread: str = "") -> None:
+    def add(name: str, size: str, value: float, ok: bool | None, spread: str = "") -> None:
+        # ok None: an informational row, no target.
         rows.append({"target": name, "size": size, "value": value, "met": ok, "spread": spread})
 
     flows = [m for m in report["modes"] if m in ("flow", LEAN)]
@@ -570,6 +720,28 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
             f"{fmt_ratio(r)}; {fmt_rate(vs['flow_children_per_s'])} vs "
             f"{fmt_rate(vs['bullmq_children_per_s'])} ch/s",
         )
+    for label, summary in (report.get("chains") or {}).items():
+        modes, ratios = summary["modes"], summary["ratios"]
+        for key, what in (("flow-chain/chord-chain", "chain children"), ("flow/chord", "plain")):
+            num, den = key.split("/")
+            r = ratios[key]["e2e"]
+            ms = (modes[num]["e2e_s"]["median"] * 1000, modes[den]["e2e_s"]["median"] * 1000)
+            add(
+                f"{key} e2e, {what} (info)",
+                f"{label} chains",
+                r["median"],
+                None,
+                f"{fmt_ratio(r)}; {ms[0]:,.0f} vs {ms[1]:,.0f} ms/round",
+            )
+        c = ratios["flow-chain/chord-chain"]["commands_per_task"]
+        add(
+            "flow-chain/chord-chain cmds/task (info)",
+            f"{label} chains",
+            c["median"],
+            None,
+            f"{modes['flow-chain']['commands_per_task']:.1f} vs "
+            f"{modes['chord-chain']['commands_per_task']:.1f} per task",
+        )
     plain = report.get("plain")
     if plain:
         r = plain["ratio"]
@@ -599,7 +771,8 @@ def render_targets(rows: list[dict[str, Any]]) -> str:
     for row in rows:
         lines.append(
             f"{row['target']:<{w}}{row['size']:<13}{row['value']:>7.2f}x  "
-            f"{'yes' if row['met'] else 'NO':<5}{row['spread']}"
+            f"{'info' if row['met'] is None else 'yes' if row['met'] else 'NO':<5}"
+            f"{row['spread']}"
         )
     return "\n".join(lines)
 
@@ -804,6 +977,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"KxN,... for enqueue vs BullMQ's FlowProducer (default {BULLMQ_SIZES})",
     )
     p.add_argument("--no-bullmq", action="store_true", help="skip enqueue vs BullMQ")
+    p.add_argument(
+        "--chains",
+        type=parse_chain_sizes,
+        help="NxS,... for N chain children of S steps, flow vs chord, beside N*S plain "
+        f"children (default {DEFAULT_CHAINS}; --quick 20x3)",
+    )
+    p.add_argument(
+        "--chain-rounds",
+        type=int,
+        help="interleaved rounds per chain size (default 9, --quick 3: its rounds are short)",
+    )
+    p.add_argument("--no-chains", action="store_true", help="skip the chain-children section")
+    p.add_argument(
+        "--chains-only",
+        action="store_true",
+        help="only the chain-children section (no held, BullMQ, KxN sizes or plain tasks)",
+    )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench-*.json)")
     p.add_argument("--max-seconds", type=int, default=1500, help="stop everything after this long")
     args = p.parse_args(argv)
@@ -815,8 +1005,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.bullmq_sizes = parse_sizes("2x500,40x5" if args.quick else BULLMQ_SIZES)
     if args.plain_tasks is None:
         args.plain_tasks = 300 if args.quick else 1000
-    if args.rounds < 1 or args.plain_tasks < 1:
-        p.error("--rounds and --plain-tasks must be positive")
+    if args.chains is None:
+        args.chains = parse_chain_sizes("20x3" if args.quick else DEFAULT_CHAINS)
+    if args.chain_rounds is None:
+        args.chain_rounds = 3 if args.quick else 9
+    if args.rounds < 1 or args.plain_tasks < 1 or args.chain_rounds < 1:
+        p.error("--rounds, --chain-rounds and --plain-tasks must be positive")
+    if args.chains_only and args.no_chains:
+        p.error("--chains-only and --no-chains exclude each other")
+    if args.chains_only:
+        args.sizes, args.no_held, args.no_bullmq, args.no_plain = [], True, True, True
+    if args.no_chains:
+        args.chains = []
     return args
 
 
@@ -845,6 +1045,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "rounds": args.rounds,
             "plain_tasks": args.plain_tasks,
             "modes": list(modes),
+            "chains": [f"{s.children}x{s.steps}" for s in args.chains],
+            "chain_rounds": args.chain_rounds,
             "worker": "celery worker -P prefork -c 2 --loglevel WARNING "
             "--without-gossip --without-mingle --without-heartbeat",
         },
@@ -892,7 +1094,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 log("bench: enqueue, flow vs BullMQ's FlowProducer (no worker consuming)")
                 report["bullmq"] = versus_bullmq(admin_for, base, args.bullmq_sizes, args.rounds)
 
-        log(f"bench: {' / '.join(modes)} against one worker")
+        if args.sizes:
+            log(f"bench: {' / '.join(modes)} against one worker")
         worker = Worker(base, "celery")
         stack.callback(worker.stop)
         # A prototype that changes the worker gets a worker (and a queue) of its own, idle
@@ -904,7 +1107,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             w = Worker(base, queues[mode], extra_env={worker_variants.VARIANT_ENV: variant})
             stack.callback(w.stop)
             variant_workers.append(w)
-        for mode in modes:
+        for mode in modes if args.sizes else ():
             run_once(admin, waiter, mode, Size(5, 20), -1, hook, queues.get(mode))
         runs: list[Run] = []
         for size in args.sizes:
@@ -923,6 +1126,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report["runs"] = [
             {**asdict(r), "enqueue_rate": r.enqueue_rate, "e2e_rate": r.e2e_rate} for r in runs
         ]
+        if args.chains:
+            log("bench: chain children, flow-chain / chord-chain / flow / chord (same worker)")
+            t_chains = time.time()
+            report["chains"] = versus_chains(admin, waiter, args.chains, args.chain_rounds, hook)
+            report["chains_elapsed_s"] = round(time.time() - t_chains, 1)
         for w in (worker, *variant_workers):
             w.stop()
 
@@ -973,8 +1181,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     report["elapsed_s"] = round(time.time() - started, 1)
     report["targets"] = targets(report)
 
-    table = render(report)
-    print(table)
+    if report["sizes"]:
+        print(render(report))
+    if report.get("chains"):
+        print()
+        print(render_chains(report["chains"]))
+        print(f"(chain section: {report['chains_elapsed_s']:.0f} s)")
     if report.get("plain"):
         p = report["plain"]
         print(

@@ -161,6 +161,10 @@ def settle_success(
         value=value,
         result=result,
     )
+    if status is Status.FORGED:
+        logger.warning(
+            "echomq: completion of %s refused: parent %s is not the job's own", job_id, parent
+        )
     if result is not None and not written and unwritten is not None:
         unwritten()
     if status is Status.STAGED and parent is not None:
@@ -196,6 +200,10 @@ def settle_failure(
         parent=parent,
         carry=carry,
     )
+    if status is Status.FORGED:
+        logger.warning(
+            "echomq: failure of %s refused: parent %s is not the job's own", job_id, parent
+        )
     if status is Status.STAGED and parent is not None:
         status, policy = credit_remote(state, queue, job_id, parent, Status.FAILED, error, policy)
     if parent is None or status in UNSETTLED:
