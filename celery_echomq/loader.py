@@ -19,6 +19,7 @@ TRANSITIONS = (
     "retry_flow",
     "retry_children",
     "retry_counted",
+    "retry_parent",
     "release",
     # the chunked / cross-slot path: open, add per queue and chunk, seal; credit on the parent
     "open_flow",

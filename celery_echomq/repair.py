@@ -67,6 +67,17 @@ def _retryable(node: JobNode) -> list[JobNode]:
     return [c for c in node.children if c.state == "failed" and c.policy == "fail"]
 
 
+def _own_failure(node: JobNode) -> bool:
+    """A flow parent failed by its own body, every child settled (not abandoned half-way)."""
+    flow = node.flow
+    return (
+        node.state == "failed"
+        and flow is not None
+        and flow.failed_child is None
+        and flow.outstanding == 0
+    )
+
+
 def _failed_by_child(node: JobNode) -> bool:
     return node.state == "failed" and node.flow is not None and node.flow.failed_child is not None
 
@@ -99,6 +110,8 @@ def _plan(node: JobNode, targets: list[JobNode]) -> None:
         if child.flow is None:
             continue
         if not _failed_by_child(child):
+            if _own_failure(child):
+                continue  # its own body failed: it runs again (_Retry.rerun)
             raise NotRepairableError(
                 f"child {child.id} of flow {node.id} is a nested flow that failed on its own "
                 f"(not by a child of its own); {RETRY_ALLOWS}",
@@ -116,6 +129,7 @@ class _Retry:
         self.queue_of: dict[str, str] = {}  # child id -> the queue whose slot holds its row
         self.held: list[str] = []
         self.released: list[tuple[str, str]] = []  # (queue, parent id)
+        self.rerun_ids: list[str] = []  # parents whose own body failed, run again
 
     def level(self, node: JobNode, targets: list[JobNode], others: tuple[str, ...] = ()) -> None:
         """Re-hold ``node`` with ``targets`` retried: this level's script first, then each
@@ -144,14 +158,26 @@ class _Retry:
         if status is Status.RELEASED:
             self.released.append((node.queue, node.id))
         for child in nested:
-            self.level(child, _retryable(child))
+            if _own_failure(child):
+                self.rerun(child, node.id)
+            else:
+                self.level(child, _retryable(child))
+
+    def rerun(self, node: JobNode, outer: str) -> None:
+        """Run again a flow parent whose own body failed (a chain's step): pending again,
+        then dispatched with its children's values by :meth:`finish`."""
+        status = self.state.scripts.retry_parent(node.queue, node.id, outer)
+        if status is not Status.RETRIED:
+            raise NotRepairableError(f"flow {node.id} is {status}; nothing changed", str(status))
+        self.rerun_ids.append(node.id)
+        self.released.append((node.queue, node.id))
 
     def finish(self) -> None:
         """Clear Celery's stored failures, then publish and dispatch what the levels freed."""
         backend = self.state.app.backend
         # get() on a re-held parent must wait for its new outcome, and recovery must not read
         # a retried child's old FAILURE as the outcome of its new attempt.
-        for job_id in [*self.held, *(cid for cid, _ in self.payloads)]:
+        for job_id in [*self.held, *self.rerun_ids, *(cid for cid, _ in self.payloads)]:
             with contextlib.suppress(NotImplementedError):  # a backend that keeps nothing
                 backend.forget(job_id)
         if self.payloads:
@@ -220,6 +246,17 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
                 match[0].state,
             )
         failed = match
+    if _own_failure(node) and node.parent is None:
+        # Its own body failed once its children had settled (a chain parent's step, say):
+        # that body runs again with the same values.
+        run = _Retry(state)
+        try:
+            run.rerun(node, "")
+        finally:
+            run.finish()
+        return RetryOutcome(
+            flow_id=job_id, republished=(), held=(), released=(job_id,), state="pending"
+        )
     if not (_failed_by_child(node) or (node.state == "awaiting_children" and failed)):
         why = {
             "awaiting_children": "held, with no child failed under 'fail'",

@@ -537,6 +537,20 @@ class Scripts(ScriptRunner):
         pairs = _stored_children([child_id, *stored], parent_id) if stored else []
         return _status(status), pairs
 
+    def retry_parent(self, queue: str, job_id: str, outer: str = "") -> Status:
+        """Make a flow parent whose own body failed pending again (retry_parent.lua), for the
+        host to dispatch; ``outer``: the flow it is a child of."""
+        deps, processed, ignored = self.keys.flow_keys(queue, job_id)
+        keys = [
+            self.keys.job_key(queue, job_id),
+            deps,
+            processed,
+            ignored,
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "failed"),
+        ]
+        return _status(self._run("retry_parent", keys, [job_id, outer])[0])
+
     def retry_children(
         self, queue: str, parent_id: str, child_ids: Sequence[str]
     ) -> list[tuple[str, Stored]]:

@@ -246,3 +246,41 @@ def test_revoke_cancels_the_whole_canvas(proj: Any, worker: Any, store: Any, sha
     # Nothing after the cancelled part runs, whatever the gated child does once let go.
     time.sleep(1.5)
     assert not store.exists(f"test:ran:collect:{tag}")
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_task_always_eager_gives_the_same_values(proj: Any, name: str) -> None:
+    make, expected = CASES[name]
+    proj.app.conf.task_always_eager = True
+    try:
+        assert make(proj).apply_async().get(timeout=60) == expected
+    finally:
+        proj.app.conf.task_always_eager = False
+
+
+def test_retry_of_a_flow_whose_chain_child_failed_runs_the_failed_step_again(
+    proj: Any, worker: Any, store: Any
+) -> None:
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    sig = flow(proj.tsum.s(), [chain(proj.add.s(1, 1), proj.flaky.si(5, flag)), proj.add.s(1, 1)])
+    res = sig.apply_async()
+    with pytest.raises(FlowFailed, match=f"flag {flag} not set"):
+        res.get(timeout=60)
+    store.set(flag, 1)
+    res.retry()
+    assert res.get(timeout=60) == 7
+    assert int(store.get(f"test:ran:flaky:{flag}")) == 2  # the failed step ran again, once
+
+
+def test_retry_of_a_flow_whose_chain_parent_failed_runs_that_step_again(
+    proj: Any, worker: Any, store: Any
+) -> None:
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    sig = flow(chain(proj.tsum.s(), proj.flaky.si(5, flag), proj.add.s(1)), [proj.add.s(1, 1)])
+    res = sig.apply_async()
+    with pytest.raises(FlowFailed, match=f"flag {flag} not set"):
+        res.get(timeout=60)
+    store.set(flag, 1)
+    res.retry()
+    assert res.get(timeout=60) == 6
+    assert int(store.get(f"test:ran:flaky:{flag}")) == 2

@@ -1,0 +1,44 @@
+-- retry_parent: an operator's retry runs again a flow parent whose own body failed (its
+-- children had all settled, it was released and ran): a chain's step, or the parent of a
+-- nested flow. It becomes pending again, as a released parent not yet dispatched, and the
+-- host dispatches it with its children's values (dispatch.lua), which are still there.
+--
+-- KEYS[1]  the parent row
+-- KEYS[2]  the parent's :dependencies  }
+-- KEYS[3]  the parent's :processed     } made persistent again: the failure had set them
+-- KEYS[4]  the parent's :ignored       } to expire with the result TTL
+-- KEYS[5]  the queue's pending set
+-- KEYS[6]  the queue's failed set
+-- ARGV[1]  the parent's id
+-- ARGV[2]  the id of the flow it is a child of ('' for a top-level flow): the row's own
+--          'parent' must be that one
+--
+-- Reply: {status}
+--   "retried"   failed by its own body -> pending (the host dispatches it)
+--   "<state>"   refused, nothing changed: not failed, or failed by a child ("child": retry
+--               that flow's children instead), or another flow's ("forged")
+-- Errors: "EMQKIND ..." a non-JOB id.
+--- @include "gate"
+--- @include "now_ms"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
+end
+local row = redis.call('HMGET', KEYS[1], 'state', 'failed_child', 'parent')
+if row[1] ~= 'failed' then
+  return {row[1] or 'missing'}
+end
+if (row[3] or '') ~= ARGV[2] then
+  return {'forged'}
+end
+if row[2] then
+  return {'child'}
+end
+redis.call('HSET', KEYS[1], 'state', 'pending')
+redis.call('HDEL', KEYS[1], 'error', 'token', 'dispatched', 'propagated', 'suspect')
+redis.call('ZREM', KEYS[6], ARGV[1])
+redis.call('ZADD', KEYS[5], now_ms(), ARGV[1])
+for k = 1, 4 do
+  redis.call('PERSIST', KEYS[k])
+end
+return {'retried'}
