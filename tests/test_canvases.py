@@ -258,29 +258,19 @@ def test_task_always_eager_gives_the_same_values(proj: Any, name: str) -> None:
         proj.app.conf.task_always_eager = False
 
 
-def test_retry_of_a_flow_whose_chain_child_failed_runs_the_failed_step_again(
-    proj: Any, worker: Any, store: Any
-) -> None:
+@pytest.mark.parametrize("where", ["chain child", "chain parent"])
+def test_retry_runs_a_failed_step_again(proj: Any, worker: Any, store: Any, where: str) -> None:
     flag = f"test:flag:{uuid.uuid4().hex}"
-    sig = flow(proj.tsum.s(), [chain(proj.add.s(1, 1), proj.flaky.si(5, flag)), proj.add.s(1, 1)])
+    if where == "chain child":
+        step = chain(proj.add.s(1, 1), proj.flaky.si(5, flag))
+        sig, expected = flow(proj.tsum.s(), [step, proj.add.s(1, 1)]), 7
+    else:
+        steps = chain(proj.tsum.s(), proj.flaky.si(5, flag), proj.add.s(1))
+        sig, expected = flow(steps, [proj.add.s(1, 1)]), 6
     res = sig.apply_async()
     with pytest.raises(FlowFailed, match=f"flag {flag} not set"):
         res.get(timeout=60)
     store.set(flag, 1)
     res.retry()
-    assert res.get(timeout=60) == 7
+    assert res.get(timeout=60) == expected
     assert int(store.get(f"test:ran:flaky:{flag}")) == 2  # the failed step ran again, once
-
-
-def test_retry_of_a_flow_whose_chain_parent_failed_runs_that_step_again(
-    proj: Any, worker: Any, store: Any
-) -> None:
-    flag = f"test:flag:{uuid.uuid4().hex}"
-    sig = flow(chain(proj.tsum.s(), proj.flaky.si(5, flag), proj.add.s(1)), [proj.add.s(1, 1)])
-    res = sig.apply_async()
-    with pytest.raises(FlowFailed, match=f"flag {flag} not set"):
-        res.get(timeout=60)
-    store.set(flag, 1)
-    res.retry()
-    assert res.get(timeout=60) == 6
-    assert int(store.get(f"test:ran:flaky:{flag}")) == 2

@@ -1,35 +1,22 @@
--- not_holder(row, token[, field[, parent]]): nil when the job is active and ``token`` is its current
--- token (the caller's delivery holds it); else the reply that says why nothing may change:
--- {state} for a job that is not active ('missing' for no row), {'stale'} for a superseded
--- delivery. ``field``: one more field of the row, read in the same HMGET and returned second
--- when the caller holds the job (nil, value).
--- ``parent``: the parent id the caller names ('' for none), compared with the row's own
--- 'parent' in the same HMGET: a mismatch is {'forged'} (the row decides, not a message).
+-- not_holder(row, token[, field[, parent]]): nil when the job is active and ``token`` is its
+-- current token (the caller's delivery holds it); else the reply that says why nothing may
+-- change: {state} for a job that is not active ('missing' for no row), {'stale'} for a
+-- superseded delivery. ``field``: one more field of the row, read in the same HMGET and
+-- returned second when the caller holds the job (nil, value). ``parent``: the parent id the
+-- caller names ('' for none), compared with the row's own 'parent' in the same HMGET: a
+-- mismatch is {'forged'} (the row decides, not a message).
 local function not_holder(row, token, field, parent)
-  if parent then
-    local held = redis.call('HMGET', row, 'state', 'token', 'parent', field or 'state')
-    if held[1] ~= 'active' then
-      return {held[1] or 'missing'}
-    end
-    if held[2] ~= token then
-      return {'stale'}
-    end
-    if (held[3] or '') ~= parent then
-      return {'forged'}
-    end
-    return nil, field and held[4] or nil
-  end
-  local held
-  if field then
-    held = redis.call('HMGET', row, 'state', 'token', field)
-  else
-    held = redis.call('HMGET', row, 'state', 'token')
-  end
+  -- 'state' again stands in for a field the caller does not ask for.
+  local held = redis.call('HMGET', row, 'state', 'token', parent and 'parent' or 'state',
+    field or 'state')
   if held[1] ~= 'active' then
     return {held[1] or 'missing'}
   end
   if held[2] ~= token then
     return {'stale'}
   end
-  return nil, held[3]
+  if parent and (held[3] or '') ~= parent then
+    return {'forged'}
+  end
+  return nil, field and held[4] or nil
 end
