@@ -18,11 +18,12 @@ from redis.cluster import RedisCluster
 from .config import safe_url
 from .errors import EchoMQError, FlowExistsError, StoreUnavailableError
 from .ids import refuse_taken
-from .plan import H_SINCE, Plan, child_id, child_queue, child_template, job_delta
+from .plan import H_SINCE, Plan, child_id, child_queue
 from .publish import publish
 from .scripts import ParentRef
 from .settle import dispatch_parent
 from .state import EchoMQ
+from .stored import child_template, job_delta
 from .views import JobNode, walk
 
 logger = logging.getLogger("celery_echomq")

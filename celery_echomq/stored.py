@@ -3,13 +3,14 @@
 A row keeps its job either whole (the ``payload`` field: a parent, a nested flow's entry, a
 child written by add_children or grow, and every row an earlier version wrote), or, for a
 child written in one enqueue_flow step with its siblings, as what differs (the ``delta``
-field) from the template on its parent's row (``template``; see ``plan.child_template``).
+field) from the template on its parent's row (``template``; see :func:`child_template`).
 Every reader of a stored job (recovery's re-publish, retry, show) goes through
 :func:`load_job`, which accepts both forms.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from .store import text
@@ -93,3 +94,55 @@ def load_job(
     if not isinstance(template, dict) or not isinstance(delta, dict):
         raise ValueError(f"the stored job of {job_id} on {queue} is not a job")
     return join_job(template, delta, job_id)
+
+
+# A child's stored job, compact: the children a flow writes in one enqueue_flow step share
+# one template (the job dict of the first of them, without its task_id), kept on their
+# parent's row; each child's row keeps only what differs from it (its ``delta``), so that
+# the row stays small enough for Redis's compact hash encoding. Its task_id is the row's own
+# id (the template keeps the task_id key, as None, so a joined job's options keep their
+# order). A nested flow's entry, and children written by other steps, keep their full payload.
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, and encoded alike by any serializer: same types (1, 1.0 and True are not the
+    same argument), same key order; a value of another type never counts as the same."""
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind in _SCALARS:
+        return bool(a == b)
+    if kind is list or kind is tuple:
+        return len(a) == len(b) and all(map(_same, a, b))
+    if kind is dict:
+        return list(a) == list(b) and all(_same(v, b[k]) for k, v in a.items())
+    return False
+
+
+def child_template(jobs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The template a level's children are stored against: the first child job's dict
+    without its task_id; None when the level has no child job (only nested flows)."""
+    for job in jobs:
+        if "nested" not in job:
+            return {**job, "options": {**job["options"], "task_id": None}}
+    return None
+
+
+def job_delta(template: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] | None:
+    """What ``job`` differs from ``template`` in (its task_id aside): the fields to store in
+    its row. None when it is not told that way (a nested flow's entry): store it whole."""
+    if "nested" in job or list(job) != list(template):
+        return None
+    delta: dict[str, Any] = {}
+    for key, value in job.items():
+        if key == "options":
+            # The template's task_id is a placeholder: every other option compared.
+            mine = template["options"]
+            if list(value) != list(mine) or not all(
+                k == "task_id" or _same(v, mine[k]) for k, v in value.items()
+            ):
+                delta[key] = {**value, "task_id": None}
+        elif not _same(value, template[key]):
+            delta[key] = value
+    return delta

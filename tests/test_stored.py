@@ -6,8 +6,7 @@ from typing import Any
 
 import pytest
 
-from celery_echomq.plan import child_template, job_delta
-from celery_echomq.stored import join_job
+from celery_echomq.stored import child_template, job_delta, join_job
 
 
 def job(task_id: str, *args: Any, task: str = "t.add", **options: Any) -> dict[str, Any]:
