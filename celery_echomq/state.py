@@ -52,6 +52,12 @@ class EchoMQ:
                     self._settings = read_settings(self.app.conf)
         return self._settings
 
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        # What a test (or an operator's script) swaps in: keys and codec follow it; the client
+        # keeps its connection.
+        self._settings, self._keys, self._codec = settings, None, None
+
     def read_early(self) -> None:
         """Read the settings now if they can be read (the app was finalized); an error waits
         for the first use, where it is raised, so a configuration still to come can fix it."""
