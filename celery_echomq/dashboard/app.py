@@ -162,7 +162,7 @@ class Dashboard:
 
     def api_flow(self, request: Request) -> Response:
         try:
-            node = read_tree(self.state, request.path_params["job_id"])
+            node = read_tree(self.state, request.path_params["job_id"], with_times=True)
         except UnknownFlowError as exc:
             return _json_error(404, str(exc))
         except EchoMQError as exc:  # an ill-formed id
