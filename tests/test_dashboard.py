@@ -187,7 +187,7 @@ def test_a_held_flow_shows_its_running_child_then_turns_done(
     root = line_of(browser, res.id)
     assert "tests.proj.tsum" in root and "done=1/2" in root and "outstanding=1" in root
     SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-    browser.set_window_size(1000, 500)  # the tree, without the empty page below it
+    browser.set_window_size(1500, 480)  # the tree, without the empty page below it
     try:
         assert browser.save_screenshot(str(SCREENSHOT))
     finally:
@@ -200,6 +200,12 @@ def test_a_held_flow_shows_its_running_child_then_turns_done(
     assert "value=9" in line_of(browser, res.id)
     summary = browser.find_element("id", "summary")
     assert summary.text.startswith("parent done · 2/2 children finished")
+    assert re.search(r"end \d\d:\d\d:\d\d\.\d{3} · runtime \d", line_of(browser, slow))
+    browser.set_window_size(1500, 480)  # and done: every job with its start, end and runtime
+    try:
+        assert browser.save_screenshot(str(SCREENSHOT.with_name(SCREENSHOT.stem + "-done.png")))
+    finally:
+        browser.set_window_size(1280, 720)
 
 
 def test_the_front_page_lists_a_flow_as_held_then_recent_and_a_failed_one_as_failed(

@@ -82,7 +82,9 @@ USER_TEST = """
     def test_install_before_the_configuration(echomq_redis_url):
         app = Celery("late", set_as_current=False)
         celery_echomq.install(app)  # nothing is read yet
-        app.conf.update(broker_url=echomq_redis_url + "/4", echomq_redis_url=echomq_redis_url + "/6")
+        app.conf.update(
+            broker_url=echomq_redis_url + "/4", echomq_redis_url=echomq_redis_url + "/6"
+        )
         assert celery_echomq.get_state(app).settings.redis_url == echomq_redis_url + "/6"
 
 
