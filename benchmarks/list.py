@@ -1,11 +1,11 @@
 """What one ``list_flows`` page costs with 10 and with 100,000 flows in the store.
 
 Starts a private redis-server, writes N flows of 2 children with the real enqueue script (one
-in ten failed by a child, the rest held), then times pages of 100: the recent flows, the held
-ones, the failed ones and one task's. A page reads the store's indexes, never a SCAN, so
+in ten failed by a child, the rest held), then times pages of 10 and of 100: the recent
+flows, the held ones, the failed ones and one task's. A page reads the store's indexes, never a SCAN, so
 its cost must not grow with N.
 
-    python benchmarks/list.py [--sizes 10,100000] [--rounds 20]
+    python benchmarks/list.py [--sizes 10,1000,100000] [--rounds 20]
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ def fill(state: celery_echomq.EchoMQ, queue: str, n: int) -> None:
             )  # fmt: skip
 
 
-def timed(app: Celery, rounds: int, **kwargs: object) -> tuple[float, int]:
+def timed(app: Celery, rounds: int, limit: int, **kwargs: object) -> tuple[float, int]:
     times, rows = [], 0
     for _ in range(rounds):
         started = time.perf_counter()
-        found, _ = list_flows(app=app, limit=100, **kwargs)  # type: ignore[arg-type]
+        found, _ = list_flows(app=app, limit=limit, **kwargs)  # type: ignore[arg-type]
         times.append(time.perf_counter() - started)
         rows = len(found)
     return statistics.median(times) * 1000, rows
@@ -60,7 +60,7 @@ def timed(app: Celery, rounds: int, **kwargs: object) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="10,100000")
+    parser.add_argument("--sizes", default="10,1000,100000")
     parser.add_argument("--rounds", type=int, default=20)
     args = parser.parse_args()
     with RedisServer() as server:
@@ -73,14 +73,19 @@ def main() -> None:
             started = time.perf_counter()
             fill(state, "bench", n)
             print(f"{n:,} flows written in {time.perf_counter() - started:.1f} s", flush=True)
-            for label, kwargs in (
-                ("recent", {"state": "recent"}),
-                ("held", {"state": "held"}),
-                ("failed", {"state": "failed"}),
-                ("recent --task proj.merge", {"state": "recent", "task": "proj.merge"}),
-            ):
-                ms, rows = timed(app, args.rounds, **kwargs)
-                print(f"  list --state {label:<24} {ms:7.2f} ms median  ({rows} rows)")
+            for limit in (10, 100):
+                for label, kwargs in (
+                    ("recent", {"state": "recent"}),
+                    ("held", {"state": "held"}),
+                    ("failed", {"state": "failed"}),
+                    ("recent --task proj.merge", {"state": "recent", "task": "proj.merge"}),
+                ):
+                    ms, rows = timed(app, args.rounds, limit, **kwargs)
+                    print(
+                        f"  list --limit {limit:<3} --state {label:<24} {ms:7.2f} ms median  "
+                        f"({rows} rows)",
+                        flush=True,
+                    )
             app.close()
 
 
