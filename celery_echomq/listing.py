@@ -46,6 +46,7 @@ STATES: dict[str, str | None] = {
 MAX_LIMIT = 1000
 # Index entries one call looks at, at most, whatever the number of flows: what bounds it.
 MAX_EXAMINED = 10_000
+BATCH_MAX = 1000  # index entries (and rows) one round trip reads, at most
 _ROW = ("state", "parent", "credited_failed", "failed_children", "error")
 _CURSOR = re.compile(r"^([rf]):(\d{1,20}):(JOB[^\s:{}]{1,200})$")
 
@@ -152,8 +153,12 @@ class _Pager:
         rows: list[FlowRow] = []
         examined = 0
         position: tuple[int, str] | None = start
+        # The first batch is the page itself (every entry matches when nothing filters, or
+        # most do); a later one is what the rest of the page needs at the rate seen so far,
+        # so a dense state costs two round trips and a sparse one a few.
+        batch = limit
         while examined < MAX_EXAMINED:
-            batch = min(max(limit, 100), MAX_EXAMINED - examined)
+            batch = min(batch, MAX_EXAMINED - examined)
             entries, more = self._entries(position, batch)
             for k, row in enumerate(self._rows(entries)):
                 examined += 1
@@ -165,6 +170,9 @@ class _Pager:
                         return rows, None if last else self._cursor(position)
             if not more:
                 return rows, None
+            need = limit - len(rows)
+            rate = max(len(rows) / examined, 0.01) if examined else 1.0
+            batch = min(BATCH_MAX, max(need, int(need / rate * 1.2) + 1))
         return rows, self._cursor(position) if position else None
 
     def _cursor(self, position: tuple[int, str] | None) -> str | None:

@@ -51,3 +51,52 @@ def test_a_foreign_host_header_is_refused_before_any_page(proj: Any) -> None:
     local = get(make_app(proj.app), "http://localhost:8008", "/metrics")
     assert local.status_code == 200
     assert "frame-ancestors 'none'" in local.headers["content-security-policy"]
+
+
+def test_a_store_user_without_script_rights_gets_a_reason_not_a_500(
+    proj: Any, env: Any, own_queue: Any
+) -> None:
+    import uuid
+
+    from celery import Celery
+
+    import celery_echomq
+    from celery_echomq.state import get_state
+
+    state = get_state(proj.app)
+    queue = own_queue("reader")
+    state.client.sadd(state.keys.queues_key(), queue)
+    parent, child = "JOB" + uuid.uuid4().hex, "JOB" + uuid.uuid4().hex
+    job = {"task": "tests.proj.tsum", "args": [], "kwargs": {}, "options": {}, "children": [child]}
+    leaf = {"task": "tests.proj.add", "args": [1, 1], "kwargs": {}, "options": {}}
+    state.scripts.enqueue_flow(queue, parent, state.dumps(job), [(child, state.dumps(leaf))])
+    user = f"reader{uuid.uuid4().hex[:8]}"
+    state.client.execute_command(
+        "ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-@scripting"
+    )
+    reader = Celery("reader", broker=env.broker, set_as_current=False)
+    reader.conf.echomq_redis_url = env.store.replace("redis://", f"redis://{user}:pw@")
+    celery_echomq.install(reader)
+    try:
+        app = make_app(reader, allow_actions=True)
+        page = get(app, "http://127.0.0.1:8008", f"/flows/{parent}")
+        assert page.status_code == 200, page.text
+        assert 'id="action-cancel"' in page.text
+
+        async def cancel() -> httpx.Response:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://127.0.0.1:8008"
+            ) as client:
+                token = app.state.dashboard.token
+                return await client.post(f"/flows/{parent}/cancel", data={"token": token})
+
+        refused = asyncio.run(cancel())
+        assert refused.status_code == 303
+        assert "the%20flow%20store%20refused%20the%20cancel" in refused.headers["location"]
+        assert state.client.hget(state.keys.job_key(queue, parent), "state") == (
+            b"awaiting_children"
+        )
+    finally:
+        state.client.execute_command("ACL", "DELUSER", user)
+        reader.close()
