@@ -2,8 +2,8 @@
 
 Starts a private redis-server, writes N flows of 2 children with the real enqueue script (one
 in ten failed by a child, the rest held), then times pages of 10 and of 100: the recent
-flows, the held ones, the failed ones and one task's. A page reads the store's indexes, never a SCAN, so
-its cost must not grow with N.
+flows, the held ones, the failed ones and one task's. A page reads the store's indexes,
+never a SCAN, so its cost must not grow with N.
 
     python benchmarks/list.py [--sizes 10,1000,100000] [--rounds 20]
 """
