@@ -364,14 +364,9 @@ def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = Fal
     if to_revoke:
         state.app.control.revoke(to_revoke, terminate=terminate)
     exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
-    record_failure(
-        state,
-        parent_id,
-        exc,
-        state.loads(payload) if payload else None,
-        call_errbacks=False,
-        status="REVOKED",  # Celery's state for a revoked task; get() raises FlowCancelled
-    )
+    job = state.loads(payload) if payload else None
+    # REVOKED: Celery's state for a revoked task (get() raises FlowCancelled).
+    record_failure(state, parent_id, exc, job, call_errbacks=False, status="REVOKED")
     logger.info(
         "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
     )
