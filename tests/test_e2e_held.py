@@ -41,7 +41,7 @@ def test_parent_is_held_until_the_last_child_completes(
     assert res.get(timeout=60) == {"values": [0, 1, 2], "tag": tag}
     assert store.get(f"test:ran:collect:{tag}") == b"1"
     # The module functions read the same state by id alone.
-    assert dependencies(res.id) == (0, 3)
+    assert dependencies(res.id) == (0, 3, 0, 0)
     assert sorted(children_values(res.id).values()) == [0, 1, 2]
 
 
