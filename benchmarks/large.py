@@ -282,7 +282,7 @@ def wait_value(res: Any, children: int, timeout: float) -> list[int]:
     while time.monotonic() < deadline:
         if res.ready():
             return list(res.get(timeout=30))
-        processed = res.dependencies().processed
+        processed = res.dependencies().done
         now = time.monotonic()
         if now - last[0] >= 10:
             rate = (processed - last[1]) / (now - last[0])

@@ -11,15 +11,18 @@ from typing import Any
 from .canvas import FlowResult, flow
 from .errors import (
     ConfigError,
+    CursorError,
     DepthError,
     DuplicateIdError,
     EchoMQError,
     FlowCancelled,
     FlowClosedError,
+    FlowError,
     FlowExistsError,
     FlowFailed,
     InvalidIdError,
     KindError,
+    ListingError,
     NoResultBackendError,
     NotRepairableError,
     PolicyError,
@@ -27,23 +30,35 @@ from .errors import (
     StoreUnavailableError,
 )
 from .grow import add_children
-from .reads import Dependencies, UnknownFlowError, children_values, dependencies, ignored_failures
+from .listing import FlowRow, list_flows
+from .reads import (
+    Dependencies,
+    UnknownFlowError,
+    children_values,
+    dependencies,
+    failed_children,
+    ignored_failures,
+)
 from .repair import ReleaseOutcome, RetryOutcome, release_flow, retry_flow
 from .state import EchoMQ, get_state, install_state
 
 __all__ = [
     "ConfigError",
+    "CursorError",
     "Dependencies",
     "DepthError",
     "DuplicateIdError",
     "EchoMQError",
     "FlowCancelled",
     "FlowClosedError",
+    "FlowError",
     "FlowExistsError",
     "FlowFailed",
     "FlowResult",
+    "FlowRow",
     "InvalidIdError",
     "KindError",
+    "ListingError",
     "NoResultBackendError",
     "NotRepairableError",
     "PolicyError",
@@ -55,10 +70,12 @@ __all__ = [
     "add_children",
     "children_values",
     "dependencies",
+    "failed_children",
     "flow",
     "get_state",
     "ignored_failures",
     "install",
+    "list_flows",
     "release_flow",
     "retry_flow",
 ]
@@ -67,7 +84,11 @@ __version__ = "0.1.0"
 
 
 def install(app: Any) -> EchoMQ:
-    """Connect celery-echomq to ``app``: settings, worker signals and the recovery step."""
+    """Connect celery-echomq to ``app``: worker signals and the recovery step.
+
+    The app's ``echomq_*`` settings are read when the app is finalized or first used (as
+    Celery reads its own), so this may come before the app is configured.
+    """
     from . import signals
     from .recovery import RecoveryStep
     from .tasks import register_tasks

@@ -111,7 +111,8 @@ def cancel_flow(
             )
         return revoked + outstanding
     exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
-    record_failure(state, parent_id, exc, job, call_errbacks=False)
+    # REVOKED: Celery's state for a revoked task (get() raises FlowCancelled).
+    record_failure(state, parent_id, exc, job, call_errbacks=False, status="REVOKED")
     logger.info(
         "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
     )

@@ -46,9 +46,20 @@ class FanIn:
     policy: str
     values: dict[str, Any] = field(default_factory=dict)
     ignored: dict[str, str] = field(default_factory=dict)
+    # Children failed under fail, remove or continue (the row's 'failed:<id>' fields).
+    failures: dict[str, str] = field(default_factory=dict)
     credited: int = 0
     waiting: bool = True
     failure: FlowFailed | None = None
+
+    def dependencies(self) -> Dependencies:
+        under_fail = len(self.failures) - (self.credited - len(self.values) - len(self.ignored))
+        return Dependencies(
+            self.outstanding - under_fail, len(self.values), len(self.failures), len(self.ignored)
+        )
+
+    def failed_children(self) -> dict[str, str]:
+        return {**self.ignored, **self.failures}
 
     def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
         """Count one finished child; whether this released the parent (settle_child.lua)."""
@@ -57,6 +68,8 @@ class FanIn:
             policy = ""
         else:
             policy = policy or self.policy
+            if policy != "ignore":
+                self.failures[child_id] = data
             if policy == "fail":
                 if self.waiting:
                     self.waiting = False
@@ -151,11 +164,14 @@ class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
     def __reduce_args__(self) -> tuple[Any, ...]:
         return (self.id, self._result, self._state, self._traceback, self._name, self.fanin)
 
-    def children_values(self) -> dict[str, Any]:
-        return dict(self.fanin.values)
+    def children_values(self, cursor: str | None = None, count: int | None = None) -> Any:
+        return reads.eager_values(dict(self.fanin.values), cursor, count)
 
     def dependencies(self) -> Dependencies:
-        return Dependencies(self.fanin.outstanding, self.fanin.credited)
+        return self.fanin.dependencies()
+
+    def failed_children(self) -> dict[str, str]:
+        return self.fanin.failed_children()
 
     def ignored_failures(self) -> dict[str, str]:
         return dict(self.fanin.ignored)

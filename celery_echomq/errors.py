@@ -6,7 +6,19 @@ Input errors are also ``ValueError`` so callers that already guard a canvas with
 
 from __future__ import annotations
 
+import re
+
 import redis.exceptions
+from celery.exceptions import TaskRevokedError
+
+# What every flow error's message starts with: "flow JOB...: ...". A FlowFailed built by
+# code (or stored by a version) that did not name its flow still finds its id there.
+_FLOW_PREFIX = re.compile(r"^flow (JOB[^\s:]+)")
+
+
+def _flow_of(message: str) -> str:
+    found = _FLOW_PREFIX.match(message)
+    return found.group(1) if found else ""
 
 
 class EchoMQError(Exception):
@@ -36,6 +48,12 @@ class DuplicateIdError(InvalidIdError):
     """The same job id appears twice inside one flow."""
 
 
+class FlowError(EchoMQError):
+    """An error about one flow: ``flow_id`` names it (its parent's job id, ``res.id``)."""
+
+    flow_id: str = ""
+
+
 class FlowExistsError(EchoMQError, ValueError):
     """A job id of the flow already exists in Redis; nothing was written or published."""
 
@@ -52,25 +70,33 @@ class StoreUnavailableError(EchoMQError):
     """Redis could not be reached while starting a flow; nothing was published."""
 
 
-class FlowFailed(EchoMQError):
+class FlowFailed(FlowError):
     """A child failed under policy ``fail``: the parent will never run.
 
-    ``child_id`` names the failed child; ``error`` is its ``"ExcType: message"``.
+    ``flow_id`` names the flow, ``child_id`` the failed child; ``error`` is its
+    ``"ExcType: message"``.
     """
 
-    def __init__(self, message: str = "", child_id: str = "", error: str = "") -> None:
-        super().__init__(message, child_id, error)
+    def __init__(
+        self, message: str = "", child_id: str = "", error: str = "", flow_id: str = ""
+    ) -> None:
+        flow_id = flow_id or _flow_of(message)
+        super().__init__(message, child_id, error, flow_id)
         self.child_id = child_id
         self.error = error
+        self.flow_id = flow_id
 
     def __str__(self) -> str:
         return str(self.args[0])
 
 
-class FlowCancelled(EchoMQError):
-    """The flow was cancelled with ``FlowResult.revoke()``; the parent will never run."""
+class FlowCancelled(FlowError, TaskRevokedError):  # type: ignore[misc]
+    """The flow was cancelled (``FlowResult.revoke()``, ``echomq cancel|revoke``); the parent
+    will never run. Its result's state is ``REVOKED``, and this is also Celery's
+    ``TaskRevokedError``, what ``get()`` raises for any revoked task."""
 
     def __init__(self, message: str = "", flow_id: str = "") -> None:
+        flow_id = flow_id or _flow_of(message)
         super().__init__(message, flow_id)
         self.flow_id = flow_id
 
@@ -78,14 +104,15 @@ class FlowCancelled(EchoMQError):
         return str(self.args[0])
 
 
-class FlowClosedError(EchoMQError):
+class FlowClosedError(FlowError):
     """Children were added to a flow whose parent no longer waits for them (released, failed,
-    cancelled, finished or expired); nothing was written or published. ``parent_id`` names it.
+    cancelled, finished or expired); nothing was written or published. ``flow_id`` names it
+    (``parent_id`` too, its earlier name); ``state`` says what became of it.
     """
 
     def __init__(self, message: str = "", parent_id: str = "", state: str = "") -> None:
         super().__init__(message, parent_id, state)
-        self.parent_id = parent_id
+        self.flow_id = self.parent_id = parent_id
         self.state = state
 
     def __str__(self) -> str:
@@ -117,16 +144,39 @@ class ReplicationError(EchoMQError):
         return str(self.args[0])
 
 
-class NotRepairableError(EchoMQError):
+class NotRepairableError(FlowError):
     """A retry or release was refused: the flow is not in a state that action repairs.
 
     The message says the flow's current state and what the action accepts; nothing changed.
-    ``state`` is the state that was found (``"missing"`` for an unknown id).
+    ``state`` is the state that was found (``"missing"`` for an unknown id); ``flow_id`` the
+    flow the action named.
     """
 
-    def __init__(self, message: str = "", state: str = "") -> None:
-        super().__init__(message, state)
+    def __init__(self, message: str = "", state: str = "", flow_id: str = "") -> None:
+        super().__init__(message, state, flow_id)
         self.state = state
+        self.flow_id = flow_id
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class UnknownFlowError(FlowError, LookupError):
+    """No flow with that id is known to Redis (never started, or expired). ``flow_id`` is the
+    id asked for."""
+
+    def __init__(self, message: str = "", flow_id: str = "") -> None:
+        super().__init__(message, flow_id)
+        self.flow_id = flow_id
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class ListingError(EchoMQError, ValueError):
+    """A read of flows asked for something it cannot give (an unknown state, a limit out of
+    range); nothing was read."""
+
+
+class CursorError(ListingError):
+    """A page cursor that no read gave (``list_flows``, ``children_values``): nothing was read."""

@@ -7,24 +7,66 @@ flow's locator key written when it started, and a look at every queue that holds
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from celery import current_app, current_task
 
-from .errors import EchoMQError
+from .errors import CursorError, ListingError, UnknownFlowError
 from .keyspace import check_id
 from .plan import H_QUEUE
 from .state import EchoMQ, get_state
 from .store import text
 
+__all__ = [
+    "Dependencies",
+    "UnknownFlowError",
+    "children_values",
+    "counts_of",
+    "dependencies",
+    "failed_children",
+    "ignored_failures",
+    "locate",
+]
+
+# The parent row's field prefix of a child failed under fail, remove or continue (its error),
+# and the field counting them (settle_child.lua).
+FAILED_PREFIX = "failed:"
+
 
 class Dependencies(NamedTuple):
+    """Where a flow's children stand; for a finished flow the four add up to its children.
+
+    ``outstanding``: not settled yet (pending, running; cancelled ones stay here);
+    ``done``: succeeded, their values are the parent's; ``failed``: failed under policy
+    ``fail``, ``remove`` or ``continue``; ``ignored``: failed under ``ignore``.
+    """
+
     outstanding: int
-    processed: int
+    done: int
+    failed: int
+    ignored: int
 
 
-class UnknownFlowError(EchoMQError, LookupError):
-    """No flow with that id is known to Redis (never started, or expired)."""
+def counts_of(
+    counter: Any, values: Any, ignored: Any, credited_failed: Any, recorded: Any
+) -> Dependencies:
+    """The counts from what the store keeps: the ``:dependencies`` counter, ``HLEN`` of
+    ``:processed`` and of ``:ignored``, and the row's ``credited_failed`` and
+    ``failed_children``.
+
+    A child failed under ``fail`` is never counted down (settle_child returns before the
+    DECR), so the counter still includes it; the row's record of failed children tells it
+    from one still outstanding. A flow written before that record existed reads as before.
+    """
+    n_ignored = int(ignored or 0)
+    credited_others = max(0, int(credited_failed or 0) - n_ignored)  # remove and continue
+    under_fail = max(0, int(recorded or 0) - credited_others)
+    return Dependencies(
+        outstanding=max(0, int(counter or 0) - under_fail),
+        done=int(values or 0),
+        failed=credited_others + under_fail,
+        ignored=n_ignored,
+    )
 
 
 def locate(state: EchoMQ, job_id: str, queue: str | None = None, *, verify: bool = False) -> str:
@@ -56,9 +98,10 @@ def locate(state: EchoMQ, job_id: str, queue: str | None = None, *, verify: bool
         return scanned
     if verify and located is not None:
         raise UnknownFlowError(
-            f"flow {job_id!r} has expired or was forgotten (its keys are gone from Redis)"
+            f"flow {job_id!r} has expired or was forgotten (its keys are gone from Redis)",
+            job_id,
         )
-    raise UnknownFlowError(f"no job {job_id!r} in Redis (never started, or expired)")
+    raise UnknownFlowError(f"no job {job_id!r} in Redis (never started, or expired)", job_id)
 
 
 def scan_queues(state: EchoMQ, job_id: str) -> str | None:
@@ -84,30 +127,108 @@ def _state(app: Any) -> EchoMQ:
     return get_state(app or current_app)
 
 
-def children_values(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, Any]:
-    """``{child_job_id: value}`` for the children of ``job_id`` completed so far."""
+def children_values(
+    job_id: str,
+    *,
+    app: Any = None,
+    queue: str | None = None,
+    cursor: str | None = None,
+    count: int | None = None,
+) -> Any:
+    """``{child_job_id: value}`` for the children of ``job_id`` completed so far.
+
+    With ``count``: one page of at most ``count`` values and the cursor of the next page,
+    ``(values, next_cursor)``; ``next_cursor`` is None after the last page. Pages follow
+    Redis's HSCAN, so a flow of any size is read a page at a time: every value completed
+    before the first page is returned exactly once; one completed while paging may come
+    once or not at all. A cursor no page gave raises :class:`CursorError`.
+    """
+    _check_page(cursor, count)
     if job_id in EAGER:
-        return dict(EAGER[job_id].values)
+        return eager_values(dict(EAGER[job_id].values), cursor, count)
     state = _state(app)
     _, processed, _ = state.keys.flow_keys(locate(state, job_id, queue), job_id)
-    return {text(k): state.loads(v) for k, v in state.client.hgetall(processed).items()}
+    if count is None:
+        # In chunks rather than one HGETALL: a flow's 100,000 values must not block Redis.
+        scanned = state.client.hscan_iter(processed, count=1000)
+        return {text(k): state.loads(v) for k, v in scanned}
+    raw, after = _page(state, processed, _parse_cursor(cursor), count)
+    return {k: state.loads(v) for k, v in raw.items()}, after
+
+
+def _check_page(cursor: str | None, count: int | None) -> None:
+    if count is None and cursor is not None:
+        raise CursorError("children_values: a cursor needs a count (the page size)")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ListingError(f"children_values: count must be a whole number >= 1, not {count!r}")
+
+
+def _parse_cursor(cursor: str | None) -> tuple[int, str | None]:
+    """A values cursor: ``"<hscan cursor>"`` or ``"<hscan cursor>:<last child id>"``."""
+    if cursor is None:
+        return 0, None
+    scan, _, last = str(cursor).partition(":")
+    if not scan.isdigit() or len(scan) > 20 or (last and not last.startswith("JOB")):
+        raise CursorError(f"not a children_values cursor: {cursor!r} (pass the one a page gave)")
+    if last:
+        check_id(last)
+    return int(scan), last or None
+
+
+def _page(
+    state: EchoMQ, key: str, start: tuple[int, str | None], count: int
+) -> tuple[dict[str, bytes], str | None]:
+    """At most ``count`` fields of the hash ``key`` from ``start``, and the next cursor.
+
+    HSCAN's COUNT is a hint (a small hash comes whole), so each batch is sorted by field and a
+    page may stop inside it: the cursor then names the batch and the last field returned, and
+    the next page scans that batch again and skips up to that field. A field added meanwhile
+    may sort before it (skipped) or after (returned): what SCAN promises for new fields.
+    """
+    scan, after = start
+    page: dict[str, bytes] = {}
+    while True:
+        following, batch = state.client.hscan(key, scan, count=count)
+        fields = sorted((text(k), v) for k, v in batch.items())
+        fresh = [(k, v) for k, v in fields if after is None or k > after]
+        room = count - len(page)
+        page.update(fresh[:room])
+        if len(fresh) > room:
+            return page, f"{scan}:{fresh[room - 1][0]}"
+        after, scan = None, int(following)
+        if scan == 0:
+            return page, None
+        if len(page) >= count:
+            return page, str(scan)
+
+
+def eager_values(values: dict[str, Any], cursor: str | None, count: int | None) -> Any:
+    """The same pages over an eager flow's values, in memory (the cursor: a position)."""
+    _check_page(cursor, count)
+    if count is None:
+        return values
+    if cursor is not None and not str(cursor).isdigit():
+        raise CursorError(f"not a children_values cursor: {cursor!r} (pass the one a page gave)")
+    start = int(cursor or 0)
+    items = list(values.items())[start : start + count]
+    after = start + count
+    return dict(items), (str(after) if after < len(values) else None)
 
 
 def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> Dependencies:
-    """The counter (children outstanding) and how many children have been credited."""
+    """Where the children stand: :class:`Dependencies` (outstanding, done, failed, ignored)."""
     if job_id in EAGER:
-        return Dependencies(EAGER[job_id].outstanding, EAGER[job_id].credited)
+        return cast(Dependencies, EAGER[job_id].dependencies())
     state = _state(app)
     q = locate(state, job_id, queue)
-    deps, processed, _ = state.keys.flow_keys(q, job_id)
+    deps, processed, ignored = state.keys.flow_keys(q, job_id)
     pipe = state.client.pipeline(transaction=False)
     pipe.get(deps)
-    # Credited: one :processed field per child whose value counted, plus the failed children
-    # counted as resolved (ignore, remove, continue).
     pipe.hlen(processed)
-    pipe.hget(state.keys.job_key(q, job_id), "credited_failed")
-    outstanding, values, failed = pipe.execute()
-    return Dependencies(int(outstanding or 0), int(values or 0) + int(failed or 0))
+    pipe.hlen(ignored)
+    pipe.hmget(state.keys.job_key(q, job_id), "credited_failed", "failed_children")
+    counter, values, n_ignored, (credited_failed, recorded) = pipe.execute()
+    return counts_of(counter, values, n_ignored, credited_failed, recorded)
 
 
 def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
@@ -117,3 +238,19 @@ def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) 
     state = _state(app)
     _, _, ignored = state.keys.flow_keys(locate(state, job_id, queue), job_id)
     return {text(k): text(v) for k, v in state.client.hgetall(ignored).items()}
+
+
+def failed_children(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
+    """``{child_job_id: "ExcType: message"}`` for every child that failed for good, under any
+    policy (``fail``, ``ignore``, ``remove``, ``continue``); a child retried since is not."""
+    if job_id in EAGER:
+        return dict(EAGER[job_id].failed_children())
+    state = _state(app)
+    q = locate(state, job_id, queue)
+    _, _, ignored = state.keys.flow_keys(q, job_id)
+    failed = {text(k): text(v) for k, v in state.client.hgetall(ignored).items()}
+    found = state.client.hscan_iter(
+        state.keys.job_key(q, job_id), match=FAILED_PREFIX + "*", count=1000
+    )
+    failed.update((text(k)[len(FAILED_PREFIX) :], text(v)) for k, v in found)
+    return failed

@@ -90,6 +90,7 @@ def _flow(state: EchoMQ, job_id: str) -> JobNode:
             f"{job_id} is not a flow parent (a {node.state} child{where}); name its flow, "
             f"and one child with --child",
             node.state,
+            job_id,
         )
     return node
 
@@ -116,6 +117,7 @@ def _plan(node: JobNode, targets: list[JobNode]) -> None:
                 f"child {child.id} of flow {node.id} is a nested flow that failed on its own "
                 f"(not by a child of its own); {RETRY_ALLOWS}",
                 child.state,
+                node.id,
             )
         _plan(child, _retryable(child))
 
@@ -147,7 +149,9 @@ class _Retry:
         self.queue_of.update((cid, node.queue) for cid, _ in pairs)
         if status not in (Status.RETRIED, Status.RELEASED):
             raise NotRepairableError(
-                f"flow {node.id} is {status}; nothing changed: {RETRY_ALLOWS}", str(status)
+                f"flow {node.id} is {status}; nothing changed: {RETRY_ALLOWS}",
+                str(status),
+                node.id,
             )
         self.held.append(node.id)
         for queue, ids in remote.items():
@@ -236,7 +240,7 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
     if child is not None:
         match = [c for c in node.children if c.id == child]
         if not match:
-            raise NotRepairableError(f"{child} is not a child of flow {job_id}", node.state)
+            raise NotRepairableError(f"{child} is not a child of flow {job_id}", node.state, job_id)
         if match[0].state == "failed" and match[0].policy != "fail":
             return _retry_counted(state, node, match[0])
         if match[0] not in failed:
@@ -244,6 +248,7 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
                 f"child {child} of flow {job_id} is {match[0].state} (policy "
                 f"{match[0].policy}); --child retries a failed child",
                 match[0].state,
+                job_id,
             )
         failed = match
     if _own_failure(node) and node.parent is None:
@@ -265,6 +270,7 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
         raise NotRepairableError(
             f"flow {job_id} is {node.state} ({why}); nothing changed: {RETRY_ALLOWS}",
             node.state,
+            job_id,
         )
     gone = [c.id for c in node.children if c.state == "missing"]
     if node.flow is None or node.flow.outstanding is None or gone:
@@ -273,6 +279,7 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
             f"flow {job_id} cannot be retried: its keys have expired "
             f"({'children ' + ', '.join(gone) if gone else 'its counter'}); nothing changed",
             "missing",
+            job_id,
         )
     _plan(node, failed)
     # Outer flows this one failed, top first: each is re-held counting the flow below it.
@@ -326,7 +333,9 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
         return release_flow(state, fan_in, revoke=revoke)
     if node.state != "awaiting_children":
         raise NotRepairableError(
-            f"flow {job_id} is {node.state}; nothing changed: {RELEASE_ALLOWS}", node.state
+            f"flow {job_id} is {node.state}; nothing changed: {RELEASE_ALLOWS}",
+            node.state,
+            job_id,
         )
     outstanding = [c for c in node.children if c.state in OUTSTANDING]
     revoked: list[str] = []
@@ -341,7 +350,9 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
     )
     if status is not Status.RELEASED:
         raise NotRepairableError(
-            f"flow {job_id} is {status}; nothing changed: {RELEASE_ALLOWS}", str(status)
+            f"flow {job_id} is {status}; nothing changed: {RELEASE_ALLOWS}",
+            str(status),
+            job_id,
         )
     if revoke:
         # Children of other slots alike: those not started are cancelled there; running

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from typing import Any
 
+from celery import states
 from celery.result import AsyncResult
 from vine import promise
 
@@ -12,6 +15,10 @@ from .cancel import cancel_flow
 from .errors import NoResultBackendError
 from .reads import locate
 from .state import get_state
+from .store import text
+
+# A parent row in one of these states runs again: its flow was retried since it failed.
+RUNNING_AGAIN = frozenset({"awaiting_children", "pending", "active", "done"})
 
 
 class FlowResult(AsyncResult):  # type: ignore[misc]
@@ -38,7 +45,12 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
         """The parent's value, as ``AsyncResult.get``; at once a clear error when the app has
-        no result backend (the flow still runs)."""
+        no result backend (the flow still runs).
+
+        A result that already saw the flow fail or be cancelled looks at the store first:
+        once the flow was retried (``echomq retry`` from anywhere), it waits for the new
+        outcome instead of answering from its cache.
+        """
         from celery.backends.base import DisabledBackend
 
         if isinstance(self.backend, DisabledBackend):
@@ -47,17 +59,42 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
                 "has no result backend. Set the result_backend setting (e.g. redis://, rpc://, "
                 "a database), or read the children's values with children_values()"
             )
+        self._recheck_cached()
         return super().get(*args, **kwargs)
 
-    def children_values(self) -> dict[str, Any]:
-        """``{child_job_id: value}`` for the children completed so far."""
+    def _get_task_meta(self) -> Any:
+        # What .state, .ready() and .result read: the same look at the store as get().
+        self._recheck_cached()
+        return super()._get_task_meta()
+
+    def _recheck_cached(self) -> None:
+        cache = getattr(self, "_cache", None)
+        if not cache or cache.get("status") not in (states.FAILURE, states.REVOKED):
+            return
+        try:
+            state = get_state(self.app)
+            queue = locate(state, self.id, self.flow_queue)
+            now = text(state.client.hget(state.keys.job_key(queue, self.id), "state"))
+        except Exception:
+            return  # the store cannot say (down, or the flow expired): the cache stands
+        if now in RUNNING_AGAIN:
+            self._forget_cached()
+
+    def children_values(self, cursor: str | None = None, count: int | None = None) -> Any:
+        """``{child_job_id: value}`` for the children completed so far; with ``count``, one
+        page and the next page's cursor: ``(values, next_cursor)`` (None after the last)."""
         job_id, queue = self._fan()
-        return reads.children_values(job_id, app=self.app, queue=queue)
+        return reads.children_values(job_id, app=self.app, queue=queue, cursor=cursor, count=count)
 
     def dependencies(self) -> reads.Dependencies:
-        """``.outstanding`` (the counter) and ``.processed`` (children credited)."""
+        """``Dependencies(outstanding, done, failed, ignored)``: where the children stand."""
         job_id, queue = self._fan()
         return reads.dependencies(job_id, app=self.app, queue=queue)
+
+    def failed_children(self) -> dict[str, str]:
+        """``{child_job_id: "ExcType: message"}`` for every child failed, under any policy."""
+        job_id, queue = self._fan()
+        return reads.failed_children(job_id, app=self.app, queue=queue)
 
     def ignored_failures(self) -> dict[str, str]:
         """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
@@ -87,6 +124,16 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         from .repair import release_flow
 
         return release_flow(get_state(self.app), self._fan()[0], revoke=revoke)
+
+    def __del__(self) -> None:
+        # AsyncResult.__del__ unsubscribes from the backend's pending results. At interpreter
+        # exit (a get() that timed out leaves the result subscribed) the app, its backend and
+        # their connections are being torn down: there is nothing left to cancel, and the
+        # attempt only prints "Exception ignored in AsyncResult.__del__" tracebacks.
+        if sys.is_finalizing():
+            return
+        with contextlib.suppress(Exception):
+            super().__del__()
 
     def _forget_cached(self) -> None:
         # A result that already read the failure keeps it cached, and its readiness promise

@@ -60,10 +60,14 @@ def record_failure(
     job: dict[str, Any] | None,
     *,
     call_errbacks: bool = True,
+    status: str = "FAILURE",
 ) -> None:
     """Store FAILURE for a job that never ran (a flow's parent), as its own worker would:
     with its request, so that its ``link_error`` callbacks run and a result backend that
-    replies to the caller (``rpc://``) finds the caller's ``reply_to`` in it."""
+    replies to the caller (``rpc://``) finds the caller's ``reply_to`` in it.
+
+    ``status="REVOKED"``: a cancelled flow, stored as Celery stores a revoked task (no
+    callbacks), with ``exc`` (a FlowCancelled) as what ``get()`` raises."""
     from celery.app.task import Context
     from celery.utils.functional import maybe_list
 
@@ -79,6 +83,9 @@ def record_failure(
         correlation_id=job_id,
         delivery_info={},
     )
+    if status == "REVOKED":
+        state.app.backend.store_result(job_id, exc, status, request=request)
+        return
     state.app.backend.mark_as_failure(job_id, exc, request=request, call_errbacks=call_errbacks)
 
 

@@ -6,6 +6,7 @@ client and the scripts bound to it are made lazily, once per process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -25,19 +26,60 @@ _ATTR = "_echomq_state"
 
 
 class EchoMQ:
-    """Everything celery-echomq needs for one Celery app."""
+    """Everything celery-echomq needs for one Celery app.
 
-    def __init__(self, app: Any, settings: Settings) -> None:
+    The settings are read from ``app.conf`` when they are first needed (the app finalized,
+    a flow sent, a read), as Celery reads its own configuration: ``install(app)`` may come
+    before ``config_from_object`` or a test plugin that supplies the URLs. ``settings``
+    given here are used as they are (the CLI's, with its own timeouts).
+    """
+
+    def __init__(self, app: Any, settings: Settings | None = None) -> None:
         self.app = app
-        self.settings = settings
-        self.keys = Keyspace(settings.key_prefix)
+        self._settings = settings
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._client: Any = None
         self._scripts: Scripts | None = None
-        self._content_type, self._encoding, _ = registry._encoders[settings.serializer]
-        self._accept = prepare_accept_content(settings.accept_content)  # type: ignore[no-untyped-call]
+        self._codec: tuple[str, str, Any] | None = None
+        self._keys: Keyspace | None = None
         self._queues: tuple[float, frozenset[str]] = (0.0, frozenset())
+
+    @property
+    def settings(self) -> Settings:
+        """The app's ``echomq_*`` settings; a ConfigError names what is wrong, at first use."""
+        if self._settings is None:
+            with self._lock:
+                if self._settings is None:
+                    self._settings = read_settings(self.app.conf)
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        # What a test (or an operator's script) swaps in: keys and codec follow it; the client
+        # keeps its connection.
+        self._settings, self._keys, self._codec = settings, None, None
+
+    def read_early(self) -> None:
+        """Read the settings now if they can be read (the app was finalized); an error waits
+        for the first use, where it is raised, so a configuration still to come can fix it."""
+        if self._settings is None:
+            with contextlib.suppress(ConfigError):
+                _ = self.settings
+
+    @property
+    def keys(self) -> Keyspace:
+        if self._keys is None:
+            self._keys = Keyspace(self.settings.key_prefix)
+        return self._keys
+
+    def _encoding(self) -> tuple[str, str, Any]:
+        if self._codec is None:
+            settings = self.settings
+            content_type, encoding, _ = registry._encoders[settings.serializer]
+            accept = prepare_accept_content(settings.accept_content)  # type: ignore[no-untyped-call]
+            self._codec = (content_type, encoding, accept)
+        return self._codec
 
     def _ensure(self) -> None:
         if self._pid != os.getpid():
@@ -91,14 +133,25 @@ class EchoMQ:
 
     def loads(self, data: bytes) -> Any:
         """Decode what :meth:`dumps` stored; content the app does not accept is refused."""
-        return loads(  # type: ignore[no-untyped-call]
-            data, self._content_type, self._encoding, accept=self._accept
-        )
+        content_type, encoding, accept = self._encoding()
+        return loads(data, content_type, encoding, accept=accept)  # type: ignore[no-untyped-call]
 
 
 def install_state(app: Any) -> EchoMQ:
-    state = EchoMQ(app, read_settings(app.conf))
+    """A fresh state on ``app``, its settings read when the app is finalized (or at first
+    use, whichever comes first)."""
+    state = EchoMQ(app)
     setattr(app, _ATTR, state)
+    if getattr(app, "finalized", False):
+        return state  # read at first use
+
+    def finalized(sender: Any = None, **kwargs: Any) -> None:
+        # The state installed last is the one in force (the testing plugin installs again).
+        if getattr(app, _ATTR, None) is state:
+            state.read_early()
+
+    # weak=False: the receiver is a closure that nothing else holds.
+    app.on_after_finalize.connect(finalized, weak=False)
     return state
 
 

@@ -1,24 +1,39 @@
 """Reads of flows for people and scripts: the tree under a job, a flow's progress, per-queue counts.
 
-Everything here is a plain read (HMGET, GET, HGETALL, ZCARD, SCAN), never a write, so it is
+Everything here is a plain read (HMGET, GET, HGETALL, ZSCORE), never a write, so it is
 safe against a live system. A result is a snapshot, not a transaction: a child may finish
 between two reads, which a progress display tolerates and a transition never relies on.
-``celery -A proj echomq show|watch|stats`` print what these functions return.
+``celery -A proj echomq show|watch`` print what these functions return (``stats`` and
+``list``: listing.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .errors import EchoMQError
-from .reads import locate, scan_queues
+from .listing import QueueStats, held_parents, queue_stats
+from .reads import counts_of, locate, scan_queues
 from .state import EchoMQ
 from .store import text
 from .stored import Delta, load_job, stored_of
+from .timing import finish_times
+
+__all__ = [
+    "FINISHED",
+    "FlowInfo",
+    "JobNode",
+    "QueueStats",
+    "held_parents",
+    "node_dict",
+    "queue_stats",
+    "read_tree",
+    "tree_json",
+    "walk",
+]
 
 # A job in one of these states will not change again (until its keys expire).
 FINISHED = frozenset({"done", "failed", "cancelled"})
@@ -39,6 +54,7 @@ _ROW_FIELDS = (
     "dispatched",
     "delta",
     "template",
+    "failed_children",
 )
 # Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
 _STORED = frozenset({"payload", "delta", "template"})
@@ -49,12 +65,14 @@ _STORED = frozenset({"payload", "delta", "template"})
 
 @dataclass(frozen=True)
 class FlowInfo:
-    """What only a flow parent has: its counter and its children's bookkeeping."""
+    """What only a flow parent has: where its children stand (``Dependencies``'s counts)."""
 
     policy: str  # the default parent_policy of children that set none
-    outstanding: int | None  # the :dependencies counter; None once it expired
-    credited: int  # children counted toward the release (values plus ignore/remove/continue)
-    total: int  # children declared when the flow started
+    outstanding: int | None  # children not settled yet; None once the counter expired
+    done: int  # children whose values count
+    failed: int  # children failed under fail, remove or continue
+    ignored: int  # children failed under ignore
+    total: int  # children of the flow (those added while it ran included)
     failed_child: str | None  # the child whose failure under policy "fail" failed the flow
 
 
@@ -74,7 +92,10 @@ class JobNode:
     has_value: bool = False  # False means "no value yet", so that a None value still shows
     value: Any = None
     error: str | None = None  # "ExcType: message" for a failed job
+    args: str | None = None  # its arguments as Celery shows them (argsrepr)
+    kwargs: str | None = None  # and its keyword arguments (kwargsrepr)
     started_ms: int | None = None  # server time of its latest claim
+    finished_ms: int | None = None  # when it finished (see timing.py), if known
     dispatched_ms: int | None = None  # a parent: when its release was published
     flow: FlowInfo | None = None  # set when this job is a flow parent
     children: tuple[JobNode, ...] = field(default=())
@@ -83,36 +104,12 @@ class JobNode:
     def finished(self) -> bool:
         return self.state in FINISHED
 
-
-@dataclass(frozen=True)
-class Progress:
-    """How far a flow's direct children have come, and where its parent stands."""
-
-    flow_id: str
-    parent_state: str
-    total: int
-    done: int
-    failed: int
-    cancelled: int
-    active: int
-    pending: int
-    outstanding: int | None
-    finished: bool  # the parent itself finished (done, failed or cancelled)
-    error: str | None = None  # the parent's error once it failed
-
-
-@dataclass(frozen=True)
-class QueueStats:
-    """Counts for one queue that holds flows (a snapshot)."""
-
-    queue: str
-    pending: int  # claimable jobs, including released parents not yet started
-    active: int  # claimed and running (or lost, until recovery notices)
-    held: int  # parents awaiting their children
-    failed: int  # jobs that failed for good within the result TTL
-    republished: int = 0  # messages recovery re-published (or dispatched again), ever
-    skipped: int = 0  # duplicate deliveries acknowledged without running their body, ever
-    forged: int = 0  # deliveries refused: their message named another parent than the row's
+    @property
+    def runtime_ms(self) -> int | None:
+        """From its latest start to its end, when both are known."""
+        if self.started_ms is None or self.finished_ms is None:
+            return None
+        return max(0, self.finished_ms - self.started_ms)
 
 
 def _int(value: Any) -> int | None:
@@ -136,14 +133,15 @@ def _row(fields: list[Any]) -> dict[str, Any]:
 
 def _task_and_children(
     state: EchoMQ, queue: str, job_id: str, row: dict[str, Any], template: bytes | None = None
-) -> tuple[str | None, list[str]]:
-    """A row's task name and, for a parent, its children's ids, from its stored job.
+) -> tuple[str | None, list[str], tuple[str | None, str | None]]:
+    """A row's task name, for a parent its children's ids, and its arguments as Celery shows
+    them, from its stored job.
 
     ``template``: the encoded template on the parent's row, when the caller has it (a
     child's delta is joined with it; else it is read)."""
     stored = stored_of(row["payload"], row["delta"], row["parent"])
     if stored is None:
-        return None, []
+        return None, [], (None, None)
     if isinstance(stored, Delta):
         try:
             known: dict[str, bytes | None] | None = None
@@ -151,13 +149,28 @@ def _task_and_children(
                 known = {stored.parent: template}
             job = load_job(state, queue, job_id, stored, known)
         except Exception:
-            return None, []  # its template gone, or not readable: shown without a task
+            return None, [], (None, None)  # its template gone, or not readable
     else:
         job = _load(state, stored)
     if not isinstance(job, dict):
-        return None, []
+        return None, [], (None, None)
     children = job.get("children") or []
-    return job.get("task"), [str(c) for c in children]
+    return job.get("task"), [str(c) for c in children], arguments(state, job)
+
+
+def arguments(state: EchoMQ, job: dict[str, Any]) -> tuple[str | None, str | None]:
+    """``(argsrepr, kwargsrepr)`` of a stored job: its own when the caller set them (what
+    Celery shows in their place, e.g. to hide a secret), else Celery's ``saferepr``."""
+    from celery.utils.saferepr import saferepr
+
+    options = job.get("options") or {}
+    amqp = state.app.amqp
+    args, kwargs = options.get("argsrepr"), options.get("kwargsrepr")
+    if args is None:
+        args = saferepr(tuple(job.get("args") or ()), amqp.argsrepr_maxsize)
+    if kwargs is None:
+        kwargs = saferepr(dict(job.get("kwargs") or {}), amqp.kwargsrepr_maxsize)
+    return str(args), str(kwargs)
 
 
 def _outcome(
@@ -181,23 +194,36 @@ def _outcome(
 
 
 def read_tree(
-    state: EchoMQ, job_id: str, *, queue: str | None = None, with_result: bool = True
+    state: EchoMQ,
+    job_id: str,
+    *,
+    queue: str | None = None,
+    with_result: bool = True,
+    with_times: bool = False,
 ) -> JobNode:
     """The job ``job_id`` and, if it is a flow parent, its children (nested flows recursively).
 
     ``with_result`` also reads the root's own value: from its parent's :processed when it is a
-    child, else from Celery's result backend once it is done.
+    child, else from Celery's result backend once it is done. ``with_times`` also reads when
+    each finished job ended (what ``show`` and the dashboard print; see timing.py).
     """
     where = locate(state, job_id, queue, verify=True)
     client = state.client
     root_row = _row(client.hmget(state.keys.job_key(where, job_id), _ROW_FIELDS))
     node = _build(state, where, job_id, root_row, facts={}, depth=0)
+    if with_times:
+        node = _timed(node, finish_times(state, walk(node)))
     if not with_result or node.state != "done":
         return node
     has_value, value = _root_value(state, node)
     if not has_value:
         return node
     return replace(node, has_value=True, value=value)
+
+
+def _timed(node: JobNode, ends: dict[str, int]) -> JobNode:
+    children = tuple(_timed(child, ends) for child in node.children)
+    return replace(node, finished_ms=ends.get(node.id), children=children)
 
 
 def _root_value(state: EchoMQ, node: JobNode) -> tuple[bool, Any]:
@@ -226,7 +252,9 @@ def _build(
     depth: int,
 ) -> JobNode:
     """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
-    task, child_ids = _task_and_children(state, queue, job_id, row, facts.get("template"))
+    task, child_ids, (args, kwargs) = _task_and_children(
+        state, queue, job_id, row, facts.get("template")
+    )
     keys, client = state.keys, state.client
     node = JobNode(
         id=job_id,
@@ -241,6 +269,8 @@ def _build(
         has_value="value" in facts,
         value=facts.get("value"),
         error=row["error"] or facts.get("ignored_error"),
+        args=args,
+        kwargs=kwargs,
         started_ms=_int(row["started"]),
         dispatched_ms=_int(row["dispatched"]),
     )
@@ -257,10 +287,15 @@ def _build(
     processed = {text(k): v for k, v in processed.items()}
     ignored = {text(k): text(v) for k, v in ignored.items()}
     flow_policy = row["policy"] or "fail"
+    counts = counts_of(
+        counter, len(processed), len(ignored), row["credited_failed"], row["failed_children"]
+    )
     info = FlowInfo(
         policy=flow_policy,
-        outstanding=_int(counter),
-        credited=len(processed) + (_int(row["credited_failed"]) or 0),
+        outstanding=None if counter is None else counts.outstanding,
+        done=counts.done,
+        failed=counts.failed,
+        ignored=counts.ignored,
         total=len(child_ids),
         failed_child=row["failed_child"],
     )
@@ -306,107 +341,6 @@ def _build(
     return replace(node, flow=info, children=tuple(children))
 
 
-def read_progress(
-    state: EchoMQ,
-    job_id: str,
-    queue: str | None = None,
-    child_queues: dict[str, str] | None = None,
-) -> Progress:
-    """:func:`progress` without reading values or payloads of the children: for polling.
-
-    ``child_queues`` (child id -> queue) is filled in and reused across calls, so a child that
-    lives on another queue is searched for once, not on every poll.
-    """
-    keys, client = state.keys, state.client
-    where = locate(state, job_id, queue, verify=True)
-    row = _row(client.hmget(keys.job_key(where, job_id), _ROW_FIELDS))
-    _, child_ids = _task_and_children(state, where, job_id, row)
-    cache = {} if child_queues is None else child_queues
-    pipe = client.pipeline(transaction=False)
-    pipe.get(keys.flow_keys(where, job_id)[0])
-    for cid in child_ids:
-        pipe.hget(keys.job_key(cache.get(cid, where), cid), "state")
-    counter, *raw_states = pipe.execute()
-    states: list[str] = []
-    for cid, raw in zip(child_ids, raw_states, strict=True):
-        if raw is None and cid not in cache:
-            found = scan_queues(state, cid)
-            cache[cid] = found or where
-            if found is not None:
-                raw = client.hget(keys.job_key(found, cid), "state")
-        states.append(text(raw) or MISSING)
-    parent_state = row["state"] or MISSING
-    return Progress(
-        flow_id=job_id,
-        parent_state=parent_state,
-        total=len(child_ids),
-        done=states.count("done"),
-        failed=states.count("failed"),
-        cancelled=states.count("cancelled"),
-        active=states.count("active"),
-        pending=states.count("pending") + states.count("awaiting_children"),
-        outstanding=_int(counter),
-        finished=parent_state in FINISHED,
-        error=row["error"],
-    )
-
-
-def _glob_escape(text: str) -> str:
-    # Queue names may hold glob metacharacters; SCAN MATCH must take them literally.
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
-def held_parents(state: EchoMQ, queue: str) -> list[str]:
-    """Ids of parents awaiting their children on ``queue``.
-
-    No set tracks held parents (a held parent is deliberately in no state set, so nothing can
-    claim it), so this scans the queue's ``:dependencies`` keys: a slow read, for people.
-    """
-    keys, client = state.keys, state.client
-    prefix = keys.queue_key(queue, "")
-    pattern = _glob_escape(prefix) + "JOB*:dependencies"
-    ids = [
-        (text(key) or "")[len(prefix) : -len(":dependencies")]
-        for key in client.scan_iter(match=pattern, count=1000)
-    ]
-    if not ids:
-        return []
-    pipe = client.pipeline(transaction=False)
-    for job_id in ids:
-        pipe.hget(keys.job_key(queue, job_id), "state")
-    states = pipe.execute()
-    return sorted(j for j, s in zip(ids, states, strict=True) if text(s) == "awaiting_children")
-
-
-def queue_stats(state: EchoMQ) -> list[QueueStats]:
-    """Per queue that holds flows (``emq:queues``): pending, active, held and failed jobs, and
-    how many messages recovery re-published and how many duplicate deliveries were skipped."""
-    keys, client = state.keys, state.client
-    names = sorted(filter(None, (text(q) for q in client.smembers(keys.queues_key()))))
-    stats: list[QueueStats] = []
-    for name in names:
-        pipe = client.pipeline(transaction=False)
-        for set_name in ("pending", "active", "failed"):
-            pipe.zcard(keys.queue_key(name, set_name))
-        pipe.hmget(
-            keys.queue_key(name, "counters"), "republished", "duplicates_skipped", "forged_refused"
-        )
-        pending, active, failed, (republished, skipped, forged) = pipe.execute()
-        stats.append(
-            QueueStats(
-                name,
-                int(pending),
-                int(active),
-                len(held_parents(state, name)),
-                int(failed),
-                int(republished or 0),
-                int(skipped or 0),
-                int(forged or 0),
-            )
-        )
-    return stats
-
-
 def json_default(value: Any) -> Any:
     """What ``json.dumps`` makes of a task value JSON cannot hold (sets, bytes, objects)."""
     if isinstance(value, (set, frozenset, tuple)):
@@ -422,6 +356,7 @@ def node_dict(node: JobNode) -> dict[str, Any]:
     data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name != "children"}
     data["flow"] = dataclasses.asdict(node.flow) if node.flow else None
     data["finished"] = node.finished
+    data["runtime_ms"] = node.runtime_ms
     data["children"] = [node_dict(child) for child in node.children]
     return data
 

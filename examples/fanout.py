@@ -139,7 +139,7 @@ def main() -> int:
         merged = res.get(timeout=120)
         # The children's own values stay readable in Redis after the parent ran.
         per_child = res.children_values()
-        print(f"children done: {res.dependencies().processed}/{len(urls)}")
+        print(f"children done: {res.dependencies().done}/{len(urls)}")
         for child, path in zip(children, pages, strict=True):
             child_id = child.options["task_id"]
             print(f"  {path}: {sum(per_child[child_id].values())} words  ({child_id})")

@@ -65,10 +65,10 @@ def main() -> int:
             while not res.ready():
                 deps = res.dependencies()
                 if deps != last:
-                    print(f"  children done {deps.processed}/8, outstanding {deps.outstanding}")
+                    print(f"  children done {deps.done}/8, outstanding {deps.outstanding}")
                     last = deps
                 time.sleep(0.05)
-            print(f"  children done {res.dependencies().processed}/8")
+            print(f"  children done {res.dependencies().done}/8")
             print("parent result:", res.get(timeout=60))
             released = [line for line in log.read_text().splitlines() if "echomq:" in line]
             print("worker log:", *(line.split("] ", 1)[-1] for line in released), sep="\n  ")

@@ -86,7 +86,7 @@ def test_rpc_backend_get_returns_the_parent_value_to_the_caller(
         )
         assert res.get(timeout=TIMEOUT) == 20
         assert sorted(res.children_values().values()) == [0, 2, 4, 6, 8]
-        assert res.dependencies() == (0, 5)
+        assert res.dependencies() == (0, 5, 0, 0)
         # A nested flow, and a flow whose child fails under "fail": the FAILURE recorded for a
         # parent that never ran reaches this caller too.
         inner = flow(task(app, "tsum"), [task(app, "add", 1, 1), task(app, "add", 2, 2)])
@@ -95,7 +95,7 @@ def test_rpc_backend_get_returns_the_parent_value_to_the_caller(
         failing = flow(task(app, "tsum"), [task(app, "add", 1, 1), task(app, "boom", "rpc")])
         with pytest.raises(FlowFailed, match="ValueError: rpc"):
             failing.apply_async(queue=q).get(timeout=TIMEOUT)
-        # A cancelled flow's FAILURE, recorded by the process that cancels it, too.
+        # A cancelled flow's REVOKED, recorded by the process that cancels it, too.
         gate = f"gate:{uuid.uuid4().hex}"
         held = flow(task(app, "tsum"), [task(app, "gated", 1, gate)]).apply_async(queue=q)
         try:
@@ -132,7 +132,7 @@ def test_no_result_backend_flows_run_and_get_says_what_to_set(
         while store.hget(row, "state") != b"done" and time.monotonic() < deadline:
             time.sleep(0.1)
         assert store.hget(row, "state") == b"done"
-        assert res.dependencies() == (0, 4)
+        assert res.dependencies() == (0, 4, 0, 0)
         assert sorted(res.children_values().values()) == [0, 2, 4, 6]
     finally:
         app.close()

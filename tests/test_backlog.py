@@ -61,7 +61,7 @@ def check_each_ran_once(store: redis.Redis, sent: Sent, timeout: float, first: i
             "values": [f * 100 + i for i in range(len(ids))],
             "tag": tag,
         }
-        assert res.dependencies() == (0, len(ids))
+        assert res.dependencies() == (0, len(ids), 0, 0)
         assert int(store.get(f"test:ran:collect:{tag}") or 0) == 1, "the parent ran twice"
         runs = [int(store.get(f"test:ran:slow:{cid}") or 0) for cid in ids]
         assert runs == [1] * len(ids), f"bodies ran {runs}"

@@ -22,7 +22,7 @@ def test_three_level_tree_fans_in_level_by_level(proj: Any, worker: Any) -> None
     outer.freeze()
     res = outer.apply_async()
     assert res.get(timeout=60)["values"] == [2, 18]  # 18 = 4 + (6 + 8)
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     middle_id = middle.parent.options["task_id"]
     assert res.children_values()[middle_id] == 18
 

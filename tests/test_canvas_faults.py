@@ -151,10 +151,10 @@ def test_each_step_of_a_chain_child_is_counted_once_despite_duplicate_deliveries
     assert counters(store, queue).get("republished", 0) == 0
 
     # The fan-ins: the flow counted its two children once, each step its one step once.
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert res.children_values() == {s3: 1111, other: 2}
-    assert fan_in(proj, queue, s2) == ((0, 1), {s1: 11})
-    assert fan_in(proj, queue, s3) == ((0, 1), {s2: 111})
+    assert fan_in(proj, queue, s2) == ((0, 1, 0, 0), {s1: 11})
+    assert fan_in(proj, queue, s3) == ((0, 1, 0, 0), {s2: 111})
     assert runs(store, f"collect:{tag}") == 1
 
 
@@ -187,10 +187,10 @@ def test_a_chain_step_whose_pool_process_died_is_redelivered_and_counted_once(
     assert after["attempts"] == "2"
     assert after["token"] != first_token
     assert [row(store, queue, s)["attempts"] for s in (s1, s3)] == ["1", "1"]
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert res.children_values() == {s3: 9, other: 1}
-    assert fan_in(proj, queue, s2) == ((0, 1), {s1: 3})
-    assert fan_in(proj, queue, s3) == ((0, 1), {s2: 3})
+    assert fan_in(proj, queue, s2) == ((0, 1, 0, 0), {s1: 3})
+    assert fan_in(proj, queue, s3) == ((0, 1, 0, 0), {s2: 3})
     assert runs(store, f"collect:{tag}") == 1
 
 
@@ -221,10 +221,10 @@ def test_worker_killed_mid_chain_step_the_step_is_republished(
     assert deliveries(store, s2) == 2
     assert row(store, queue, s2)["attempts"] == "2"
     # Re-published with its value: the first step's, rebuilt from the step's own fan-in.
-    assert fan_in(proj, queue, s2) == ((0, 1), {s1: 3})
-    assert fan_in(proj, queue, s3) == ((0, 1), {s2: 3})
+    assert fan_in(proj, queue, s2) == ((0, 1, 0, 0), {s1: 3})
+    assert fan_in(proj, queue, s3) == ((0, 1, 0, 0), {s2: 3})
     assert [row(store, queue, s)["attempts"] for s in (s1, s3)] == ["1", "1"]
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert runs(store, f"collect:{tag}") == 1
 
 
@@ -274,9 +274,9 @@ def test_a_lost_message_of_a_chain_childs_second_step_is_republished(
     assert released_ago(rescuer, s2) >= STALL  # not before the stall timeout had passed
     assert counters(store, side).get("republished") == 1
     assert row(store, side, s2)["attempts"] == "1"  # never ran before the re-publish
-    assert fan_in(proj, side, s2) == ((0, 1), {s1: 3})
-    assert fan_in(proj, queue, s3) == ((0, 1), {s2: 13})
-    assert res.dependencies() == (0, 2)
+    assert fan_in(proj, side, s2) == ((0, 1, 0, 0), {s1: 3})
+    assert fan_in(proj, queue, s3) == ((0, 1, 0, 0), {s2: 13})
+    assert res.dependencies() == (0, 2, 0, 0)
     assert res.children_values() == {s3: 169, other: 1}
     assert runs(store, f"collect:{tag}") == 1
 
@@ -308,10 +308,10 @@ def test_a_lost_message_inside_a_chain_parent_is_republished(
     assert counters(store, side).get("republished") == 1
     assert row(store, side, p2)["attempts"] == "1"
     # The flow's own children were counted once, by the chain's first step.
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert res.children_values() == {ids[0]: 2, ids[1]: 4}
-    assert fan_in(proj, side, p2) == ((0, 1), {p1: 6})
-    assert fan_in(proj, queue, p3) == ((0, 1), {p2: 36})
+    assert fan_in(proj, side, p2) == ((0, 1, 0, 0), {p1: 6})
+    assert fan_in(proj, queue, p3) == ((0, 1, 0, 0), {p2: 36})
 
 
 def test_steps_released_by_a_pool_process_that_died_before_dispatching_them_are_dispatched(
@@ -334,9 +334,9 @@ def test_steps_released_by_a_pool_process_that_died_before_dispatching_them_are_
     for step in (s2, s3, res.id):
         logged(w, f"dispatched parent {step} (released")
         assert row(store, queue, step)["attempts"] == "1"
-    assert fan_in(proj, queue, s2) == ((0, 1), {s1: 3})
-    assert fan_in(proj, queue, s3) == ((0, 1), {s2: 13})
-    assert res.dependencies() == (0, 2)
+    assert fan_in(proj, queue, s2) == ((0, 1, 0, 0), {s1: 3})
+    assert fan_in(proj, queue, s3) == ((0, 1, 0, 0), {s2: 13})
+    assert res.dependencies() == (0, 2, 0, 0)
     assert runs(store, f"collect:{tag}") == 1
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -22,7 +23,7 @@ import redis
 from celery.bin.celery import celery as celery_main
 from click.testing import CliRunner, Result
 
-from celery_echomq import flow
+from celery_echomq import FlowCancelled, flow
 
 from .conftest import ROOT, Env, wait_for
 
@@ -104,12 +105,14 @@ def test_show_prints_a_finished_flow_as_a_tree(proj: Any, worker: Any) -> None:
     assert len(lines) == 4
     root, first, second, last = lines
     assert root.startswith(f"flow {res.id}  tests.proj.tsum  done")
-    assert "outstanding=0" in root and "credited=3/3" in root and "value=10" in root
-    assert first.startswith(f"├─ {ids[0]}  tests.proj.add  done  attempts=1")
+    assert "outstanding=0  done=2/3  failed=0  ignored=1" in root and "value=10" in root
+    assert first.startswith(f"├─ {ids[0]}  tests.proj.add  done  attempts=1  args=(1, 2)")
+    assert "runtime=" in first  # from its start to its end (the result's date_done)
     assert "value=3" in first and "policy=" not in first  # the flow's default: on the root
     assert "default-policy=fail" in root
     assert second.startswith(f"├─ {ids[1]}  tests.proj.add  done") and "value=7" in second
-    assert last.startswith(f"└─ {ids[2]}  tests.proj.boom  failed  attempts=1  policy=ignore")
+    assert last.startswith(f"└─ {ids[2]}  tests.proj.boom  failed  attempts=1  args=('disk full',)")
+    assert "  policy=ignore  " in last
     assert "error='ValueError: disk full'" in last and "[ignored]" in last
 
 
@@ -125,10 +128,16 @@ def test_show_json_gives_the_same_tree_as_data(proj: Any, worker: Any) -> None:
     assert tree["flow"] == {
         "policy": "ignore",
         "outstanding": 0,
-        "credited": 3,
+        "done": 3,
+        "failed": 0,
+        "ignored": 0,
         "total": 3,
         "failed_child": None,
     }
+    first = tree["children"][0]
+    assert first["args"] == "(0, 0)" and first["kwargs"] == "{}"
+    assert first["started_ms"] <= first["finished_ms"]
+    assert first["runtime_ms"] == first["finished_ms"] - first["started_ms"]
     assert [c["id"] for c in tree["children"]] == [jid(c) for c in children]
     assert [c["value"] for c in tree["children"]] == [0, 2, 4]
     assert {c["policy"] for c in tree["children"]} == {"ignore"}
@@ -149,7 +158,7 @@ def test_show_a_held_flow_then_its_release(
     held = echomq("show", res.id)
     assert held.exit_code == 0, held.output
     root, first, second = held.stdout.splitlines()
-    assert "awaiting_children" in root and "outstanding=1" in root and "credited=1/2" in root
+    assert "awaiting_children" in root and "outstanding=1  done=1/2" in root
     assert "value=" not in root
     assert f"{jid(fast)}  tests.proj.add  done" in first and "value=4" in first
     assert f"{jid(slow)}  tests.proj.gated  active  attempts=1" in second
@@ -167,9 +176,10 @@ def test_show_a_child_id_shows_the_child_and_its_parent(proj: Any, worker: Any) 
 
     out = echomq("show", jid(child))
     assert out.exit_code == 0, out.output
-    assert out.stdout.splitlines() == [
-        f"{jid(child)}  tests.proj.add  done  attempts=1  value=42  parent={res.id}  queue=celery"
-    ]
+    (line,) = out.stdout.splitlines()
+    assert line.startswith(f"{jid(child)}  tests.proj.add  done  attempts=1  args=(20, 22)  ")
+    assert re.search(r"  runtime=\d+\.\d\ds  ", line)
+    assert line.endswith(f"  value=42  parent={res.id}  queue=celery")
 
 
 @pytest.mark.parametrize("command", ["show", "watch", "forget", "cancel"])
@@ -204,16 +214,53 @@ def test_show_through_the_celery_command_as_a_user_types_it(
     assert "no job 'JOBdoesnotexist' in Redis" in unknown.stderr
 
 
-def test_an_unreachable_store_is_one_clear_line(env: Env) -> None:
+@pytest.mark.parametrize("timeout", [None, "2"])
+def test_an_unreachable_store_says_so_retries_then_stops_in_one_line(
+    env: Env, timeout: str | None
+) -> None:
     from celery_echomq.embedded import free_port
 
-    # A loopback port nobody listens on: the store is down.
-    out = echomq_process(
-        env, "stats", ECHOMQ_T_STORE=f"redis://127.0.0.1:{free_port()}/13", ECHOMQ_T_STORE_RETRY="1"
-    )
+    # A loopback port nobody listens on: the store is down (the app's own retry timeout, 20 s,
+    # is a worker's: the command gives up after its --timeout, default 5 s).
+    args = (["--timeout", timeout] if timeout else []) + ["list"]
+    started = time.monotonic()
+    out = echomq_process(env, *args, ECHOMQ_T_STORE=f"redis://127.0.0.1:{free_port()}/13")
+    took = time.monotonic() - started
     assert out.returncode == 1
-    assert out.stderr.startswith("Error: cannot reach the flow store in Redis:")
-    assert "Traceback" not in out.stderr
+    lines = out.stderr.splitlines()
+    assert lines[0] == "retrying (store unreachable)..."
+    assert lines[1].startswith("Error: cannot reach the flow store in Redis:")
+    assert len(lines) == 2 and "Traceback" not in out.stderr
+    wanted = float(timeout or 5)
+    # It gives up when its next try would pass the timeout; the interpreter's start included.
+    assert wanted - 1 <= took < wanted + 4
+
+
+def test_a_store_user_without_rights_or_a_wrong_password_is_one_line(
+    proj: Any, worker: Any, env: Env, gate: str, store: redis.Redis
+) -> None:
+    blocked = job(proj.gated.s(1, gate))
+    res = flow(proj.tsum.s(), [blocked]).apply_async()
+    wait_for(lambda: state_of(store, jid(blocked)) == "active", timeout=60)
+    user = f"reader{uuid.uuid4().hex[:8]}"
+    # A user who may read but not run scripts: show works, cancel is refused by Redis.
+    store.execute_command("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all", "-@scripting")
+    host = env.store.split("//", 1)[1]
+    try:
+        reader = f"redis://{user}:pw@{host}"
+        shown = echomq_process(env, "show", res.id, ECHOMQ_T_STORE=reader)
+        assert shown.returncode == 0, shown.stderr
+        refused = echomq_process(env, "cancel", res.id, ECHOMQ_T_STORE=reader)
+        assert refused.returncode == 1
+        assert refused.stderr.startswith("Error: the flow store refused: ")
+        assert "no permissions" in refused.stderr and "Traceback" not in refused.stderr
+        assert len(refused.stderr.splitlines()) == 1
+        assert state_of(store, res.id) == "awaiting_children"  # nothing changed
+        wrong = echomq_process(env, "list", ECHOMQ_T_STORE=f"redis://{user}:nope@{host}")
+        assert wrong.returncode == 1 and "Traceback" not in wrong.stderr
+        assert wrong.stderr.startswith("Error: the flow store refused the login: ")
+    finally:
+        store.execute_command("ACL", "DELUSER", user)
 
 
 # --- watch ------------------------------------------------------------------------------------
@@ -501,6 +548,77 @@ def test_cancel_stops_a_held_flow(
     again = echomq("cancel", res.id)
     assert again.exit_code == 1
     assert f"flow {res.id} already finished (cancelled); nothing to cancel" in again.stderr
+    # Celery's state for it, through the result backend.
+    assert proj.app.AsyncResult(res.id).state == "REVOKED"
+
+
+def test_revoke_terminate_revokes_a_held_flow_and_stops_its_running_child(
+    proj: Any, worker: Any, gate: str, store: redis.Redis
+) -> None:
+    blocked = job(proj.gated.s(1, gate))
+    res = flow(proj.tsum.s(), [blocked, job(proj.add.s(2, 2))]).apply_async()
+    wait_for(lambda: state_of(store, jid(blocked)) == "active", timeout=60)
+
+    out = echomq("revoke", "--terminate", "--json", res.id)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout) == {"cancelled": res.id, "state": "cancelled", "unfinished": []}
+    with pytest.raises(FlowCancelled) as info:
+        res.get(timeout=30)
+    assert info.value.flow_id == res.id and res.state == "REVOKED"
+    # --terminate: the running child's process was signalled, so its body never returned.
+    wait_for(lambda: proj.app.AsyncResult(jid(blocked)).state == "REVOKED", timeout=30)
+    assert state_of(store, jid(blocked)) == "cancelled"
+
+
+# --- list -------------------------------------------------------------------------------------
+
+
+def test_list_shows_held_and_failed_flows_with_their_tasks_and_pages(
+    proj: Any, env: Env, start_worker: Any, gate: str, store: redis.Redis
+) -> None:
+    queue = f"list{uuid.uuid4().hex[:8]}"
+    start_worker(queues=queue, concurrency=2)
+    blocked = job(proj.gated.s(1, gate))
+    held = flow(proj.tsum.s(), [blocked, job(proj.add.s(1, 1))]).apply_async(queue=queue)
+    failing = flow(proj.collect.s(), [proj.boom.s("disk full")]).apply_async(queue=queue)
+    done = [flow(proj.tsum.s(), [proj.add.s(i, i)]).apply_async(queue=queue) for i in range(3)]
+    for res in done:
+        assert settle(res, queue) in (0, 2, 4)
+    wait_for(lambda: state_of(store, failing.id, queue) == "failed", timeout=60)
+    wait_for(lambda: state_of(store, jid(blocked), queue) == "active", timeout=60)
+
+    out = echomq("list", "--state", "held", "--queue", queue)
+    assert out.exit_code == 0, out.output
+    header, row = out.stdout.splitlines()
+    assert header.split() == ["flow", "task", "state", "done/total", "failed", "ignored", "age",
+                              "queue"]  # fmt: skip
+    assert row.split()[:6] == [held.id, "tests.proj.tsum", "awaiting_children", "1/2", "0", "0"]
+    # The default is what needs a look: the failed flows, with their error in --json.
+    failed = json.loads(echomq("list", "--queue", queue, "--json").stdout)
+    assert [f["id"] for f in failed["flows"]] == [failing.id] and failed["next_cursor"] is None
+    (row_data,) = failed["flows"]
+    assert row_data["task"] == "tests.proj.collect" and "ValueError: disk full" in row_data["error"]
+    assert (row_data["done"], row_data["failed"], row_data["total"]) == (0, 1, 1)
+    # Pages of two, newest first, each flow once: the cursor a page prints gives the next.
+    seen: list[str] = []
+    cursor: list[str] = []
+    while True:
+        page = json.loads(
+            echomq("list", "--state", "recent", "--queue", queue, "--limit", "2", "--json",
+                   *cursor).stdout
+        )  # fmt: skip
+        seen += [f["id"] for f in page["flows"]]
+        if page["next_cursor"] is None:
+            break
+        cursor = ["--cursor", page["next_cursor"]]
+    assert seen == [r.id for r in reversed(done)] + [failing.id, held.id]
+    named = json.loads(echomq("list", "--state", "recent", "--task", "*.collect", "--json").stdout)
+    assert failing.id in [f["id"] for f in named["flows"]] and held.id not in str(named)
+    bad = echomq("list", "--cursor", "²")
+    assert bad.exit_code == 1 and "not a list cursor" in bad.stderr
+    text = echomq("list", "--state", "recent", "--queue", queue, "--limit", "1")
+    assert text.stdout.splitlines()[-1].startswith("more: echomq list --state recent --cursor r:")
+    store.set(gate, 1)
 
 
 # --- nested flows -----------------------------------------------------------------------------
@@ -519,7 +637,7 @@ def test_show_indents_a_nested_flow(
     lines = echomq("show", res.id).stdout.splitlines()
     assert len(lines) == 5
     assert lines[1].startswith(f"├─ flow {jid(inner)}  tests.proj.tsum  done")
-    assert "value=6" in lines[1] and "credited=2/2" in lines[1]
+    assert "value=6" in lines[1] and "done=2/2" in lines[1]
     assert lines[2].startswith("│  ├─ JOB") and "value=2" in lines[2]
     assert lines[3].startswith("│  └─ JOB") and "value=4" in lines[3]
     assert lines[4].startswith("└─ JOB") and "value=20" in lines[4]
@@ -579,8 +697,10 @@ def test_recover_with_nothing_to_repair(proj: Any, worker: Any) -> None:
 
 def test_the_echomq_group_is_listed_by_celery(env: Env) -> None:
     top = CliRunner().invoke(celery_main, ["--help"])
-    assert "echomq" in top.stdout and "Inspect, follow and repair" in top.stdout
+    assert "echomq" in top.stdout and "Find, inspect, follow and repair" in top.stdout
     out = CliRunner().invoke(celery_main, ["-A", "tests.proj", "echomq", "--help"])
     assert out.exit_code == 0
-    for command in ("show", "watch", "recover", "stats", "forget", "cancel"):
+    assert "--timeout" in out.stdout
+    commands = ("list", "show", "watch", "recover", "stats", "forget", "cancel", "revoke")
+    for command in (*commands, "retry", "release", "dashboard"):
         assert f"  {command} " in out.stdout

@@ -135,7 +135,7 @@ def test_same_queue_flow_on_cluster(
         queue=queues.parent
     )
     assert res.get(timeout=TIMEOUT) == 90
-    assert res.dependencies() == (0, 10)
+    assert res.dependencies() == (0, 10, 0, 0)
     assert sorted(res.children_values().values()) == [2 * i for i in range(10)]
     # Every key of the flow is on its queue's master.
     keys = [f"emq:{{{queues.parent}}}:{res.id}", f"emq:{{{queues.parent}}}:{res.id}:processed"]
@@ -153,7 +153,7 @@ def test_cross_queue_flow_on_cluster_credits_across_nodes(
     res = f.freeze()
     f.apply_async(queue=queues.parent)
     assert res.get(timeout=TIMEOUT) == 12
-    assert res.dependencies() == (0, 3)
+    assert res.dependencies() == (0, 3, 0, 0)
     ida, idb, idc = (sig.options["task_id"] for sig in (a, b, c))
     assert res.children_values() == {ida: 2, idb: 4, idc: 6}
     rows = {
@@ -183,7 +183,7 @@ def test_chunked_flow_on_cluster(
     children = [proj.add.s(i, 0).set(queue=(queues.a, queues.b)[i % 2]) for i in range(n)]
     res = flow(proj.tsum.s(), children).apply_async(queue=queues.parent)
     assert res.get(timeout=TIMEOUT) == sum(range(n))
-    assert res.dependencies() == (0, n)
+    assert res.dependencies() == (0, n, 0, 0)
     assert len(cluster.hgetall(f"emq:{{{queues.parent}}}:{res.id}:settled")) == n
 
 
@@ -202,7 +202,7 @@ def test_nested_flow_on_cluster(
     inner_id = inner.parent.options["task_id"]
     assert res.get(timeout=TIMEOUT) == 16
     assert res.children_values() == {inner_id: 6, last.options["task_id"]: 10}
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert get_state(proj.app).client is on_cluster.client
     inner_res = proj.app.AsyncResult(inner_id)
     assert inner_res.get(timeout=TIMEOUT) == 6
@@ -222,7 +222,8 @@ def test_ignore_policy_on_cluster(proj: Any, on_cluster: EchoMQ, queues: Queues)
         far.options["task_id"]: "ValueError: far",
         near.options["task_id"]: "ValueError: near",
     }
-    assert res.dependencies() == (0, 3)
+    assert res.dependencies() == (0, 1, 0, 2)
+    assert res.failed_children() == res.ignored_failures()
 
 
 def test_fail_policy_on_cluster(proj: Any, on_cluster: EchoMQ, queues: Queues) -> None:
@@ -292,7 +293,7 @@ def test_children_added_across_masters_while_the_flow_runs(
     res = flow(proj.tsum.s(), children).apply_async(queue=queues.parent)
     outside = res.add_children([proj.add.s(4, 0).set(queue=queues.b)])
     assert res.get(timeout=TIMEOUT) == 1 + 9 + 2 + 3 + 4
-    assert res.dependencies() == (0, 5)
+    assert res.dependencies() == (0, 5, 0, 0)
     assert sorted(res.children_values().values()) == [1, 2, 3, 4, 9]
     (bid,) = outside
     assert node_of(cluster, f"emq:{{{queues.b}}}:{bid}") == tag_node(cluster, queues.b)

@@ -56,7 +56,7 @@ def test_children_on_other_queues_keep_their_keys_on_their_slots(
         ida.encode(): b"done",
         idb.encode(): b"done",
     }
-    assert res.dependencies() == (0, 3)
+    assert res.dependencies() == (0, 3, 0, 0)
     assert store.zcard(f"emq:{{{qa}}}:outbox") == 0
     assert store.zcard("emq:{celery}:open") == 0
 
@@ -105,7 +105,7 @@ def test_chunked_same_queue_flow(
     n = 3 * small_chunks + 2
     res = flow(proj.tsum.s(), [proj.add.s(i, 0) for i in range(n)]).apply_async()
     assert res.get(timeout=60) == sum(range(n))
-    assert res.dependencies() == (0, n)
+    assert res.dependencies() == (0, n, 0, 0)
     assert store.zscore("emq:{celery}:open", res.id) is None
 
 

@@ -16,7 +16,7 @@ def test_ten_child_flow_returns_what_the_equivalent_chord_returns(proj: Any, wor
     res = flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(10)]).apply_async()
     assert res.get(timeout=60) == chord_value == 90
     assert res.dependencies().outstanding == 0
-    assert res.dependencies().processed == 10
+    assert res.dependencies().done == 10
     assert sorted(res.children_values().values()) == [2 * i for i in range(10)]
 
 

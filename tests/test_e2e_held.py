@@ -35,13 +35,13 @@ def test_parent_is_held_until_the_last_child_completes(
         assert not in_any_set()
         assert res.state == "PENDING"
         assert store.get(f"test:ran:collect:{tag}") is None
-        assert res.dependencies().processed == opened
+        assert res.dependencies().done == opened
         store.set(gates[opened], 1)
 
     assert res.get(timeout=60) == {"values": [0, 1, 2], "tag": tag}
     assert store.get(f"test:ran:collect:{tag}") == b"1"
     # The module functions read the same state by id alone.
-    assert dependencies(res.id) == (0, 3)
+    assert dependencies(res.id) == (0, 3, 0, 0)
     assert sorted(children_values(res.id).values()) == [0, 1, 2]
 
 
@@ -51,7 +51,7 @@ def test_empty_children_dispatches_the_parent_at_once_with_an_empty_list(
     tag = uuid.uuid4().hex
     res = flow(proj.collect.s(tag=tag), []).apply_async()
     assert res.get(timeout=60) == {"values": [], "tag": tag}
-    assert res.dependencies() == (0, 0)
+    assert res.dependencies() == (0, 0, 0, 0)
 
 
 def test_immutable_parent_gets_no_values(proj: Any, worker: Any) -> None:

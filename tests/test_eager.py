@@ -118,7 +118,7 @@ def test_apply_runs_the_children_then_the_parent_as_chord_apply_does(
     assert res.state == "SUCCESS" and res.successful()
     assert res.id.startswith("JOB")
     assert sorted(res.children_values().values()) == [0, 2, 4, 6, 8]
-    assert res.dependencies() == (0, 5)
+    assert res.dependencies() == (0, 5, 0, 0)
     assert res.ignored_failures() == {}
     # The same store would refuse any command: a non-eager apply_async still needs it.
     with pytest.raises(celery_echomq.StoreUnavailableError):
@@ -153,15 +153,41 @@ def test_always_eager_runs_apply_async_delay_and_call_in_process_without_redis(
         _ = celery_echomq.get_state(t.app).client
 
 
-def test_install_needs_a_redis_url_unless_the_app_is_eager() -> None:
+def test_a_missing_redis_url_is_named_at_first_use_unless_the_app_is_eager() -> None:
     app = Celery("plain", broker="memory://", set_as_current=False)
+
+    @app.task(shared=False)
+    def tsum(values: Any = ()) -> int:
+        return sum(values)
+
+    # install() reads nothing yet, as Celery reads app.conf lazily: the configuration may
+    # come later (config_from_object, a test plugin).
+    celery_echomq.install(app)
     with pytest.raises(ConfigError, match=r"needs a Redis URL: set app.conf.echomq_redis_url"):
-        celery_echomq.install(app)
+        flow(tsum.s(), [tsum.s()]).apply_async()
+    assert _queued(app, "celery") == 0
     # A value that is not a Redis URL is refused even when eager.
     app.conf.task_always_eager = True
     app.conf.echomq_redis_url = "amqp://localhost"
     with pytest.raises(ConfigError, match="is not a Redis URL"):
-        celery_echomq.install(app)
+        _ = celery_echomq.install(app).settings
+    app.close()
+
+
+def test_install_may_come_before_the_configuration() -> None:
+    app = Celery("late", set_as_current=False)
+    celery_echomq.install(app)
+
+    class Config:
+        broker_url = "memory://"
+        echomq_redis_url = "redis://127.0.0.1:1/5"
+        echomq_stall_timeout = 12
+
+    app.config_from_object(Config)
+    app.finalize()  # what a worker does first: the settings are read here
+    state = celery_echomq.get_state(app)
+    assert state.settings.redis_url == "redis://127.0.0.1:1/5"
+    assert state.settings.stall_timeout == 12
     app.close()
 
 
@@ -196,7 +222,9 @@ def test_fail_policy_raises_flow_failed_naming_the_child_and_runs_error_callback
     assert res.state == "FAILURE" and res.failed()
     # The children after the failed one still ran and were recorded; the parent never ran.
     assert sorted(res.children_values().values()) == [2, 4]
-    assert res.dependencies() == (1, 2)  # the failed child is never counted, as on a worker
+    assert res.dependencies() == (0, 2, 1, 0)  # every child finished, as on a worker
+    assert res.failed_children() == {bad.options["task_id"]: "ValueError: disk full"}
+    assert info.value.flow_id == res.id
     assert ("errback", res.id) in t.calls
     assert not [c for c in t.calls if c[0] == "collect"]
 
@@ -222,9 +250,10 @@ def test_ignore_policy_resolves_the_child_and_records_its_error(eager_app: Tasks
     assert value["values"] == [2, 4]
     assert value["ignored"] == {bad_id: "ValueError: bad page"}
     assert sorted(value["children"].values()) == [2, 4]
-    assert value["dependencies"] == [0, 3]
+    assert value["dependencies"] == [0, 2, 0, 1]
     assert res.ignored_failures() == {bad_id: "ValueError: bad page"}
-    assert res.dependencies() == (0, 3)
+    assert res.failed_children() == {bad_id: "ValueError: bad page"}
+    assert res.dependencies() == (0, 2, 0, 1)
 
 
 def test_flow_default_policy_applies_to_children_that_set_none(eager_app: Tasks) -> None:
@@ -234,14 +263,23 @@ def test_flow_default_policy_applies_to_children_that_set_none(eager_app: Tasks)
     assert len(res.ignored_failures()) == 2
 
 
-def test_remove_policy_resolves_the_child_and_records_nothing(eager_app: Tasks) -> None:
+def test_remove_policy_resolves_the_child_and_keeps_its_error_out_of_the_values(
+    eager_app: Tasks,
+) -> None:
     t = eager_app
     bad = t.boom.s().set(parent_policy="remove")
-    res = flow(t.reads_own.s(), [t.add.s(1, 1), bad, t.add.s(2, 2)]).apply_async()
+    f = flow(t.reads_own.s(), [t.add.s(1, 1), bad, t.add.s(2, 2)])
+    f.freeze()
+    res = f.apply_async()
     value = res.get()
     assert value["values"] == [2, 4]
     assert value["ignored"] == {} and res.ignored_failures() == {}
-    assert res.dependencies() == (0, 3)
+    assert res.failed_children() == {bad.options["task_id"]: "ValueError: boom"}
+    assert res.dependencies() == (0, 2, 1, 0)
+    values, after = res.children_values(count=1)
+    rest, end = res.children_values(cursor=after, count=1)
+    assert len(values) == len(rest) == 1 and end is None
+    assert {**values, **rest} == res.children_values()
 
 
 def test_continue_policy_releases_the_parent_at_once_and_never_again(eager_app: Tasks) -> None:
@@ -256,7 +294,7 @@ def test_continue_policy_releases_the_parent_at_once_and_never_again(eager_app: 
     assert [c for c in t.calls if c[0] == "collect"] == [("collect", "continue", [2])]
     # The child after it still ran and is recorded.
     assert res.children_values()[later.options["task_id"]] == 10
-    assert res.dependencies() == (0, 3)
+    assert res.dependencies() == (0, 2, 1, 0)
 
 
 def test_parents_own_failure_is_its_error(eager_app: Tasks) -> None:
@@ -277,7 +315,7 @@ def test_empty_flow_runs_its_parent_at_once(eager_app: Tasks) -> None:
     t = eager_app
     res = flow(t.tsum.s(), []).apply_async()
     assert res.get() == 0
-    assert res.dependencies() == (0, 0)
+    assert res.dependencies() == (0, 0, 0, 0)
 
 
 def test_nested_flow_is_equivalent_to_the_nested_chord(eager_app: Tasks) -> None:
@@ -300,7 +338,7 @@ def test_three_level_tree_fans_in_level_by_level(eager_app: Tasks) -> None:
     outer = flow(t.collect.s(tag="tree"), [t.add.s(1, 1), middle])
     res = outer.apply_async()
     assert res.get()["values"] == [2, 18]
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
 
 
 def test_failure_inside_a_nested_flow_fails_the_outer_flow_under_fail(eager_app: Tasks) -> None:
@@ -379,7 +417,7 @@ def test_add_children_grows_an_eager_flow_as_on_a_worker(eager_app: Tasks) -> No
     res = f.apply()
     # The added children's values follow the existing children's, in the order added.
     assert res.get()["values"] == [10, 1, 11, 12]
-    assert res.dependencies() == (0, 4)
+    assert res.dependencies() == (0, 4, 0, 0)
     # A nested flow may be added too, and the reads include what was added.
     nested = flow(t.tsum.s(), [t.add.s(2, 2), t.add.s(3, 3)])
 
@@ -416,4 +454,4 @@ def test_add_children_to_a_finished_eager_flow_is_refused(eager_app: Tasks) -> N
     res = f.apply()
     assert res.get()["values"] == []
     assert len(refused) == 1 and "is released" in str(refused[0])
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 1, 1, 0)

@@ -75,7 +75,7 @@ def test_a_duplicate_delivery_after_the_first_completed_is_skipped(
 
     assert value == {"values": [41, 2], "tag": tag}
     assert res.children_values()[dup] == 41
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert runs(store, f"collect:{tag}") == 1
     assert int(store.get(f"test:delivery:{dup}")) == 1  # the duplicate's body did not run
     assert row(store, queue, dup)["attempts"] == "1"
@@ -97,7 +97,7 @@ def test_a_duplicate_delivery_racing_the_first_is_skipped(
 
     assert value == {"values": [41, 2], "tag": tag}
     assert res.children_values()[dup] == 41
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert runs(store, f"collect:{tag}") == 1
     assert int(store.get(f"test:delivery:{dup}")) == 1
 
@@ -121,7 +121,7 @@ def test_a_second_copy_of_a_running_childs_message_is_not_run(
     value = res.get(timeout=90)
     assert value == {"values": [41, 2], "tag": tag}
     assert res.children_values()[dup] == 41
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert runs(store, f"collect:{tag}") == 1
     assert int(store.get(f"test:delivery:{dup}")) == 1
     assert int(store.get(f"test:started:{dup}")) == 1
@@ -169,7 +169,7 @@ def test_a_copy_takes_over_only_once_the_holders_lease_lapsed(
         store.set(gate, 1)
         assert res.get(timeout=60) == {"values": [7], "tag": tag}
         assert runs(store, f"collect:{tag}") == 1
-        assert res.dependencies() == (0, 1)
+        assert res.dependencies() == (0, 1, 0, 0)
     finally:
         redis.Redis.from_url(env.broker).delete(side)
 
@@ -216,7 +216,7 @@ def test_pool_process_killed_mid_child_is_redelivered_and_credited_once(
     assert after["attempts"] == "2"
     assert after["token"] != first_token  # the redelivery was claimed with a new token
     assert res.children_values()[hung] == 6
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert runs(store, f"collect:{tag}") == 1
 
 
@@ -291,5 +291,5 @@ def test_retries_go_back_to_pending_and_count_once(
     assert row(store, queue, flaky)["attempts"] == "3"
     assert row(store, queue, flaky)["state"] == "done"
     assert res.children_values() == {flaky: 7, quick: 2}
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert runs(store, f"collect:{tag}") == 1

@@ -64,10 +64,10 @@ def test_policies_shows_what_each_policy_makes_of_a_failed_child() -> None:
     assert f'  ignore: {three}\n          ignored failures: ["{error}"]\n' in text
     assert f"  remove: {three}\n          ignored failures: none\n" in text
     # "continue" releases the parent as soon as the corrupt child fails: it does not wait
-    # for the three slow siblings, which still finish and are credited afterwards.
+    # for the three slow siblings, which still finish and are recorded afterwards.
     found = re.search(r"continue: published (\d) thumbnail\(s\)", text)
     assert found is not None and int(found.group(1)) < 3, text
-    assert "children credited after the parent ran: 4" in text
+    assert "children settled after the parent ran: 4" in text
 
 
 def test_tree_rolls_nested_flows_up_into_one_report() -> None:

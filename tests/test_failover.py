@@ -96,8 +96,9 @@ def test_sentinel_url_without_master_name_is_refused_naming_the_setting() -> Non
         read_settings(conf(echomq_redis_url=url))
     app = Celery("nomaster", set_as_current=False)
     app.conf.echomq_redis_url = url
+    state = celery_echomq.install(app)  # settings are read at first use, as Celery's are
     with pytest.raises(ConfigError, match="master_name"):
-        celery_echomq.install(app)
+        _ = state.settings
 
 
 def test_sentinel_broker_url_is_a_fallback_with_its_transport_options() -> None:

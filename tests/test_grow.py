@@ -75,7 +75,7 @@ def test_a_child_adds_siblings_and_the_parent_gets_every_value_in_order(
     children = [proj.add.s(1, 0), proj.spawner.s(2, [3, 4]), proj.add.s(5, 0)]
     res = flow(proj.collect.s(), children).apply_async()
     assert res.get(timeout=60)["values"] == [1, 2, 5, 3, 4]
-    assert res.dependencies() == (0, 5)
+    assert res.dependencies() == (0, 5, 0, 0)
     values = res.children_values()
     assert sorted(values.values()) == [1, 2, 3, 4, 5]
     wait_for(lambda: row_state(store, "celery", res.id) == b"done")
@@ -100,7 +100,7 @@ def test_children_adding_siblings_at_the_same_time_lose_none(
     # Each child's siblings arrive together, in the order that child added them.
     pairs = [added[i : i + 2] for i in range(0, len(added), 2)]
     assert all(b == a + 100 for a, b in pairs)
-    assert res.dependencies() == (0, 3 * n)
+    assert res.dependencies() == (0, 3 * n, 0, 0)
 
 
 def test_show_json_lists_added_children(proj: Any, worker: Any, store: redis.Redis) -> None:
@@ -114,7 +114,7 @@ def test_show_json_lists_added_children(proj: Any, worker: Any, store: redis.Red
     assert out.exit_code == 0, out.output
     tree = json.loads(out.stdout)
     assert [c["value"] for c in tree["children"]] == [1, 10, 20]
-    assert tree["flow"]["total"] == 3 and tree["flow"]["credited"] == 3
+    assert tree["flow"]["total"] == 3 and tree["flow"]["done"] == 3
 
 
 def test_adding_from_outside_while_the_parent_is_held(
@@ -127,7 +127,7 @@ def test_adding_from_outside_while_the_parent_is_held(
     more = add_children([proj.add.s(3, 0), proj.add.s(4, 0)], parent_id=res.id)
     assert len(more) == 2
     # The gated child holds the parent: the added children complete, the counter waits.
-    wait_for(lambda: res.dependencies() == (1, 3))
+    wait_for(lambda: res.dependencies() == (1, 3, 0, 0))
     assert row_state(store, "celery", res.id) == b"awaiting_children"
     store.set(gate, 1)
     assert res.get(timeout=60)["values"] == [1, 2, 3, 4]
@@ -249,7 +249,7 @@ def test_a_repeated_add_writes_one_row(proj: Any, worker: Any, store: redis.Redi
     assert res.dependencies().outstanding in (1, 2)  # the added child may have completed
     store.set(gate, 1)
     assert res.get(timeout=60)["values"] == [1, 2]
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
 
 
 def test_a_child_policy_is_honoured_for_added_children(proj: Any, worker: Any) -> None:
@@ -275,7 +275,7 @@ def test_children_added_on_another_queue_are_credited_across_slots(
     outside = res.add_children([proj.add.s(4, 0).set(queue=other)])
     store.set(gate, 1)
     assert res.get(timeout=60)["values"] == [1, 9, 2, 3, 4]
-    assert res.dependencies() == (0, 5)
+    assert res.dependencies() == (0, 5, 0, 0)
     assert store.hget(f"emq:{{{other}}}:{outside[0]}", "pq") == home.encode()
     wait_for(lambda: row_state(store, home, res.id) == b"done")
     tree = read_tree(get_state(proj.app), res.id)
@@ -322,7 +322,7 @@ def test_an_adder_killed_between_the_two_slots_is_repaired_by_recovery(
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     # The parent's step landed: the counter holds the staged child, whose row is not written.
-    assert res.dependencies() == (2, 0)
+    assert res.dependencies() == (2, 0, 0, 0)
     assert store.hexists(f"emq:{{{home}}}:{res.id}:adding", cid)
     assert not store.exists(f"emq:{{{other}}}:{cid}")
     assert cid in json.loads(store.hget(f"emq:{{{home}}}:{res.id}", "payload"))["children"]
@@ -331,7 +331,7 @@ def test_an_adder_killed_between_the_two_slots_is_repaired_by_recovery(
     # the child, never published, is then published on the evidence that its queue is empty.
     start_worker(queues=f"{home},{other}", name="grow-r", extra_env={"ECHOMQ_T_STALL": "1"})
     assert res.get(timeout=90)["values"] == [1, 2]
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert not store.exists(f"emq:{{{home}}}:{res.id}:adding")
 
 

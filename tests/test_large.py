@@ -47,7 +47,7 @@ def test_large_flow_of_20000_children_end_to_end(
     res = flow(proj.tsum.s(), [proj.add.s(i, 0) for i in range(n)]).apply_async(queue=queue)
     enqueued = time.monotonic() - started
     assert res.get(timeout=480) == sum(range(n))
-    assert res.dependencies() == (0, n)
+    assert res.dependencies() == (0, n, 0, 0)
     values = res.children_values()
     assert len(values) == n
     assert sorted(values.values()) == list(range(n))

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery.exceptions import TaskRevokedError
 
 from celery_echomq import FlowCancelled, FlowFailed, flow
 
@@ -34,7 +35,7 @@ def test_fail_policy_fails_the_parent_names_the_child_and_runs_error_callbacks(
     f.apply_async()
     with pytest.raises(FlowFailed) as info:
         res.get(timeout=60)
-    assert info.value.child_id == bad_id
+    assert info.value.child_id == bad_id and info.value.flow_id == res.id
     assert "ValueError: disk full" in str(info.value)
     assert res.state == "FAILURE"
     wait_for(lambda: res.id.encode() in store.lrange("test:errback", 0, -1))
@@ -44,6 +45,9 @@ def test_fail_policy_fails_the_parent_names_the_child_and_runs_error_callbacks(
     assert sorted(res.children_values().values()) == [2, 3]
     assert store.hget(f"emq:{{celery}}:{res.id}", "state") == b"failed"
     assert ran(store, f"collect:{t}") == 0
+    # Every child finished: the counts add up, and the failure is the flow's to read.
+    assert res.dependencies() == (0, 2, 1, 0)
+    assert res.failed_children() == {bad_id: "ValueError: disk full"}
 
 
 def test_ignore_policy_resolves_the_child_and_records_its_error(proj: Any, worker: Any) -> None:
@@ -56,8 +60,9 @@ def test_ignore_policy_resolves_the_child_and_records_its_error(proj: Any, worke
     assert value["values"] == [2, 4]  # the failed child is left out of the list
     assert value["ignored"] == {bad_id: "ValueError: bad page"}
     assert sorted(value["children"].values()) == [2, 4]
-    assert value["dependencies"] == [0, 3]
+    assert value["dependencies"] == [0, 2, 0, 1]
     assert res.ignored_failures() == {bad_id: "ValueError: bad page"}
+    assert res.failed_children() == {bad_id: "ValueError: bad page"}
 
 
 def test_flow_default_policy_applies_to_children_that_set_none(proj: Any, worker: Any) -> None:
@@ -66,14 +71,19 @@ def test_flow_default_policy_applies_to_children_that_set_none(proj: Any, worker
     assert len(res.ignored_failures()) == 2
 
 
-def test_remove_policy_resolves_the_child_and_records_nothing(proj: Any, worker: Any) -> None:
-    bad = proj.boom.s().set(parent_policy="remove")
-    res = flow(proj.reads_own.s(), [proj.add.s(1, 1), bad, proj.add.s(2, 2)]).apply_async()
+def test_remove_policy_resolves_the_child_and_keeps_its_error_out_of_the_values(
+    proj: Any, worker: Any
+) -> None:
+    bad = proj.boom.s("gone").set(parent_policy="remove")
+    f = flow(proj.reads_own.s(), [proj.add.s(1, 1), bad, proj.add.s(2, 2)])
+    res = f.freeze()
+    f.apply_async()
     value = res.get(timeout=60)
     assert value["values"] == [2, 4]
     assert value["ignored"] == {}
     assert res.ignored_failures() == {}
-    assert res.dependencies() == (0, 3)
+    assert res.dependencies() == (0, 2, 1, 0)
+    assert res.failed_children() == {bad.options["task_id"]: "ValueError: gone"}
 
 
 def test_continue_policy_releases_the_parent_at_once_and_never_again(
@@ -81,14 +91,17 @@ def test_continue_policy_releases_the_parent_at_once_and_never_again(
 ) -> None:
     t, gate = tag(), f"gate:{tag()}"
     slow = proj.gated.s(7, gate)
-    bad = proj.boom.s().set(parent_policy="continue")
-    res = flow(proj.collect.s(tag=t), [proj.add.s(1, 1), slow, bad]).apply_async()
+    bad = proj.boom.s("late").set(parent_policy="continue")
+    f = flow(proj.collect.s(tag=t), [proj.add.s(1, 1), slow, bad])
+    res = f.freeze()
+    f.apply_async()
     # The parent ran with what had completed when the failure came: the fast child at most.
     value = res.get(timeout=60)
     assert value["values"] in ([], [2])
     store.set(gate, 1)
     wait_for(lambda: 7 in res.children_values().values())
-    assert res.dependencies().outstanding == 0
+    assert res.dependencies() == (0, 2, 1, 0)
+    assert res.failed_children() == {bad.options["task_id"]: "ValueError: late"}
     assert ran(store, f"collect:{t}") == 1
 
 
@@ -104,7 +117,7 @@ def test_retries_that_end_in_success_count_the_child_once(
     cid = child.options["task_id"]
     assert ran(store, f"retry_until:{cid}") == 3
     assert store.hget(f"emq:{{celery}}:{cid}", "attempts") == b"3"
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
 
 
 @pytest.mark.e2e  # a retry runs while its sender finishes: one task per process
@@ -146,10 +159,13 @@ def test_cancel_revokes_outstanding_children_and_the_parent_never_runs(
 ) -> None:
     t, gate = tag(), f"gate:{tag()}"
     res = flow(proj.collect.s(tag=t), [proj.add.s(1, 1), proj.gated.s(2, gate)]).apply_async()
-    wait_for(lambda: res.dependencies().processed == 1)
+    wait_for(lambda: res.dependencies().done == 1)
     res.revoke()
-    with pytest.raises(FlowCancelled, match="cancelled"):
+    with pytest.raises(FlowCancelled, match="cancelled") as info:
         res.get(timeout=30)
+    # Celery's names: a revoked task's state, and its error type.
+    assert res.state == "REVOKED"
+    assert isinstance(info.value, TaskRevokedError) and info.value.flow_id == res.id
     assert store.hget(f"emq:{{celery}}:{res.id}", "state") == b"cancelled"
     store.set(gate, 1)
     # The gated child was running: it may still finish, but nothing is released.

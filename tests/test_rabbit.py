@@ -105,7 +105,7 @@ def test_rabbit_ten_child_flow_returns_what_the_equivalent_chord_returns(
     ).get(timeout=TIMEOUT)
     res = flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(10)]).apply_async(queue=q)
     assert res.get(timeout=TIMEOUT) == chord_value == 90
-    assert res.dependencies() == (0, 10)
+    assert res.dependencies() == (0, 10, 0, 0)
     assert sorted(res.children_values().values()) == [2 * i for i in range(10)]
     # Nothing went through the Redis broker.
     assert not redis.Redis.from_url(env.broker).exists(q)
@@ -123,7 +123,7 @@ def test_rabbit_parent_is_held_while_gated_children_run(
     res = flow(proj.collect.s(tag=tag), children).apply_async(queue=queues.main)
     row = f"emq:{{{queues.main}}}:{res.id}"
     for opened in range(3):
-        wait_for(lambda n=opened: res.dependencies() == (3 - n, n), timeout=TIMEOUT)
+        wait_for(lambda n=opened: res.dependencies() == (3 - n, n, 0, 0), timeout=TIMEOUT)
         assert store.hget(row, "state") == b"awaiting_children"
         assert res.state == "PENDING"
         assert store.get(f"test:ran:collect:{tag}") is None
@@ -139,7 +139,7 @@ def test_rabbit_failure_policies(proj: Any, rabbit_app: Any, queues: Queues) -> 
     f.apply_async(queue=queues.main)
     assert res.get(timeout=TIMEOUT) == 6
     assert res.ignored_failures() == {bad.options["task_id"]: "ValueError: bad page"}
-    assert res.dependencies() == (0, 3)
+    assert res.dependencies() == (0, 3, 0, 0)
 
     fatal = proj.boom.s("disk full")
     f2 = flow(proj.tsum.s(), [proj.add.s(1, 1), fatal])
@@ -161,7 +161,7 @@ def test_rabbit_nested_flow(proj: Any, rabbit_app: Any, queues: Queues) -> None:
     assert res.get(timeout=TIMEOUT) == 16
     inner_id = inner.parent.options["task_id"]
     assert res.children_values() == {inner_id: 6, last.options["task_id"]: 10}
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
 
 
 def test_rabbit_cross_queue_children(
@@ -177,7 +177,7 @@ def test_rabbit_cross_queue_children(
     res = f.freeze()
     f.apply_async(queue=queues.main)
     assert res.get(timeout=TIMEOUT) == 12
-    assert res.dependencies() == (0, 3)
+    assert res.dependencies() == (0, 3, 0, 0)
     ida, idb = a.options["task_id"], b.options["task_id"]
     assert store.hgetall(f"emq:{{{queues.main}}}:{res.id}:settled") == {
         ida.encode(): b"done",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
 
 import pytest
 import redis
@@ -163,40 +162,3 @@ def test_the_index_forgets_flows_older_than_the_result_ttl(
     new, _ = enqueue(scripts, queue, 1, recent_ttl_ms=200)
     assert recent(db, queue) == [new]
     assert db.hget(f"emq:{{{queue}}}:{old}", "state") == b"awaiting_children"  # only unlisted
-
-
-def test_the_front_page_reads_pages_of_the_index(proj: Any, own_queue: Any) -> None:
-    from celery_echomq.dashboard.overview import PAGE, read_overview
-    from celery_echomq.state import get_state
-
-    state = get_state(proj.app)
-    queue = own_queue("pages")
-    state.client.sadd(state.keys.queues_key(), queue)
-    flows = [enqueue(state.scripts, queue, 1) for _ in range(2 * PAGE + 30)]
-    parents = [parent for parent, _ in flows]
-    # The oldest flow fails (its child, policy fail): listed as failed on the newest page too.
-    oldest, (its_child,) = flows[0]
-    finish(state.scripts, queue, oldest, its_child, error="ValueError: gone")
-    cancelled = parents[-2]
-    state.scripts.cancel(queue, cancelled, [], ttl=TTL)
-
-    seen: list[str] = []
-    before = None
-    pages = 0
-    while True:
-        (view,) = read_overview(state, queue=queue, before=before)
-        assert view.indexed == len(parents) and view.held == len(parents) - 2
-        assert len(view.recent) <= PAGE
-        seen += [row.id for row in view.recent]
-        assert all(row.state == "awaiting_children" for row in view.held_flows)
-        pages += 1
-        if view.older is None:
-            break
-        before = view.older
-    assert pages == 3
-    assert seen == parents[::-1]  # every flow once, newest first
-    (first,) = read_overview(state, queue=queue)
-    assert first.recent[1].id == cancelled and first.recent[1].state == "cancelled"
-    assert cancelled not in [row.id for row in first.held_flows]
-    assert [row.id for row in first.failed_flows] == [oldest]
-    assert "ValueError: gone" in (first.failed_flows[0].error or "")

@@ -154,7 +154,7 @@ def test_a_backlog_is_not_loss_and_a_lost_message_is_republished_once(
     start_worker(queues=queue)
     assert res.get(timeout=90) == {"values": [0, 2], "tag": tag}
     assert runs(store, tag) == 1
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     for cid in ids:
         assert row(store, queue, cid)["attempts"] == "1"
 
@@ -311,7 +311,7 @@ def test_producer_killed_between_the_eval_and_the_publishes(
     res = FlowResult(pid, app=proj.app)  # what a restarted producer holds: a bare id
     assert res.get(timeout=90) == {"values": [0, 2, 4], "tag": tag}
     assert runs(store, tag) == 1
-    assert res.dependencies() == (0, 3)
+    assert res.dependencies() == (0, 3, 0, 0)
     assert res.children_values() == {cid: 2 * i for i, cid in enumerate(ids)}
     for cid in ids:
         logged(w, f"re-published {cid}")
@@ -333,7 +333,7 @@ def test_producer_killed_before_sealing_a_chunked_flow(
         # Every child was written: recovery seals the flow and re-publishes its children.
         assert res.get(timeout=90) == {"values": [0, 2, 4, 6], "tag": tag}
         assert runs(store, tag) == 1
-        assert res.dependencies() == (0, 4)
+        assert res.dependencies() == (0, 4, 0, 0)
         logged(w, f"sealed flow {pid} (every child was written; sealed)")
     else:
         # Two children were never written (their payloads died with the producer): the flow
@@ -367,7 +367,7 @@ def test_worker_killed_between_a_remote_childs_completion_and_its_credit(
     logged(w, "killed itself at credit")
     logged(w, f"credited staged {remote} (done) to parent {res.id}")
     assert runs(store, tag) == 1
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert store.hgetall(f"emq:{{{queue}}}:{res.id}:settled") == {remote.encode(): b"done"}
     assert store.zcard(f"emq:{{{other_queue}}}:outbox") == 0
 
@@ -389,7 +389,7 @@ def test_worker_killed_mid_child_the_child_is_republished(
     second = start_worker(queues=queue, extra_env=fast_recovery())
     assert res.get(timeout=90) == {"values": [5, 2], "tag": tag}
     assert runs(store, tag) == 1
-    assert res.dependencies() == (0, 2)
+    assert res.dependencies() == (0, 2, 0, 0)
     assert row(store, queue, hung)["attempts"] == "2"
     logged(second, f"re-published {hung} (its holder's lease lapsed; result backend: PENDING)")
 
@@ -400,7 +400,7 @@ def test_worker_killed_mid_parent_the_parent_is_republished_with_its_values(
     ids, kids = children(proj, 2)
     first = start_worker(queues=queue, extra_env=fast_recovery())
     res = flow(proj.hang_first.s(), kids).apply_async(queue=queue)
-    wait_for(lambda: res.dependencies().processed == 2, timeout=60)
+    wait_for(lambda: res.dependencies().done == 2, timeout=60)
     wait_for(lambda: store.exists(f"test:pid:{res.id}"), timeout=60)
     first.kill()  # the parent's message was acked on receipt: it is gone with its worker
 
@@ -454,7 +454,7 @@ def test_a_worker_that_could_not_reach_the_store_is_repaired_once_it_is_back(
         kids = [body.set(task_id=slow), proj.add.s(1, 1)]
         res = flow(proj.collect.s(tag=tag), kids, app=app).apply_async(queue=queue)
         wait_for(lambda: row(client, queue, slow).get("state") == "active", timeout=60)
-        wait_for(lambda: res.dependencies().processed == 1, timeout=60)  # the quick child
+        wait_for(lambda: res.dependencies().done == 1, timeout=60)  # the quick child
 
         server.proc.kill()  # type: ignore[union-attr]  # SIGKILL: Redis crashes
         server.proc.wait()  # type: ignore[union-attr]
@@ -471,7 +471,7 @@ def test_a_worker_that_could_not_reach_the_store_is_repaired_once_it_is_back(
             assert res.get(timeout=90) == {"values": [7, 2], "tag": tag}
             assert runs(client, tag) == 1
             logged(w, f"completed {slow} from its SUCCESS result (released)")
-            assert res.dependencies() == (0, 2)
+            assert res.dependencies() == (0, 2, 0, 0)
         else:
             with pytest.raises(FlowFailed) as failed:
                 res.get(timeout=90)
@@ -501,7 +501,7 @@ def test_worker_killed_between_the_release_and_the_dispatch(
     logged(w, "killed itself at dispatch")
     logged(w, f"dispatched parent {res.id}")
     assert runs(store, tag) == 1
-    assert res.dependencies() == (0, 1)
+    assert res.dependencies() == (0, 1, 0, 0)
 
 
 def test_a_dispatch_still_on_its_way_is_not_duplicated(
@@ -646,7 +646,7 @@ def test_acl_user_with_password(
     ids, kids = children(proj, 3)
     res = flow(proj.collect.s(tag=tag), kids, app=app).apply_async(queue=queue)
     assert res.get(timeout=90) == {"values": [0, 2, 4], "tag": tag}
-    assert res.dependencies() == (0, 3)
+    assert res.dependencies() == (0, 3, 0, 0)
     assert res.children_values() == {cid: 2 * i for i, cid in enumerate(ids)}
     limited = redis.Redis.from_url(acl_user)
     assert runs(limited, tag) == 1
@@ -724,7 +724,7 @@ def test_tls_store_rediss_url(
         ids, kids = children(proj, 2)
         res = flow(proj.collect.s(tag=tag), kids, app=app).apply_async(queue=queue)
         assert res.get(timeout=90) == {"values": [0, 2], "tag": tag}
-        assert res.dependencies() == (0, 2)
+        assert res.dependencies() == (0, 2, 0, 0)
         assert res.children_values() == {ids[0]: 0, ids[1]: 2}
         assert runs(client, tag) == 1
     finally:

@@ -55,7 +55,10 @@ def test_retry_reruns_the_failed_children_and_get_returns_the_parents_value(
 ) -> None:
     tag = uuid.uuid4().hex
     res, (ok, bad1, bad2) = failed_flow(proj, store, flag, tag)
-    assert res.dependencies().outstanding == 2  # the two failed children were never counted
+    # Every child finished: one done, two failed (they were never counted down).
+    assert res.dependencies() == (0, 1, 2, 0)
+    error = f"ValueError: flag {flag} not set"
+    assert res.failed_children() == {bad1: error, bad2: error}
 
     store.set(flag, 1)
     out = echomq("retry", res.id)
@@ -67,9 +70,13 @@ def test_retry_reruns_the_failed_children_and_get_returns_the_parents_value(
         line.startswith(f"flow {res.id}  tests.proj.collect") for line in out.stdout.splitlines()
     )
 
+    # The very result that saw the failure looks at the store again: it waits for the new
+    # outcome rather than answer from its cache.
+    assert res.state == "PENDING"
+    assert settle(res) == {"values": [2, 10, 20], "tag": tag}
     fresh = FlowResult(res.id, app=proj.app)
-    assert settle(fresh) == {"values": [2, 10, 20], "tag": tag}
-    assert fresh.dependencies() == (0, 3)  # each child counted once
+    assert fresh.dependencies() == (0, 3, 0, 0)  # each child counted once
+    assert fresh.failed_children() == {}  # retried children are failures no more
     assert set(fresh.children_values()) == {ok, bad1, bad2}
     assert ran(store, f"collect:{tag}") == 1
     assert ran(store, f"flaky:{flag}") == 4  # each flaky child: one failed run, one good
@@ -89,7 +96,7 @@ def test_retry_child_retries_one_child_and_the_flow_waits_for_the_other(
     assert outcome.state == "awaiting_children"
     wait_for(lambda: state_of(store, bad1) == "done", 60)
     assert state_of(store, res.id) == "awaiting_children"
-    assert res.dependencies() == (1, 2)  # held, counting the child still failed
+    assert res.dependencies() == (0, 2, 1, 0)  # held: the other child is still failed
     assert state_of(store, bad2) == "failed"
 
     # A held flow with a child failed under "fail": `retry` takes up that child.
@@ -188,7 +195,7 @@ def test_retrying_a_nested_flow_that_failed_its_outer_flow_holds_both_again(
     assert settle(FlowResult(res.id, app=proj.app)) == {"values": [7, 7], "tag": tag}
     assert ran(store, f"collect:{tag}") == 1
     assert store.hget(f"emq:{{celery}}:{inner_id}", "state") == b"done"
-    assert FlowResult(res.id, app=proj.app).dependencies() == (0, 2)
+    assert FlowResult(res.id, app=proj.app).dependencies() == (0, 2, 0, 0)
 
 
 def test_release_runs_a_held_parent_with_the_values_so_far_once(
@@ -283,7 +290,7 @@ def test_retry_of_a_failed_child_on_another_queue_is_credited_once(
     assert outcome.republished == (jid(remote),)
     assert settle(FlowResult(res.id, app=proj.app)) == {"values": [2, 10], "tag": tag}
     assert store.hget(settled, jid(remote)) == b"done"
-    assert FlowResult(res.id, app=proj.app).dependencies() == (0, 2)
+    assert FlowResult(res.id, app=proj.app).dependencies() == (0, 2, 0, 0)
     assert ran(store, f"collect:{tag}") == 1
 
 

@@ -43,7 +43,7 @@ def test_children_replaced_by_a_task_a_chain_a_group_a_chord_and_a_flow(
     assert res.get(timeout=60) == {"values": [101, 102, [2, 3], 5, 5, 2], "tag": tag}
     values = res.children_values()
     assert [values[cid] for cid in ids] == [101, 102, [2, 3], 5, 5]
-    assert res.dependencies() == (0, 6)
+    assert res.dependencies() == (0, 6, 0, 0)
     # As Task.replace promises, each replaced id resolves to its replacement's value.
     assert [AsyncResult(cid, app=proj.app).get(timeout=10) for cid in ids] == values_of(ids, values)
     assert ran(store, f"collect:{tag}") == 1

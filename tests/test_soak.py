@@ -76,7 +76,7 @@ def test_soak_flows_keep_arriving_while_pool_processes_and_workers_are_killed(
     twice = parents_twice = 0
     for res, tag, ids in sent:
         assert res.get(timeout=180) == {"values": list(range(len(ids))), "tag": tag}, seed
-        assert res.dependencies() == (0, len(ids)), seed
+        assert res.dependencies() == (0, len(ids), 0, 0), seed
         assert res.children_values() == {cid: i for i, cid in enumerate(ids)}, seed
         twice += sum(int(store.get(f"test:ran:slow:{cid}") or 0) > 1 for cid in ids)
         parents_twice += int(store.get(f"test:ran:collect:{tag}") or 0) > 1

@@ -3,5 +3,6 @@
 from __future__ import annotations
 
 from .app import make_app, serve
+from .guard import Exposure
 
-__all__ = ["make_app", "serve"]
+__all__ = ["Exposure", "make_app", "serve"]

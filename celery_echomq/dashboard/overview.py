@@ -1,30 +1,24 @@
-"""What the dashboard's front page reads: per queue, its counts and pages of its flows.
+"""What the dashboard's front page reads: per queue, its counts and a page of each list.
 
 Bounded by construction, whatever the keyspace holds: the counts are ZCARDs and one HMGET of
 the queue's counters hash (held parents are counted there by the scripts, not scanned for);
-the flows come from the queue's recent-flow index (``emq:{q}:recent``, written by
-enqueue_flow and open_flow, trimmed to the result TTL and ``echomq_recent_flows``), of which
-one page of ``PAGE`` entries is read (the newest, or those older than a cursor), and the newest
-``FAILED_WINDOW`` of the failed set. Three pipelined round trips per page, whatever the number
-of queues.
+the lists are pages of :func:`celery_echomq.listing.read_flows` (the recent-flow index, and
+the failed set for failed flows), each of at most ``PAGE`` flows. Each list's caption counts
+the rows it shows, and says when a further page exists: the failed count beside the failed
+flows is theirs, while the counts table says "failed jobs" (children included).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..listing import FlowRow, read_flows
 from ..state import EchoMQ
 from ..store import text
 
-# Entries of each queue's recent index whose rows one page reads: the recent list, and the
-# held and failed lists, are those of them that are held or failed.
 PAGE = 100
-# Newest entries of the failed set looked at for failed flows (it also holds failed children).
-FAILED_WINDOW = 100
-
-# credited = the values in :processed (HLEN, read beside the row) + credited_failed.
-_FIELDS = ("state", "attempts", "credited_failed", "error", "policy")
+LISTS = ("held", "failed", "recent")
 COUNTERS = (
     "held",
     "released",
@@ -40,17 +34,10 @@ COUNTERS = (
 
 
 @dataclass(frozen=True)
-class FlowRow:
-    """One flow as the lists show it (its parent's row; no payload, no children read)."""
-
-    id: str
-    queue: str
-    state: str
-    enqueued_ms: int | None
-    attempts: int
-    credited: int
-    policy: str
-    error: str | None
+class FlowList:
+    state: str  # held, failed, recent, ...
+    rows: list[FlowRow]
+    more: str | None  # the cursor of the next page, None on the last
 
 
 @dataclass(frozen=True)
@@ -58,14 +45,11 @@ class QueueView:
     queue: str
     pending: int
     active: int
-    held: int
-    failed: int
+    held: int  # parents awaiting their children (nested flows' too): the counter
+    failed_jobs: int  # the failed set: children and parents failed within the result TTL
     indexed: int  # flows in the recent index
-    older: int | None  # the cursor of the next page (an index score), None on the last page
     counters: dict[str, int]
-    recent: list[FlowRow]
-    held_flows: list[FlowRow]
-    failed_flows: list[FlowRow]
+    lists: dict[str, FlowList] = field(default_factory=dict)
 
 
 def _int(value: Any) -> int:
@@ -98,82 +82,33 @@ def read_counts(state: EchoMQ, names: list[str]) -> list[tuple[str, list[int], d
     return out
 
 
-def _row(queue: str, job_id: str, score: Any, fields: list[Any], values_count: Any) -> FlowRow:
-    values = [text(v) for v in fields]
-    return FlowRow(
-        id=job_id,
-        queue=queue,
-        state=values[0] or "missing",
-        enqueued_ms=int(float(score)) // 1000 if score is not None else None,
-        attempts=_int(values[1]),
-        credited=_int(values_count) + _int(values[2]),
-        policy=values[4] or "fail",
-        error=values[3],
-    )
-
-
 def read_overview(
-    state: EchoMQ, *, queue: str | None = None, before: int | None = None
+    state: EchoMQ,
+    *,
+    queue: str | None = None,
+    only: str | None = None,
+    cursor: str | None = None,
 ) -> list[QueueView]:
-    """Every queue that holds flows (or only ``queue``), with its counts and a page of its
-    recent, held and failed flows: the newest, or those enqueued before the cursor ``before``
-    (a page's ``older``)."""
-    keys, client = state.keys, state.client
+    """Every queue that holds flows (or only ``queue``), with its counts and a page of each
+    list; ``only`` (with ``cursor``): that one list, from that page on. A bad cursor raises
+    :class:`~celery_echomq.errors.CursorError` before anything is listed."""
     names = [n for n in queue_names(state) if queue is None or n == queue]
-    counts = read_counts(state, names)
-    # Round trip 2: a page of each recent index, and the newest of each failed set.
-    pipe = client.pipeline(transaction=False)
-    for name in names:
-        recent_key = keys.queue_key(name, "recent")
-        if before is None:
-            pipe.zrevrange(recent_key, 0, PAGE - 1, withscores=True)
-        else:
-            pipe.zrevrangebyscore(
-                recent_key, f"({before}", "-inf", start=0, num=PAGE, withscores=True
-            )
-        pipe.zrevrange(keys.queue_key(name, "failed"), 0, FAILED_WINDOW - 1)
-    listed = pipe.execute()
-    # Round trip 3: the rows of those flows; for each failed id, whether it is a flow
-    # (in the index) and its row.
-    pipe = client.pipeline(transaction=False)
-    plan: list[tuple[str, list[tuple[str, float]], list[str]]] = []
-    for i, name in enumerate(names):
-        window = [(text(m) or "", s) for m, s in listed[2 * i]]
-        failed_ids = [text(m) or "" for m in listed[2 * i + 1]]
-        seen = {job_id for job_id, _ in window}
-        failed_ids = [f for f in failed_ids if f not in seen]
-        for job_id, _ in window:
-            pipe.hmget(keys.job_key(name, job_id), _FIELDS)
-            pipe.hlen(keys.flow_keys(name, job_id)[1])
-        for job_id in failed_ids:
-            pipe.zscore(keys.queue_key(name, "recent"), job_id)
-            pipe.hmget(keys.job_key(name, job_id), _FIELDS)
-            pipe.hlen(keys.flow_keys(name, job_id)[1])
-        plan.append((name, window, failed_ids))
-    replies = iter(pipe.execute())
     views = []
-    for (name, window, failed_ids), (_, cards, counters) in zip(plan, counts, strict=True):
-        rows = [_row(name, job_id, score, next(replies), next(replies)) for job_id, score in window]
-        older_failed = []
-        for job_id in failed_ids:
-            score, fields, values_count = next(replies), next(replies), next(replies)
-            if score is not None:  # a flow's parent, not a failed child
-                older_failed.append(_row(name, job_id, score, fields, values_count))
-        failed_flows = [r for r in rows if r.state == "failed"] + older_failed
-        older = int(float(window[-1][1])) if len(window) == PAGE else None
+    for name, cards, counters in read_counts(state, names):
+        lists = {}
+        for wanted in (only,) if only else LISTS:
+            rows, more = read_flows(state, wanted, name, None, PAGE, cursor)
+            lists[wanted] = FlowList(wanted, rows, more)
         views.append(
             QueueView(
                 queue=name,
                 pending=cards[0],
                 active=cards[1],
                 held=counters["held"],
-                failed=cards[2],
+                failed_jobs=cards[2],
                 indexed=cards[3],
-                older=older,
                 counters=counters,
-                recent=rows,
-                held_flows=[r for r in rows if r.state == "awaiting_children"],
-                failed_flows=failed_flows[:PAGE],
+                lists=lists,
             )
         )
     return views

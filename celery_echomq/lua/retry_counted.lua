@@ -42,8 +42,12 @@ redis.call('HDEL', KEYS[1], 'error', 'suspect', 'token')
 redis.call('PERSIST', KEYS[1])
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('ZADD', KEYS[5], now_ms(), ARGV[1])
--- Uncounted: one more outstanding, one resolved failure fewer, its error no longer ignored.
+-- Uncounted: one more outstanding, one resolved failure fewer, its error no longer kept.
 redis.call('INCR', KEYS[3])
 redis.call('HINCRBY', KEYS[2], 'credited_failed', -1)
 redis.call('HDEL', KEYS[4], ARGV[1])
+-- And it leaves the parent's record of failed children (see settle_child).
+if redis.call('HDEL', KEYS[2], 'failed:' .. ARGV[1]) == 1 then
+  redis.call('HINCRBY', KEYS[2], 'failed_children', -1)
+end
 return {'retried', c[4], c[5]}

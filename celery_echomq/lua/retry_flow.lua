@@ -23,6 +23,8 @@
 -- A child is made pending only when it is failed and its policy (its own parent_policy, else
 -- the flow's default) is 'fail': a child counted under ignore/remove/continue, or one already
 -- retried, is left alone, so a second run of the same retry changes nothing.
+-- Every child retried, here or elsewhere, leaves the parent's record of failed children
+-- (its 'failed:<id>' field, counted in 'failed_children'; see settle_child).
 --
 -- Reply: {status, id1, payload1, delta1, id2, payload2, delta2, ...} the children made
 --        pending (the host publishes their stored jobs: the payload or, nil payload, the
@@ -38,6 +40,12 @@
 --- @include "gate"
 --- @include "now_ms"
 --- @include "release_parent"
+
+local function unrecord(cid)
+  if redis.call('HDEL', KEYS[1], 'failed:' .. cid) == 1 then
+    redis.call('HINCRBY', KEYS[1], 'failed_children', -1)
+  end
+end
 -- ARGV[2] is a count, not an id: gate the ids on either side of it.
 local refused = gate_ids(1, 1) or gate_ids(3, #ARGV)
 if refused then
@@ -66,6 +74,7 @@ for i = 1, n do
     redis.call('ZREM', KEYS[7], cid)
     redis.call('ZADD', KEYS[6], now, cid)
     redis.call('HDEL', KEYS[5], cid)
+    unrecord(cid)
     reply[#reply + 1] = cid
     local stored = redis.call('HMGET', child, 'payload', 'delta')
     reply[#reply + 1] = stored[1]
@@ -75,6 +84,7 @@ end
 local others = #ARGV - 2 - n
 for i = 3 + n, #ARGV do
   redis.call('HDEL', KEYS[5], ARGV[i])
+  unrecord(ARGV[i])
 end
 if state == 'awaiting_children' and #reply == 1 and others == 0 then
   return {'awaiting_children'}

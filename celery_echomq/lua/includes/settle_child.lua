@@ -17,8 +17,13 @@
 -- What a failed child means for its parent, by policy:
 --   fail      the parent fails and will never run (if it still waits; else nothing changes)
 --   ignore    counted as resolved; the error kept in the parent's :ignored
---   remove    counted as resolved; recorded nowhere
+--   remove    counted as resolved
 --   continue  counted as resolved, and the parent is released at once if it still waits
+-- Whatever the policy, the flow keeps what failed (failed_children() reads it): under ignore
+-- in :ignored, under the others as the parent row's field 'failed:<child id>' (the error),
+-- with 'failed_children' counting those fields, so that dependencies() can tell a child
+-- failed under fail (never counted down) from one still outstanding. On the row, not in a
+-- key of its own: it lives and expires with the flow, and no script takes one more key.
 --
 -- Returns {status, policy}:
 --   "released"       the parent is now pending (the host dispatches it)
@@ -39,8 +44,14 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
     end
     -- One command per failed child, none per completed one.
     redis.call('HINCRBY', parent.counters, 'failed_' .. policy, 1)
+    local found = redis.call('HGET', parent.row, 'state')
+    -- Not on a row that is gone (an expired or forgotten flow): that would leave a row behind.
+    if found and policy ~= 'ignore'
+        and redis.call('HSET', parent.row, 'failed:' .. child_id, data) == 1 then
+      redis.call('HINCRBY', parent.row, 'failed_children', 1)
+    end
     if policy == 'fail' then
-      if not waiting() then
+      if found ~= 'awaiting_children' then
         return {'credited', policy}
       end
       redis.call('HSET', parent.row, 'state', 'failed', 'failed_child', child_id,
