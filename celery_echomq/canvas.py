@@ -10,11 +10,18 @@ from typing import Any
 from celery import current_app
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 
+from .ids import check_tree
 from .keyspace import new_job_id
-from .plan import H_QUEUE, check_depth, check_policy, plan_flow, too_deep
+from .plan import (
+    H_QUEUE,
+    check_depth,
+    check_policy,
+    plan_flow,
+    too_deep,
+)
 from .result import FlowResult
 from .results import writes_results
-from .shapes import FLOW_TASK, check_tree, normal_flow
+from .shapes import CALLBACKS, FLOW_TASK, merge_callbacks, normal_flow
 from .start import start_flow
 from .state import get_state
 
@@ -97,25 +104,35 @@ def value_task(sig: Any) -> Signature | None:
 
 
 def assign_ids(sig: Any) -> None:
-    """Give every task of a canvas an id of its own, where it has none (``freeze``)."""
+    """Give every task of a canvas an id of its own, where it has none (``freeze``).
+
+    A signature object that appears more than once (``(task.si(1),) * 3``) stands for as many
+    jobs: it takes no id here, and each of its copies gets one when the flow is shaped."""
+    tasks: list[Signature] = []
+    _tasks_of(sig, tasks)
+    seen: dict[int, int] = {}
+    for task in tasks:
+        seen[id(task)] = seen.get(id(task), 0) + 1
+    for task in tasks:
+        if seen[id(task)] == 1:
+            task.options.setdefault("task_id", new_job_id())
+
+
+def _tasks_of(sig: Any, out: list[Signature]) -> None:
     sig = maybe_signature(sig)
     if isinstance(sig, (_chain, group)):
-        for task in sig.tasks:
-            if isinstance(task, Signature):
-                assign_ids(task)
+        parts = list(sig.tasks)
     elif isinstance(sig, _chord):
         header = sig.tasks.tasks if isinstance(sig.tasks, group) else sig.tasks
-        for task in header:
-            if isinstance(task, Signature):
-                assign_ids(task)
-        if sig.body is not None:
-            assign_ids(sig.body)
+        parts = [*header, *([sig.body] if sig.body is not None else [])]
     elif getattr(sig, "subtask_type", None) == "flow":
-        assign_ids(sig.parent)
-        for child in sig.children:
-            assign_ids(child)
+        parts = [sig.parent, *sig.children]
     else:
-        sig.options.setdefault("task_id", new_job_id())
+        out.append(sig)
+        return
+    for part in parts:
+        if isinstance(part, Signature):
+            _tasks_of(part, out)
 
 
 @Signature.register_type(name="flow")
@@ -312,6 +329,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             shape, fan = normal_flow(self.clone(task_id=task_id))
             check_tree(shape)
         merged = {**shape.options, **options}
+        for name in CALLBACKS:
+            if name in shape.options and name in options:
+                merged[name] = merge_callbacks(shape.options[name], options[name])
         if task_id is not None:
             merged["task_id"] = task_id
         for name in ("producer", "connection", "add_to_parent"):

@@ -30,10 +30,18 @@ from . import reads
 from .canvas import FlowResult
 from .config import Settings
 from .errors import FlowClosedError, FlowFailed
-from .plan import Plan, check_depth, is_flow, parent_args, plan_children, plan_flow, too_deep
+from .plan import (
+    Plan,
+    check_depth,
+    is_flow,
+    parent_args,
+    plan_children,
+    plan_flow,
+    too_deep,
+)
 from .reads import Dependencies
 from .settle import error_text
-from .shapes import expand
+from .shapes import CALLBACKS, expand, merge_callbacks
 from .state import find_state
 
 
@@ -265,7 +273,11 @@ def _run(
 ) -> EagerFlowResult:
     child_ids = plan.child_ids()
     fanin = seen[plan.parent_id] = FanIn(plan.parent_id, len(child_ids), plan.policy)
-    parent_options = {k: v for k, v in options.items() if k in ("link", "link_error")}
+    parent_options = {
+        k: merge_callbacks(sig.parent.options[k], v) if k in sig.parent.options else v
+        for k, v in options.items()
+        if k in CALLBACKS
+    }
     parent_res: Any = None
     silent = set(plan.silent)
 

@@ -9,10 +9,15 @@ queues are read at most once a second (``EchoMQ.known_queues``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from celery.canvas import Signature, maybe_signature
 
 from .errors import FlowExistsError
+from .keyspace import check_id, check_unique
 from .state import EchoMQ
+from .tasks import SPREAD_TASK
 
 
 def refuse_taken(state: EchoMQ, placed: Mapping[str, str]) -> None:
@@ -35,3 +40,35 @@ def refuse_taken(state: EchoMQ, placed: Mapping[str, str]) -> None:
                     "names one job in the whole store, and a flow never overwrites a job "
                     "(nothing was written or published)"
                 )
+
+
+def ids(node: Signature) -> Iterator[str]:
+    """Every job id of a normal tree, what its spreads will add included."""
+    yield str(node.options.get("task_id"))
+    yield from _added(node.parent, node._app)
+    for child in node.children:
+        yield from _ids_of(child)
+
+
+def _added(parent: Signature, app: Any) -> Iterator[str]:
+    if parent.task == SPREAD_TASK:
+        for child in parent.kwargs["children"]:
+            yield from _ids_of(maybe_signature(child, app=app))
+
+
+def _ids_of(sig: Signature) -> Iterator[str]:
+    if getattr(sig, "subtask_type", None) == "flow":
+        yield from ids(sig)
+    elif "task_id" in sig.options:
+        yield str(sig.options["task_id"])
+    else:
+        yield from _added(sig, sig._app)
+
+
+def check_tree(node: Signature) -> None:
+    """Every id a spread will add gated and unique with the rest, before anything reaches
+    Redis (the ids planned now are gated by the plan)."""
+    found = [i for i in ids(node) if i != "None"]
+    for job_id in found:
+        check_id(job_id)
+    check_unique(found)

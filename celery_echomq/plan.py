@@ -8,7 +8,7 @@ Pure: nothing here touches Redis or the broker. ``start.py`` sends a :class:`Pla
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from celery.canvas import Signature
@@ -17,7 +17,7 @@ from .errors import DepthError, PolicyError
 from .keyspace import check_id, check_queue, check_unique
 from .keyspace import new_job_id as new_job_id  # where the tests and benchmarks import it
 from .scripts import ParentRef
-from .shapes import expand
+from .shapes import CALLBACKS, expand, merge_callbacks
 
 POLICIES = ("fail", "ignore", "remove", "continue")
 
@@ -95,7 +95,10 @@ class Plan:
     silent: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # Not dataclasses.asdict: it rebuilds every dict subclass it meets from a generator,
+        # which a Signature (a link, an argument) cannot be made from. The values are the
+        # plan's own, never shared with another.
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
@@ -147,6 +150,10 @@ def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
 
 def _job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
     opts = {k: v for k, v in {**options, **sig.options}.items() if k not in NOT_STORED}
+    for name in CALLBACKS:
+        if name in options and name in sig.options:
+            # Both run, as a chord runs its body's own callbacks and those it was sent with.
+            opts[name] = merge_callbacks(sig.options[name], options[name])
     given = opts.get("headers") or {}
     if any(str(name).startswith(RESERVED) for name in given):
         # The flow's own headers are the plan's alone: one a signature brings (copied from a

@@ -82,6 +82,12 @@ def record_failure(
         reply_to=options.get("reply_to"),
         correlation_id=job_id,
         delivery_info={},
+        # What follows it in a chain fails too, and a chord it is part of counts it, as for a
+        # task that failed on a worker (the backend's mark_as_failure reads them).
+        chain=options.get("chain"),
+        chord=options.get("chord"),
+        group=options.get("group_id"),
+        group_index=options.get("group_index"),
     )
     if status == "REVOKED":
         state.app.backend.store_result(job_id, exc, status, request=request)

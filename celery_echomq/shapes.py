@@ -19,15 +19,27 @@ Pure: nothing here touches Redis or the broker.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
+from celery.utils.functional import maybe_list
 
-from .keyspace import check_id, check_unique, new_job_id
+from .keyspace import new_job_id
 from .tasks import COLLECT_TASK, SPREAD_TASK, register_tasks
 
 FLOW_TASK = "celery_echomq.flow"
+
+CALLBACKS = ("link", "link_error")
+
+
+def merge_callbacks(own: Any, given: Any) -> list[Any]:
+    """A signature's own callbacks, then those it was sent with, each once."""
+    merged: list[Any] = []
+    for callback in [*(maybe_list(own) or ()), *(maybe_list(given) or ())]:
+        if callback not in merged:
+            merged.append(callback)
+    return merged
+
 
 # Options of a chain, group or chord that are its own, not handed down to its tasks.
 _OWN = frozenset(
@@ -133,9 +145,21 @@ def normal_flow(sig: Any) -> tuple[Any, str]:
     node.args = tuple(sig.args)
     node.immutable = sig.immutable
     for key, value in sig.options.items():
-        if key != "task_id":
+        if key in CALLBACKS and key in node.options:
+            node.options[key] = merge_callbacks(node.options[key], value)
+        elif key != "task_id":
             node.options.setdefault(key, value)
     return node, fan
+
+
+def _with_callbacks(parent: Signature, held: tuple[Signature, str]) -> tuple[Signature, str]:
+    """A canvas parent's own callbacks on the flow that stands for it: ``link`` runs with its
+    value, ``link_error`` once if any part of it (or what it waits for) fails."""
+    node = held[0]
+    for key in CALLBACKS:
+        if key in parent.options:
+            node.options[key] = merge_callbacks(node.options.get(key), parent.options[key])
+    return held
 
 
 def _own(sig: Signature) -> Any:
@@ -151,6 +175,8 @@ def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature
         nodes = [node for task in _group_tasks(sig) for node in as_children(task, app, mine)]
     elif is_task(sig):
         return [_task(sig, inherited)]
+    elif isinstance(sig, _chain) and not sig.tasks:
+        return []  # an empty chain is nothing to wait for, as in a chord's header
     elif isinstance(sig, _chain) and len(sig.tasks) == 1:
         nodes = as_children(sig.tasks[0], app, {**inherited, **_options_of(sig)})
     else:
@@ -269,32 +295,39 @@ def _held(
             own_id=own_id if len(steps) == 1 else None,
         )
         if len(steps) == 1:
-            return node, fan
-        return _chain_on(steps[1:], [node], _fans(steps[0]), app, mine, own_id)[0], fan
+            return _with_callbacks(parent, (node, fan))
+        top = _chain_on(steps[1:], [node], _fans(steps[0]), app, mine, own_id)[0]
+        return _with_callbacks(parent, (top, fan))
     if isinstance(parent, group):
         collect = app.signature(COLLECT_TASK)
         collect.options["task_id"] = own_id or new_job_id()
         fanned = _group_tasks(parent)
-        return _spread(collect, fanned, "fail", children, app, mine, policy, single)
+        return _with_callbacks(
+            parent, _spread(collect, fanned, "fail", children, app, mine, policy, single)
+        )
     if isinstance(parent, _chord):
         if parent.body is None:
             raise ValueError("a chord as a flow's parent has no body")
         body = maybe_signature(parent.body, app=app)
         fanned = _header(parent, app)
-        return _spread(body, fanned, "fail", children, app, mine, policy, single, own_id=own_id)
+        held = _spread(body, fanned, "fail", children, app, mine, policy, single, own_id=own_id)
+        return _with_callbacks(parent, held)
     if getattr(parent, "subtask_type", None) == "flow":
-        return _spread(
-            parent.parent,
-            parent.children,
-            parent.policy,
-            children,
-            app,
-            mine,
-            policy,
-            single,
-            args=list(parent.args),
-            immutable=parent.immutable,
-            own_id=own_id,
+        return _with_callbacks(
+            parent,
+            _spread(
+                parent.parent,
+                parent.children,
+                parent.policy,
+                children,
+                app,
+                mine,
+                policy,
+                single,
+                args=list(parent.args),
+                immutable=parent.immutable,
+                own_id=own_id,
+            ),
         )
     raise TypeError(
         f"flow parent {parent!r:.80} is not a task, a chain, a group, a chord or a flow"
@@ -322,10 +355,17 @@ def _spread(
     fanned_nodes = [n for f in fanned for n in as_children(f, app, inherited)]
     spread = app.signature(
         SPREAD_TASK,
-        kwargs={"children": [dict(n) for n in fanned_nodes], "args": list(args or ())},
+        kwargs={"children": [_plain(n) for n in fanned_nodes], "args": list(args or ())},
         immutable=immutable,
     )
     spread.options["task_id"] = new_job_id()
+    # The fanned tasks' own errbacks run if the fan-in fails (they never run then), as a
+    # chord calls its body's errbacks when its header fails.
+    errbacks = [
+        e for f in fanned if is_task(f) for e in (maybe_list(f.options.get("link_error")) or [])
+    ]
+    if errbacks:
+        spread.options["link_error"] = merge_callbacks(None, errbacks)
     spreader = _flow(spread, children, inherited, policy=policy, single=single)
     # The spread's own value is not among the values ``own_parent`` gets (echomq_silent),
     # and a failure of the fan-in fails the whole canvas, whatever ``fanned_policy`` says.
@@ -335,33 +375,11 @@ def _spread(
     return node, str(spread.options["task_id"])
 
 
-def ids(node: Signature) -> Iterator[str]:
-    """Every job id of a normal tree, what its spreads will add included."""
-    yield str(node.options.get("task_id"))
-    yield from _added(node.parent, node._app)
-    for child in node.children:
-        yield from _ids_of(child)
-
-
-def _added(parent: Signature, app: Any) -> Iterator[str]:
-    if parent.task == SPREAD_TASK:
-        for child in parent.kwargs["children"]:
-            yield from _ids_of(maybe_signature(child, app=app))
-
-
-def _ids_of(sig: Signature) -> Iterator[str]:
-    if getattr(sig, "subtask_type", None) == "flow":
-        yield from ids(sig)
-    elif "task_id" in sig.options:
-        yield str(sig.options["task_id"])
-    else:
-        yield from _added(sig, sig._app)
-
-
-def check_tree(node: Signature) -> None:
-    """Every id a spread will add gated and unique with the rest, before anything reaches
-    Redis (the ids planned now are gated by the plan)."""
-    found = [i for i in ids(node) if i != "None"]
-    for job_id in found:
-        check_id(job_id)
-    check_unique(found)
+def _plain(value: Any) -> Any:
+    """A signature as plain dicts and lists all the way down: what its message carries, and
+    what a stored plan may copy (a Signature cannot be rebuilt from a generator of items)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
