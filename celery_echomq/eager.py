@@ -234,7 +234,14 @@ def apply_flow(
     try:
         # The same shape as on a worker: chains, groups and chords as flows of single tasks.
         sig, fan = sig.shape()
-        merged = {**{k: v for k, v in sig.options.items() if v is not None}, **merged}
+        own = {k: v for k, v in sig.options.items() if v is not None}
+        merged = {
+            **own,
+            **merged,
+            **{
+                k: merge_callbacks(own[k], merged[k]) for k in CALLBACKS if k in own and k in merged
+            },
+        }
         partial = () if sig.immutable else (*tuple(args or ()), *sig.args)
         # The same ids, gates and policy checks as on a worker; the plan is then only read.
         plan = plan_flow(
