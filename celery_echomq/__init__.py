@@ -13,8 +13,10 @@ from .errors import (
     ConfigError,
     DuplicateIdError,
     EchoMQError,
+    DeadlineError,
     FlowCancelled,
     FlowClosedError,
+    FlowDeadlineExceeded,
     FlowExistsError,
     FlowFailed,
     InvalidIdError,
@@ -33,10 +35,12 @@ from .state import EchoMQ, get_state, install_state
 __all__ = [
     "ConfigError",
     "Dependencies",
+    "DeadlineError",
     "DuplicateIdError",
     "EchoMQError",
     "FlowCancelled",
     "FlowClosedError",
+    "FlowDeadlineExceeded",
     "FlowExistsError",
     "FlowFailed",
     "FlowResult",
@@ -67,6 +71,7 @@ __version__ = "0.1.0"
 def install(app: Any) -> EchoMQ:
     """Connect celery-echomq to ``app``: settings, worker signals and the recovery step."""
     from . import signals
+    from .deadline.poller import DeadlineStep
     from .recovery import RecoveryStep
     from .tasks import register_tasks
 
@@ -76,4 +81,5 @@ def install(app: Any) -> EchoMQ:
     signals.connect()
     # A set: installing twice adds the step once.
     app.steps["worker"].add(RecoveryStep)
+    app.steps["worker"].add(DeadlineStep)
     return state

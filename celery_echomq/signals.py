@@ -20,6 +20,7 @@ from celery import signals
 from celery.app.task import Task
 from celery.exceptions import Ignore
 
+from . import tracing
 from .plan import H_FLOW, H_QUEUE, H_SINCE, Headers, parent_ref
 from .replies import DUPLICATE_DELIVERY, STARTED, Status
 from .results import (
@@ -144,6 +145,10 @@ def skip_duplicate(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
     if task_id in _skip:
         _skip.discard(task_id)
         raise Ignore(f"echomq: duplicate delivery of {task_id} skipped")
+    if tracing.ON and getattr(self.request, H_FLOW, None):
+        state = find_state(self.app)
+        if state is not None:
+            tracing.parent_started(state, getattr(self.request, H_QUEUE), task_id, self.request)
 
 
 def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
@@ -154,6 +159,8 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
     token = _tokens.pop(request.id, None)
     if token is None:
         return
+    if tracing.ON:
+        tracing.record_child(state, request.id, parent_ref(request))
     settle_success(
         state,
         getattr(request, H_QUEUE),
@@ -194,6 +201,8 @@ def on_failure(
     state = _flow_state(sender, request)
     if state is None or token is None:
         return
+    if tracing.ON:
+        tracing.record_child(state, task_id, parent_ref(request))
     settle_failure(
         state,
         getattr(request, H_QUEUE),

@@ -15,7 +15,9 @@ import redis
 from kombu.exceptions import EncodeError
 from redis.cluster import RedisCluster
 
+from . import tracing
 from .config import safe_url
+from .deadline.store import arm_levels, disarm
 from .errors import EchoMQError, FlowCancelled, FlowExistsError, StoreUnavailableError
 from .plan import H_SINCE, Plan, child_id, child_queue, child_template, job_delta
 from .publish import publish
@@ -155,7 +157,10 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             clock = int(seconds) * 1000 + int(micros) // 1000
             register = []
         whole = []
+        armed: list[tuple[str, str]] = []
         try:
+            # Deadlines first: a flow that lands always has its entry (see deadline/).
+            armed = arm_levels(state, levels)
             for level, is_chunked in zip(levels, chunked, strict=True):
                 if is_chunked:
                     _enqueue_chunked(state, level, encoded[level.parent_id], chunk, written)
@@ -185,6 +190,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             # A refusal after an earlier level or chunk landed: take back exactly what this
             # call wrote, so bad input leaves nothing behind.
             _rollback(state, written)
+            for queue, parent_id in armed:
+                disarm(state, queue, parent_id)
             logger.info(
                 "echomq: flow %s refused; %d steps taken back", plan.parent_id, len(written)
             )
@@ -370,6 +377,7 @@ def cancel_flow(state: EchoMQ, queue: str, parent_id: str, terminate: bool = Fal
     logger.info(
         "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
     )
+    tracing.cancelled(state.loads(payload) if payload else None, parent_id, len(outstanding))
     return revoked + outstanding
 
 
