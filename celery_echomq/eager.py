@@ -18,6 +18,7 @@ after the children already listed) or with ``parent_id=``; once the parent has r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from celery.result import EagerResult
 
 from . import reads
 from .canvas import FlowResult
+from .deadline.spec import exceeded, level_deadline, stamp
 from .errors import FlowClosedError, FlowFailed
 from .plan import Plan, is_flow, parent_args, plan_children, plan_flow
 from .reads import Dependencies
@@ -47,6 +49,7 @@ class FanIn:
     credited: int = 0
     waiting: bool = True
     failure: FlowFailed | None = None
+    cut: list[str] = field(default_factory=list)  # children its deadline cut
 
     def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
         """Count one finished child; whether this released the parent (settle_child.lua)."""
@@ -116,6 +119,20 @@ class Growing:
 # running in this context (what ``add_children()`` without ``parent_id`` adds to).
 GROWING: dict[str, Growing] = {}
 CURRENT: ContextVar[str | None] = ContextVar("echomq_eager_parent", default=None)
+# When the eager run began (monotonic, epoch): every level's deadline counts from it, as every
+# level of a flow is enqueued at its apply_async on a worker.
+STARTED: ContextVar[tuple[float, float] | None] = ContextVar("echomq_eager_t0", default=None)
+
+
+def _deadline_of(plan: Plan) -> tuple[float, float, str] | None:
+    """(monotonic time it passes, epoch seconds, on_deadline) of a level's deadline."""
+    found = level_deadline(plan)
+    if found is None:
+        return None
+    spec, on_deadline = found
+    mono0, wall0 = STARTED.get() or (time.monotonic(), time.time())
+    wall = wall0 + spec["in"] if "in" in spec else spec["at"]
+    return mono0 + (wall - wall0), wall, on_deadline
 
 
 def add_children(sigs: Sequence[Any], parent_id: str | None) -> list[str] | None:
@@ -218,8 +235,13 @@ def apply_flow(
         options=merged,
         single=sig.single,
     )
+    stamp(plan, sig.kwargs)
     seen: dict[str, FanIn] = {}
-    result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged, seen)
+    started = STARTED.set((time.monotonic(), time.time()))
+    try:
+        result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged, seen)
+    finally:
+        STARTED.reset(started)
     if fan and fan in seen:
         result.fanin = seen[fan]
     if throw is None:
@@ -271,12 +293,30 @@ def _run(
         ],
     )
     GROWING[plan.parent_id] = growing
+    deadline = _deadline_of(plan)
+
+    def passed(running: list[str]) -> bool:
+        """Whether the deadline has passed while the parent waits: then it fails, or runs
+        with the values so far (continue), and the children not started are cut."""
+        nonlocal parent_res
+        if deadline is None or not fanin.waiting or time.monotonic() < deadline[0]:
+            return False
+        fanin.waiting = False
+        fanin.cut = [e[1] for e in growing.entries[i:]]
+        if deadline[2] == "continue":
+            parent_res = run_parent()
+        else:
+            fanin.failure = exceeded(plan.parent_id, [*running, *fanin.cut], deadline[1])
+        return True
+
     try:
         # Children added while this runs are appended to the entries, and to child_ids (the
         # order the parent gets their values in).
         i = 0
         while i < len(growing.entries):
             child, cid, job, c_args, c_kwargs = growing.entries[i]
+            if passed([]):
+                break
             if i >= len(child_ids):
                 child_ids.append(cid)
             i += 1
@@ -286,8 +326,12 @@ def _run(
             finally:
                 CURRENT.reset(token)
             ok, data = _outcome(res)
+            # A child still running when the deadline passed finishes and is recorded.
+            cut = passed([cid])
             if fanin.settle(cid, ok, data, child.options.get("parent_policy")):
                 parent_res = run_parent()
+            if cut:
+                break
     finally:
         GROWING.pop(plan.parent_id, None)
     if parent_res is not None:

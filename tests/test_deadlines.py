@@ -158,3 +158,136 @@ def test_a_flow_done_before_its_deadline_is_left_alone_and_its_entry_goes(
     assert store.zscore("emq:{celery}:deadlines", res.id) is not None
     wait_for(lambda: store.zscore("emq:{celery}:deadlines", res.id) is None, timeout=10)
     assert "deadline_fired" not in row(store, res.id)
+
+
+# --- eager mode gives the same values and errors ------------------------------------------
+
+
+def _pair(proj: Any, t: str, on_deadline: str) -> tuple[Any, list[str]]:
+    """One flow, the same ids each time it is made: a quick child done before the deadline
+    and one still running when it passes."""
+    ids = [f"JOB{uuid.uuid5(uuid.NAMESPACE_URL, f'{t}:{n}').hex}" for n in range(3)]
+
+    def make() -> Any:
+        kids = [proj.add.s(1, 1).set(task_id=ids[1]), proj.sleep_then.s(2, 2.5).set(task_id=ids[2])]
+        parent = proj.collect.s(tag=t).set(task_id=ids[0])
+        return flow(parent, kids, deadline=1, on_deadline=on_deadline)
+
+    return make, ids
+
+
+def test_fail_gives_the_same_error_eagerly_and_on_a_worker(proj: Any, worker: Any) -> None:
+    t = tag()
+    make, ids = _pair(proj, t, "fail")
+    errors = []
+    for res in (make().apply(), make().apply_async()):
+        with pytest.raises(FlowDeadlineExceeded) as info:
+            res.get(timeout=30)
+        errors.append(info.value)
+    eager, real = errors
+    assert str(eager) == str(real)
+    assert eager.outstanding == real.outstanding == (ids[2],)
+    assert eager.flow_id == real.flow_id == ids[0] and eager.count == real.count == 1
+
+
+def test_continue_gives_the_same_values_eagerly_and_on_a_worker(proj: Any, worker: Any) -> None:
+    t = tag()
+    make, ids = _pair(proj, t, "continue")
+    eager = make().apply()
+    assert eager.get() == {"values": [2], "tag": t}
+    # The running child finished after the deadline: recorded, too late for the parent.
+    assert eager.children_values() == {ids[1]: 2, ids[2]: 2}
+    real = make().apply_async()
+    assert real.get(timeout=30) == {"values": [2], "tag": t}
+    wait_for(lambda: real.children_values() == {ids[1]: 2, ids[2]: 2})
+
+
+def test_eager_cuts_the_children_not_started_when_the_deadline_passes(proj: Any) -> None:
+    t = tag()
+    kids = [proj.sleep_then.s(1, 1.2), proj.add.s(2, 2), proj.add.s(3, 3)]
+    f = flow(proj.collect.s(tag=t), kids, deadline=0.5)
+    f.freeze()
+    res = f.apply()
+    with pytest.raises(FlowDeadlineExceeded) as info:
+        res.get()
+    ids = [k.options["task_id"] for k in kids]
+    assert info.value.outstanding == tuple(ids) and info.value.count == 3
+    assert res.fanin.cut == ids[1:]
+    assert list(res.children_values().values()) == [1]
+
+
+# --- nested flows, added children, canvases ------------------------------------------------
+
+
+def test_a_nested_flow_keeps_its_own_deadline(proj: Any, worker: Any, store: redis.Redis) -> None:
+    t, gate = tag(), f"gate:{tag()}"
+    inner = flow(proj.collect.s(tag=f"{t}-in"), [proj.gated.s(5, gate)], deadline=1)
+    inner = inner.set(parent_policy="ignore")
+    f = flow(proj.collect.s(tag=t), [inner, proj.add.s(1, 1)], deadline=60)
+    f.freeze()
+    res = f.apply_async()
+    inner_id = inner.options["task_id"]
+    # The inner flow fails by its own deadline; the outer takes that as an ignored failure
+    # and runs long before its own.
+    assert res.get(timeout=30) == {"values": [2], "tag": t}
+    ignored = res.ignored_failures()
+    assert list(ignored) == [inner_id]
+    assert ignored[inner_id].startswith(f"FlowDeadlineExceeded: flow {inner_id} passed")
+    assert "deadline_fired" not in row(store, res.id)
+    assert row(store, inner_id)["failed_by"] == "deadline"
+    store.set(gate, 1)
+
+
+def test_the_same_nested_deadline_eagerly(proj: Any) -> None:
+    t = tag()
+    inner = flow(proj.collect.s(tag=f"{t}-in"), [proj.sleep_then.s(5, 1.0)], deadline=0.3)
+    f = flow(proj.collect.s(tag=t), [inner.set(parent_policy="ignore"), proj.add.s(1, 1)])
+    res = f.apply()
+    assert res.get() == {"values": [2], "tag": t}
+    (error,) = res.ignored_failures().values()
+    assert error.startswith("FlowDeadlineExceeded: flow ") and "1 children outstanding" in error
+
+
+def test_add_children_cannot_extend_the_deadline(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"gate:{tag()}"
+    f = flow(proj.tsum.s(), [proj.gated.s(1, gate)], deadline=1.5)
+    started = time.monotonic()
+    res = f.apply_async()
+    due = store.zscore("emq:{celery}:deadlines", res.id)
+    added = res.add_children([proj.gated.s(2, gate), proj.add.s(3, 3)])
+    assert len(added) == 2
+    assert store.zscore("emq:{celery}:deadlines", res.id) == due
+    with pytest.raises(FlowDeadlineExceeded) as info:
+        res.get(timeout=30)
+    assert time.monotonic() - started < 4
+    # The added children are the flow's children like the others: named, or cut.
+    assert set(added) <= set(info.value.outstanding)
+    store.set(gate, 1)
+
+
+def test_a_chain_parent_keeps_the_deadline_on_the_job_holding_the_children(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    from celery import chain
+
+    gate = f"gate:{tag()}"
+    parent = chain(proj.tsum.s(), proj.add.s(100))
+    f = flow(parent, [proj.add.s(1, 1), proj.gated.s(9, gate)], deadline=1, on_deadline="continue")
+    res = f.apply_async()
+    wait_for(lambda: row(store, res.fan_in).get("released_by") == "deadline", timeout=10)
+    store.set(gate, 1)
+    assert res.get(timeout=30) == 102  # tsum([2]) then + 100
+    assert "deadline_fired" not in row(store, res.id)
+
+
+def test_an_aware_datetime_deadline(proj: Any, worker: Any, store: redis.Redis) -> None:
+    gate = f"gate:{tag()}"
+    when = datetime.now(timezone.utc) + timedelta(seconds=1.2)
+    res = flow(proj.tsum.s(), [proj.gated.s(1, gate)], deadline=when).apply_async()
+    with pytest.raises(FlowDeadlineExceeded):
+        res.get(timeout=30)
+    fired = int(row(store, res.id)["deadline_fired"])
+    assert abs(fired - when.timestamp() * 1000) < 1000
+    store.set(gate, 1)

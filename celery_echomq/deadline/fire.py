@@ -23,12 +23,12 @@ from ..settle import dispatch_parent, error_text, record_failure, settle_failure
 from ..state import EchoMQ
 from ..store import text
 from . import store
+from .spec import exceeded
 from .store import Fired
 
 logger = logging.getLogger("celery_echomq")
 
 PREFIX = "FlowDeadlineExceeded: "
-NAMED_MAX = 1000  # outstanding ids an error carries (its count says how many there were)
 STALE_TRIES = 3
 
 
@@ -72,28 +72,21 @@ def fire_due(state: EchoMQ, queue: str, parent_id: str) -> str | None:
 
 
 def deadline_error(
-    parent_id: str, fired: Fired, text_: str = "", count: int | None = None
+    parent_id: str, fired: Fired, job: dict[str, Any] | None
 ) -> FlowDeadlineExceeded:
-    """The error a flow failed by its deadline raises from ``get()``."""
-    outstanding = fired.outstanding
-    count = len(outstanding) if count is None else count
-    if not text_:
-        named = ", ".join(outstanding[:10])
-        more = f" and {count - 10} more" if count > 10 else ""
-        text_ = f"flow {parent_id} passed its deadline with {count} children outstanding" + (
-            f": {named}{more}" if named else ""
-        )
-    message = text_[len(PREFIX) :] if text_.startswith(PREFIX) else text_
-    return FlowDeadlineExceeded(
-        message, parent_id, outstanding[:NAMED_MAX], count, fired.due_ms / 1000 or None
-    )
+    """The error a flow failed by its deadline raises from ``get()``: its outstanding
+    children named in the children's order, as eager mode names them."""
+    order = {cid: i for i, cid in enumerate((job or {}).get("children") or [])}
+    named = sorted(fired.outstanding, key=lambda cid: order.get(cid, len(order)))
+    exc: FlowDeadlineExceeded = exceeded(parent_id, named, fired.due_ms / 1000 or None)
+    return exc
 
 
 def follow_up(
     state: EchoMQ, queue: str, parent_id: str, job: dict[str, Any] | None, fired: Fired
 ) -> str:
     """What follows a deadline that fired just now (the script's reply says what it did)."""
-    exc = deadline_error(parent_id, fired)
+    exc = deadline_error(parent_id, fired, job)
     late = fired.fired_ms - fired.due_ms
     tracing.deadline_event(job, parent_id, fired.status, len(fired.outstanding), late)
     if fired.status == "failed":
@@ -133,8 +126,9 @@ def follow_again(
     cut = tuple(c for c, mark in zip(local, cuts, strict=True) if mark == b"deadline")
     if fired.outcome == "failed":
         meta = state.app.backend.get_task_meta(parent_id) if _readable(state) else {}
-        exc = deadline_error(parent_id, Fired("failed", fired.due_ms), text(error) or "",
-                             int(count or 0))  # fmt: skip
+        # Its outstanding children are no longer known here: the row's error names them.
+        message = (text(error) or "").removeprefix(PREFIX)
+        exc = FlowDeadlineExceeded(message, parent_id, (), int(count or 0), fired.due_ms / 1000)
         if meta.get("status") != states.FAILURE:
             _record(state, queue, parent_id, job, exc)
         else:

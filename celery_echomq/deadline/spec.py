@@ -103,3 +103,21 @@ def level_deadline(level: Any) -> tuple[dict[str, float], str] | None:
     """A planned level's deadline spec and on_deadline, or None when it has none."""
     spec = level.parent.get("deadline")
     return (spec, str(level.parent.get("on_deadline", "fail"))) if spec else None
+
+
+NAMED = 10  # ids a message names (the error's ``outstanding`` holds up to NAMED_MAX)
+NAMED_MAX = 1000
+
+
+def exceeded(flow_id: str, outstanding: list[str], due: float | None) -> Any:
+    """The error of a flow failed by its deadline, naming ``outstanding`` (in the children's
+    order): the same on a worker as in eager mode."""
+    from ..errors import FlowDeadlineExceeded
+
+    count = len(outstanding)
+    named = ", ".join(outstanding[:NAMED])
+    more = f" and {count - NAMED} more" if count > NAMED else ""
+    message = f"flow {flow_id} passed its deadline with {count} children outstanding" + (
+        f": {named}{more}" if named else ""
+    )
+    return FlowDeadlineExceeded(message, flow_id, outstanding[:NAMED_MAX], count, due)
