@@ -11,9 +11,9 @@ from typing import Any
 from .canvas import FlowResult, flow
 from .errors import (
     ConfigError,
+    DeadlineError,
     DuplicateIdError,
     EchoMQError,
-    DeadlineError,
     FlowCancelled,
     FlowClosedError,
     FlowDeadlineExceeded,
@@ -34,8 +34,8 @@ from .state import EchoMQ, get_state, install_state
 
 __all__ = [
     "ConfigError",
-    "Dependencies",
     "DeadlineError",
+    "Dependencies",
     "DuplicateIdError",
     "EchoMQError",
     "FlowCancelled",
@@ -71,6 +71,7 @@ __version__ = "0.1.0"
 def install(app: Any) -> EchoMQ:
     """Connect celery-echomq to ``app``: settings, worker signals and the recovery step."""
     from . import signals
+    from .deadline import unrevoke  # noqa: F401 - registers the worker's echomq_unrevoke
     from .deadline.poller import DeadlineStep
     from .recovery import RecoveryStep
     from .tasks import register_tasks

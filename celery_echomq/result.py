@@ -72,12 +72,13 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         job_id, queue = self._fan()
         return add_children(children, job_id, app=self.app, queue=queue)
 
-    def retry(self, child: str | None = None) -> Any:
-        """Run this flow again after it failed under policy ``fail``: see
-        :func:`celery_echomq.retry_flow`. ``get()`` then waits for the new outcome."""
+    def retry(self, child: str | None = None, deadline: Any = None) -> Any:
+        """Run this flow again after it failed under policy ``fail`` (or by its deadline:
+        then with a new ``deadline``): see :func:`celery_echomq.retry_flow`. ``get()`` then
+        waits for the new outcome."""
         from .repair import retry_flow
 
-        outcome = retry_flow(get_state(self.app), self.id, child=child)
+        outcome = retry_flow(get_state(self.app), self.id, child=child, deadline=deadline)
         self._forget_cached()
         return outcome
 

@@ -291,3 +291,114 @@ def test_an_aware_datetime_deadline(proj: Any, worker: Any, store: redis.Redis) 
     fired = int(row(store, res.id)["deadline_fired"])
     assert abs(fired - when.timestamp() * 1000) < 1000
     store.set(gate, 1)
+
+
+# --- retry ----------------------------------------------------------------------------------
+
+
+def test_retry_of_a_flow_failed_by_its_deadline_needs_a_new_deadline(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    from celery.bin.celery import celery as celery_main
+    from click.testing import CliRunner
+
+    t, gate = tag(), f"gate:{tag()}"
+    kids = _blocked(proj, gate)
+    f = flow(proj.collect.s(tag=t), kids, deadline=1)
+    f.freeze()
+    res = f.apply_async()
+    with pytest.raises(FlowDeadlineExceeded):
+        res.get(timeout=30)
+    state = get_state(proj.app)
+    with pytest.raises(NotRepairableError, match="--deadline"):
+        retry_flow(state, res.id)
+    assert row(store, res.id)["state"] == "failed"  # nothing changed
+    store.set(gate, 1)  # the running children finish and are recorded
+    wait_for(lambda: sorted(res.children_values().values()) == [1, 2])
+    out = CliRunner().invoke(
+        celery_main, ["-A", "tests.proj", "echomq", "retry", res.id, "--deadline", "30"]
+    )
+    assert out.exit_code == 0, out.output
+    # The cut children run now; the parent gets every value, in the children's order.
+    fresh = type(res)(res.id, app=proj.app)
+    assert fresh.get(timeout=30) == {"values": [1, 2, 11, 21], "tag": t}
+    assert ran(store, f"collect:{t}") == 1
+    assert store.zscore("emq:{celery}:deadlines", res.id) is not None  # the new one, armed
+
+
+def test_retry_without_a_new_deadline_is_refused_by_the_cli_too(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    from celery.bin.celery import celery as celery_main
+    from click.testing import CliRunner
+
+    gate = f"gate:{tag()}"
+    res = flow(proj.tsum.s(), [proj.gated.s(1, gate)], deadline=0.5).apply_async()
+    with pytest.raises(FlowDeadlineExceeded):
+        res.get(timeout=30)
+    out = CliRunner().invoke(celery_main, ["-A", "tests.proj", "echomq", "retry", res.id])
+    assert out.exit_code == 1 and "--deadline" in out.output
+    store.set(gate, 1)
+
+
+# --- kept by the store: any worker, exactly once, across a restart --------------------------
+
+
+def test_several_workers_racing_fire_each_deadline_exactly_once(
+    proj: Any, start_worker: Any, store: redis.Redis, own_queue: Any
+) -> None:
+    queue = own_queue("dl-race")
+    workers = [start_worker(queues=queue, concurrency=1, name=f"race{i}") for i in range(3)]
+    gate = f"gate:{tag()}"
+    flows = [
+        flow(proj.tsum.s(), [proj.gated.s(i, gate), proj.add.s(i, i)], deadline=1)
+        for i in range(12)
+    ]
+    results = [f.apply_async(queue=queue) for f in flows]
+    for res in results:
+        with pytest.raises(FlowDeadlineExceeded):
+            res.get(timeout=30)
+    store.set(gate, 1)
+    time.sleep(1.0)  # every follow-up done, and every worker had its chance to fire again
+    counters = store.hgetall(f"emq:{{{queue}}}:counters")
+    assert int(counters[b"deadlines"]) == 12
+    assert store.zcard(f"emq:{{{queue}}}:deadlines") == 0
+    logs = "".join(w.output() for w in workers)
+    for res in results:
+        assert logs.count(f"flow {res.id} passed its deadline") == 1, res.id
+    # More than one worker fired some (the work is shared, not held by one).
+    firing = [w for w in workers if "passed its deadline" in w.output()]
+    assert len(firing) >= 1
+
+
+def test_a_deadline_holds_across_a_worker_killed_and_one_started_later(
+    proj: Any, start_worker: Any, store: redis.Redis, own_queue: Any
+) -> None:
+    queue = own_queue("dl-restart")
+    gate = f"gate:{tag()}"
+    first = start_worker(queues=queue, concurrency=1, name="dl-first")
+    res = flow(proj.tsum.s(), [proj.gated.s(1, gate)], deadline=2).apply_async(queue=queue)
+    wait_for(lambda: row(store, res.id, queue).get("state") == "awaiting_children")
+    first.kill()  # SIGKILL: no worker runs while the deadline passes
+    time.sleep(2.5)
+    assert row(store, res.id, queue)["state"] == "awaiting_children"
+    start_worker(queues=queue, concurrency=1, name="dl-second")
+    with pytest.raises(FlowDeadlineExceeded):
+        res.get(timeout=30)
+    assert row(store, res.id, queue)["failed_by"] == "deadline"
+    store.set(gate, 1)
+
+
+def test_recover_fires_a_due_deadline_without_any_worker(
+    proj: Any, store: redis.Redis, own_queue: Any
+) -> None:
+    from celery_echomq.recovery import run_pass
+
+    queue = own_queue("dl-recover")
+    res = flow(proj.tsum.s(), [proj.add.s(1, 1)], deadline=0.3).apply_async(queue=queue)
+    time.sleep(0.5)
+    lines = run_pass(get_state(proj.app), queues=[queue])
+    assert any(f"flow {res.id} passed its deadline" in line for line in lines)
+    with pytest.raises(FlowDeadlineExceeded):
+        res.get(timeout=10)
+    assert run_pass(get_state(proj.app), queues=[queue]) == []
