@@ -539,3 +539,10 @@ def rebuild_signature(sig_dict: dict[str, Any]) -> list[str]:
 def lineage(self: Any, *args: Any) -> dict[str, Any]:
     """A parent that reports its own lineage: the task it is the child of, and the root."""
     return {"parent_id": self.request.parent_id, "root_id": self.request.root_id}
+
+
+if os.environ.get("ECHOMQ_T_OTEL_FILE"):
+    # Tracing tests (tests/test_tracing.py): this worker records its spans into that file.
+    from tests.otel_setup import configure
+
+    configure(os.environ["ECHOMQ_T_OTEL_FILE"])
