@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from celery import states
@@ -42,9 +43,47 @@ def _job(state: EchoMQ, payload: bytes | None) -> dict[str, Any] | None:
     return job if isinstance(job, dict) else None
 
 
+@dataclass
+class Step:
+    """A deadline this process fired (or must follow up again): what follows it."""
+
+    queue: str
+    parent_id: str
+    job: dict[str, Any] | None
+    fired: Fired
+    local: list[str]
+
+
 def fire_due(state: EchoMQ, queue: str, parent_id: str) -> str | None:
     """Fire ``parent_id``'s due deadline on ``queue`` and do what follows: one line for the
     log when it acted, else None (early, moot, already handled by another worker)."""
+    step = fire_one(state, queue, parent_id)
+    return finish(state, [step])[0] if step is not None else None
+
+
+def finish(state: EchoMQ, steps: list[Step]) -> list[str]:
+    """What follows the deadlines ``steps`` fired: each one's failure or dispatch, then one
+    revoke of every child they cut, then their index entries ended."""
+    revoke: list[str] = []
+    lines = []
+    followed = []
+    for step in steps:
+        again = step.fired.status == "fired"
+        try:
+            lines.append((follow_again if again else follow_up)(state, step, revoke))
+        except Exception as exc:  # left to the next look, once its follow-up lease lapses
+            logger.warning("echomq deadlines: follow-up of %s failed: %r", step.parent_id, exc)
+            continue
+        followed.append(step)
+    if revoke:
+        state.app.control.revoke(revoke)
+    for step in followed:
+        store.done(state, step.queue, step.parent_id, step.fired.fired_ms)
+    return lines
+
+
+def fire_one(state: EchoMQ, queue: str, parent_id: str) -> Step | None:
+    """Run deadline.lua for one due entry: the step to follow up, or None (nothing to do)."""
     client, keys = state.client, state.keys
     row_key = keys.job_key(queue, parent_id)
     for _ in range(STALE_TRIES):
@@ -64,10 +103,8 @@ def fire_due(state: EchoMQ, queue: str, parent_id: str) -> str | None:
             break
     else:
         return None
-    if fired.status in ("failed", "released"):
-        return follow_up(state, queue, parent_id, job, fired)
-    if fired.status == "fired":
-        return follow_again(state, queue, parent_id, job, fired, local)
+    if fired.status in ("failed", "released", "fired"):
+        return Step(queue, parent_id, job, fired, local)
     return None
 
 
@@ -82,10 +119,10 @@ def deadline_error(
     return exc
 
 
-def follow_up(
-    state: EchoMQ, queue: str, parent_id: str, job: dict[str, Any] | None, fired: Fired
-) -> str:
-    """What follows a deadline that fired just now (the script's reply says what it did)."""
+def follow_up(state: EchoMQ, step: Step, revoke: list[str]) -> str:
+    """What follows a deadline that fired just now (the script's reply says what it did);
+    the ids to revoke go into ``revoke``."""
+    queue, parent_id, job, fired = step.queue, step.parent_id, step.job, step.fired
     exc = deadline_error(parent_id, fired, job)
     late = fired.fired_ms - fired.due_ms
     tracing.deadline_event(job, parent_id, fired.status, len(fired.outstanding), late)
@@ -96,9 +133,7 @@ def follow_up(
     revoked = list(fired.cut)
     if fired.remote:
         revoked += _cut_remote(state, parent_id, fired.remote, PREFIX + str(exc))
-    if revoked:
-        state.app.control.revoke(revoked)
-    store.done(state, queue, parent_id, fired.fired_ms)
+    revoke += revoked
     what = "failed" if fired.status == "failed" else "released with the values so far"
     line = (
         f"{queue}: flow {parent_id} passed its deadline ({late} ms late): {what}; "
@@ -108,15 +143,11 @@ def follow_up(
     return line
 
 
-def follow_again(
-    state: EchoMQ,
-    queue: str,
-    parent_id: str,
-    job: dict[str, Any] | None,
-    fired: Fired,
-    local: list[str],
-) -> str:
+def follow_again(state: EchoMQ, step: Step, revoke: list[str]) -> str:
     """The follow-up of a deadline fired by a process that died before ending it."""
+    queue, parent_id, job, fired, local = (
+        step.queue, step.parent_id, step.job, step.fired, step.local
+    )  # fmt: skip
     client, keys = state.client, state.keys
     pipe = client.pipeline(transaction=False)
     pipe.hmget(keys.job_key(queue, parent_id), "error", "deadline_outstanding")
@@ -135,9 +166,7 @@ def follow_again(
             _carry(state, queue, parent_id, job, exc)
     else:
         dispatch_parent(state, queue, parent_id)
-    if cut:
-        state.app.control.revoke(list(cut))
-    store.done(state, queue, parent_id, fired.fired_ms)
+    revoke += cut
     return f"{queue}: finished what followed the deadline of flow {parent_id} ({fired.outcome})"
 
 
