@@ -33,7 +33,8 @@ try:
 except ImportError:  # the [otel] extra is not installed: every hook is a no-op
     ON = False
 else:
-    ON = True
+    # ECHOMQ_OTEL=0 turns celery-echomq's own tracing off where the package is installed.
+    ON = os.environ.get("ECHOMQ_OTEL", "1") != "0"
 
 TRACER = "celery_echomq"
 SPAN_SEND = "send {queue}"

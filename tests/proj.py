@@ -541,8 +541,9 @@ def lineage(self: Any, *args: Any) -> dict[str, Any]:
     return {"parent_id": self.request.parent_id, "root_id": self.request.root_id}
 
 
-if os.environ.get("ECHOMQ_T_OTEL_FILE"):
-    # Tracing tests (tests/test_tracing.py): this worker records its spans into that file.
+if os.environ.get("ECHOMQ_T_OTEL_FILE") or os.environ.get("ECHOMQ_T_OTEL_NULL"):
+    # Tracing tests (tests/test_tracing.py): this worker records its spans into that file;
+    # benchmarks/tracing_cost.py: spans made and dropped.
     from tests.otel_setup import configure
 
-    configure(os.environ["ECHOMQ_T_OTEL_FILE"])
+    configure(os.environ.get("ECHOMQ_T_OTEL_FILE", ""))
