@@ -4,16 +4,14 @@ Every child runs in this process, in order, then the parent, as ``chord(...).app
 nothing touches Redis or the broker. The fan-in follows the same rules as
 ``lua/includes/settle_child.lua``, kept in memory: a child's value is counted once, a failed
 child's ``parent_policy`` (else the flow's ``policy``) decides what it means for the parent,
-and the result holds what ``children_values()``, ``dependencies()`` and
-``ignored_failures()`` read on a worker.
+a deadline applies as deadline.lua does, and the result holds what the reads give on a worker.
 
 What differs from a worker: children run one after another, in the order given, so under
 ``continue`` the parent runs (at once, as on release) with the values of the children before
 the failed one, then the remaining children run and are recorded; no store, lease, recovery or
 exactly-once bookkeeping exists; the reads work on the result, and inside the parent's body
-while it runs. ``add_children`` works while the parent waits: from a child's body (siblings run
-after the children already listed) or with ``parent_id=``; once the parent has run it raises
-``FlowClosedError``, as on a worker.
+while it runs. ``add_children`` works while the parent waits (from a child's body, or with
+``parent_id=``); once the parent has run it raises ``FlowClosedError``, as on a worker.
 """
 
 from __future__ import annotations
@@ -50,6 +48,11 @@ class FanIn:
     waiting: bool = True
     failure: FlowFailed | None = None
     cut: list[str] = field(default_factory=list)  # children its deadline cut
+    errors: dict[str, str] = field(default_factory=dict)  # every failed child's error
+
+    def failed_children(self) -> dict[str, str]:
+        cut = "FlowDeadlineExceeded: flow {} passed its deadline before this child started"
+        return {**self.errors, **{cid: cut.format(self.parent_id) for cid in self.cut}}
 
     def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
         """Count one finished child; whether this released the parent (settle_child.lua)."""
@@ -57,6 +60,7 @@ class FanIn:
             self.values[child_id] = data
             policy = ""
         else:
+            self.errors[child_id] = data
             policy = policy or self.policy
             if policy == "fail":
                 if self.waiting:
@@ -119,15 +123,13 @@ class Growing:
 # running in this context (what ``add_children()`` without ``parent_id`` adds to).
 GROWING: dict[str, Growing] = {}
 CURRENT: ContextVar[str | None] = ContextVar("echomq_eager_parent", default=None)
-# When the eager run began (monotonic, epoch): every level's deadline counts from it, as every
-# level of a flow is enqueued at its apply_async on a worker.
+# When the eager run began (monotonic, epoch): every level's deadline counts from it.
 STARTED: ContextVar[tuple[float, float] | None] = ContextVar("echomq_eager_t0", default=None)
 
 
 def _deadline_of(plan: Plan) -> tuple[float, float, str] | None:
     """(monotonic time it passes, epoch seconds, on_deadline) of a level's deadline."""
-    found = level_deadline(plan)
-    if found is None:
+    if (found := level_deadline(plan)) is None:
         return None
     spec, on_deadline = found
     mono0, wall0 = STARTED.get() or (time.monotonic(), time.time())
@@ -174,6 +176,9 @@ class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
 
     def ignored_failures(self) -> dict[str, str]:
         return dict(self.fanin.ignored)
+
+    def failed_children(self) -> dict[str, str]:
+        return self.fanin.failed_children()
 
     def add_children(self, children: Any) -> list[str]:
         # The run is over: its parent no longer waits, whatever its outcome.
@@ -296,8 +301,8 @@ def _run(
     deadline = _deadline_of(plan)
 
     def passed(running: list[str]) -> bool:
-        """Whether the deadline has passed while the parent waits: then it fails, or runs
-        with the values so far (continue), and the children not started are cut."""
+        """The deadline passed while the parent waits: it fails, or runs with the values
+        so far; the children not started are cut."""
         nonlocal parent_res
         if deadline is None or not fanin.waiting or time.monotonic() < deadline[0]:
             return False

@@ -117,3 +117,28 @@ def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) 
     state = _state(app)
     _, _, ignored = state.keys.flow_keys(locate(state, job_id, queue), job_id)
     return {text(k): text(v) for k, v in state.client.hgetall(ignored).items()}
+
+
+def failed_children(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
+    """``{child_job_id: "ExcType: message"}`` for the children of ``job_id`` that failed, under
+    any policy, and those its deadline cut before they started (``FlowDeadlineExceeded: ...``)."""
+    if job_id in EAGER:
+        return dict(EAGER[job_id].failed_children())
+    state = _state(app)
+    q = locate(state, job_id, queue)
+    client, keys = state.client, state.keys
+    payload = client.hget(keys.job_key(q, job_id), "payload")
+    children = [str(c) for c in (state.loads(payload).get("children") or [])] if payload else []
+    pipe = client.pipeline(transaction=False)
+    for cid in children:
+        pipe.hmget(keys.job_key(q, cid), "state", "error", "cut")
+    found: dict[str, str] = {}
+    for cid, (row_state, error, cut) in zip(children, pipe.execute(), strict=True):
+        if row_state is None:  # a child of another slot
+            where = scan_queues(state, cid)
+            if where is None:
+                continue
+            row_state, error, cut = client.hmget(keys.job_key(where, cid), "state", "error", "cut")
+        if row_state == b"failed" or cut == b"deadline":
+            found[cid] = text(error) or ""
+    return found

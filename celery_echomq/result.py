@@ -64,6 +64,12 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         job_id, queue = self._fan()
         return reads.ignored_failures(job_id, app=self.app, queue=queue)
 
+    def failed_children(self) -> dict[str, str]:
+        """``{child_job_id: "ExcType: message"}``: children failed under any policy, and those
+        the flow's deadline cut (``FlowDeadlineExceeded: ...``)."""
+        job_id, queue = self._fan()
+        return reads.failed_children(job_id, app=self.app, queue=queue)
+
     def add_children(self, children: Any) -> list[str]:
         """Add ``children`` to this flow while its parent is held: see
         :func:`celery_echomq.add_children`. Returns the ids added."""

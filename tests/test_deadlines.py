@@ -402,3 +402,24 @@ def test_recover_fires_a_due_deadline_without_any_worker(
     with pytest.raises(FlowDeadlineExceeded):
         res.get(timeout=10)
     assert run_pass(get_state(proj.app), queues=[queue]) == []
+
+
+def test_failed_children_marks_the_cut_ones_deadline_eagerly_and_on_a_worker(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"gate:{tag()}"
+    kids = _blocked(proj, gate)
+    f = flow(proj.tsum.s(), kids, deadline=1)
+    f.freeze()
+    res = f.apply_async()
+    with pytest.raises(FlowDeadlineExceeded):
+        res.get(timeout=30)
+    ids = [k.options["task_id"] for k in kids]
+    cut = f"FlowDeadlineExceeded: flow {res.id} passed its deadline before this child started"
+    assert res.failed_children() == {ids[2]: cut, ids[3]: cut}
+    store.set(gate, 1)
+    g = flow(proj.tsum.s(), [proj.sleep_then.s(1, 0.6), proj.add.s(2, 2)], deadline=0.3)
+    g.freeze()
+    eager = g.apply()
+    (cut_id,) = eager.failed_children()
+    assert eager.failed_children()[cut_id] == cut.replace(res.id, eager.id)

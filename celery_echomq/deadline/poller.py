@@ -1,8 +1,9 @@
 """Every worker with ``install(app)`` polls the deadline index of each queue it consumes, four
 times a second, and fires what has come due: whichever worker gets there first fires it
-(deadline.lua decides), the others find nothing to do. A thread of the worker's main process, beside the
-recovery loop, so that a long recovery pass never delays a deadline; ``recovery.run_pass``
-(``celery echomq recover``) fires due deadlines too.
+(deadline.lua decides), the others find nothing to do. Threads of the worker's main process,
+beside the recovery loop (a long recovery pass never delays a deadline), one to look and
+fire, one for what follows; ``recovery.run_pass`` (``celery echomq recover``) fires due
+deadlines too.
 """
 
 from __future__ import annotations
