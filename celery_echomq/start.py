@@ -157,10 +157,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             clock = int(seconds) * 1000 + int(micros) // 1000
             register = []
         whole = []
-        armed: list[tuple[str, str]] = []
+        armed = arm_levels(state, levels)  # first: a flow that lands has its deadline
         try:
-            # Deadlines first: a flow that lands always has its entry (see deadline/).
-            armed = arm_levels(state, levels)
             for level, is_chunked in zip(levels, chunked, strict=True):
                 if is_chunked:
                     _enqueue_chunked(state, level, encoded[level.parent_id], chunk, written)
@@ -190,8 +188,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             # A refusal after an earlier level or chunk landed: take back exactly what this
             # call wrote, so bad input leaves nothing behind.
             _rollback(state, written)
-            for queue, parent_id in armed:
-                disarm(state, queue, parent_id)
+            disarm(state, armed)
             logger.info(
                 "echomq: flow %s refused; %d steps taken back", plan.parent_id, len(written)
             )

@@ -107,3 +107,18 @@ def test_continue_releases_and_cut_children_stay_cut(
     assert dl.cut_remote(state, queue, parent, kids, "FlowDeadlineExceeded: x") == []
     for kid in kids[1:]:
         assert store.hget(f"emq:{{{queue}}}:{kid}", "cut") == b"deadline"
+
+
+def test_a_refused_flow_leaves_no_deadline_behind(
+    proj: Any, state: Any, store: redis.Redis, own_queue: Any
+) -> None:
+    from celery_echomq import flow
+
+    queue = own_queue("dls")
+    taken = new_job_id()
+    state.scripts.enqueue_flow(queue, new_job_id(), b"p", [(taken, b"c")])
+    inner = flow(proj.tsum.s(), [proj.add.s(1, 1)], deadline=30)
+    f = flow(proj.tsum.s(), [inner, proj.add.s(2, 2).set(task_id=taken)], deadline=30)
+    with pytest.raises(FlowExistsError):
+        f.apply_async(queue=queue)
+    assert store.zcard(f"emq:{{{queue}}}:deadlines") == 0

@@ -423,3 +423,23 @@ def test_failed_children_marks_the_cut_ones_deadline_eagerly_and_on_a_worker(
     eager = g.apply()
     (cut_id,) = eager.failed_children()
     assert eager.failed_children()[cut_id] == cut.replace(res.id, eager.id)
+
+
+def test_children_on_another_queue_are_cut_on_their_own_slot(
+    proj: Any, worker: Any, store: redis.Redis, own_queue: Any
+) -> None:
+    other = own_queue("dl-other")  # no worker consumes it: its child never starts
+    gate = f"gate:{tag()}"
+    far = proj.add.s(7, 7).set(queue=other)
+    f = flow(proj.tsum.s(), [proj.gated.s(1, gate), far], deadline=1)
+    f.freeze()
+    res = f.apply_async()
+    with pytest.raises(FlowDeadlineExceeded) as info:
+        res.get(timeout=30)
+    far_id = far.options["task_id"]
+    assert far_id in info.value.outstanding
+    wait_for(lambda: row(store, far_id, other).get("cut") == "deadline", timeout=10)
+    assert row(store, far_id, other)["state"] == "cancelled"
+    assert store.zscore(f"emq:{{{other}}}:pending", far_id) is None
+    assert res.failed_children()[far_id].startswith("FlowDeadlineExceeded: ")
+    store.set(gate, 1)

@@ -46,9 +46,11 @@ def arm(state: EchoMQ, queue: str, parent_id: str, kind: str, ms: int, outer: st
     return int(reply[1])
 
 
-def disarm(state: EchoMQ, queue: str, parent_id: str) -> None:
-    """Take back an arm whose flow was refused (nothing of it was written)."""
-    state.client.zrem(index_key(state, queue), parent_id)
+def disarm(state: EchoMQ, armed: Sequence[tuple[str, str]]) -> None:
+    """Take back the arms ``(queue, parent id)`` of a flow that was refused (nothing of it
+    was written)."""
+    for queue, parent_id in armed:
+        state.client.zrem(index_key(state, queue), parent_id)
 
 
 def fire(
@@ -167,6 +169,10 @@ def arm_levels(state: EchoMQ, levels: Sequence[Any]) -> list[tuple[str, str]]:
         if found is None:
             continue
         kind, ms = spec_ms(found[0])
-        arm(state, level.queue, level.parent_id, kind, ms, level.outer)
+        try:
+            arm(state, level.queue, level.parent_id, kind, ms, level.outer)
+        except Exception:
+            disarm(state, armed)  # a refused flow leaves no entry behind
+            raise
         armed.append((level.queue, level.parent_id))
     return armed
