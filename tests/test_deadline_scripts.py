@@ -122,3 +122,37 @@ def test_a_refused_flow_leaves_no_deadline_behind(
     with pytest.raises(FlowExistsError):
         f.apply_async(queue=queue)
     assert store.zcard(f"emq:{{{queue}}}:deadlines") == 0
+
+
+def test_a_deadline_armed_before_a_failover_fires_once_on_the_new_primary() -> None:
+    """Sentinel promotes the replica while a flow waits: its deadline is in the new primary's
+    index (replicated with the flow) and fires there, once."""
+    from celery import Celery
+
+    import celery_echomq
+    from celery_echomq.embedded import RedisSentinelServer, wait_replicated
+
+    with RedisSentinelServer(replicas=1, sentinels=3) as ha:
+        app = Celery("dlha", set_as_current=False)
+        app.conf.update(
+            echomq_redis_url=ha.url(3),
+            echomq_transport_options={"master_name": ha.master_name},
+        )
+        state = celery_echomq.install(app)
+        queue, parent, kids = "q", new_job_id(), [new_job_id(), new_job_id()]
+        payload = state.dumps({"task": "t", "children": kids, "options": {}})
+        armed = time.monotonic()
+        dl.arm(state, queue, parent, "in", 2500)
+        state.scripts.enqueue_flow(queue, parent, payload, [(k, b"c") for k in kids])
+        wait_replicated(ha.redis_client(ha.primary_port()), 1)
+        old = ha.kill_primary()
+        new = ha.wait_failover(old)
+        assert new != old
+        primary = ha.redis_client(new, db=3)
+        assert primary.zscore(f"emq:{{{queue}}}:deadlines", parent) is not None
+        time.sleep(max(0.0, 2.6 - (time.monotonic() - armed)))
+        fired = dl.fire(state, queue, parent, sha(payload), "fail", kids, [])
+        assert fired.status == "failed" and fired.cut == tuple(kids)
+        assert dl.fire(state, queue, parent, sha(payload), "fail", kids, []).status == "noop"
+        assert primary.hget(f"emq:{{{queue}}}:{parent}", "failed_by") == b"deadline"
+        state.client.close()
