@@ -12,11 +12,13 @@ from .canvas import FlowResult, flow
 from .errors import (
     ConfigError,
     CursorError,
+    DeadlineError,
     DepthError,
     DuplicateIdError,
     EchoMQError,
     FlowCancelled,
     FlowClosedError,
+    FlowDeadlineExceeded,
     FlowError,
     FlowExistsError,
     FlowFailed,
@@ -45,12 +47,14 @@ from .state import EchoMQ, get_state, install_state
 __all__ = [
     "ConfigError",
     "CursorError",
+    "DeadlineError",
     "Dependencies",
     "DepthError",
     "DuplicateIdError",
     "EchoMQError",
     "FlowCancelled",
     "FlowClosedError",
+    "FlowDeadlineExceeded",
     "FlowError",
     "FlowExistsError",
     "FlowFailed",
@@ -90,6 +94,8 @@ def install(app: Any) -> EchoMQ:
     Celery reads its own), so this may come before the app is configured.
     """
     from . import signals
+    from .deadline import unrevoke  # noqa: F401 - registers the worker's echomq_unrevoke
+    from .deadline.poller import DeadlineStep
     from .recovery import RecoveryStep
     from .tasks import register_tasks
 
@@ -99,4 +105,5 @@ def install(app: Any) -> EchoMQ:
     signals.connect()
     # A set: installing twice adds the step once.
     app.steps["worker"].add(RecoveryStep)
+    app.steps["worker"].add(DeadlineStep)
     return state

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from . import tracing
 from .errors import FlowCancelled
 from .plan import H_PARENT, H_PARENT_QUEUE
 from .replies import Status
@@ -116,6 +117,7 @@ def cancel_flow(
     logger.info(
         "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
     )
+    tracing.cancelled(job, parent_id, len(outstanding))
     headers = ((job or {}).get("options") or {}).get("headers") or {}
     outer = headers.get(H_PARENT)
     if settle and outer:

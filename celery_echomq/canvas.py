@@ -10,6 +10,8 @@ from typing import Any
 from celery import current_app
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 
+from . import tracing
+from .deadline.spec import check_on_deadline, deadline_spec, stamp
 from .ids import check_tree
 from .keyspace import new_job_id
 from .plan import (
@@ -150,6 +152,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         *,
         policy: str = "fail",
         single: bool = False,
+        deadline: Any = None,
+        on_deadline: str = "fail",
         args: Iterable[Any] | None = None,
         app: Any = None,
         task: str = FLOW_TASK,
@@ -164,6 +168,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             app = parent_sig._app
         child_sigs = _signatures(children, app)
         check_policy(policy, "flow(policy=...)")
+        spec = deadline_spec(deadline)
+        check_on_deadline(on_deadline)
         for child in child_sigs:
             if "parent_policy" in child.options:
                 check_policy(child.options["parent_policy"], f"child {child.task!r}")
@@ -175,6 +181,10 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         if single:
             # A chain's step (see shapes.py): the parent takes its one child's value as is.
             own["single"] = True
+        if spec is not None:
+            # Kept by the job that holds these children (see deadline/): JSON-safe.
+            own["deadline"] = spec
+            own["on_deadline"] = on_deadline
         super().__init__(
             task,
             tuple(args or ()),
@@ -193,6 +203,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             kwargs["children"],
             policy=kwargs.get("policy", "fail"),
             single=bool(kwargs.get("single", False)),
+            deadline=kwargs.get("deadline"),
+            on_deadline=kwargs.get("on_deadline", "fail"),
             args=d.get("args"),
             app=app,
             options=dict(d.get("options") or {}),
@@ -214,6 +226,15 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
     @property
     def single(self) -> bool:
         return bool(self.kwargs.get("single", False))
+
+    @property
+    def deadline(self) -> dict[str, float] | None:
+        """``{"in": seconds}`` or ``{"at": epoch seconds}``; None when it has none."""
+        return self.kwargs.get("deadline")  # type: ignore[no-any-return]
+
+    @property
+    def on_deadline(self) -> str:
+        return str(self.kwargs.get("on_deadline", "fail"))
 
     def shape(self) -> tuple[flow, str]:
         """This flow as one whose parents are single tasks (see shapes.py), and the id of the
@@ -290,6 +311,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             [child.clone() for child in self.children],
             policy=self.policy,
             single=self.single,
+            deadline=self.deadline,
+            on_deadline=self.on_deadline,
             args=(*tuple(args or ()), *self.args),
             app=self._app,
             options={**deepcopy(self.options), **opts},
@@ -358,13 +381,15 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             store_results=writes_results(state),
         )
         check_depth(plan, state.settings.max_depth)
+        stamp(plan, shape.kwargs)  # its deadline, kept by the job that holds its children
         if fan and fan != plan.parent_id:
             # What operators' repairs follow from the flow's id to its children (release).
             plan.parent["fan_in"] = fan
         if replaced is not None:
             queue, job_id = replaced
             state.client.hset(state.keys.job_key(queue, job_id), "replaced_by", plan.parent_id)
-        start_flow(state, plan)
+        with tracing.flow_span(app, plan, fan):
+            start_flow(state, plan)
         return FlowResult(plan.parent_id, app=app, queue=plan.queue, fan_in=fan)
 
     def apply(

@@ -142,10 +142,18 @@ def _report_repair(state: EchoMQ, job_id: str, outcome: Any, as_json: bool, summ
 @click.command()
 @click.argument("job_id")
 @click.option("--child", "child", default=None, help="Retry this one failed child only.")
+@click.option(
+    "--deadline",
+    type=float,
+    default=None,
+    help="A new deadline, in seconds from now (needed once the flow's deadline has passed).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
 @plain_errors
-def retry(ctx: click.Context, job_id: str, child: str | None, as_json: bool) -> None:
+def retry(
+    ctx: click.Context, job_id: str, child: str | None, deadline: float | None, as_json: bool
+) -> None:
     """Run the flow JOB_ID again after it failed under policy fail.
 
     Its children that failed under fail are re-published as new attempts and the parent
@@ -156,7 +164,7 @@ def retry(ctx: click.Context, job_id: str, child: str | None, as_json: bool) -> 
     from .repair import retry_flow
 
     state = cli_state(ctx)
-    outcome = retry_flow(state, job_id, child=child)
+    outcome = retry_flow(state, job_id, child=child, deadline=deadline)
     _report_repair(
         state,
         job_id,

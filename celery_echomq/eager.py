@@ -4,20 +4,19 @@ Every child runs in this process, in order, then the parent, as ``chord(...).app
 nothing touches Redis or the broker. The fan-in follows the same rules as
 ``lua/includes/settle_child.lua``, kept in memory: a child's value is counted once, a failed
 child's ``parent_policy`` (else the flow's ``policy``) decides what it means for the parent,
-and the result holds what ``children_values()``, ``dependencies()`` and
-``ignored_failures()`` read on a worker.
+a deadline applies as deadline.lua does, and the result holds what the reads give on a worker.
 
 What differs from a worker: children run one after another, in the order given, so under
 ``continue`` the parent runs (at once, as on release) with the values of the children before
 the failed one, then the remaining children run and are recorded; no store, lease, recovery or
 exactly-once bookkeeping exists; the reads work on the result, and inside the parent's body
-while it runs. ``add_children`` works while the parent waits: from a child's body (siblings run
-after the children already listed) or with ``parent_id=``; once the parent has run it raises
-``FlowClosedError``, as on a worker.
+while it runs. ``add_children`` works while the parent waits (from a child's body, or with
+``parent_id=``); once the parent has run it raises ``FlowClosedError``, as on a worker.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from celery.result import EagerResult
 from . import reads
 from .canvas import FlowResult
 from .config import Settings
+from .deadline.spec import exceeded, level_deadline, stamp
 from .errors import FlowClosedError, FlowFailed
 from .plan import (
     Plan,
@@ -59,6 +59,7 @@ class FanIn:
     credited: int = 0
     waiting: bool = True
     failure: FlowFailed | None = None
+    cut: list[str] = field(default_factory=list)  # children its deadline cut
 
     def dependencies(self) -> Dependencies:
         under_fail = len(self.failures) - (self.credited - len(self.values) - len(self.ignored))
@@ -67,7 +68,12 @@ class FanIn:
         )
 
     def failed_children(self) -> dict[str, str]:
-        return {**self.ignored, **self.failures}
+        cut = "FlowDeadlineExceeded: flow {} passed its deadline before this child started"
+        return {
+            **self.ignored,
+            **self.failures,
+            **{cid: cut.format(self.parent_id) for cid in self.cut},
+        }
 
     def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
         """Count one finished child; whether this released the parent (settle_child.lua)."""
@@ -139,6 +145,18 @@ class Growing:
 # running in this context (what ``add_children()`` without ``parent_id`` adds to).
 GROWING: dict[str, Growing] = {}
 CURRENT: ContextVar[str | None] = ContextVar("echomq_eager_parent", default=None)
+# When the eager run began (monotonic, epoch): every level's deadline counts from it.
+STARTED: ContextVar[tuple[float, float] | None] = ContextVar("echomq_eager_t0", default=None)
+
+
+def _deadline_of(plan: Plan) -> tuple[float, float, str] | None:
+    """(monotonic time it passes, epoch seconds, on_deadline) of a level's deadline."""
+    if (found := level_deadline(plan)) is None:
+        return None
+    spec, on_deadline = found
+    mono0, wall0 = STARTED.get() or (time.monotonic(), time.time())
+    wall = wall0 + spec["in"] if "in" in spec else spec["at"]
+    return mono0 + (wall - wall0), wall, on_deadline
 
 
 def add_children(sigs: Sequence[Any], parent_id: str | None) -> list[str] | None:
@@ -257,8 +275,13 @@ def apply_flow(
     except RecursionError:
         raise too_deep(limit) from None
     check_depth(plan, limit)
+    stamp(plan, sig.kwargs)
     seen: dict[str, FanIn] = {}
-    result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged, seen)
+    started = STARTED.set((time.monotonic(), time.time()))
+    try:
+        result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged, seen)
+    finally:
+        STARTED.reset(started)
     if fan and fan in seen:
         result.fanin = seen[fan]
     if throw is None:
@@ -314,12 +337,30 @@ def _run(
         ],
     )
     GROWING[plan.parent_id] = growing
+    deadline = _deadline_of(plan)
+
+    def passed(running: list[str]) -> bool:
+        """The deadline passed while the parent waits: it fails, or runs with the values
+        so far; the children not started are cut."""
+        nonlocal parent_res
+        if deadline is None or not fanin.waiting or time.monotonic() < deadline[0]:
+            return False
+        fanin.waiting = False
+        fanin.cut = [e[1] for e in growing.entries[i:]]
+        if deadline[2] == "continue":
+            parent_res = run_parent()
+        else:
+            fanin.failure = exceeded(plan.parent_id, [*running, *fanin.cut], deadline[1])
+        return True
+
     try:
         # Children added while this runs are appended to the entries, and to child_ids (the
         # order the parent gets their values in).
         i = 0
         while i < len(growing.entries):
             child, cid, job, c_args, c_kwargs = growing.entries[i]
+            if passed([]):
+                break
             if i >= len(child_ids):
                 child_ids.append(cid)
             i += 1
@@ -329,8 +370,12 @@ def _run(
             finally:
                 CURRENT.reset(token)
             ok, data = _outcome(res)
+            # A child still running when the deadline passed finishes and is recorded.
+            cut = passed([cid])
             if fanin.settle(cid, ok, data, child.options.get("parent_policy")):
                 parent_res = run_parent()
+            if cut:
+                break
     finally:
         GROWING.pop(plan.parent_id, None)
     if parent_res is not None:

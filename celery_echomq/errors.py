@@ -90,6 +90,39 @@ class FlowFailed(FlowError):
         return str(self.args[0])
 
 
+class FlowDeadlineExceeded(FlowFailed):
+    """The flow's deadline passed while its parent still waited, under ``on_deadline="fail"``:
+    the parent will never run.
+
+    ``flow_id`` names the flow (the job that held its children), ``outstanding`` the children
+    that had not settled when the deadline passed (at most 1,000 of them; ``count`` says how
+    many there were), ``deadline`` when it passed (seconds since the epoch, the store's clock).
+    """
+
+    def __init__(
+        self,
+        message: str = "",
+        flow_id: str = "",
+        outstanding: tuple[str, ...] | list[str] = (),
+        count: int | None = None,
+        deadline: float | None = None,
+    ) -> None:
+        outstanding = tuple(outstanding)
+        count = len(outstanding) if count is None else int(count)
+        EchoMQError.__init__(self, message, flow_id, list(outstanding), count, deadline)
+        self.child_id = ""
+        self.error = message
+        self.flow_id = flow_id
+        self.outstanding = outstanding
+        self.count = count
+        self.deadline = deadline
+
+
+class DeadlineError(EchoMQError, ValueError):
+    """A flow's ``deadline`` or ``on_deadline`` cannot be used (refused before anything is
+    sent)."""
+
+
 class FlowCancelled(FlowError, TaskRevokedError):  # type: ignore[misc]
     """The flow was cancelled (``FlowResult.revoke()``, ``echomq cancel|revoke``); the parent
     will never run. Its result's state is ``REVOKED``, and this is also Celery's

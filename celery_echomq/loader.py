@@ -38,6 +38,13 @@ TRANSITIONS = (
     "hand_over",
     "lease_release",
     "abandon_flow",
+    # deadlines (deadline/): arm before the enqueue, fire once, cut children of other slots,
+    # end the follow-up, retry a flow failed by its deadline with a new one
+    "deadline_arm",
+    "deadline",
+    "deadline_cut",
+    "deadline_done",
+    "retry_deadline",
 )
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from celery.canvas import Signature
 
+from .deadline.spec import stamp
 from .errors import DepthError, PolicyError
 from .keyspace import check_id, check_queue, check_unique
 from .keyspace import new_job_id as new_job_id  # where the tests and benchmarks import it
@@ -127,15 +128,11 @@ class Plan:
 
 
 def child_queue(job: dict[str, Any]) -> str:
-    if "nested" in job:
-        return str(job["nested"]["queue"])
-    return str(job["options"]["headers"][H_QUEUE])
+    return str(job["nested"]["queue"] if "nested" in job else job["options"]["headers"][H_QUEUE])
 
 
 def child_id(job: dict[str, Any]) -> str:
-    if "nested" in job:
-        return str(job["nested"]["parent_id"])
-    return str(job["options"]["task_id"])
+    return str(job["nested"]["parent_id"] if "nested" in job else job["options"]["task_id"])
 
 
 def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
@@ -322,6 +319,7 @@ def plan_children(
                 store_results=store_results,
                 single=child.single,
             )
+            stamp(inner, child.kwargs)  # its own deadline, if it has one
             cid = inner.parent_id
             if silent:
                 plan.silent.append(cid)

@@ -242,7 +242,8 @@ def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) 
 
 def failed_children(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
     """``{child_job_id: "ExcType: message"}`` for every child that failed for good, under any
-    policy (``fail``, ``ignore``, ``remove``, ``continue``); a child retried since is not."""
+    policy (``fail``, ``ignore``, ``remove``, ``continue``), and those its deadline cut before
+    they started (``FlowDeadlineExceeded: ...``); a child retried since is not."""
     if job_id in EAGER:
         return dict(EAGER[job_id].failed_children())
     state = _state(app)
@@ -253,4 +254,25 @@ def failed_children(job_id: str, *, app: Any = None, queue: str | None = None) -
         state.keys.job_key(q, job_id), match=FAILED_PREFIX + "*", count=1000
     )
     failed.update((text(k)[len(FAILED_PREFIX) :], text(v)) for k, v in found)
+    failed.update(_cut_children(state, q, job_id))
     return failed
+
+
+def _cut_children(state: EchoMQ, q: str, job_id: str) -> dict[str, str]:
+    """The children a deadline cut before they started (their rows say ``cut=deadline``)."""
+    client, keys = state.client, state.keys
+    payload = client.hget(keys.job_key(q, job_id), "payload")
+    children = [str(c) for c in (state.loads(payload).get("children") or [])] if payload else []
+    pipe = client.pipeline(transaction=False)
+    for cid in children:
+        pipe.hmget(keys.job_key(q, cid), "state", "error", "cut")
+    found: dict[str, str] = {}
+    for cid, (row_state, error, cut) in zip(children, pipe.execute(), strict=True):
+        if row_state is None:  # a child of another slot
+            where = scan_queues(state, cid)
+            if where is None:
+                continue
+            row_state, error, cut = client.hmget(keys.job_key(where, cid), "state", "error", "cut")
+        if cut == b"deadline":
+            found[cid] = text(error) or ""
+    return found

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from .cancel import cancel_flow
 from .errors import NotRepairableError
@@ -217,7 +218,9 @@ def _retry_counted(state: EchoMQ, node: JobNode, child: JobNode) -> RetryOutcome
     return RetryOutcome(flow_id=node.id, republished=(child.id,), held=(), state=after.state)
 
 
-def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> RetryOutcome:
+def retry_flow(
+    state: EchoMQ, job_id: str, *, child: str | None = None, deadline: Any = None
+) -> RetryOutcome:
     """Run the flow ``job_id`` again after it failed under policy ``fail``.
 
     Its children that failed under ``fail`` are re-published as new attempts and the parent
@@ -234,8 +237,17 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
     children failed under ``fail`` (a partial retry, or one a crash cut short): those are
     retried.
     Raises :class:`NotRepairableError` (nothing changed) for any other state.
+
+    ``deadline`` (seconds, a timedelta or an aware datetime): the flow's new deadline; a flow
+    whose deadline has passed (one failed by it, see deadline/retry.py) needs one.
     """
+    from .deadline import retry as by_deadline
+
     node = _flow(state, job_id)
+    if by_deadline.failed_by_deadline(state, node.queue, node.id):
+        return by_deadline.retry_with_deadline(state, node, deadline)  # type: ignore[no-any-return]
+    if deadline is None and by_deadline.passed(state, node.queue, node.id):
+        raise by_deadline.refuse(job_id, node.state)
     failed = _retryable(node)
     if child is not None:
         match = [c for c in node.children if c.id == child]
@@ -292,6 +304,8 @@ def retry_flow(state: EchoMQ, job_id: str, *, child: str | None = None) -> Retry
         chain.append((outer, below.id))
         below = outer
     run = _Retry(state)
+    if deadline is not None:
+        by_deadline.rearm(state, node.queue, node.id, deadline)
     try:
         for outer, inner in reversed(chain):
             run.level(outer, [], others=(inner,))

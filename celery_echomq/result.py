@@ -91,15 +91,16 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         job_id, queue = self._fan()
         return reads.dependencies(job_id, app=self.app, queue=queue)
 
-    def failed_children(self) -> dict[str, str]:
-        """``{child_job_id: "ExcType: message"}`` for every child failed, under any policy."""
-        job_id, queue = self._fan()
-        return reads.failed_children(job_id, app=self.app, queue=queue)
-
     def ignored_failures(self) -> dict[str, str]:
         """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
         job_id, queue = self._fan()
         return reads.ignored_failures(job_id, app=self.app, queue=queue)
+
+    def failed_children(self) -> dict[str, str]:
+        """``{child_job_id: "ExcType: message"}``: children failed under any policy, and those
+        the flow's deadline cut (``FlowDeadlineExceeded: ...``)."""
+        job_id, queue = self._fan()
+        return reads.failed_children(job_id, app=self.app, queue=queue)
 
     def add_children(self, children: Any) -> list[str]:
         """Add ``children`` to this flow while its parent is held: see
@@ -109,12 +110,13 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         job_id, queue = self._fan()
         return add_children(children, job_id, app=self.app, queue=queue)
 
-    def retry(self, child: str | None = None) -> Any:
-        """Run this flow again after it failed under policy ``fail``: see
-        :func:`celery_echomq.retry_flow`. ``get()`` then waits for the new outcome."""
+    def retry(self, child: str | None = None, deadline: Any = None) -> Any:
+        """Run this flow again after it failed under policy ``fail`` (or by its deadline:
+        then with a new ``deadline``): see :func:`celery_echomq.retry_flow`. ``get()`` then
+        waits for the new outcome."""
         from .repair import retry_flow
 
-        outcome = retry_flow(get_state(self.app), self.id, child=child)
+        outcome = retry_flow(get_state(self.app), self.id, child=child, deadline=deadline)
         self._forget_cached()
         return outcome
 

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from . import tracing
 from .errors import FlowFailed
 from .plan import H_PARENT, H_PARENT_QUEUE, parent_args, valued
 from .publish import publish
@@ -48,7 +49,8 @@ def dispatch_parent(
     job["args"] = parent_args(job, values)
     if released_by:
         job["options"]["parent_id"] = released_by
-    publish(state.app, [job])
+    with tracing.job_context(job):
+        publish(state.app, [job])
     logger.info("echomq: parent %s dispatched with %d values", parent_id, len(values))
     return True
 
@@ -138,6 +140,7 @@ def follow(state: EchoMQ, status: Status, job_id: str, parent: ParentRef, error:
     """Act on what a child's transition made of its parent: publish it, or settle its failure."""
     if status is Status.RELEASED:
         logger.info("echomq: parent %s released by child %s", parent.id, job_id)
+        tracing.released(job_id, parent.id)
         dispatch_parent(state, parent.queue, parent.id, released_by=job_id)
     elif status is Status.PARENT_FAILED:
         exc, outer = parent_failed(state, parent.queue, parent.id, job_id, error)
@@ -222,5 +225,6 @@ def settle_failure(
     if parent is None or status in UNSETTLED:
         return status
     logger.info("echomq: child %s failed under policy %s: %s", job_id, policy, error)
+    tracing.child_failed(job_id, parent.id, policy, error, status is Status.PARENT_FAILED)
     follow(state, status, job_id, parent, error)
     return status

@@ -92,6 +92,7 @@ def _flow(
     *,
     policy: str = "fail",
     single: bool = False,
+    timing: dict[str, Any] | None = None,
 ) -> Signature:
     # Made from its registered type (canvas.flow), as its JSON would be: this module comes
     # before the signature class in the package's imports.
@@ -100,7 +101,13 @@ def _flow(
             "task": FLOW_TASK,
             "subtask_type": "flow",
             "args": (),
-            "kwargs": {"parent": parent, "children": children, "policy": policy, "single": single},
+            "kwargs": {
+                "parent": parent,
+                "children": children,
+                "policy": policy,
+                "single": single,
+                **(timing or {}),
+            },
             "options": {**inherited, "task_id": parent.options["task_id"]},
             "immutable": False,
         },
@@ -139,9 +146,7 @@ def normal_flow(sig: Any) -> tuple[Any, str]:
     if is_normal(sig):
         return sig, ""
     kids = [n for c in sig.children for n in as_children(c, app, {})]
-    node, fan = _held(
-        sig.parent, kids, app, {}, policy=sig.policy, single=sig.single, own_id=_own(sig)
-    )
+    node, fan = _held(sig.parent, kids, app, {}, **_as_flow(sig))
     node.args = tuple(sig.args)
     node.immutable = sig.immutable
     for key, value in sig.options.items():
@@ -164,6 +169,13 @@ def _with_callbacks(parent: Signature, held: tuple[Signature, str]) -> tuple[Sig
 
 def _own(sig: Signature) -> Any:
     return sig.options.get("task_id")
+
+
+def _as_flow(sig: Any) -> dict[str, Any]:
+    """What a flow hands the job that holds its own children: its policy, whether it takes
+    one value, its id, and its deadline options (kept by that job)."""
+    timing = {k: sig.kwargs[k] for k in ("deadline", "on_deadline") if k in sig.kwargs}
+    return {"policy": sig.policy, "single": sig.single, "own_id": _own(sig), "timing": timing}
 
 
 def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature]:
@@ -205,9 +217,7 @@ def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
         return _held(sig.body, header, app, mine, own_id=_own(sig))[0]
     if getattr(sig, "subtask_type", None) == "flow":
         kids = [n for c in sig.children for n in as_children(c, app, mine)]
-        node, _ = _held(
-            sig.parent, kids, app, mine, policy=sig.policy, single=sig.single, own_id=_own(sig)
-        )
+        node, _ = _held(sig.parent, kids, app, mine, **_as_flow(sig))
         if sig.options.get("echomq_silent"):
             node.options["echomq_silent"] = True
         return node
@@ -270,6 +280,7 @@ def _held(
     policy: str = "fail",
     single: bool = False,
     own_id: Any = None,
+    timing: dict[str, Any] | None = None,
 ) -> tuple[Signature, str]:
     """A flow whose value is ``parent``'s, ``parent`` given ``children``'s values (the one
     value as is, when ``single``); and the id of the job that holds ``children``.
@@ -279,7 +290,7 @@ def _held(
     parent = maybe_signature(parent, app=app)
     if is_task(parent):
         task = _task(parent, inherited, own_id)
-        node = _flow(task, children, inherited, policy=policy, single=single)
+        node = _flow(task, children, inherited, policy=policy, single=single, timing=timing)
         return node, str(task.options["task_id"])
     mine = {**inherited, **_options_of(parent)}
     own_id = own_id if own_id is not None else _own(parent)
@@ -293,6 +304,7 @@ def _held(
             policy=policy,
             single=single,
             own_id=own_id if len(steps) == 1 else None,
+            timing=timing,
         )
         if len(steps) == 1:
             return _with_callbacks(parent, (node, fan))
@@ -303,14 +315,17 @@ def _held(
         collect.options["task_id"] = own_id or new_job_id()
         fanned = _group_tasks(parent)
         return _with_callbacks(
-            parent, _spread(collect, fanned, "fail", children, app, mine, policy, single)
+            parent,
+            _spread(collect, fanned, "fail", children, app, mine, policy, single, timing=timing),
         )
     if isinstance(parent, _chord):
         if parent.body is None:
             raise ValueError("a chord as a flow's parent has no body")
         body = maybe_signature(parent.body, app=app)
         fanned = _header(parent, app)
-        held = _spread(body, fanned, "fail", children, app, mine, policy, single, own_id=own_id)
+        held = _spread(
+            body, fanned, "fail", children, app, mine, policy, single, own_id=own_id, timing=timing
+        )
         return _with_callbacks(parent, held)
     if getattr(parent, "subtask_type", None) == "flow":
         return _with_callbacks(
@@ -327,6 +342,8 @@ def _held(
                 args=list(parent.args),
                 immutable=parent.immutable,
                 own_id=own_id,
+                timing=timing,
+                own_timing=_as_flow(parent)["timing"],
             ),
         )
     raise TypeError(
@@ -347,6 +364,8 @@ def _spread(
     args: list[Any] | None = None,
     immutable: bool = False,
     own_id: Any = None,
+    timing: dict[str, Any] | None = None,
+    own_timing: dict[str, Any] | None = None,
 ) -> tuple[Signature, str]:
     """``own_parent`` held on ``fanned``, each of which gets ``children``'s values: the spread
     task is held on ``children`` and, once released, adds ``fanned`` (their ids assigned
@@ -366,12 +385,20 @@ def _spread(
     ]
     if errbacks:
         spread.options["link_error"] = merge_callbacks(None, errbacks)
-    spreader = _flow(spread, children, inherited, policy=policy, single=single)
+    spreader = _flow(spread, children, inherited, policy=policy, single=single, timing=timing)
     # The spread's own value is not among the values ``own_parent`` gets (echomq_silent),
     # and a failure of the fan-in fails the whole canvas, whatever ``fanned_policy`` says.
     spreader.options["parent_policy"] = "fail"
     spreader.options["echomq_silent"] = True
-    node, _ = _held(own_parent, [spreader], app, inherited, policy=fanned_policy, own_id=own_id)
+    node, _ = _held(
+        own_parent,
+        [spreader],
+        app,
+        inherited,
+        policy=fanned_policy,
+        own_id=own_id,
+        timing=own_timing,
+    )
     return node, str(spread.options["task_id"])
 
 

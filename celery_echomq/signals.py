@@ -20,6 +20,7 @@ from celery import signals
 from celery.app.task import Task
 from celery.exceptions import Ignore
 
+from . import tracing
 from .config import safe_url
 from .plan import H_FLOW, H_PARENT, H_QUEUE, H_SINCE, Headers, parent_ref
 from .received import may_expire, on_rejected, on_unknown
@@ -178,6 +179,10 @@ def skip_duplicate(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
     if task_id in _skip:
         _skip.discard(task_id)
         raise Ignore(f"echomq: duplicate delivery of {task_id} skipped")
+    if tracing.ON and getattr(self.request, H_FLOW, None):
+        state = find_state(self.app)
+        if state is not None:
+            tracing.parent_started(state, getattr(self.request, H_QUEUE), task_id, self.request)
 
 
 def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
@@ -188,6 +193,8 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
     token = _tokens.pop(request.id, None)
     if token is None:
         return
+    if tracing.ON:
+        tracing.record_child(state, request.id, parent_ref(request))
     settle_success(
         state,
         getattr(request, H_QUEUE),
@@ -228,6 +235,8 @@ def on_failure(
     state = _flow_state(sender, request)
     if state is None or token is None:
         return
+    if tracing.ON:
+        tracing.record_child(state, task_id, parent_ref(request))
     settle_failure(
         state,
         getattr(request, H_QUEUE),

@@ -16,6 +16,7 @@ from kombu.exceptions import EncodeError
 from redis.cluster import RedisCluster
 
 from .config import safe_url
+from .deadline.store import arm_levels, disarm
 from .errors import EchoMQError, FlowExistsError, StoreUnavailableError
 from .ids import refuse_taken
 from .plan import H_SINCE, Plan, child_id, child_queue
@@ -163,6 +164,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             clock = int(seconds) * 1000 + int(micros) // 1000
             register = []
         whole = []
+        armed = arm_levels(state, levels)  # first: a flow that lands has its deadline
         try:
             for level, is_chunked in zip(levels, chunked, strict=True):
                 if is_chunked:
@@ -193,6 +195,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             # A refusal after an earlier level or chunk landed: take back exactly what this
             # call wrote, so bad input leaves nothing behind.
             _rollback(state, written)
+            disarm(state, armed)
             logger.info(
                 "echomq: flow %s refused; %d steps taken back", plan.parent_id, len(written)
             )

@@ -55,6 +55,7 @@ _ROW_FIELDS = (
     "delta",
     "template",
     "failed_children",
+    "cut",  # "deadline": cut by its flow's deadline before it started
 )
 # Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
 _STORED = frozenset({"payload", "delta", "template"})
@@ -317,7 +318,9 @@ def _build(
             "policy_is_default": own is None,
             # Its delta's template, where it has one: on this row, on the same slot.
             "template": row["template"] if child_queue == queue else None,
-            "outcome": _outcome(
+            "outcome": "deadline"
+            if child_row["cut"] == "deadline"
+            else _outcome(
                 child_row["state"] or MISSING,
                 policy,
                 cid in processed,

@@ -551,3 +551,11 @@ def flow_add_eager(x: int, y: int) -> Any:
     """Celery's ``chord_add``: apply a flow from inside a task; its value, read without
     ``get()`` (which a task may not call, on an eager result as on any)."""
     return celery_echomq.flow(tsum.s(), [add.s(x, x), add.s(y, y)]).apply_async().result
+
+
+if os.environ.get("ECHOMQ_T_OTEL_FILE") or os.environ.get("ECHOMQ_T_OTEL_NULL"):
+    # Tracing tests (tests/test_tracing.py): this worker records its spans into that file;
+    # benchmarks/tracing_cost.py: spans made and dropped.
+    from tests.otel_setup import configure
+
+    configure(os.environ.get("ECHOMQ_T_OTEL_FILE", ""))

@@ -11,6 +11,7 @@ import logging
 from datetime import datetime, timezone
 from typing import Any
 
+from .. import tracing
 from ..plan import Headers, parent_ref
 from ..publish import publish
 from ..replies import Status
@@ -217,7 +218,9 @@ def _republish_pending(
     job = decode_job(state, queue, job_id, payload)
     if job is None:
         return None
-    publish(state.app, [job])
+    tracing.republished(job, job_id, queue, "message gone")
+    with tracing.job_context(job):
+        publish(state.app, [job])
     waited = (now - since) / 1000
     if "nested" in job:
         outer = job["nested"].get("outer")

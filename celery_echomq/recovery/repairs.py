@@ -10,6 +10,7 @@ from typing import Any
 
 from celery import states
 
+from .. import tracing
 from ..errors import FlowFailed
 from ..grow import write_staged
 from ..plan import H_FLOW, H_PARENT, H_PARENT_QUEUE, Headers, parent_ref
@@ -174,7 +175,9 @@ def _repair_active(
         return None
     if "children" in job:
         job = with_values(state, queue, job_id, job)
-    publish(state.app, [job])
+    tracing.republished(job, job_id, queue, "lease lapsed")
+    with tracing.job_context(job):
+        publish(state.app, [job])
     return (
         f"{queue}: re-published {job_id} (its holder's lease lapsed; result backend: "
         f"{status or 'none'})"

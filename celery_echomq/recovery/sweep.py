@@ -56,6 +56,7 @@ def anything_due(state: EchoMQ, queues: Iterable[str] | None = None) -> bool:
         "open": now - stall,
         "pending": now - stall,
         "active": now,
+        "deadlines": now,
     }
     pipe = client.pipeline(transaction=False)
     for queue in names:
@@ -80,8 +81,12 @@ def run_pass(
 ) -> list[str]:
     """One recovery pass over every queue in ``emq:queues`` (or only those of them named in
     ``queues``): one line per repair, with ids."""
-    repairs: list[str] = []
-    for queue in queues_of(state, queues):
+    from ..deadline.poller import fire_all
+
+    names = queues_of(state, queues)
+    # Deadlines due and not yet fired (the workers' pollers fire them within a poll).
+    repairs: list[str] = fire_all(state, names, batch)
+    for queue in names:
         # Outbox and open flows first: they can release parents that (c) then finds pending.
         for step in (
             unwritten_children,

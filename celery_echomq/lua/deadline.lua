@@ -1,0 +1,142 @@
+-- deadline: a flow's deadline passed while its parent still waits for its children (one
+-- atomic step on the parent's slot, run by whichever worker polls the index first). Under
+-- 'fail' the parent fails (it will never run); under 'continue' it is released with the
+-- values completed so far. Either way the children on this slot that have not started are
+-- cut (cut_pending); running ones finish and are recorded, never releasing it again. The
+-- index entry stays, re-scored a follow-up lease ahead, until the host has done what follows
+-- (record the failure, dispatch the parent, revoke the cut messages) and called deadline_done:
+-- a host that dies in between leaves the entry, which comes due again ('fired').
+--
+-- KEYS[1]    the parent row
+-- KEYS[2]    the parent's :dependencies  }
+-- KEYS[3]    the parent's :processed     } expire with the parent when it fails
+-- KEYS[4]    the parent's :ignored       }
+-- KEYS[5]    the parent's :settled       } (children of other slots already credited)
+-- KEYS[6]    the queue's pending set
+-- KEYS[7]    the queue's failed set
+-- KEYS[8]    the queue's counters (a parent fewer held; 'deadlines' counts each one fired)
+-- KEYS[9]    the queue's deadline index
+-- KEYS[9+i]  child i's row, i = 1..N (the children on this slot)
+-- ARGV[1]    parent id
+-- ARGV[2]    the SHA1 of the payload the host read the children from (grow_flow changes it)
+-- ARGV[3]    'fail' or 'continue' (the flow's on_deadline, read from that payload)
+-- ARGV[4]    result TTL in seconds
+-- ARGV[5]    the follow-up lease in ms
+-- ARGV[6]    N
+-- ARGV[6+i]  child i's id, i = 1..N
+-- ARGV[7+N..] ids of the children on other slots (outstanding unless in :settled)
+--
+-- Reply: {status, due, fired, ncut, nrunning, nremote, ids...}: ids are the children cut
+-- here, then those still running here (active, or held nested flows), then the unsettled
+-- children of other slots (the host cuts those on their slots)
+--   "failed"    on_deadline fail: the parent is failed by its deadline
+--   "released"  on_deadline continue: the parent is pending (the host dispatches it)
+--   "fired"     already fired, its follow-up lease lapsed: the host does the follow-up again
+--               (reply {status, due, fired, outcome}: 'failed' or 'released')
+--   "early"     the deadline has not passed (reply {status, due}); nothing changed
+--   "stale"     the payload changed since the host read it (children added): read again
+--   "moot"      the parent no longer waits (done, failed, cancelled, released...): the entry
+--               is removed (reply {status, state})
+--   "missing"   no row: the flow never landed, or expired; the entry is removed
+--   "noop"      no entry (disarmed or done), or another worker's follow-up lease is live
+-- Errors: "EMQKIND ..." a non-JOB id.
+--- @include "gate"
+--- @include "now_ms"
+--- @include "expire"
+--- @include "release_parent"
+--- @include "cut_pending"
+local n = tonumber(ARGV[6])
+local refused = gate_ids(1, 1) or gate_ids(7, #ARGV)
+if refused then
+  return refused
+end
+local id = ARGV[1]
+local due = redis.call('ZSCORE', KEYS[9], id)
+if not due then
+  return {'noop'}
+end
+due = tonumber(due)
+local now = now_ms()
+local row = redis.call('HMGET', KEYS[1], 'state', 'payload', 'deadline_fired', 'failed_by')
+if not row[1] then
+  redis.call('ZREM', KEYS[9], id)
+  return {'missing'}
+end
+if row[3] then
+  if due > now then
+    return {'noop'}
+  end
+  redis.call('ZADD', KEYS[9], now + tonumber(ARGV[5]), id)
+  local at = redis.call('HGET', KEYS[1], 'deadline_at')
+  return {'fired', at, row[3], row[4] == 'deadline' and 'failed' or 'released'}
+end
+if due > now then
+  return {'early', due}
+end
+if row[1] ~= 'awaiting_children' then
+  redis.call('ZREM', KEYS[9], id)
+  redis.call('HSET', KEYS[1], 'deadline_at', due)
+  return {'moot', row[1]}
+end
+if redis.sha1hex(row[2] or '') ~= ARGV[2] then
+  return {'stale'}
+end
+local ttl = tonumber(ARGV[4])
+local why = 'FlowDeadlineExceeded: flow ' .. id .. ' passed its deadline before this child started'
+local cut, running, remote = {}, {}, {}
+for i = 1, n do
+  local child, cid = KEYS[9 + i], ARGV[6 + i]
+  if cut_pending(child, cid, id, KEYS[6], ttl, why) then
+    cut[#cut + 1] = cid
+  else
+    local s = redis.call('HGET', child, 'state')
+    if s == 'active' or s == 'awaiting_children' then
+      running[#running + 1] = cid
+    end
+  end
+end
+for i = 7 + n, #ARGV do
+  if redis.call('HEXISTS', KEYS[5], ARGV[i]) == 0 then
+    remote[#remote + 1] = ARGV[i]
+  end
+end
+local outstanding = #cut + #running + #remote
+local named = {}
+for _, list in ipairs({cut, running, remote}) do
+  for _, cid in ipairs(list) do
+    if #named < 10 then
+      named[#named + 1] = cid
+    end
+  end
+end
+local text = 'FlowDeadlineExceeded: flow ' .. id .. ' passed its deadline with ' .. outstanding
+  .. ' children outstanding'
+if #named > 0 then
+  text = text .. ': ' .. table.concat(named, ', ')
+  if outstanding > #named then
+    text = text .. ' and ' .. (outstanding - #named) .. ' more'
+  end
+end
+redis.call('HSET', KEYS[1], 'deadline_at', due, 'deadline_fired', now,
+  'deadline_outstanding', outstanding)
+redis.call('HINCRBY', KEYS[8], 'deadlines', 1)
+local status
+if ARGV[3] == 'continue' then
+  release_parent(KEYS[1], KEYS[6], id, KEYS[8])
+  redis.call('HSET', KEYS[1], 'released_by', 'deadline')
+  status = 'released'
+else
+  redis.call('HSET', KEYS[1], 'state', 'failed', 'failed_by', 'deadline', 'error', text)
+  redis.call('ZADD', KEYS[7], now, id)
+  redis.call('HINCRBY', KEYS[8], 'held', -1)
+  expire_keys(ttl, {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
+  status = 'failed'
+end
+redis.call('ZADD', KEYS[9], now + tonumber(ARGV[5]), id)
+local reply = {status, due, now, #cut, #running, #remote}
+for _, list in ipairs({cut, running, remote}) do
+  for _, cid in ipairs(list) do
+    reply[#reply + 1] = cid
+  end
+end
+return reply

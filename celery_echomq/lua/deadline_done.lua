@@ -1,0 +1,20 @@
+-- deadline_done: the host finished what follows a fired deadline (the parent's FAILURE
+-- recorded, or its dispatch; the cut children revoked): the index entry goes.
+--
+-- KEYS[1]  the parent row
+-- KEYS[2]  the queue's deadline index
+-- ARGV[1]  parent id
+-- ARGV[2]  the 'deadline_fired' time the host acted on: an entry armed again since (a retry
+--          with a new deadline clears that field) is left alone
+--
+-- Reply: 1 when the entry was removed, else 0.
+-- Errors: "EMQKIND ..." a non-JOB id.
+--- @include "gate"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
+end
+if redis.call('HGET', KEYS[1], 'deadline_fired') ~= ARGV[2] then
+  return 0
+end
+return redis.call('ZREM', KEYS[2], ARGV[1])

@@ -1,0 +1,78 @@
+-- retry_deadline: an operator retries a flow failed by its deadline, giving it a new one (on
+-- the parent's slot). The parent goes back to awaiting_children with its new deadline armed;
+-- the children its deadline cut, and those that failed under policy 'fail' since, become
+-- pending again, as new attempts the host publishes. The counter is left as it is: a cut
+-- child was never counted, nor was one failed under 'fail', and one that finished after the
+-- deadline was counted then.
+--
+-- KEYS[1]    the parent row
+-- KEYS[2]    the parent's :dependencies  }
+-- KEYS[3]    the parent's :processed     } made persistent again: the failure had set them
+-- KEYS[4]    the parent's :ignored       } to expire with the result TTL
+-- KEYS[5]    the parent's :settled       }
+-- KEYS[6]    the queue's pending set
+-- KEYS[7]    the queue's failed set
+-- KEYS[8]    the queue's counters (a parent held again; a release)
+-- KEYS[9]    the queue's deadline index
+-- KEYS[9+i]  child i's row, i = 1..N: the flow's children on this slot
+-- ARGV[1]    parent id
+-- ARGV[2]    'in' (ARGV[3] ms from now) or 'at' (ARGV[3] ms since the epoch): the new deadline
+-- ARGV[3]    ms
+-- ARGV[3+i]  child i's id
+--
+-- Reply: {status, at, id1, payload1, delta1, ...} the children made pending (the host
+--        publishes their stored jobs; a nested flow's parent among them is dispatched)
+--   "retried"    the parent awaits its children again, until ``at``
+--   "released"   it awaits nothing (its counter is 0): it is pending, the host dispatches it
+--   "<state>"    refused, nothing changed: the parent is not failed by its deadline
+-- Errors: "EMQKIND ..." a non-JOB id.
+--- @include "gate"
+--- @include "now_ms"
+--- @include "release_parent"
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV)
+if refused then
+  return refused
+end
+local id = ARGV[1]
+local row = redis.call('HMGET', KEYS[1], 'state', 'failed_by', 'policy')
+if row[1] ~= 'failed' or row[2] ~= 'deadline' then
+  return {row[1] == 'failed' and 'failed' or (row[1] or 'missing')}
+end
+local now = now_ms()
+local at = tonumber(ARGV[3])
+if ARGV[2] == 'in' then
+  at = now + at
+end
+local default = row[3] or 'fail'
+local reply = {'retried', at}
+for i = 1, #KEYS - 9 do
+  local child, cid = KEYS[9 + i], ARGV[3 + i]
+  local c = redis.call('HMGET', child, 'state', 'parent', 'cut', 'parent_policy')
+  local again = c[2] == id and ((c[1] == 'cancelled' and c[3] == 'deadline')
+    or (c[1] == 'failed' and (c[4] or default) == 'fail'))
+  if again then
+    redis.call('HSET', child, 'state', 'pending')
+    redis.call('HDEL', child, 'error', 'suspect', 'token', 'cut', 'dispatched')
+    redis.call('PERSIST', child)
+    redis.call('ZREM', KEYS[7], cid)
+    redis.call('ZADD', KEYS[6], now, cid)
+    reply[#reply + 1] = cid
+    local stored = redis.call('HMGET', child, 'payload', 'delta')
+    reply[#reply + 1] = stored[1]
+    reply[#reply + 1] = stored[2]
+  end
+end
+redis.call('HSET', KEYS[1], 'state', 'awaiting_children')
+redis.call('HDEL', KEYS[1], 'error', 'failed_by', 'deadline_fired', 'deadline_outstanding',
+  'propagated')
+redis.call('HINCRBY', KEYS[8], 'held', 1)
+redis.call('ZREM', KEYS[7], id)
+for k = 1, 5 do
+  redis.call('PERSIST', KEYS[k])
+end
+redis.call('ZADD', KEYS[9], at, id)
+if tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
+  release_parent(KEYS[1], KEYS[6], id, KEYS[8])
+  reply[1] = 'released'
+end
+return reply
