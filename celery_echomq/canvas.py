@@ -8,11 +8,11 @@ from copy import deepcopy
 from typing import Any
 
 from celery import current_app
-from celery.canvas import Signature, _chain, _chord, group, maybe_signature
+from celery.canvas import Signature, group, maybe_signature
 
 from . import tracing
 from .deadline.spec import check_on_deadline, deadline_spec, stamp
-from .ids import check_tree
+from .ids import assign_ids, check_tree, value_task
 from .keyspace import new_job_id
 from .plan import (
     H_QUEUE,
@@ -89,52 +89,6 @@ def _child_signature(position: int, child: Any, app: Any) -> Signature:
             "task signature (task.s(...), task.si(...)), a chain, a group, a chord or a flow"
         )
     return sig
-
-
-def value_task(sig: Any) -> Signature | None:
-    """The task whose value is a canvas's value (None for a group's: a list of values)."""
-    sig = maybe_signature(sig)
-    if isinstance(sig, _chain):
-        return value_task(sig.tasks[-1]) if sig.tasks else None
-    if isinstance(sig, _chord):
-        return value_task(sig.body) if sig.body is not None else None
-    if isinstance(sig, group):
-        return None
-    if getattr(sig, "subtask_type", None) == "flow":
-        return value_task(sig.parent)
-    return sig
-
-
-def assign_ids(sig: Any) -> None:
-    """Give every task of a canvas an id of its own, where it has none (``freeze``).
-
-    A signature object that appears more than once (``(task.si(1),) * 3``) stands for as many
-    jobs: it takes no id here, and each of its copies gets one when the flow is shaped."""
-    tasks: list[Signature] = []
-    _tasks_of(sig, tasks)
-    seen: dict[int, int] = {}
-    for task in tasks:
-        seen[id(task)] = seen.get(id(task), 0) + 1
-    for task in tasks:
-        if seen[id(task)] == 1:
-            task.options.setdefault("task_id", new_job_id())
-
-
-def _tasks_of(sig: Any, out: list[Signature]) -> None:
-    sig = maybe_signature(sig)
-    if isinstance(sig, (_chain, group)):
-        parts = list(sig.tasks)
-    elif isinstance(sig, _chord):
-        header = sig.tasks.tasks if isinstance(sig.tasks, group) else sig.tasks
-        parts = [*header, *([sig.body] if sig.body is not None else [])]
-    elif getattr(sig, "subtask_type", None) == "flow":
-        parts = [sig.parent, *sig.children]
-    else:
-        out.append(sig)
-        return
-    for part in parts:
-        if isinstance(part, Signature):
-            _tasks_of(part, out)
 
 
 @Signature.register_type(name="flow")

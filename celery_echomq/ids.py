@@ -5,6 +5,10 @@ another slot, where the script cannot look. So before a flow (or children added 
 lands, the host looks for each of its ids on every other queue that holds flows: one
 pipelined EXISTS per id and other queue, nothing at all on a store with one queue. The
 queues are read at most once a second (``EchoMQ.known_queues``).
+
+And the ids a flow assigns before anything is sent: ``freeze`` gives every task of a canvas
+one (``assign_ids``), and every id of a shaped tree, those its spreads will add included, is
+gated and unique (``check_tree``).
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from celery.canvas import Signature, maybe_signature
+from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 
 from .errors import FlowExistsError
-from .keyspace import check_id, check_unique
+from .keyspace import check_id, check_unique, new_job_id
 from .state import EchoMQ
 from .tasks import SPREAD_TASK
 
@@ -72,3 +76,49 @@ def check_tree(node: Signature) -> None:
     for job_id in found:
         check_id(job_id)
     check_unique(found)
+
+
+def value_task(sig: Any) -> Signature | None:
+    """The task whose value is a canvas's value (None for a group's: a list of values)."""
+    sig = maybe_signature(sig)
+    if isinstance(sig, _chain):
+        return value_task(sig.tasks[-1]) if sig.tasks else None
+    if isinstance(sig, _chord):
+        return value_task(sig.body) if sig.body is not None else None
+    if isinstance(sig, group):
+        return None
+    if getattr(sig, "subtask_type", None) == "flow":
+        return value_task(sig.parent)
+    return sig
+
+
+def assign_ids(sig: Any) -> None:
+    """Give every task of a canvas an id of its own, where it has none (``freeze``).
+
+    A signature object that appears more than once (``(task.si(1),) * 3``) stands for as many
+    jobs: it takes no id here, and each of its copies gets one when the flow is shaped."""
+    tasks: list[Signature] = []
+    _tasks_of(sig, tasks)
+    seen: dict[int, int] = {}
+    for task in tasks:
+        seen[id(task)] = seen.get(id(task), 0) + 1
+    for task in tasks:
+        if seen[id(task)] == 1:
+            task.options.setdefault("task_id", new_job_id())
+
+
+def _tasks_of(sig: Any, out: list[Signature]) -> None:
+    sig = maybe_signature(sig)
+    if isinstance(sig, (_chain, group)):
+        parts = list(sig.tasks)
+    elif isinstance(sig, _chord):
+        header = sig.tasks.tasks if isinstance(sig.tasks, group) else sig.tasks
+        parts = [*header, *([sig.body] if sig.body is not None else [])]
+    elif getattr(sig, "subtask_type", None) == "flow":
+        parts = [sig.parent, *sig.children]
+    else:
+        out.append(sig)
+        return
+    for part in parts:
+        if isinstance(part, Signature):
+            _tasks_of(part, out)

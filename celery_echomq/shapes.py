@@ -43,21 +43,8 @@ def merge_callbacks(own: Any, given: Any) -> list[Any]:
 
 # Options of a chain, group or chord that are its own, not handed down to its tasks.
 _OWN = frozenset(
-    [
-        "task_id",
-        "group_id",
-        "group_index",
-        "chord",
-        "parent_policy",
-        "subtask_type",
-        "link",
-        "link_error",
-        "chain",
-        "reply_to",
-        "root_id",
-        "parent_id",
-        "echomq_silent",
-    ]
+    "task_id group_id group_index chord parent_policy subtask_type link link_error chain "  # noqa: SIM905
+    "reply_to root_id parent_id echomq_silent".split()
 )
 
 
