@@ -31,6 +31,9 @@ H_FLOW = "echomq_f"  # "1" on a flow parent: it has keys of its own to expire
 # On a child's first message only (not in its stored payload): the store's clock in ms, read
 # just before the flow was enqueued. The claim takes it for the job's pending time.
 H_SINCE = "echomq_t"
+# On a child's first message only, too: the producer's store, its URL with any password
+# masked, so that a worker reading another store can name both.
+H_STORE = "echomq_s"
 # "1": the store writes this job's result into Celery's result backend when the job completes
 # (the message says ignore_result, so Celery's trace writes none; see results.py).
 H_RESULT = "echomq_r"

@@ -22,7 +22,7 @@ from celery.exceptions import Ignore
 
 from . import tracing
 from .config import safe_url
-from .plan import H_FLOW, H_PARENT, H_QUEUE, H_SINCE, Headers, parent_ref
+from .plan import H_FLOW, H_PARENT, H_QUEUE, H_SINCE, H_STORE, Headers, parent_ref
 from .received import may_expire, on_rejected, on_unknown
 from .replies import DUPLICATE_DELIVERY, STARTED, Status
 from .results import (
@@ -142,13 +142,18 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     elif status is Status.MISSING:
         # A flow job's message with no row here: expired long ago, or (far likelier when it
         # happens to every job) the producer writes to another store than this worker reads.
+        mine = safe_url(state.settings.redis_url or "")
+        theirs = str(getattr(request, H_STORE, None) or "")
+        elsewhere = theirs and theirs != mine
         logger.warning(
-            "echomq: flow job %s (queue %s) has no row in this worker's store %s; if the "
-            "producer's echomq_redis_url names another store, point both at one. Its body runs "
-            "as a plain task, outside the flow",
+            "echomq: flow job %s (queue %s) has no row in this worker's store %s%s. Its body "
+            "runs as a plain task, outside the flow",
             task_id,
             queue,
-            safe_url(state.settings.redis_url or ""),
+            mine,
+            f"; its producer wrote it to {theirs}: point both at one store (echomq_redis_url)"
+            if elsewhere
+            else "; if the producer's echomq_redis_url names another store, point both at one",
         )
     elif status is Status.FORGED:
         # The row's own parent is not the one this message names: a forged or copied header.

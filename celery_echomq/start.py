@@ -19,7 +19,7 @@ from .config import safe_url
 from .deadline.store import arm_levels, disarm
 from .errors import EchoMQError, FlowExistsError, StoreUnavailableError
 from .ids import refuse_taken
-from .plan import H_SINCE, Plan, child_id, child_queue
+from .plan import H_SINCE, H_STORE, Plan, child_id, child_queue
 from .publish import publish
 from .scripts import ParentRef
 from .settle import dispatch_parent
@@ -238,8 +238,9 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             len(plan.children),
             f" ({len(levels) - 1} nested flows)" if len(levels) > 1 else "",
         )
+    store = safe_url(state.settings.redis_url or "")
     leaves = [
-        _with_since(job, since[level.parent_id])
+        _with_since(job, since[level.parent_id], store)
         for level in levels
         for job in level.children
         if "nested" not in job
@@ -251,12 +252,14 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             dispatch_parent(state, level.queue, level.parent_id)
 
 
-def _with_since(job: dict[str, Any], since: int | None) -> dict[str, Any]:
-    """``job`` with :data:`H_SINCE` in its message headers (its stored payload keeps none)."""
-    if since is None:
-        return job
+def _with_since(job: dict[str, Any], since: int | None, store: str) -> dict[str, Any]:
+    """``job`` with :data:`H_SINCE` and :data:`H_STORE` in its message headers (its stored
+    payload keeps neither)."""
+    first: dict[str, Any] = {H_STORE: store}
+    if since is not None:
+        first[H_SINCE] = since
     options = dict(job["options"])
-    options["headers"] = {**(options.get("headers") or {}), H_SINCE: since}
+    options["headers"] = {**(options.get("headers") or {}), **first}
     return {**job, "options": options}
 
 

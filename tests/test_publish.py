@@ -93,7 +93,7 @@ def _leaves(proj: Any, canvas: Any) -> list[dict[str, Any]]:
         options=dict(canvas.options),
     )
     leaves = [job for level in plan.levels() for job in level.children if "nested" not in job]
-    return [_with_since(job, 1_700_000_000_000) for job in leaves]
+    return [_with_since(job, 1_700_000_000_000, "redis://127.0.0.1:6379/0") for job in leaves]
 
 
 def _drain(broker: Any, queues: list[str]) -> dict[str, list[bytes]]:
