@@ -253,7 +253,7 @@ def test_a_completion_with_a_stale_token_changes_nothing(proj: Any, store: Any, 
         "",
     )
     assert scripts.requeue(queue, c1, 0, "active", "A")[0] == "stale"
-    assert reads() == ((2, 0), {})
+    assert reads() == ((2, 0, 0, 0), {})
     assert row(store, queue, c1)["state"] == "active"
     assert row(store, queue, c1)["token"] == "B"
 
@@ -262,7 +262,7 @@ def test_a_completion_with_a_stale_token_changes_nothing(proj: Any, store: Any, 
     assert complete("B", 2) == "credited"
     assert complete("B", 3) == "done"  # already done: nothing changed
     assert complete("A", 4) == "done"
-    assert reads() == ((1, 1), {c1: 2})
+    assert reads() == ((1, 1, 0, 0), {c1: 2})
 
 
 # --- retries -------------------------------------------------------------------------------------

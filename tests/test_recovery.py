@@ -162,7 +162,7 @@ def test_a_backlog_is_not_loss_and_a_lost_message_is_republished_once(
 def _messages(broker: Any, queue: str) -> dict[str, dict[str, Any]]:
     """The queue's messages by task id, as a worker would read them: body decoded, and
     without what every send makes anew (its delivery tag) or only a flow's first send
-    carries (the pending time, echomq_t)."""
+    carries (the pending time, echomq_t, and the producer's store, echomq_s)."""
     import base64
     import json
 
@@ -171,6 +171,7 @@ def _messages(broker: Any, queue: str) -> dict[str, dict[str, Any]]:
         message = json.loads(raw)
         message["body"] = json.loads(base64.b64decode(message["body"]))
         message["headers"].pop("echomq_t", None)
+        message["headers"].pop("echomq_s", None)
         message["properties"].pop("delivery_tag")
         found[message["headers"]["id"]] = message
     return found
