@@ -138,10 +138,24 @@ def gate(store: redis.Redis) -> Iterator[str]:
 
 def node_state(driver: Any, job_id: str) -> str | None:
     """The state the page shows for ``job_id`` (None while it is not drawn)."""
-    from selenium.webdriver.common.by import By
+    # Read in one script: the page refreshes itself, and an element found by one call may be
+    # gone by the next (a stale element reference).
+    state: str | None = driver.execute_script(
+        "const e = document.getElementById(arguments[0]);"
+        "return e ? e.getAttribute('data-state') : null;",
+        f"job-{job_id}",
+    )
+    return state
 
-    found = driver.find_elements(By.ID, f"job-{job_id}")
-    return found[0].get_attribute("data-state") if found else None
+
+def text_of(driver: Any, element_id: str) -> str | None:
+    """The text of the element ``element_id`` (None while it is not on the page), read in one
+    script for the same reason as ``node_state``."""
+    text: str | None = driver.execute_script(
+        "const e = document.getElementById(arguments[0]);return e ? e.textContent : null;",
+        element_id,
+    )
+    return text
 
 
 def line_of(driver: Any, job_id: str) -> str:
@@ -261,8 +275,7 @@ def test_the_cancel_button_cancels_a_held_flow(
     wait_for(lambda: node_state(browser, res.id) == "awaiting_children", timeout=30)
 
     browser.find_element(By.ID, "action-cancel").click()
-    wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)
-    assert f"flow {res.id} cancelled" in browser.find_element(By.ID, "note").text
+    assert f"flow {res.id} cancelled" in wait_for(lambda: text_of(browser, "note"), timeout=30)
     wait_for(lambda: node_state(browser, res.id) == "cancelled", timeout=30)
     assert state_of(store, res.id) == "cancelled"
     assert state_of(store, slow) == "cancelled"
@@ -293,8 +306,7 @@ def test_the_retry_button_runs_a_failed_flow_again(
 
     store.set(flag, 1)  # what made the child fail is fixed: retry it from the page
     browser.find_element(By.ID, "action-retry").click()
-    wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)
-    assert "1 child(ren) published again" in browser.find_element(By.ID, "note").text
+    assert "1 child(ren) published again" in wait_for(lambda: text_of(browser, "note"), timeout=30)
     wait_for(lambda: node_state(browser, res.id) == "done", timeout=60)
     assert node_state(browser, jid(bad)) == "done"
     assert "attempts=2" in line_of(browser, jid(bad)) and "value=5" in line_of(browser, jid(bad))
@@ -312,8 +324,7 @@ def test_the_release_button_runs_a_held_parent_with_the_values_so_far(
     wait_for(lambda: node_state(browser, res.id) == "awaiting_children", timeout=30)
 
     browser.find_element(By.ID, "action-release").click()
-    wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)
-    note = browser.find_element(By.ID, "note").text
+    note = wait_for(lambda: text_of(browser, "note"), timeout=30)
     assert "released with 1 value(s); 1 child(ren) outstanding" in note
     assert res.get(timeout=60) == 4  # the parent ran with the done child's value alone
     wait_for(lambda: node_state(browser, res.id) == "done", timeout=60)
