@@ -801,7 +801,7 @@ def lean_hook(mode: str) -> Iterator[None]:
         return
     import dataclasses
 
-    from celery_echomq.state import get_state
+    from celery_echomq.store.state import get_state
 
     state = get_state(bench_app.app)
     settings = state.settings

@@ -36,10 +36,10 @@ from celery import Celery  # noqa: E402
 
 import celery_echomq  # noqa: E402 - needs the path above
 from celery_echomq import flow  # noqa: E402
-from celery_echomq.dashboard import make_app  # noqa: E402
 from celery_echomq.embedded import RedisServer  # noqa: E402
-from celery_echomq.scripts import ParentRef  # noqa: E402
-from celery_echomq.state import get_state  # noqa: E402
+from celery_echomq.ops.dashboard import make_app  # noqa: E402
+from celery_echomq.store.scripts import ParentRef  # noqa: E402
+from celery_echomq.store.state import get_state  # noqa: E402
 
 
 def commands(client: Any, what: str = "calls") -> int:
@@ -139,7 +139,7 @@ def main() -> None:
                     f"({len(response.content)} bytes)"
                 )
         # For comparison: `celery echomq stats`, which finds held parents with a SCAN.
-        from celery_echomq.views import queue_stats
+        from celery_echomq.ops.views import queue_stats
 
         client.config_resetstat()
         t0 = time.perf_counter()

@@ -102,7 +102,7 @@ def backlog(proj: Any, store: Any, logdir: Path, broker: str, app: Any = None) -
 
 def acks_early_kill(proj: Any, store: Any, logdir: Path, rounds: int) -> list[float]:
     from celery_echomq import FlowFailed, flow
-    from celery_echomq.plan import new_job_id
+    from celery_echomq.store.keyspace import new_job_id
 
     queue = f"ev-kill-{uuid.uuid4().hex[:8]}"
     w = worker(queue, logdir, ECHOMQ_T_STALL="300")

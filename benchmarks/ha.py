@@ -48,9 +48,9 @@ if str(ROOT) not in sys.path:
 import celery_echomq  # noqa: E402 - needs the path above
 from celery_echomq import flow  # noqa: E402
 from celery_echomq.embedded import RedisServer, WorkerProcess, wait_replicated  # noqa: E402
-from celery_echomq.keyspace import Keyspace  # noqa: E402
-from celery_echomq.scripts import ParentRef, Scripts  # noqa: E402
-from celery_echomq.state import _ATTR, EchoMQ, get_state  # noqa: E402
+from celery_echomq.store.keyspace import Keyspace  # noqa: E402
+from celery_echomq.store.scripts import ParentRef, Scripts  # noqa: E402
+from celery_echomq.store.state import _ATTR, EchoMQ, get_state  # noqa: E402
 
 ENV_STORE = "ECHOMQ_HA_STORE"
 ENV_BROKER = "ECHOMQ_HA_BROKER"

@@ -44,7 +44,7 @@ if str(ROOT) not in sys.path:
 import celery_echomq  # noqa: E402 - needs the path above
 from celery_echomq import flow  # noqa: E402
 from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
-from celery_echomq.loader import TRANSITIONS, load_source  # noqa: E402
+from celery_echomq.store.loader import TRANSITIONS, load_source  # noqa: E402
 
 ENV_STORE = "ECHOMQ_LARGE_STORE"
 ENV_BROKER = "ECHOMQ_LARGE_BROKER"

@@ -20,7 +20,7 @@ from celery import Celery
 import celery_echomq
 from celery_echomq import list_flows
 from celery_echomq.embedded import RedisServer
-from celery_echomq.scripts import ParentRef
+from celery_echomq.store.scripts import ParentRef
 
 TTL = 86400
 

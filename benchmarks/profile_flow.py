@@ -44,10 +44,10 @@ import bench_app  # noqa: E402
 import proposals  # noqa: E402
 
 import celery_echomq.canvas as echomq_canvas  # noqa: E402
-import celery_echomq.publish as echomq_publish  # noqa: E402
+import celery_echomq.send.publish as echomq_publish  # noqa: E402
 from celery_echomq.embedded import RedisServer  # noqa: E402
-from celery_echomq.scripts import Scripts  # noqa: E402
-from celery_echomq.state import EchoMQ  # noqa: E402
+from celery_echomq.store.scripts import Scripts  # noqa: E402
+from celery_echomq.store.state import EchoMQ  # noqa: E402
 
 # --- producer ----------------------------------------------------------------------------
 

@@ -29,8 +29,8 @@ from typing import Any
 
 from celery.canvas import Signature
 
-import celery_echomq.settle as echomq_settle
-import celery_echomq.start as echomq_start
+import celery_echomq.send.start as echomq_start
+import celery_echomq.worker.settle as echomq_settle
 
 Publish = Callable[[Any, Iterable[dict[str, Any]]], None]
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import redis
 
-from celery_echomq import scripts as echomq_scripts
+from celery_echomq.store import scripts as echomq_scripts
 
 VARIANT_ENV = "ECHOMQ_BENCH_WORKER_VARIANT"
 PIPELINED_CLAIM = "pipelined_claim"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .canvas import FlowResult, flow
-from .errors import (
+from celery_echomq.canvas import flow
+from celery_echomq.errors import (
     ConfigError,
     CursorError,
     DeadlineError,
@@ -31,9 +31,12 @@ from .errors import (
     ReplicationError,
     StoreUnavailableError,
 )
-from .grow import add_children
-from .listing import FlowRow, list_flows
-from .reads import (
+from celery_echomq.ops.listing import FlowRow, list_flows
+from celery_echomq.ops.outcomes import ReleaseOutcome, RetryOutcome
+from celery_echomq.ops.repair import release_flow, retry_flow
+from celery_echomq.result import FlowResult
+from celery_echomq.send.grow import add_children
+from celery_echomq.store.reads import (
     Dependencies,
     UnknownFlowError,
     children_values,
@@ -41,8 +44,7 @@ from .reads import (
     failed_children,
     ignored_failures,
 )
-from .repair import ReleaseOutcome, RetryOutcome, release_flow, retry_flow
-from .state import EchoMQ, get_state, install_state
+from celery_echomq.store.state import EchoMQ, get_state, install_state
 
 __all__ = [
     "ConfigError",
@@ -93,14 +95,16 @@ def install(app: Any) -> EchoMQ:
     The app's ``echomq_*`` settings are read when the app is finalized or first used (as
     Celery reads its own), so this may come before the app is configured.
     """
-    from . import signals
-    from .deadline import unrevoke  # noqa: F401 - registers the worker's echomq_unrevoke
-    from .deadline.poller import DeadlineStep
-    from .recovery import RecoveryStep
-    from .tasks import register_tasks
+    from celery_echomq.send.tasks import register_tasks
+    from celery_echomq.worker import (
+        signals,
+        unrevoke,  # noqa: F401 - registers the worker's echomq_unrevoke
+    )
+    from celery_echomq.worker.deadline_poller import DeadlineStep
+    from celery_echomq.worker.recovery import RecoveryStep
 
     state = install_state(app)
-    # What a flow whose parent is a group, a chord or a flow runs (see shapes.py).
+    # What a flow whose parent is a group, a chord or a flow runs (see send/shapes.py).
     register_tasks(app)
     signals.connect()
     # A set: installing twice adds the step once.

@@ -8,24 +8,20 @@ from copy import deepcopy
 from typing import Any
 
 from celery import current_app
-from celery.canvas import Signature, group, maybe_signature
+from celery.canvas import Signature, maybe_signature
 
-from . import tracing
-from .deadline.spec import check_on_deadline, deadline_spec, stamp
-from .ids import assign_ids, check_tree, value_task
-from .keyspace import new_job_id
-from .plan import (
-    H_QUEUE,
-    check_depth,
-    check_policy,
-    plan_flow,
-    too_deep,
-)
-from .result import FlowResult
-from .results import writes_results
-from .shapes import CALLBACKS, FLOW_TASK, merge_callbacks, normal_flow
-from .start import start_flow
-from .state import get_state
+from celery_echomq import tracing
+from celery_echomq.result import FlowResult
+from celery_echomq.send.children import child_signatures
+from celery_echomq.send.ids import assign_ids, check_tree, value_task
+from celery_echomq.send.plan import check_depth, check_policy, plan_flow, too_deep
+from celery_echomq.send.shapes import CALLBACKS, FLOW_TASK, merge_callbacks, normal_flow
+from celery_echomq.send.start import start_flow
+from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec, stamp
+from celery_echomq.store.headers import H_QUEUE
+from celery_echomq.store.keyspace import new_job_id
+from celery_echomq.store.results import writes_results
+from celery_echomq.store.state import get_state
 
 __all__ = ["FLOW_TASK", "FlowResult", "flow"]
 
@@ -50,45 +46,6 @@ def _job_namespaced(given: str | None) -> str | None:
         return "JOB" + uuid.UUID(given).hex
     except ValueError:
         return given
-
-
-def _signatures(children: Any, app: Any) -> list[Signature]:
-    if children is None:
-        return []
-    if isinstance(children, dict) and not isinstance(children, Signature):
-        children = maybe_signature(children, app=app)
-    if isinstance(children, group):
-        children = children.tasks
-    if isinstance(children, (str, bytes)) or not isinstance(children, Iterable):
-        raise TypeError(
-            "flow children must be a list or a group of signatures, got "
-            f"{_a(children)} ({children!r:.60})"
-        )
-    if isinstance(children, Signature):
-        raise TypeError(
-            "flow children must be a list or a group of signatures, got one signature "
-            f"({children.task!r}); wrap it in a list"
-        )
-    return [_child_signature(i, child, app) for i, child in enumerate(children, 1)]
-
-
-def _a(value: Any) -> str:
-    """``None``, or ``a str``/``an int``: what a refused value is, for the error."""
-    if value is None:
-        return "None"
-    name = type(value).__name__
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
-def _child_signature(position: int, child: Any, app: Any) -> Signature:
-    """A child as a Signature; anything else is refused, naming its position (1-based)."""
-    sig = maybe_signature(child, app=app) if isinstance(child, (Signature, dict)) else child
-    if not isinstance(sig, Signature):
-        raise TypeError(
-            f"flow child {position} is {_a(child)}, not a Signature ({child!r:.60}); allowed: a "
-            "task signature (task.s(...), task.si(...)), a chain, a group, a chord or a flow"
-        )
-    return sig
 
 
 @Signature.register_type(name="flow")
@@ -120,7 +77,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             # The parent's app, as a chord takes its body's: what chain and group ask a flow
             # for (``.app``) must be the app its tasks belong to, not the current one.
             app = parent_sig._app
-        child_sigs = _signatures(children, app)
+        child_sigs = child_signatures(children, app)
         check_policy(policy, "flow(policy=...)")
         spec = deadline_spec(deadline)
         check_on_deadline(on_deadline)
@@ -133,10 +90,10 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         opts = options.pop("options", None) or {}
         own: dict[str, Any] = {"parent": parent_sig, "children": child_sigs, "policy": policy}
         if single:
-            # A chain's step (see shapes.py): the parent takes its one child's value as is.
+            # A chain's step (see send/shapes.py): the parent takes its one child's value as is.
             own["single"] = True
         if spec is not None:
-            # Kept by the job that holds these children (see deadline/): JSON-safe.
+            # Kept by the job that holds these children (see store/deadlines.py): JSON-safe.
             own["deadline"] = spec
             own["on_deadline"] = on_deadline
         super().__init__(
@@ -191,7 +148,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         return str(self.kwargs.get("on_deadline", "fail"))
 
     def shape(self) -> tuple[flow, str]:
-        """This flow as one whose parents are single tasks (see shapes.py), and the id of the
+        """This flow as one whose parents are single tasks (see send/shapes.py), and the id of the
         job that holds its own children ("" when that is its parent). What ``freeze`` made
         is kept, and what ``apply_async`` then sends; unfrozen, each send makes it anew
         (new ids, as a chord's)."""
@@ -355,7 +312,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         """Run every child, then the parent, in this process (as ``chord(...).apply()``):
         no Redis, no broker. The result's ``get()`` is the parent's value; its reads
         (``children_values()`` and the rest) are held in memory."""
-        from .eager import apply_flow
+        from celery_echomq.eager import apply_flow
 
         if options.get("task_id") is not None:
             options["task_id"] = _job_namespaced(options["task_id"])

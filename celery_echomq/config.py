@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from .errors import ConfigError
+from celery_echomq.errors import ConfigError
 
 REDIS_SCHEMES = (
     "redis://",

@@ -25,12 +25,11 @@ from typing import Any
 from celery import states
 from celery.result import EagerResult
 
-from . import reads
-from .canvas import FlowResult
-from .config import Settings
-from .deadline.spec import exceeded, level_deadline, stamp
-from .errors import FlowClosedError, FlowFailed
-from .plan import (
+from celery_echomq.config import Settings
+from celery_echomq.errors import FlowClosedError, FlowFailed
+from celery_echomq.result import FlowResult
+from celery_echomq.send.grow import CURRENT, GROWING
+from celery_echomq.send.plan import (
     Plan,
     check_depth,
     is_flow,
@@ -39,10 +38,13 @@ from .plan import (
     plan_flow,
     too_deep,
 )
-from .reads import Dependencies
-from .settle import error_text
-from .shapes import CALLBACKS, expand, merge_callbacks
-from .state import find_state
+from celery_echomq.send.shapes import CALLBACKS, expand, merge_callbacks
+from celery_echomq.send.tasks import register_tasks
+from celery_echomq.store import reads
+from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
+from celery_echomq.store.reads import Dependencies
+from celery_echomq.store.state import find_state
+from celery_echomq.worker.settle import error_text
 
 
 @dataclass
@@ -141,10 +143,6 @@ class Growing:
         return fresh
 
 
-# Eager flows whose parent is still waiting, by parent id, and the parent of the eager child
-# running in this context (what ``add_children()`` without ``parent_id`` adds to).
-GROWING: dict[str, Growing] = {}
-CURRENT: ContextVar[str | None] = ContextVar("echomq_eager_parent", default=None)
 # When the eager run began (monotonic, epoch): every level's deadline counts from it.
 STARTED: ContextVar[tuple[float, float] | None] = ContextVar("echomq_eager_t0", default=None)
 
@@ -157,13 +155,6 @@ def _deadline_of(plan: Plan) -> tuple[float, float, str] | None:
     mono0, wall0 = STARTED.get() or (time.monotonic(), time.time())
     wall = wall0 + spec["in"] if "in" in spec else spec["at"]
     return mono0 + (wall - wall0), wall, on_deadline
-
-
-def add_children(sigs: Sequence[Any], parent_id: str | None) -> list[str] | None:
-    """``add_children`` for an eager flow: the ids added, or None when the flow it names (or
-    the running child's) is not an eager one."""
-    growing = GROWING.get(parent_id or CURRENT.get() or "")
-    return None if growing is None else growing.add(sigs)
 
 
 class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
@@ -242,6 +233,7 @@ def apply_flow(
     """Run ``sig`` (a flow) in this process. ``throw`` (default ``task_eager_propagates``,
     as for ``Task.apply``): raise the parent's error instead of returning a failed result."""
     app = sig._get_app()
+    register_tasks(app)  # a canvas parent runs the spread task, installed or not
     merged = {k: v for k, v in {**sig.options, **options}.items() if v is not None}
     for name in ("producer", "connection", "add_to_parent", "publisher", "router"):
         merged.pop(name, None)

@@ -10,12 +10,12 @@ from celery import states
 from celery.result import AsyncResult
 from vine import promise
 
-from . import reads
-from .cancel import cancel_flow
-from .errors import NoResultBackendError
-from .reads import locate
-from .state import get_state
-from .store import text
+from celery_echomq.errors import NoResultBackendError
+from celery_echomq.ops.cancel import cancel_flow
+from celery_echomq.store import reads
+from celery_echomq.store.connection import text
+from celery_echomq.store.reads import locate
+from celery_echomq.store.state import get_state
 
 # A parent row in one of these states runs again: its flow was retried since it failed.
 RUNNING_AGAIN = frozenset({"awaiting_children", "pending", "active", "done"})
@@ -105,7 +105,7 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
     def add_children(self, children: Any) -> list[str]:
         """Add ``children`` to this flow while its parent is held: see
         :func:`celery_echomq.add_children`. Returns the ids added."""
-        from .grow import add_children
+        from celery_echomq.send.grow import add_children
 
         job_id, queue = self._fan()
         return add_children(children, job_id, app=self.app, queue=queue)
@@ -114,7 +114,7 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         """Run this flow again after it failed under policy ``fail`` (or by its deadline:
         then with a new ``deadline``): see :func:`celery_echomq.retry_flow`. ``get()`` then
         waits for the new outcome."""
-        from .repair import retry_flow
+        from celery_echomq.ops.repair import retry_flow
 
         outcome = retry_flow(get_state(self.app), self.id, child=child, deadline=deadline)
         self._forget_cached()
@@ -123,7 +123,7 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
     def release(self, revoke: bool = False) -> Any:
         """Run the held parent now with the values so far: see
         :func:`celery_echomq.release_flow`."""
-        from .repair import release_flow
+        from celery_echomq.ops.repair import release_flow
 
         return release_flow(get_state(self.app), self._fan()[0], revoke=revoke)
 

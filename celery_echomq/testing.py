@@ -48,7 +48,7 @@ def redis_for_tests() -> Iterator[str]:
     if external:
         yield base_url(external)
         return
-    from .embedded import RedisServer
+    from celery_echomq.embedded import RedisServer
 
     with RedisServer() as server:
         yield f"redis://127.0.0.1:{server.port}"
@@ -71,7 +71,7 @@ def in_process_worker(
     """
     from celery.contrib.testing.worker import start_worker
 
-    from . import install
+    from celery_echomq import install
 
     if config:
         app.conf.update(config)

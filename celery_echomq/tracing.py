@@ -70,10 +70,10 @@ _tracer: Any = None
 def tracer() -> Any:
     global _tracer
     if _tracer is None:
-        from . import __version__
+        from importlib import metadata
 
         # A proxy until a provider is set, then the provider's tracer.
-        _tracer = trace.get_tracer(TRACER, __version__)
+        _tracer = trace.get_tracer(TRACER, metadata.version("celery-echomq"))
     return _tracer
 
 

@@ -25,8 +25,8 @@ from _local import configure_from_env, local_worker
 from celery import Celery
 
 from celery_echomq import flow, get_state
-from celery_echomq.cli import render_tree
-from celery_echomq.views import JobNode, read_tree
+from celery_echomq.ops.cli import render_tree
+from celery_echomq.ops.views import JobNode, read_tree
 
 app = Celery("tree")
 configure_from_env(app)

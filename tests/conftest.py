@@ -254,8 +254,8 @@ def db(env: Env) -> Iterator[redis.Redis]:
 @pytest.fixture
 def scripts(db: redis.Redis) -> Any:
     """The transition scripts on ``db``, under the default key prefix."""
-    from celery_echomq.keyspace import Keyspace
-    from celery_echomq.scripts import Scripts
+    from celery_echomq.store.keyspace import Keyspace
+    from celery_echomq.store.scripts import Scripts
 
     return Scripts(db, Keyspace("emq"))
 

@@ -285,7 +285,7 @@ if _DIE_AT in ("dispatch", "parent_failed", "credit"):
 
     from billiard.process import current_process
 
-    from celery_echomq import settle as _settle
+    from celery_echomq.worker import settle as _settle
 
     _step = {"dispatch": "dispatch_parent", "credit": "credit_remote"}.get(_DIE_AT, _DIE_AT)
     _original = getattr(_settle, _step)

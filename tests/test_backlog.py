@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from celery_echomq import FlowResult, flow
-from celery_echomq.plan import new_job_id
+from celery_echomq.store.keyspace import new_job_id
 
 from .conftest import Env, wait_for
 

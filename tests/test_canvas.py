@@ -184,7 +184,7 @@ def test_echomq_child_results_decides_whether_children_store_results(
 ) -> None:
     import dataclasses
 
-    from celery_echomq.state import get_state
+    from celery_echomq.store.state import get_state
 
     state = get_state(proj.app)
     saved = state.settings

@@ -26,7 +26,7 @@ from click.testing import CliRunner, Result
 
 import celery_echomq
 from celery_echomq import FlowCancelled, FlowFailed, flow
-from celery_echomq.keyspace import new_job_id
+from celery_echomq.store.keyspace import new_job_id
 
 from .conftest import Env, quiet, wait_for
 

@@ -22,7 +22,7 @@ import redis
 from redis.cluster import RedisCluster as _RedisCluster
 
 from celery_echomq import FlowFailed, flow, get_state
-from celery_echomq.state import _ATTR, EchoMQ, make_client
+from celery_echomq.store.state import _ATTR, EchoMQ, make_client
 
 from .conftest import ROOT, Env, Worker, worker_pair
 

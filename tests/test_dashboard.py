@@ -68,7 +68,7 @@ class Served:
     def __init__(self, app: Any, *, allow_actions: bool, exposure: Any = None) -> None:
         import uvicorn
 
-        from celery_echomq.dashboard import make_app
+        from celery_echomq.ops.dashboard import make_app
 
         self.asgi = make_app(app, allow_actions=allow_actions, exposure=exposure)
         self.port = free_port()
@@ -604,7 +604,7 @@ def test_a_rebound_host_name_gets_neither_the_page_nor_the_action(
     assert posted.status_code == 400
     assert state_of(store, res.id) == "awaiting_children"
     # The name it is really reached by is answered once allowed.
-    from celery_echomq.dashboard import Exposure
+    from celery_echomq.ops.dashboard import Exposure
 
     named = serve(exposure=Exposure.of("127.0.0.1", [REBOUND]))
     browser.get(f"http://{REBOUND}:{named.port}/flows/{res.id}")
@@ -614,7 +614,7 @@ def test_a_rebound_host_name_gets_neither_the_page_nor_the_action(
 def test_basic_auth_guards_every_route(
     proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any
 ) -> None:
-    from celery_echomq.dashboard import Exposure
+    from celery_echomq.ops.dashboard import Exposure
 
     res, _, _ = held_flow(proj, store, gate)
     site = serve(allow_actions=True, exposure=Exposure.of("127.0.0.1", (), "ops:s3cret", True))

@@ -11,8 +11,8 @@ import pytest
 import redis
 
 from celery_echomq import FlowExistsError, get_state
-from celery_echomq.deadline import store as dl
-from celery_echomq.keyspace import new_job_id
+from celery_echomq.store import deadlines as dl
+from celery_echomq.store.keyspace import new_job_id
 
 
 @pytest.fixture

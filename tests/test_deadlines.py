@@ -20,7 +20,7 @@ from celery_echomq import (
     get_state,
     retry_flow,
 )
-from celery_echomq.views import read_tree
+from celery_echomq.ops.views import read_tree
 
 from .conftest import wait_for
 
@@ -392,7 +392,7 @@ def test_a_deadline_holds_across_a_worker_killed_and_one_started_later(
 def test_recover_fires_a_due_deadline_without_any_worker(
     proj: Any, store: redis.Redis, own_queue: Any
 ) -> None:
-    from celery_echomq.recovery import run_pass
+    from celery_echomq.worker.recovery import run_pass
 
     queue = own_queue("dl-recover")
     res = flow(proj.tsum.s(), [proj.add.s(1, 1)], deadline=0.3).apply_async(queue=queue)

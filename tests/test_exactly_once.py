@@ -18,10 +18,10 @@ import redis
 
 import celery_echomq
 from celery_echomq import flow
-from celery_echomq.plan import new_job_id
-from celery_echomq.scripts import ParentRef
-from celery_echomq.state import get_state
-from celery_echomq.stored import load_job, read_stored
+from celery_echomq.store.codec import load_job, read_stored
+from celery_echomq.store.keyspace import new_job_id
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import get_state
 
 from .conftest import Env, wait_for
 
@@ -130,7 +130,7 @@ def test_a_second_copy_of_a_running_childs_message_is_not_run(
 def test_a_copy_takes_over_only_once_the_holders_lease_lapsed(
     proj: Any, env: Env, store: Any, queue: str, start_worker: Any
 ) -> None:
-    from celery_echomq.publish import publish
+    from celery_echomq.send.start import publish
 
     tag, slow, gate = uuid.uuid4().hex, new_job_id(), f"test:gate:{uuid.uuid4().hex}"
     stall = {"ECHOMQ_T_STALL": "3", "ECHOMQ_T_RECOVERY_INTERVAL": "0.5"}

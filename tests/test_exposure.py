@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from celery_echomq import ConfigError
-from celery_echomq.dashboard import Exposure, make_app
+from celery_echomq.ops.dashboard import Exposure, make_app
 
 
 def get(app: Any, base_url: str, path: str) -> httpx.Response:
@@ -61,7 +61,7 @@ def test_a_store_user_without_script_rights_gets_a_reason_not_a_500(
     from celery import Celery
 
     import celery_echomq
-    from celery_echomq.state import get_state
+    from celery_echomq.store.state import get_state
 
     state = get_state(proj.app)
     queue = own_queue("reader")

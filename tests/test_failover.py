@@ -40,11 +40,11 @@ from celery_echomq.embedded import (
     wait_replicated,
 )
 from celery_echomq.errors import ConfigError, ReplicationError, StoreConnectionError
-from celery_echomq.keyspace import Keyspace
-from celery_echomq.loader import load_source
-from celery_echomq.scripts import ParentRef, Scripts
-from celery_echomq.state import _ATTR, EchoMQ, get_state
-from celery_echomq.store import make_client
+from celery_echomq.store.connection import make_client
+from celery_echomq.store.keyspace import Keyspace
+from celery_echomq.store.loader import load_source
+from celery_echomq.store.scripts import ParentRef, Scripts
+from celery_echomq.store.state import _ATTR, EchoMQ, get_state
 
 from .conftest import LOGDIR, Env, Worker
 

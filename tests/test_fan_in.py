@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import pytest
 import redis
 
-from celery_echomq.replies import Status
-from celery_echomq.scripts import ParentRef, Scripts
+from celery_echomq.store.replies import Status
+from celery_echomq.store.scripts import ParentRef, Scripts
 
 TTL = 600
 LEASE = 60_000

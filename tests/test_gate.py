@@ -16,7 +16,7 @@ from celery_echomq import (
     PolicyError,
     flow,
 )
-from celery_echomq.keyspace import Keyspace, check_id
+from celery_echomq.store.keyspace import Keyspace, check_id
 
 from .conftest import Env, wait_for
 

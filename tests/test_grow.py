@@ -23,8 +23,8 @@ from celery_echomq import (
     add_children,
     flow,
 )
-from celery_echomq.state import get_state
-from celery_echomq.views import read_tree
+from celery_echomq.ops.views import read_tree
+from celery_echomq.store.state import get_state
 
 from .conftest import ROOT, Env, quiet, wait_for
 
@@ -385,8 +385,8 @@ def test_recovery_writes_staged_children_or_drops_them_once_the_flow_is_closed(
 ) -> None:
     import hashlib
 
-    from celery_echomq.recovery.repairs import unwritten_children
-    from celery_echomq.scripts import ParentRef
+    from celery_echomq.store.scripts import ParentRef
+    from celery_echomq.worker.recovery.stalled import unwritten_children
 
     state = get_state(proj.app)
     home, other = own_queue("grow-e"), own_queue("grow-f")

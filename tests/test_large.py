@@ -18,10 +18,10 @@ import redis
 from celery_echomq import get_state
 from celery_echomq.config import Settings
 from celery_echomq.embedded import RedisServer
-from celery_echomq.loader import load_source
-from celery_echomq.plan import child_id, plan_flow
-from celery_echomq.scripts import ParentRef
-from celery_echomq.state import EchoMQ
+from celery_echomq.send.plan import child_id, plan_flow
+from celery_echomq.store.loader import load_source
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import EchoMQ
 
 from .conftest import Env, Worker
 

@@ -14,8 +14,8 @@ import pytest
 
 import celery_echomq
 from celery_echomq import CursorError, ListingError, list_flows
-from celery_echomq.scripts import ParentRef, Scripts
-from celery_echomq.state import EchoMQ, get_state
+from celery_echomq.store.scripts import ParentRef, Scripts
+from celery_echomq.store.state import EchoMQ, get_state
 
 TTL = 600
 LEASE = 60_000
@@ -146,7 +146,7 @@ def test_bad_list_input_is_refused_before_anything_is_read(
 
 
 def test_the_front_page_lists_the_same_pages(proj: Any, state: EchoMQ, queue: str) -> None:
-    from celery_echomq.dashboard.overview import PAGE, read_overview
+    from celery_echomq.ops.dashboard.overview import PAGE, read_overview
 
     flows = [enqueue(state, queue, 1) for _ in range(PAGE + 5)]
     oldest, (child,) = flows[0]

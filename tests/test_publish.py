@@ -17,10 +17,11 @@ from celery import signals, signature
 from celery.utils.saferepr import saferepr
 from kombu.transport import redis as kombu_redis
 
-from celery_echomq import flow, publish
-from celery_echomq.plan import plan_flow
-from celery_echomq.publish import _fast_repr
-from celery_echomq.start import _with_since
+from celery_echomq import flow
+from celery_echomq.send import publish
+from celery_echomq.send.plan import plan_flow
+from celery_echomq.send.publish import _fast_repr
+from celery_echomq.send.start import _with_since
 
 # kombu's Redis transport batches publishes from 5.7 on; with an older kombu every message takes
 # Producer.publish, and there is no second path to compare.

@@ -31,13 +31,13 @@ from kombu.exceptions import ContentDisallowed
 import celery_echomq
 from celery_echomq import FlowFailed, FlowResult, StoreUnavailableError, flow
 from celery_echomq.embedded import RedisServer, find_redis_server, free_port
-from celery_echomq.plan import new_job_id
-from celery_echomq.recovery import HOLD_MS, LEASE, leased_pass, run_pass
-from celery_echomq.scripts import ParentRef
-from celery_echomq.settle import dispatch_parent
-from celery_echomq.state import EchoMQ, get_state
-from celery_echomq.stored import load_job, read_stored
-from celery_echomq.views import read_tree
+from celery_echomq.ops.views import read_tree
+from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.store.codec import load_job, read_stored
+from celery_echomq.store.keyspace import new_job_id
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import EchoMQ, get_state
+from celery_echomq.worker.recovery import HOLD_MS, LEASE, leased_pass, run_pass
 
 from .conftest import ROOT, Env, wait_for
 

@@ -11,7 +11,7 @@ import pytest
 import redis
 
 from celery_echomq import FlowFailed, FlowResult, NotRepairableError, flow, get_state
-from celery_echomq.repair import release_flow, retry_flow
+from celery_echomq.ops.repair import release_flow, retry_flow
 
 from .conftest import Env, quiet, wait_for
 from .test_cli import echomq, echomq_process, jid, job, settle, state_of

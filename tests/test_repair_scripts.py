@@ -9,9 +9,9 @@ import pytest
 import redis
 
 from celery_echomq import KindError
-from celery_echomq.replies import Status
-from celery_echomq.scripts import ParentRef, Scripts
-from celery_echomq.stored import Delta
+from celery_echomq.store.codec import Delta
+from celery_echomq.store.replies import Status
+from celery_echomq.store.scripts import ParentRef, Scripts
 
 from .test_scripts import LEASE, TTL, enqueue, jid, run_child
 

@@ -15,7 +15,7 @@ import redis
 from celery.result import AsyncResult
 
 from celery_echomq import flow
-from celery_echomq.plan import new_job_id
+from celery_echomq.store.keyspace import new_job_id
 
 pytestmark = pytest.mark.e2e
 

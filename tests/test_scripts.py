@@ -9,10 +9,10 @@ import redis
 
 from celery_echomq import KindError
 from celery_echomq.errors import FlowExistsError
-from celery_echomq.keyspace import Keyspace
-from celery_echomq.loader import TRANSITIONS, load_source
-from celery_echomq.scripts import ParentRef, Scripts
-from celery_echomq.stored import Delta
+from celery_echomq.store.codec import Delta
+from celery_echomq.store.keyspace import Keyspace
+from celery_echomq.store.loader import TRANSITIONS, load_source
+from celery_echomq.store.scripts import ParentRef, Scripts
 
 TTL = 600
 LEASE = 60_000

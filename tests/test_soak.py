@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from celery_echomq import get_state
-from celery_echomq.views import held_parents
+from celery_echomq.ops.views import held_parents
 
 from .conftest import wait_for
 from .test_backlog import Sent, counters, send_flows

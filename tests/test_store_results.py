@@ -23,11 +23,11 @@ from celery.result import AsyncResult
 
 import celery_echomq
 from celery_echomq import flow
-from celery_echomq.plan import H_RESULT
-from celery_echomq.results import fusable
-from celery_echomq.scripts import ParentRef, ResultWrite, Scripts
-from celery_echomq.state import get_state
-from celery_echomq.stored import load_job, read_stored
+from celery_echomq.store.codec import load_job, read_stored
+from celery_echomq.store.headers import H_RESULT
+from celery_echomq.store.results import fusable
+from celery_echomq.store.scripts import ParentRef, ResultWrite, Scripts
+from celery_echomq.store.state import get_state
 
 from .conftest import Env, needs_own_backend_db, wait_for
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from celery_echomq.stored import child_template, job_delta, join_job
+from celery_echomq.store.codec import child_template, job_delta, join_job
 
 
 def job(task_id: str, *args: Any, task: str = "t.add", **options: Any) -> dict[str, Any]:

@@ -220,7 +220,7 @@ def test_a_recovery_republish_is_an_event_in_the_jobs_trace(producer: InMemorySp
 
 def test_no_header_is_written_without_a_recording_span(proj: Any) -> None:
     """The API without an SDK (or a sampler that drops): no traceparent in the messages."""
-    from celery_echomq.plan import plan_flow
+    from celery_echomq.send.plan import plan_flow
 
     plan = plan_flow(proj.app, proj.tsum.s(), [proj.add.s(1, 1)], policy="fail", args=(),
                      kwargs=None, options={})  # fmt: skip

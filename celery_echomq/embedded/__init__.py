@@ -8,10 +8,15 @@ PATH. Nothing here is used by the library itself.
 
 from __future__ import annotations
 
-from .cluster import RedisClusterServer, free_cluster_port
-from .sentinel import RedisSentinelServer
-from .servers import RedisServer, find_redis_server, free_port, wait_replicated
-from .worker import WorkerProcess
+from celery_echomq.embedded.cluster import RedisClusterServer, free_cluster_port
+from celery_echomq.embedded.sentinel import RedisSentinelServer
+from celery_echomq.embedded.servers import (
+    RedisServer,
+    find_redis_server,
+    free_port,
+    wait_replicated,
+)
+from celery_echomq.embedded.worker import WorkerProcess
 
 __all__ = [
     "RedisClusterServer",

@@ -10,7 +10,7 @@ import tempfile
 import time
 from typing import Any
 
-from .servers import RedisServer, ServerBase, wait_replicated
+from celery_echomq.embedded.servers import RedisServer, ServerBase, wait_replicated
 
 CLUSTER_SLOTS = 16384
 

@@ -9,7 +9,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .servers import RedisServer, ServerBase, find_redis_server, free_port, wait_replicated
+from celery_echomq.embedded.servers import (
+    RedisServer,
+    ServerBase,
+    find_redis_server,
+    free_port,
+    wait_replicated,
+)
 
 
 class RedisSentinelServer(ServerBase):

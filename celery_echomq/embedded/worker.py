@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from .servers import ServerBase
+from celery_echomq.embedded.servers import ServerBase
 
 
 class WorkerProcess(ServerBase):

@@ -1,0 +1,127 @@
+"""Cancelling a flow: every job of its tree not yet finished, on every slot it spans.
+
+The parent first (on its own slot, with its children there), so that a child of another
+slot that completes meanwhile is credited to a parent that no longer waits; then the
+children of every other slot (``cancel_elsewhere``); nested flows, inner before outer, are
+flows of their own. A nested flow cancelled on its own settles against its outer flow under
+its ``parent_policy``, as a failure (``FlowCancelled``). A parent already released (under
+``continue``, or by an operator) is not stopped here, but its children still outstanding are.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from celery_echomq import tracing
+from celery_echomq.errors import FlowCancelled
+from celery_echomq.store.connection import text
+from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
+from celery_echomq.store.replies import Status
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import EchoMQ
+from celery_echomq.worker.settle import record_failure, settle_failure
+
+logger = logging.getLogger("celery_echomq")
+
+
+def where_children(state: EchoMQ, queue: str, children: list[str]) -> dict[str, str]:
+    """The queue whose slot holds each child's row: the parent's when it is there, else the
+    one among the queues that hold flows (children missing everywhere are left out)."""
+    keys, client = state.keys, state.client
+    found: dict[str, str] = {}
+    chunk = state.settings.chunk_size
+    for start in range(0, len(children), chunk):
+        part = children[start : start + chunk]
+        pipe = client.pipeline(transaction=False)
+        for cid in part:
+            pipe.exists(keys.job_key(queue, cid))
+        found.update((cid, queue) for cid, there in zip(part, pipe.execute(), strict=True) if there)
+    elsewhere = [cid for cid in children if cid not in found]
+    if elsewhere:
+        names = sorted(
+            n for n in (text(q) for q in client.smembers(keys.queues_key())) if n and n != queue
+        )
+        pipe = client.pipeline(transaction=False)
+        for cid in elsewhere:
+            for name in names:
+                pipe.exists(keys.job_key(name, cid))
+        there = iter(pipe.execute())
+        for cid in elsewhere:
+            hits = [name for name in names if next(there)]
+            if hits:
+                found[cid] = hits[0]
+    return found
+
+
+def _by_queue(where: dict[str, str], ids: Iterable[str]) -> dict[str, list[str]]:
+    groups: dict[str, list[str]] = {}
+    for cid in ids:
+        if cid in where:
+            groups.setdefault(where[cid], []).append(cid)
+    return groups
+
+
+def cancel_flow(
+    state: EchoMQ, queue: str, parent_id: str, terminate: bool = False, *, settle: bool = True
+) -> list[str]:
+    """Cancel the flow ``parent_id``: the ids of the jobs it revoked.
+
+    ``settle``: a nested flow cancelled on its own (not as part of its outer flow's cancel)
+    counts as a failed child of its outer flow. Returns what was revoked (empty when nothing
+    was outstanding).
+    """
+    client, ttl = state.client, state.settings.result_ttl
+    payload = client.hget(state.keys.job_key(queue, parent_id), "payload")
+    job = state.loads(payload) if payload else None
+    children: list[str] = list(job["children"]) if job else []
+    where = where_children(state, queue, children)
+    # Nested flows first, inner before outer: each is a flow of its own to cancel.
+    pipe = client.pipeline(transaction=False)
+    for cid in children:
+        if cid in where:
+            pipe.hget(state.keys.job_key(where[cid], cid), "state")
+            pipe.exists(state.keys.flow_keys(where[cid], cid)[0])
+    answers = iter(pipe.execute())
+    revoked: list[str] = []
+    for cid in [c for c in children if c in where]:
+        child_state, nested = next(answers), next(answers)
+        if nested and child_state in (b"awaiting_children", b"pending"):
+            revoked += cancel_flow(state, where[cid], cid, terminate, settle=False)
+    local = [cid for cid in children if where.get(cid) == queue]
+    status, was, outstanding = state.scripts.cancel(queue, parent_id, local, ttl=ttl)
+    if status is Status.MISSING:
+        return revoked
+    cancelled = status is Status.CANCELLED
+    # Other slots' children; and, for a parent already released, its outstanding children
+    # on its own slot too (the cancel script stops none of them then).
+    rest = children if not cancelled else [cid for cid in children if where.get(cid) != queue]
+    for other, ids in _by_queue(where, rest).items():
+        outstanding += state.scripts.cancel_elsewhere(other, parent_id, ids, ttl=ttl, started=True)
+    # A released parent's message is on its way: revoke it too, so it never runs.
+    to_revoke = [*outstanding, parent_id] if cancelled and was is Status.PENDING else outstanding
+    if to_revoke:
+        state.app.control.revoke(to_revoke, terminate=terminate)
+    if not cancelled:
+        if outstanding:
+            logger.info(
+                "echomq: flow %s (%s): revoked %d outstanding children",
+                parent_id,
+                status,
+                len(outstanding),
+            )
+        return revoked + outstanding
+    exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
+    # REVOKED: Celery's state for a revoked task (get() raises FlowCancelled).
+    record_failure(state, parent_id, exc, job, call_errbacks=False, status="REVOKED")
+    logger.info(
+        "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
+    )
+    tracing.cancelled(job, parent_id, len(outstanding))
+    headers = ((job or {}).get("options") or {}).get("headers") or {}
+    outer = headers.get(H_PARENT)
+    if settle and outer:
+        # Cancelled on its own: to the flow it belongs to, a child that failed.
+        ref = ParentRef(str(outer), str(headers.get(H_PARENT_QUEUE) or queue))
+        settle_failure(state, queue, parent_id, "", f"FlowCancelled: {exc}", True, ref, carry=True)
+    return revoked + outstanding

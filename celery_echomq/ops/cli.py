@@ -1,0 +1,237 @@
+"""``celery -A proj echomq ...``: find, see, follow, repair and clean up flows from a shell.
+
+Celery loads this group through the ``celery.commands`` entry point and hands it the app it
+loaded from ``-A`` as ``ctx.obj.app``. Every command but ``dashboard`` takes ``--json`` for
+scripts; an unknown or ill-formed job id, a refused action or any Redis error exits with
+status 1 and one line on stderr; an unreachable store is given up after ``--timeout``.
+
+    list            flows, newest first: held, failed, done, cancelled or recent (paged)
+    show JOBID      the flow as a tree (nested flows indented)
+    watch JOBID     a live progress bar until the parent finishes (exit 0 done, 1 failed or
+                    cancelled, 124 timed out)
+    recover         one recovery pass (what the worker step runs periodically)
+    stats           per queue: pending, active, held parents, failed
+    forget JOBID    delete a finished flow's keys (--force for an unfinished one)
+    cancel JOBID    cancel a flow: its parent will never run (revoke JOBID: the same)
+    retry JOBID     run a flow failed under policy fail again (--child JOBID: one child)
+    release JOBID   run a held parent now with the values so far (--revoke: and revoke the rest)
+    dashboard       a web page of queues and flows, and Prometheus metrics (the [dashboard]
+                    extra)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import click
+
+from celery_echomq.ops import cli_repair, progress
+from celery_echomq.ops.cli_common import (
+    DEFAULT_TIMEOUT,
+    cli_app,
+    cli_state,
+    emit_json,
+    plain_errors,
+    set_timeout,
+)
+from celery_echomq.ops.listing import MAX_LIMIT, STATES, queue_stats, read_flows
+from celery_echomq.ops.progress import render_progress
+from celery_echomq.ops.rendering import render_rows, render_tree
+from celery_echomq.ops.views import node_dict, read_tree, tree_json
+
+__all__ = ["echomq", "node_dict", "render_progress", "render_tree"]
+
+AUTH_ENV = "ECHOMQ_DASHBOARD_AUTH"
+
+
+@click.group(name="echomq")
+@click.option(
+    "--timeout",
+    type=click.FloatRange(min=0.1),
+    default=DEFAULT_TIMEOUT,
+    show_default=True,
+    help="Seconds to keep trying an unreachable flow store before giving up.",
+)
+@click.pass_context
+def echomq(ctx: click.Context, timeout: float) -> None:
+    """Find, inspect, follow and repair celery-echomq flows."""
+    set_timeout(ctx, timeout)
+
+
+@echomq.command()
+@click.argument("job_id")
+@click.option("--json", "as_json", is_flag=True, help="Print the tree as JSON.")
+@click.pass_context
+@plain_errors
+def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
+    """Show the flow under JOB_ID as a tree: states, arguments, runtimes, values, errors."""
+    node = read_tree(cli_state(ctx), job_id, with_times=True)
+    if as_json:
+        click.echo(tree_json(node))
+        return
+    for line in render_tree(node, color=True):
+        click.echo(line)
+
+
+@echomq.command(name="list")
+@click.option(
+    "--state",
+    "wanted",
+    type=click.Choice(list(STATES)),
+    default="failed",
+    show_default=True,
+    help="Which flows: held (awaiting children), failed, done, cancelled, or recent (any).",
+)
+@click.option("--queue", default=None, metavar="Q", help="Only flows of this queue.")
+@click.option("--task", default=None, metavar="NAME", help="Only flows whose parent task is "
+              "NAME (a glob: 'proj.*').")  # fmt: skip
+@click.option(
+    "--limit", type=click.IntRange(1, MAX_LIMIT), default=100, show_default=True,
+    help="At most this many flows.",
+)  # fmt: skip
+@click.option("--cursor", default=None, help="The next page: the cursor a page printed.")
+@click.option("--json", "as_json", is_flag=True, help="Print the flows as JSON.")
+@click.pass_context
+@plain_errors
+def list_command(
+    ctx: click.Context,
+    wanted: str,
+    queue: str | None,
+    task: str | None,
+    limit: int,
+    cursor: str | None,
+    as_json: bool,
+) -> None:
+    """List flows, newest first: id, task, state, children done/total, age.
+
+    Reads the store's indexes (each queue's recent-flow index; its failed set for failed
+    flows), never a scan: a page costs the same whatever the store holds. A page may hold
+    fewer flows than --limit while more remain: follow the cursor it prints.
+    """
+    rows, after = read_flows(cli_state(ctx), wanted, queue, task, limit, cursor)
+    if as_json:
+        emit_json({"flows": [dataclasses.asdict(r) for r in rows], "next_cursor": after})
+        return
+    if rows:
+        for line in render_rows(rows):
+            click.echo(line)
+    else:
+        click.echo(f"no {wanted} flows" + (" on this page" if after else ""))
+    if after:
+        click.echo(f"more: echomq list --state {wanted} --cursor {after}")
+
+
+@echomq.command()
+@click.option(
+    "--queue",
+    "queues",
+    multiple=True,
+    metavar="NAME",
+    help="Only this queue (repeatable). Default: every queue that holds flows.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the repairs as JSON.")
+@click.pass_context
+@plain_errors
+def recover(ctx: click.Context, queues: tuple[str, ...], as_json: bool) -> None:
+    """Run one recovery pass: what the worker step runs every echomq_recovery_interval.
+
+    Re-publishes jobs whose message is gone, settles jobs whose worker died (from Celery's
+    result backend) and dispatches released parents that never started. It looks twice, a
+    moment apart: evidence that a message is gone must hold at both looks. Prints one line
+    per repair. Safe beside running workers: every repair is an idempotent transition.
+    """
+    from celery_echomq.worker.recovery import recover_now
+
+    repairs = recover_now(cli_state(ctx), queues=queues or None)
+    if as_json:
+        emit_json({"repairs": repairs})
+        return
+    for line in repairs:
+        click.echo(line)
+    click.echo(f"{len(repairs)} repair(s)" if repairs else "nothing to repair")
+
+
+@echomq.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as JSON.")
+@click.pass_context
+@plain_errors
+def stats(ctx: click.Context, as_json: bool) -> None:
+    """Per queue that holds flows: pending, active, held parents and failed jobs; messages
+    recovery re-published, duplicate deliveries skipped and forged ones refused (counted since
+    the start)."""
+    rows = queue_stats(cli_state(ctx))
+    if as_json:
+        emit_json({"queues": [dataclasses.asdict(row) for row in rows]})
+        return
+    if not rows:
+        click.echo("no queue holds flows yet")
+        return
+    width = max(len("queue"), *(len(row.queue) for row in rows))
+    click.echo(
+        f"{'queue':<{width}}  {'pending':>7}  {'active':>6}  {'held':>6}  {'failed':>6}  "
+        f"{'republished':>11}  {'skipped':>7}  {'forged':>6}"
+    )
+    for row in rows:
+        click.echo(
+            f"{row.queue:<{width}}  {row.pending:>7}  {row.active:>6}  {row.held:>6}  "
+            f"{row.failed:>6}  {row.republished:>11}  {row.skipped:>7}  {row.forged:>6}"
+        )
+
+
+@echomq.command()
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port", type=click.IntRange(1, 65535), default=8008, show_default=True, help="TCP port."
+)
+@click.option(
+    "--allow-actions",
+    is_flag=True,
+    help="Add cancel, retry and release buttons (POST routes; refused with 403 without this).",
+)
+@click.option(
+    "--allow-host",
+    "allow_hosts",
+    multiple=True,
+    metavar="NAME",
+    help="Also answer requests for this Host name (repeatable); loopback names always.",
+)
+@click.option(
+    "--basic-auth",
+    default=None,
+    metavar="USER:PASSWORD",
+    help=f"Ask every request for this user and password (or set {AUTH_ENV}).",
+)
+@click.pass_context
+@plain_errors
+def dashboard(
+    ctx: click.Context,
+    host: str,
+    port: int,
+    allow_actions: bool,
+    allow_hosts: tuple[str, ...],
+    basic_auth: str | None,
+) -> None:
+    """Serve a web page of queues and flows, each flow's live tree, and /metrics.
+
+    Read-only unless --allow-actions. Listens on loopback unless --host says otherwise;
+    beyond loopback, actions need --basic-auth, and a page without it is open to anyone who
+    reaches the port (a warning says so).
+    """
+    try:
+        from celery_echomq.ops.dashboard import Exposure, serve
+    except ImportError as exc:
+        raise click.ClickException(
+            f"the dashboard needs the [dashboard] extra: pip install 'celery-echomq[dashboard]' "
+            f"({exc})"
+        ) from None
+    exposure = Exposure.of(host, allow_hosts, basic_auth or os.environ.get(AUTH_ENV), allow_actions)
+    if exposure.warning:
+        click.echo(f"warning: {exposure.warning}", err=True)
+    mode = "cancel, retry and release enabled" if allow_actions else "read-only"
+    click.echo(f"echomq dashboard on http://{host}:{port}/ ({mode}); Ctrl-C to stop")
+    serve(cli_app(ctx), host=host, port=port, allow_actions=allow_actions, exposure=exposure)
+
+
+for _command in (*(getattr(cli_repair, n) for n in cli_repair.COMMANDS), progress.watch):
+    echomq.add_command(_command)

@@ -1,0 +1,82 @@
+"""``/metrics``: Prometheus text, read from Redis at scrape time by a custom collector.
+
+Nothing is kept in the dashboard process: gauges are the queues' state-set sizes and the
+count of held parents, counters are the fields the scripts increment in each queue's
+``emq:{q}:counters`` hash (monotonic: only the scripts write them, and only upwards). One
+pipelined round trip per scrape, five commands per queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from celery_echomq.ops.dashboard.overview import queue_names, read_counts
+from celery_echomq.store.state import EchoMQ
+
+POLICIES = ("fail", "ignore", "remove", "continue")
+
+
+class EchoMQCollector(Collector):
+    """Every metric is named ``echomq_*`` and labelled with its queue."""
+
+    def __init__(self, state: EchoMQ) -> None:
+        self.state = state
+
+    def collect(self) -> Iterator[Metric]:
+        gauges = {
+            name: GaugeMetricFamily(f"echomq_{name}", doc, labels=["queue"])
+            for name, doc in (
+                ("pending", "Jobs claimable now (children, and released parents not started)"),
+                ("active", "Jobs claimed and running (or lost, until recovery notices)"),
+                ("held", "Flow parents awaiting their children"),
+                ("failed", "Jobs failed for good within the result TTL"),
+                ("recent_flows", "Flows in the queue's recent-flow index"),
+            )
+        }
+        counters = {
+            field: CounterMetricFamily(f"echomq_{name}", doc, labels=["queue"])
+            for field, name, doc in (
+                ("released", "releases", "Held parents released (their children settled)"),
+                ("dispatched", "dispatches", "Released parents handed out for publishing"),
+                ("republished", "republished", "Messages recovery published again"),
+                ("duplicates_skipped", "duplicates_skipped", "Duplicate deliveries skipped"),
+                (
+                    "forged_refused",
+                    "forged_refused",
+                    "Deliveries refused: their message named another parent than the job's row",
+                ),
+            )
+        }
+        failures = CounterMetricFamily(
+            "echomq_child_failures",
+            "Children that failed for good, by the parent_policy applied to them",
+            labels=["queue", "policy"],
+        )
+        names = queue_names(self.state)
+        for name, cards, values in read_counts(self.state, names):
+            pending, active, failed, indexed = cards
+            for key, value in (
+                ("pending", pending),
+                ("active", active),
+                ("held", values["held"]),
+                ("failed", failed),
+                ("recent_flows", indexed),
+            ):
+                gauges[key].add_metric([name], value)
+            for field, family in counters.items():
+                family.add_metric([name], values[field])
+            for policy in POLICIES:
+                failures.add_metric([name, policy], values[f"failed_{policy}"])
+        yield from gauges.values()
+        yield from counters.values()
+        yield failures
+
+
+def registry_for(state: EchoMQ) -> CollectorRegistry:
+    """A registry of its own (not the process-wide default): only the flow store's metrics."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EchoMQCollector(state))
+    return registry

@@ -1,0 +1,27 @@
+"""What an operator's retry or release did: the replies of ``retry_flow`` and ``release_flow``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RetryOutcome:
+    """What a retry did."""
+
+    flow_id: str
+    republished: tuple[str, ...]  # children published again, as new attempts
+    held: tuple[str, ...]  # parents put back to awaiting_children (nested and outer flows too)
+    released: tuple[str, ...] = ()  # parents that had nothing left to wait for: dispatched
+    state: str = "awaiting_children"  # the flow's parent state after the retry
+
+
+@dataclass(frozen=True)
+class ReleaseOutcome:
+    """What a release did."""
+
+    flow_id: str
+    values: int  # children whose values the parent was released with
+    outstanding: tuple[str, ...]  # children still unsettled when it was released
+    revoked: tuple[str, ...] = field(default=())  # of those, the ones revoked (--revoke)
+    state: str = "pending"  # the parent's state after the release

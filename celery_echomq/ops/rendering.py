@@ -1,0 +1,124 @@
+"""Flows as text for a terminal: the tree ``show`` prints and the table ``list`` prints."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from celery_echomq.ops.listing import FlowRow
+from celery_echomq.ops.views import JobNode, json_default
+
+VALUE_WIDTH = 60
+
+_STATE_COLOURS = {
+    "done": "green",
+    "failed": "red",
+    "cancelled": "red",
+    "active": "yellow",
+    "awaiting_children": "cyan",
+    "missing": "magenta",
+}
+
+
+def short(value: Any, width: int = VALUE_WIDTH) -> str:
+    try:
+        text = json.dumps(value, default=json_default)
+    except (TypeError, ValueError):
+        text = repr(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def seconds(ms: int | None) -> str:
+    """A duration for people: ``0.25s``, ``42s``, ``3m05s``, ``2h10m``, ``4d3h``."""
+    if ms is None:
+        return "-"
+    s = ms / 1000
+    if s < 10:
+        return f"{s:.2f}s"
+    if s < 60:
+        return f"{s:.0f}s"
+    m, s = divmod(int(s), 60)
+    if m < 60:
+        return f"{m}m{s:02d}s"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d{h}h"
+
+
+def job_line(node: JobNode, color: bool) -> str:
+    colour = _STATE_COLOURS.get(node.state) if color else None
+    parts = [
+        ("flow " if node.flow else "") + node.id,
+        node.task or "?",
+        click.style(node.state, fg=colour) if colour else node.state,
+        f"attempts={node.attempts}",
+    ]
+    if node.args not in (None, "()"):
+        parts.append(f"args={node.args}")
+    if node.kwargs not in (None, "{}"):
+        parts.append(f"kwargs={node.kwargs}")
+    if node.policy is not None and not node.policy_is_default:
+        # Only a child's own policy: the flow's default is on its parent's line already.
+        parts.append(f"policy={node.policy}")
+    if node.flow is not None:
+        f = node.flow
+        counter = "expired" if f.outstanding is None else str(f.outstanding)
+        parts.append(f"outstanding={counter}  done={f.done}/{f.total}")
+        parts.append(f"failed={f.failed}  ignored={f.ignored}  default-policy={f.policy}")
+    if node.runtime_ms is not None:
+        parts.append(f"runtime={seconds(node.runtime_ms)}")
+    if node.has_value:
+        parts.append(f"value={short(node.value)}")
+    if node.error:
+        parts.append(f"error={node.error!r}")
+    if node.outcome not in (None, "credited"):
+        parts.append(f"[{node.outcome}]")
+    return "  ".join(parts)
+
+
+def render_tree(node: JobNode, *, color: bool = False) -> list[str]:
+    """The tree as text lines: the root, then each child under ├─/└─, nested flows indented.
+
+    ``color`` styles the states with ANSI codes (``click.echo`` drops them when not a tty).
+    """
+    head = job_line(node, color)
+    if node.parent is not None:
+        head += f"  parent={node.parent}"
+    lines = [head + f"  queue={node.queue}"]
+
+    def children(parent: JobNode, indent: str) -> None:
+        for i, child in enumerate(parent.children):
+            last = i == len(parent.children) - 1
+            lines.append(indent + ("└─ " if last else "├─ ") + job_line(child, color))
+            children(child, indent + ("   " if last else "│  "))
+
+    children(node, "")
+    return lines
+
+
+LIST_HEADER = ("flow", "task", "state", "done/total", "failed", "ignored", "age", "queue")
+
+
+def render_rows(rows: list[FlowRow]) -> list[str]:
+    """``list``'s table: one line per flow, columns aligned."""
+    table = [LIST_HEADER] + [
+        (
+            row.id,
+            row.task or "?",
+            row.state,
+            f"{row.done}/{row.total}",
+            str(row.failed),
+            str(row.ignored),
+            seconds(None if row.age_s is None else int(row.age_s * 1000)),
+            row.queue,
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(LIST_HEADER))]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table
+    ]

@@ -1,0 +1,377 @@
+"""Reads of flows for people and scripts: the tree under a job, a flow's progress, per-queue counts.
+
+Everything here is a plain read (HMGET, GET, HGETALL, ZSCORE), never a write, so it is
+safe against a live system. A result is a snapshot, not a transaction: a child may finish
+between two reads, which a progress display tolerates and a transition never relies on.
+``celery -A proj echomq show|watch`` print what these functions return (``stats`` and
+``list``: listing.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from celery_echomq.errors import EchoMQError
+from celery_echomq.ops.listing import QueueStats, held_parents, queue_stats
+from celery_echomq.ops.timing import finish_times
+from celery_echomq.store.codec import Delta, load_job, stored_of
+from celery_echomq.store.connection import text
+from celery_echomq.store.reads import counts_of, locate, scan_queues
+from celery_echomq.store.state import EchoMQ
+
+__all__ = [
+    "FINISHED",
+    "FlowInfo",
+    "JobNode",
+    "QueueStats",
+    "held_parents",
+    "node_dict",
+    "queue_stats",
+    "read_tree",
+    "tree_json",
+    "walk",
+]
+
+# A job in one of these states will not change again (until its keys expire).
+FINISHED = frozenset({"done", "failed", "cancelled"})
+# What a job row's state reads as when the row is gone (expired, forgotten, never written).
+MISSING = "missing"
+
+_ROW_FIELDS = (
+    "state",
+    "attempts",
+    "payload",
+    "parent",
+    "parent_policy",
+    "policy",
+    "credited_failed",
+    "error",
+    "failed_child",
+    "started",
+    "dispatched",
+    "delta",
+    "template",
+    "failed_children",
+    "cut",  # "deadline": cut by its flow's deadline before it started
+)
+# Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
+_STORED = frozenset({"payload", "delta", "template"})
+# A nested flow is a child that is itself a parent; a cycle cannot be written (enqueue_flow
+# refuses an id that exists), and the depth a flow may have (echomq_max_depth) caps the walk,
+# so a corrupted store cannot hang the CLI either.
+
+
+@dataclass(frozen=True)
+class FlowInfo:
+    """What only a flow parent has: where its children stand (``Dependencies``'s counts)."""
+
+    policy: str  # the default parent_policy of children that set none
+    outstanding: int | None  # children not settled yet; None once the counter expired
+    done: int  # children whose values count
+    failed: int  # children failed under fail, remove or continue
+    ignored: int  # children failed under ignore
+    total: int  # children of the flow (those added while it ran included)
+    failed_child: str | None  # the child whose failure under policy "fail" failed the flow
+
+
+@dataclass(frozen=True)
+class JobNode:
+    """One job of a flow tree: a parent, a child, or a child that is itself a flow."""
+
+    id: str
+    queue: str
+    state: str  # the row's state, or "missing" when the row is gone
+    task: str | None
+    attempts: int
+    parent: str | None = None  # the parent's job id, for a child
+    policy: str | None = None  # as a child: the parent_policy that applies to it
+    policy_is_default: bool = False  # True when that policy is the flow's default
+    outcome: str | None = None  # as a child: what its parent made of it (see _outcome)
+    has_value: bool = False  # False means "no value yet", so that a None value still shows
+    value: Any = None
+    error: str | None = None  # "ExcType: message" for a failed job
+    args: str | None = None  # its arguments as Celery shows them (argsrepr)
+    kwargs: str | None = None  # and its keyword arguments (kwargsrepr)
+    started_ms: int | None = None  # server time of its latest claim
+    finished_ms: int | None = None  # when it finished (see timing.py), if known
+    dispatched_ms: int | None = None  # a parent: when its release was published
+    flow: FlowInfo | None = None  # set when this job is a flow parent
+    children: tuple[JobNode, ...] = field(default=())
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+    @property
+    def runtime_ms(self) -> int | None:
+        """From its latest start to its end, when both are known."""
+        if self.started_ms is None or self.finished_ms is None:
+            return None
+        return max(0, self.finished_ms - self.started_ms)
+
+
+def _int(value: Any) -> int | None:
+    found = text(value)
+    return int(found) if found not in (None, "") else None
+
+
+def _load(state: EchoMQ, raw: Any) -> Any:
+    try:
+        return state.loads(raw)
+    except Exception:
+        # A value the app's serializer cannot read (another serializer, content not accepted):
+        # show the stored bytes rather than fail the whole read.
+        return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+
+
+def _row(fields: list[Any]) -> dict[str, Any]:
+    pairs = zip(_ROW_FIELDS, fields, strict=True)
+    return {name: v if name in _STORED else text(v) for name, v in pairs}
+
+
+def _task_and_children(
+    state: EchoMQ, queue: str, job_id: str, row: dict[str, Any], template: bytes | None = None
+) -> tuple[str | None, list[str], tuple[str | None, str | None]]:
+    """A row's task name, for a parent its children's ids, and its arguments as Celery shows
+    them, from its stored job.
+
+    ``template``: the encoded template on the parent's row, when the caller has it (a
+    child's delta is joined with it; else it is read)."""
+    stored = stored_of(row["payload"], row["delta"], row["parent"])
+    if stored is None:
+        return None, [], (None, None)
+    if isinstance(stored, Delta):
+        try:
+            known: dict[str, bytes | None] | None = None
+            if template is not None:
+                known = {stored.parent: template}
+            job = load_job(state, queue, job_id, stored, known)
+        except Exception:
+            return None, [], (None, None)  # its template gone, or not readable
+    else:
+        job = _load(state, stored)
+    if not isinstance(job, dict):
+        return None, [], (None, None)
+    children = job.get("children") or []
+    return job.get("task"), [str(c) for c in children], arguments(state, job)
+
+
+def arguments(state: EchoMQ, job: dict[str, Any]) -> tuple[str | None, str | None]:
+    """``(argsrepr, kwargsrepr)`` of a stored job: its own when the caller set them (what
+    Celery shows in their place, e.g. to hide a secret), else Celery's ``saferepr``."""
+    from celery.utils.saferepr import saferepr
+
+    options = job.get("options") or {}
+    amqp = state.app.amqp
+    args, kwargs = options.get("argsrepr"), options.get("kwargsrepr")
+    if args is None:
+        args = saferepr(tuple(job.get("args") or ()), amqp.argsrepr_maxsize)
+    if kwargs is None:
+        kwargs = saferepr(dict(job.get("kwargs") or {}), amqp.kwargsrepr_maxsize)
+    return str(args), str(kwargs)
+
+
+def _outcome(
+    child_state: str,
+    policy: str,
+    credited: bool,
+    ignored: bool,
+    failed_child: str | None,
+    child_id: str,
+) -> str | None:
+    """What the parent made of a child: the fan-in's view, not just the child's own state."""
+    if credited:
+        return "credited"  # its value is in the parent's :processed
+    if ignored:
+        return "ignored"  # failed; counted, error kept in :ignored
+    if child_state != "failed":
+        return None  # not settled yet (or cancelled / missing: nothing was credited)
+    if failed_child == child_id:
+        return "failed_flow"
+    return {"remove": "removed", "continue": "continued"}.get(policy, "failed")
+
+
+def read_tree(
+    state: EchoMQ,
+    job_id: str,
+    *,
+    queue: str | None = None,
+    with_result: bool = True,
+    with_times: bool = False,
+) -> JobNode:
+    """The job ``job_id`` and, if it is a flow parent, its children (nested flows recursively).
+
+    ``with_result`` also reads the root's own value: from its parent's :processed when it is a
+    child, else from Celery's result backend once it is done. ``with_times`` also reads when
+    each finished job ended (what ``show`` and the dashboard print; see timing.py).
+    """
+    where = locate(state, job_id, queue, verify=True)
+    client = state.client
+    root_row = _row(client.hmget(state.keys.job_key(where, job_id), _ROW_FIELDS))
+    node = _build(state, where, job_id, root_row, facts={}, depth=0)
+    if with_times:
+        node = _timed(node, finish_times(state, walk(node)))
+    if not with_result or node.state != "done":
+        return node
+    has_value, value = _root_value(state, node)
+    if not has_value:
+        return node
+    return replace(node, has_value=True, value=value)
+
+
+def _timed(node: JobNode, ends: dict[str, int]) -> JobNode:
+    children = tuple(_timed(child, ends) for child in node.children)
+    return replace(node, finished_ms=ends.get(node.id), children=children)
+
+
+def _root_value(state: EchoMQ, node: JobNode) -> tuple[bool, Any]:
+    if node.parent is not None:
+        _, processed, _ = state.keys.flow_keys(node.queue, node.parent)
+        raw = state.client.hget(processed, node.id)
+        return (True, _load(state, raw)) if raw is not None else (False, None)
+    try:
+        result = state.app.AsyncResult(node.id)
+        if result.state == "SUCCESS":
+            return True, result.result
+    except Exception:
+        # The result backend is optional for reading a tree (it may be disabled or down);
+        # the flow's own keys are the source of truth for everything else shown.
+        pass
+    return False, None
+
+
+def _build(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    row: dict[str, Any],
+    *,
+    facts: dict[str, Any],
+    depth: int,
+) -> JobNode:
+    """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
+    task, child_ids, (args, kwargs) = _task_and_children(
+        state, queue, job_id, row, facts.get("template")
+    )
+    keys, client = state.keys, state.client
+    node = JobNode(
+        id=job_id,
+        queue=queue,
+        state=row["state"] or MISSING,
+        task=task,
+        attempts=_int(row["attempts"]) or 0,
+        parent=row["parent"],
+        policy=facts.get("policy", row["parent_policy"]),
+        policy_is_default=bool(facts.get("policy_is_default", False)),
+        outcome=facts.get("outcome"),
+        has_value="value" in facts,
+        value=facts.get("value"),
+        error=row["error"] or facts.get("ignored_error"),
+        args=args,
+        kwargs=kwargs,
+        started_ms=_int(row["started"]),
+        dispatched_ms=_int(row["dispatched"]),
+    )
+    deps_key, processed_key, ignored_key = keys.flow_keys(queue, job_id)
+    pipe = client.pipeline(transaction=False)
+    pipe.get(deps_key)
+    pipe.hgetall(processed_key)
+    pipe.hgetall(ignored_key)
+    for cid in child_ids:
+        pipe.hmget(keys.job_key(queue, cid), _ROW_FIELDS)
+    counter, processed, ignored, *child_rows = pipe.execute()
+    if counter is None and not child_ids and row["policy"] is None:
+        return node  # not a flow parent: a plain child (or a job whose flow keys expired)
+    processed = {text(k): v for k, v in processed.items()}
+    ignored = {text(k): text(v) for k, v in ignored.items()}
+    flow_policy = row["policy"] or "fail"
+    counts = counts_of(
+        counter, len(processed), len(ignored), row["credited_failed"], row["failed_children"]
+    )
+    info = FlowInfo(
+        policy=flow_policy,
+        outstanding=None if counter is None else counts.outstanding,
+        done=counts.done,
+        failed=counts.failed,
+        ignored=counts.ignored,
+        total=len(child_ids),
+        failed_child=row["failed_child"],
+    )
+    children: list[JobNode] = []
+    for cid, fields in zip(child_ids, child_rows, strict=True):
+        child_row = _row(fields)
+        child_queue = queue
+        if child_row["state"] is None:
+            # A child routed to another queue has its row on that queue's slot; it is found
+            # among the queues that hold flows. One gone for good reads as "missing".
+            elsewhere = scan_queues(state, cid)
+            if elsewhere is not None:
+                child_queue = elsewhere
+                child_row = _row(client.hmget(keys.job_key(child_queue, cid), _ROW_FIELDS))
+        own = child_row["parent_policy"]
+        policy = own or flow_policy
+        child_facts: dict[str, Any] = {
+            "policy": policy,
+            "policy_is_default": own is None,
+            # Its delta's template, where it has one: on this row, on the same slot.
+            "template": row["template"] if child_queue == queue else None,
+            "outcome": "deadline"
+            if child_row["cut"] == "deadline"
+            else _outcome(
+                child_row["state"] or MISSING,
+                policy,
+                cid in processed,
+                cid in ignored,
+                info.failed_child,
+                cid,
+            ),
+        }
+        if cid in processed:
+            child_facts["value"] = _load(state, processed[cid])
+        if cid in ignored:
+            child_facts["ignored_error"] = ignored[cid]
+        if depth + 1 >= state.settings.max_depth:
+            raise EchoMQError(
+                f"flow tree under {job_id!r} is deeper than {state.settings.max_depth} levels "
+                "(the echomq_max_depth setting)"
+            )
+        children.append(
+            _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
+        )
+    return replace(node, flow=info, children=tuple(children))
+
+
+def json_default(value: Any) -> Any:
+    """What ``json.dumps`` makes of a task value JSON cannot hold (sets, bytes, objects)."""
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return repr(value)
+
+
+def node_dict(node: JobNode) -> dict[str, Any]:
+    """A node as plain data, with ``finished`` spelled out: what ``show --json`` prints and the
+    dashboard's ``/api/flows/<id>`` serves."""
+    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name != "children"}
+    data["flow"] = dataclasses.asdict(node.flow) if node.flow else None
+    data["finished"] = node.finished
+    data["runtime_ms"] = node.runtime_ms
+    data["children"] = [node_dict(child) for child in node.children]
+    return data
+
+
+def tree_json(node: JobNode, *, indent: int | None = 2) -> str:
+    """``node`` and its children as JSON text (values JSON cannot hold via :func:`json_default`)."""
+    return json.dumps(node_dict(node), indent=indent, default=json_default)
+
+
+def walk(node: JobNode) -> list[JobNode]:
+    """``node`` and every job under it, parents before their children."""
+    out = [node]
+    for child in node.children:
+        out.extend(walk(child))
+    return out

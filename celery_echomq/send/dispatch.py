@@ -1,0 +1,44 @@
+"""Publishing a released parent, once: the ``dispatch`` script decides which process may.
+
+Called where a parent is released: the completion of its last child (``worker/settle.py``),
+a flow with nothing to wait for (``send/start.py``), recovery and the repairs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from celery_echomq import tracing
+from celery_echomq.send.plan import parent_args, valued
+from celery_echomq.send.publish import send_jobs
+from celery_echomq.store.state import EchoMQ
+
+logger = logging.getLogger("celery_echomq")
+
+
+def dispatch_parent(
+    state: EchoMQ,
+    queue: str,
+    parent_id: str,
+    redispatch_after_ms: int = 0,
+    released_by: str = "",
+) -> bool:
+    """Publish a released parent, once: the dispatch script decides who may.
+
+    ``released_by``: the child that released it, the parent's ``parent_id`` (a chord's body
+    is the child of the header task that completed it)."""
+    claimed = state.scripts.dispatch(
+        queue, parent_id, redispatch_after_ms, inline_max=state.settings.chunk_size
+    )
+    if claimed is None:
+        return False
+    payload, stored = claimed
+    job = state.loads(payload)
+    values = [state.loads(stored[cid]) for cid in valued(job) if cid in stored]
+    job["args"] = parent_args(job, values)
+    if released_by:
+        job["options"]["parent_id"] = released_by
+    with tracing.job_context(job):
+        send_jobs(state.app, [job])
+    logger.info("echomq: parent %s dispatched with %d values", parent_id, len(values))
+    return True

@@ -1,0 +1,247 @@
+"""Children added to a flow while its parent is held (``add_children``).
+
+Order of the steps, and what a crash between two of them leaves:
+
+1. ``grow_flow`` on the parent's slot, atomically: the new ids appended to the parent's payload
+   (the order its values reach it in), the counter raised by every new child, the children of
+   the parent's slot written ``pending``, the children of other slots staged in the parent's
+   ``:adding`` hash (their payloads) and the parent put in its queue's ``adding`` set.
+2. For children of other slots: ``add_children`` writes their rows on their own slots (a row
+   that already names this parent is left as it is), then ``grow_done`` unstages them.
+3. Nested flows added as children start (their placeholder rows were written in 1 or 2).
+4. The new leaves are published.
+
+A crash after 1 leaves the parent held by children staged but not written: recovery's pass
+(``unwritten_children``) writes them from the staged payloads and unstages them, a stall
+timeout later. The counter moved once, in 1, so nothing is counted twice however often 2 is
+repeated. A crash after 2 (or a failed publish) leaves rows ``pending`` with their payloads,
+which recovery re-publishes on evidence that their messages are gone, as after ``apply_async``;
+a nested flow whose placeholder is re-published resumes (see ``start.resume_nested``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterable, Sequence
+from contextvars import ContextVar
+from typing import Any, Protocol
+
+from celery import current_app
+
+from celery_echomq.errors import EchoMQError, FlowClosedError, FlowExistsError
+from celery_echomq.send.children import child_signatures
+from celery_echomq.send.ids import refuse_taken
+from celery_echomq.send.plan import Plan, check_depth, child_id, child_queue, plan_children
+from celery_echomq.send.start import publish, start_flow
+from celery_echomq.store.connection import text
+from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
+from celery_echomq.store.keyspace import check_id, check_unique
+from celery_echomq.store.reads import locate
+from celery_echomq.store.replies import Status
+from celery_echomq.store.results import writes_results
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import EchoMQ, get_state
+
+logger = logging.getLogger("celery_echomq")
+
+# How often a concurrent add may rewrite the parent's payload under us before we give up.
+MAX_STALE = 50
+
+
+class InMemoryFlow(Protocol):
+    """A flow run eagerly (``eager.py``), whose parent still waits: it grows in memory."""
+
+    def add(self, sigs: Sequence[Any]) -> list[str]: ...
+
+
+# Eager flows whose parent is still waiting, by parent id, and the parent of the eager child
+# running in this context (what ``add_children()`` without ``parent_id`` adds to). The eager
+# run registers itself here, so that adding to it needs no import of the eager module.
+GROWING: dict[str, InMemoryFlow] = {}
+CURRENT: ContextVar[str | None] = ContextVar("echomq_eager_parent", default=None)
+
+
+def _running_parent() -> ParentRef:
+    """The parent of the flow child whose body is running."""
+    from celery import current_task
+
+    request = getattr(current_task, "request", None)
+    ref = parent_ref(request) if request is not None and getattr(request, H_QUEUE, None) else None
+    if ref is None:
+        raise EchoMQError(
+            "add_children() without parent_id adds siblings of the running flow child, but no "
+            "flow child is running here; pass parent_id= (the flow's id) instead"
+        )
+    return ref
+
+
+def add_children(
+    children: Iterable[Any],
+    parent_id: str | None = None,
+    *,
+    app: Any = None,
+    queue: str | None = None,
+) -> list[str]:
+    """Add ``children`` (a list or group of signatures, flows among them) to a held flow.
+
+    Without ``parent_id``: inside a flow child's body, siblings of that child (children of its
+    parent). With it: children of the flow ``parent_id`` (``queue``: where it lives, when
+    known). Their values reach the parent after the existing children's, in the order added.
+    A child whose id is already one of the flow's children is skipped (a repeated add writes
+    nothing twice). Returns the ids added.
+
+    Raises :class:`FlowClosedError` when the parent no longer waits for children, and the
+    id errors of ``apply_async`` (``KindError``, ``InvalidIdError``, ``DuplicateIdError``,
+    ``FlowExistsError``) for bad ids: in every case nothing is written or published.
+    """
+    if parent_id is not None:
+        check_id(parent_id)
+    sigs = child_signatures(children, app or current_app)
+    # A flow being run eagerly (flow.apply(), task_always_eager) grows in memory.
+    growing = GROWING.get(parent_id or CURRENT.get() or "")
+    if growing is not None:
+        return growing.add(sigs)
+    if parent_id is None:
+        parent = _running_parent()
+        state = get_state(app or current_app)
+    else:
+        state = get_state(app or current_app)
+        parent = ParentRef(parent_id, locate(state, parent_id, queue))
+    return grow(state, parent, sigs)
+
+
+def _closed(parent: ParentRef, state: str) -> FlowClosedError:
+    return FlowClosedError(
+        f"flow {parent.id} is {state}: its parent no longer waits for children, so none can be "
+        "added (nothing was written or published)",
+        parent.id,
+        state,
+    )
+
+
+def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
+    """Plan ``sigs`` as children of ``parent`` and add them (see the module's steps)."""
+    # Every id assigned and gated before anything reaches Redis. Added children go to their
+    # parent's queue unless they name their own.
+    plan = Plan(queue=parent.queue, parent_id=parent.id, parent={})
+    plan_children(
+        state.app,
+        plan,
+        sigs,
+        shared={"queue": parent.queue},
+        child_results=state.settings.child_results,
+        store_results=writes_results(state),
+    )
+    check_unique([parent.id, *(cid for level in plan.levels() for cid in level.child_ids())])
+    if any("nested" in j for j in plan.children):
+        check_depth(plan, state.settings.max_depth, _levels_above(state, parent))
+    keys, client, scripts = state.keys, state.client, state.scripts
+    row_key = keys.job_key(parent.queue, parent.id)
+    for _ in range(MAX_STALE):
+        row_state, payload = client.hmget(row_key, "state", "payload")
+        if row_state != b"awaiting_children" or payload is None:
+            raise _closed(parent, text(row_state) if row_state is not None else "missing")
+        job = state.loads(payload)
+        listed = set(job["children"])
+        fresh = [j for j in plan.children if child_id(j) not in listed]
+        if not fresh:
+            return []
+        local: list[tuple[str, bytes, str]] = []
+        remote: list[tuple[str, bytes, str]] = []
+        for j in fresh:
+            cid = child_id(j)
+            row = (cid, state.dumps(j), plan.child_policies.get(cid, ""))
+            (local if child_queue(j) == parent.queue else remote).append(row)
+        _refuse_taken(state, [j for j in fresh if child_queue(j) != parent.queue])
+        refuse_taken(state, {child_id(j): child_queue(j) for j in fresh})
+        queues = {parent.queue, *(child_queue(j) for j in fresh)}
+        queues.update(lv.queue for j in fresh if "nested" in j for lv in _levels(j))
+        queues.update(
+            child_queue(c) for j in fresh if "nested" in j for lv in _levels(j) for c in lv.children
+        )
+        # Before the rows land, as in start_flow: recovery must find their queues.
+        client.sadd(keys.queues_key(), *sorted(queues))
+        job["children"] = [*job["children"], *(child_id(j) for j in fresh)]
+        status, counter = scripts.grow_flow(
+            parent, hashlib.sha1(payload).hexdigest(), state.dumps(job), local, remote
+        )
+        if status is Status.ADDED:
+            break
+        if status is not Status.STALE:
+            raise _closed(parent, str(status))
+    else:
+        raise EchoMQError(
+            f"flow {parent.id}: its children kept changing under {MAX_STALE} attempts to add "
+            "to them; nothing was added"
+        )
+    if remote:
+        write_staged(state, parent, [(cid, p, pol) for cid, p, pol in remote])
+    for j in fresh:
+        if "nested" in j:
+            start_flow(state, Plan.from_dict(j["nested"]))
+    leaves = [j for j in fresh if "nested" not in j]
+    if leaves:
+        publish(state.app, leaves)
+    logger.info(
+        "echomq: %d children added to flow %s (%d on other queues); counter %d",
+        len(fresh),
+        parent.id,
+        len(remote),
+        counter,
+    )
+    return [child_id(j) for j in fresh]
+
+
+def _levels_above(state: EchoMQ, parent: ParentRef) -> int:
+    """How many flows ``parent`` is nested in, read up its rows' stored headers."""
+    above, ref = 0, parent
+    while above <= state.settings.max_depth:
+        payload = state.client.hget(state.keys.job_key(ref.queue, ref.id), "payload")
+        headers = (
+            (state.loads(payload).get("options") or {}).get("headers") or {} if payload else {}
+        )
+        outer = headers.get(H_PARENT)
+        if not outer:
+            break
+        above += 1
+        ref = ParentRef(str(outer), str(headers.get(H_PARENT_QUEUE) or ref.queue))
+    return above
+
+
+def _levels(job: dict[str, Any]) -> list[Plan]:
+    return list(Plan.from_dict(job["nested"]).levels())
+
+
+def _refuse_taken(state: EchoMQ, remote: list[dict[str, Any]]) -> None:
+    """A child of another slot whose id another flow already uses is refused here, before the
+    parent's step: grow_flow can check only its own slot's rows."""
+    if not remote:
+        return
+    pipe = state.client.pipeline(transaction=False)
+    for j in remote:
+        pipe.exists(state.keys.job_key(child_queue(j), child_id(j)))
+    for j, there in zip(remote, pipe.execute(), strict=True):
+        if there:
+            raise FlowExistsError(
+                f"job id {child_id(j)!r} already exists in Redis; a flow never overwrites a "
+                "job (nothing was written or published)"
+            )
+
+
+def write_staged(state: EchoMQ, parent: ParentRef, staged: list[tuple[str, bytes, str]]) -> None:
+    """Write children of other slots staged on ``parent``'s slot, then unstage them.
+
+    Idempotent: add_children leaves a row that already names this parent as it is, and
+    grow_done only removes. What the host runs right after grow_flow, and recovery after a
+    crash.
+    """
+    by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
+    for cid, payload, policy in staged:
+        by_queue.setdefault(child_queue(state.loads(payload)), []).append((cid, payload, policy))
+    chunk = state.settings.chunk_size
+    for queue, rows in by_queue.items():
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            state.scripts.add_children(queue, parent, part)
+            state.scripts.grow_done(parent, [cid for cid, _, _ in part])

@@ -1,0 +1,400 @@
+"""Any canvas as a tree of flows whose parents are single tasks: what a flow takes where a
+chord takes a canvas, in the only shape the store holds (a held row per parent).
+
+- a group among the children is unrolled into its tasks (nested groups flattened), as a
+  chord's header is;
+- a chain ``a | b | c`` is a nested flow whose parent is ``c``, held on a one-child flow
+  whose parent is ``b``, held on ``a``: each step is a held row, and takes its single
+  child's value as is (``single``), not as a list;
+- a chord child ``chord(header, body)`` is ``flow(body, header)``;
+- a parent that fans out (a group, a chord or a flow) is held as the *spread* task: once
+  released, it adds that canvas's children, each given the values, to the flow whose
+  parent stands for the canvas's own parent (``spread`` below). A group parent's own
+  parent is *collect*, which returns the list of its children's values as is.
+
+Every id of the tree is assigned here, including the ids of what a spread will add, so a
+spread delivered twice adds the same jobs, which the second time are already there.
+Pure: nothing here touches Redis or the broker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.canvas import Signature, _chain, _chord, group, maybe_signature
+from celery.utils.functional import maybe_list
+
+from celery_echomq.store.keyspace import new_job_id
+
+FLOW_TASK = "celery_echomq.flow"
+# The tasks a flow whose parent is a canvas runs (send/tasks.py registers them).
+SPREAD_TASK = "celery_echomq.spread"
+COLLECT_TASK = "celery_echomq.collect"
+
+CALLBACKS = ("link", "link_error")
+
+
+def merge_callbacks(own: Any, given: Any) -> list[Any]:
+    """A signature's own callbacks, then those it was sent with, each once."""
+    merged: list[Any] = []
+    for callback in [*(maybe_list(own) or ()), *(maybe_list(given) or ())]:
+        if callback not in merged:
+            merged.append(callback)
+    return merged
+
+
+# Options of a chain, group or chord that are its own, not handed down to its tasks.
+_OWN = frozenset(
+    "task_id group_id group_index chord parent_policy subtask_type link link_error chain "  # noqa: SIM905
+    "reply_to root_id parent_id echomq_silent".split()
+)
+
+
+def is_task(sig: Any) -> bool:
+    """A single task's signature (not a chain, group, chord or flow)."""
+    return type(sig) is Signature or (
+        isinstance(sig, Signature)
+        and not isinstance(sig, (_chain, _chord, group))
+        and getattr(sig, "subtask_type", None) != "flow"
+    )
+
+
+def _options_of(sig: Signature) -> dict[str, Any]:
+    return {k: v for k, v in sig.options.items() if k not in _OWN}
+
+
+def _task(sig: Signature, inherited: dict[str, Any], task_id: Any = None) -> Signature:
+    """A copy of a task with an id of its own and the options of the canvases around it."""
+    copy = sig.clone()
+    for key, value in inherited.items():
+        copy.options.setdefault(key, value)
+    if task_id is not None:
+        copy.options.setdefault("task_id", task_id)
+    copy.options.setdefault("task_id", new_job_id())
+    return copy
+
+
+def _flow(
+    parent: Signature,
+    children: list[Signature],
+    inherited: dict[str, Any],
+    *,
+    policy: str = "fail",
+    single: bool = False,
+    timing: dict[str, Any] | None = None,
+) -> Signature:
+    # Made from its registered type (canvas.flow), as its JSON would be: this module comes
+    # before the signature class in the package's imports.
+    node = Signature.from_dict(
+        {
+            "task": FLOW_TASK,
+            "subtask_type": "flow",
+            "args": (),
+            "kwargs": {
+                "parent": parent,
+                "children": children,
+                "policy": policy,
+                "single": single,
+                **(timing or {}),
+            },
+            "options": {**inherited, "task_id": parent.options["task_id"]},
+            "immutable": False,
+        },
+        app=parent._app,
+    )
+    return node
+
+
+def is_normal(sig: Any) -> bool:
+    """A task, or a flow whose parent is a task and whose children are normal: planned as
+    it is (what this module makes, and the common case)."""
+    if is_task(sig):
+        return True
+    return (
+        getattr(sig, "subtask_type", None) == "flow"
+        and is_task(sig.parent)
+        and all(map(is_normal, sig.children))
+    )
+
+
+def expand(children: list[Any], app: Any) -> list[Signature]:
+    """Children as the flow children they stand for: tasks and normal flows as they are."""
+    out: list[Signature] = []
+    for child in children:
+        if is_normal(child):
+            out.append(child)
+        else:
+            out.extend(as_children(child, app, {}))
+    return out
+
+
+def normal_flow(sig: Any) -> tuple[Any, str]:
+    """A flow as a normal one (itself when it is), and the id of its fan-in: the job that
+    holds its own children, whose reads (``children_values()`` and the rest) are the flow's."""
+    app = sig._get_app()
+    if is_normal(sig):
+        return sig, ""
+    kids = [n for c in sig.children for n in as_children(c, app, {})]
+    node, fan = _held(sig.parent, kids, app, {}, **_as_flow(sig))
+    node.args = tuple(sig.args)
+    node.immutable = sig.immutable
+    for key, value in sig.options.items():
+        if key in CALLBACKS and key in node.options:
+            node.options[key] = merge_callbacks(node.options[key], value)
+        elif key != "task_id":
+            node.options.setdefault(key, value)
+    return node, fan
+
+
+def _with_callbacks(parent: Signature, held: tuple[Signature, str]) -> tuple[Signature, str]:
+    """A canvas parent's own callbacks on the flow that stands for it: ``link`` runs with its
+    value, ``link_error`` once if any part of it (or what it waits for) fails."""
+    node = held[0]
+    for key in CALLBACKS:
+        if key in parent.options:
+            node.options[key] = merge_callbacks(node.options.get(key), parent.options[key])
+    return held
+
+
+def _own(sig: Signature) -> Any:
+    return sig.options.get("task_id")
+
+
+def _as_flow(sig: Any) -> dict[str, Any]:
+    """What a flow hands the job that holds its own children: its policy, whether it takes
+    one value, its id, and its deadline options (kept by that job)."""
+    timing = {k: sig.kwargs[k] for k in ("deadline", "on_deadline") if k in sig.kwargs}
+    return {"policy": sig.policy, "single": sig.single, "own_id": _own(sig), "timing": timing}
+
+
+def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature]:
+    """A child canvas as the flow children it stands for (a group: one per task)."""
+    sig = maybe_signature(sig, app=app)
+    policy = sig.options.get("parent_policy")
+    if isinstance(sig, group):
+        mine = {**inherited, **_options_of(sig)}
+        nodes = [node for task in _group_tasks(sig) for node in as_children(task, app, mine)]
+    elif is_task(sig):
+        return [_task(sig, inherited)]
+    elif isinstance(sig, _chain) and not sig.tasks:
+        return []  # an empty chain is nothing to wait for, as in a chord's header
+    elif isinstance(sig, _chain) and len(sig.tasks) == 1:
+        nodes = as_children(sig.tasks[0], app, {**inherited, **_options_of(sig)})
+    else:
+        nodes = [as_node(sig, app, inherited)]
+    if policy is not None:
+        for node in nodes:
+            node.options.setdefault("parent_policy", policy)
+    return nodes
+
+
+def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
+    """A chain, chord or flow as one flow whose parent is a single task."""
+    mine = {**inherited, **_options_of(sig)}
+    if isinstance(sig, _chain):
+        steps = [maybe_signature(s, app=app) for s in sig.tasks]
+        if not steps:
+            raise ValueError("a chain among a flow's children has no tasks")
+        first = as_children(steps[0], app, mine)
+        if len(steps) == 1 and len(first) == 1:
+            return first[0]
+        return _chain_on(steps[1:], first, _fans(steps[0]), app, mine, _own(sig))[0]
+    if isinstance(sig, _chord):
+        if sig.body is None:
+            raise ValueError("a chord among a flow's children has no body")
+        header = [n for t in _header(sig, app) for n in as_children(t, app, mine)]
+        return _held(sig.body, header, app, mine, own_id=_own(sig))[0]
+    if getattr(sig, "subtask_type", None) == "flow":
+        kids = [n for c in sig.children for n in as_children(c, app, mine)]
+        node, _ = _held(sig.parent, kids, app, mine, **_as_flow(sig))
+        if sig.options.get("echomq_silent"):
+            node.options["echomq_silent"] = True
+        return node
+    raise TypeError(f"{sig!r:.80} is not a task, a chain, a group, a chord or a flow")
+
+
+def _group_tasks(sig: group) -> list[Any]:
+    return [maybe_signature(t, app=sig._app) for t in sig.tasks]
+
+
+def _header(sig: _chord, app: Any) -> list[Any]:
+    tasks = sig.tasks
+    if isinstance(tasks, group):
+        return _group_tasks(tasks)
+    return [maybe_signature(t, app=app) for t in tasks]
+
+
+def _fans(sig: Any) -> bool:
+    """Whether a step's value is the list of a group's values, not a single value."""
+    return isinstance(maybe_signature(sig), group)
+
+
+def _chain_on(
+    steps: list[Any],
+    children: list[Signature],
+    fans: bool,
+    app: Any,
+    inherited: dict[str, Any],
+    own_id: Any,
+) -> tuple[Signature, str]:
+    """Each of ``steps`` held on the one before it, the first on ``children`` (the values of
+    a group when ``fans``, else one value taken as is). Returns the last step's node and the
+    id of the first step's fan-in."""
+    node, fan = _held(
+        steps[0],
+        children,
+        app,
+        inherited,
+        single=not fans,
+        own_id=own_id if len(steps) == 1 else None,
+    )
+    for i, step in enumerate(steps[1:], 2):
+        node, _ = _held(
+            step,
+            [node],
+            app,
+            inherited,
+            single=not _fans(steps[i - 2]),
+            own_id=own_id if i == len(steps) else None,
+        )
+    return node, fan
+
+
+def _held(
+    parent: Any,
+    children: list[Signature],
+    app: Any,
+    inherited: dict[str, Any],
+    *,
+    policy: str = "fail",
+    single: bool = False,
+    own_id: Any = None,
+    timing: dict[str, Any] | None = None,
+) -> tuple[Signature, str]:
+    """A flow whose value is ``parent``'s, ``parent`` given ``children``'s values (the one
+    value as is, when ``single``); and the id of the job that holds ``children``.
+
+    ``own_id``: the id the canvas was given, which its value's job takes.
+    """
+    parent = maybe_signature(parent, app=app)
+    if is_task(parent):
+        task = _task(parent, inherited, own_id)
+        node = _flow(task, children, inherited, policy=policy, single=single, timing=timing)
+        return node, str(task.options["task_id"])
+    mine = {**inherited, **_options_of(parent)}
+    own_id = own_id if own_id is not None else _own(parent)
+    if isinstance(parent, _chain):
+        steps = [maybe_signature(s, app=app) for s in parent.tasks]
+        node, fan = _held(
+            steps[0],
+            children,
+            app,
+            mine,
+            policy=policy,
+            single=single,
+            own_id=own_id if len(steps) == 1 else None,
+            timing=timing,
+        )
+        if len(steps) == 1:
+            return _with_callbacks(parent, (node, fan))
+        top = _chain_on(steps[1:], [node], _fans(steps[0]), app, mine, own_id)[0]
+        return _with_callbacks(parent, (top, fan))
+    if isinstance(parent, group):
+        collect = app.signature(COLLECT_TASK)
+        collect.options["task_id"] = own_id or new_job_id()
+        fanned = _group_tasks(parent)
+        return _with_callbacks(
+            parent,
+            _spread(collect, fanned, "fail", children, app, mine, policy, single, timing=timing),
+        )
+    if isinstance(parent, _chord):
+        if parent.body is None:
+            raise ValueError("a chord as a flow's parent has no body")
+        body = maybe_signature(parent.body, app=app)
+        fanned = _header(parent, app)
+        held = _spread(
+            body, fanned, "fail", children, app, mine, policy, single, own_id=own_id, timing=timing
+        )
+        return _with_callbacks(parent, held)
+    if getattr(parent, "subtask_type", None) == "flow":
+        return _with_callbacks(
+            parent,
+            _spread(
+                parent.parent,
+                parent.children,
+                parent.policy,
+                children,
+                app,
+                mine,
+                policy,
+                single,
+                args=list(parent.args),
+                immutable=parent.immutable,
+                own_id=own_id,
+                timing=timing,
+                own_timing=_as_flow(parent)["timing"],
+            ),
+        )
+    raise TypeError(
+        f"flow parent {parent!r:.80} is not a task, a chain, a group, a chord or a flow"
+    )
+
+
+def _spread(
+    own_parent: Any,
+    fanned: list[Any],
+    fanned_policy: str,
+    children: list[Signature],
+    app: Any,
+    inherited: dict[str, Any],
+    policy: str,
+    single: bool,
+    *,
+    args: list[Any] | None = None,
+    immutable: bool = False,
+    own_id: Any = None,
+    timing: dict[str, Any] | None = None,
+    own_timing: dict[str, Any] | None = None,
+) -> tuple[Signature, str]:
+    """``own_parent`` held on ``fanned``, each of which gets ``children``'s values: the spread
+    task is held on ``children`` and, once released, adds ``fanned`` (their ids assigned
+    now) under ``own_parent``."""
+    fanned_nodes = [n for f in fanned for n in as_children(f, app, inherited)]
+    spread = app.signature(
+        SPREAD_TASK,
+        kwargs={"children": [_plain(n) for n in fanned_nodes], "args": list(args or ())},
+        immutable=immutable,
+    )
+    spread.options["task_id"] = new_job_id()
+    # The fanned tasks' own errbacks run if the fan-in fails (they never run then), as a
+    # chord calls its body's errbacks when its header fails.
+    errbacks = [
+        e for f in fanned if is_task(f) for e in (maybe_list(f.options.get("link_error")) or [])
+    ]
+    if errbacks:
+        spread.options["link_error"] = merge_callbacks(None, errbacks)
+    spreader = _flow(spread, children, inherited, policy=policy, single=single, timing=timing)
+    # The spread's own value is not among the values ``own_parent`` gets (echomq_silent),
+    # and a failure of the fan-in fails the whole canvas, whatever ``fanned_policy`` says.
+    spreader.options["parent_policy"] = "fail"
+    spreader.options["echomq_silent"] = True
+    node, _ = _held(
+        own_parent,
+        [spreader],
+        app,
+        inherited,
+        policy=fanned_policy,
+        own_id=own_id,
+        timing=own_timing,
+    )
+    return node, str(spread.options["task_id"])
+
+
+def _plain(value: Any) -> Any:
+    """A signature as plain dicts and lists all the way down: what its message carries, and
+    what a stored plan may copy (a Signature cannot be rebuilt from a generator of items)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value

@@ -1,0 +1,148 @@
+"""A job's stored message, as its row keeps it, and the one way to read it back.
+
+A row keeps its job either whole (the ``payload`` field: a parent, a nested flow's entry, a
+child written by add_children or grow, and every row an earlier version wrote), or, for a
+child written in one enqueue_flow step with its siblings, as what differs (the ``delta``
+field) from the template on its parent's row (``template``; see :func:`child_template`).
+Every reader of a stored job (recovery's re-publish, retry, show) goes through
+:func:`load_job`, which accepts both forms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+from celery_echomq.store.connection import text
+
+
+class Delta(NamedTuple):
+    """A child's stored job as what differs from its flow's template."""
+
+    data: bytes  # the encoded delta
+    parent: str  # the parent whose row (on the child's own slot) holds the template
+
+
+def join_job(template: dict[str, Any], delta: dict[str, Any], job_id: str) -> dict[str, Any]:
+    """The job dict a child was stored as: ``template`` with ``delta`` over it, and its own
+    id (the template's task_id is a None placeholder that keeps the options' order)."""
+    job = {**template, **delta}
+    job["options"] = {**job["options"], "task_id": job_id}
+    return job
+
+
+# What a row keeps of its job: the encoded job dict, or a delta.
+Stored = bytes | Delta
+
+# The row fields :func:`stored_of` takes, in order.
+STORED_FIELDS = ("payload", "delta", "parent")
+
+
+class TemplateMissingError(LookupError):
+    """A child's delta whose flow's template is gone (its parent's row expired or deleted)."""
+
+
+def stored_of(payload: Any, delta: Any = None, parent: Any = None) -> Stored | None:
+    """The stored job from a row's ``payload``, ``delta`` and ``parent`` fields (as Redis
+    replies them; a script's missing field may come as False or ''); None when it keeps none."""
+    if payload:
+        return payload if isinstance(payload, bytes) else str(payload).encode()
+    if delta and parent:
+        data = delta if isinstance(delta, bytes) else str(delta).encode()
+        return Delta(data, text(parent))
+    return None
+
+
+def read_stored(state: Any, queue: str, job_id: str) -> Stored | None:
+    """The stored job of ``job_id``'s row on ``queue``, or None."""
+    return stored_of(*state.client.hmget(state.keys.job_key(queue, job_id), STORED_FIELDS))
+
+
+def read_template(state: Any, queue: str, parent_id: str) -> bytes | None:
+    """The encoded template on a parent's row, or None."""
+    raw = state.client.hget(state.keys.job_key(queue, parent_id), "template")
+    return raw if isinstance(raw, bytes) or raw is None else str(raw).encode()
+
+
+def load_job(
+    state: Any,
+    queue: str,
+    job_id: str,
+    stored: Stored,
+    templates: dict[str, bytes | None] | None = None,
+) -> Any:
+    """The job dict ``stored`` keeps (whatever the app's serializer decodes it to).
+
+    A delta is joined with its flow's template, read from the parent's row on ``queue`` (the
+    child's own) unless ``templates`` (parent id -> encoded template, filled in as read)
+    already holds it. Raises what :meth:`EchoMQ.loads` raises for content the app does not
+    accept, :class:`TemplateMissingError` when the template is gone, and ``ValueError`` for a
+    template or delta that is not a dict.
+    """
+    if not isinstance(stored, Delta):
+        return state.loads(stored)
+    if templates is not None and stored.parent in templates:
+        raw = templates[stored.parent]
+    else:
+        raw = read_template(state, queue, stored.parent)
+        if templates is not None:
+            templates[stored.parent] = raw
+    if raw is None:
+        raise TemplateMissingError(f"the template of flow {stored.parent} on {queue} is gone")
+    # Decoded afresh for each child: no two jobs share a mutable value.
+    template, delta = state.loads(raw), state.loads(stored.data)
+    if not isinstance(template, dict) or not isinstance(delta, dict):
+        raise ValueError(f"the stored job of {job_id} on {queue} is not a job")
+    return join_job(template, delta, job_id)
+
+
+# A child's stored job, compact: the children a flow writes in one enqueue_flow step share
+# one template (the job dict of the first of them, without its task_id), kept on their
+# parent's row; each child's row keeps only what differs from it (its ``delta``), so that
+# the row stays small enough for Redis's compact hash encoding. Its task_id is the row's own
+# id (the template keeps the task_id key, as None, so a joined job's options keep their
+# order). A nested flow's entry, and children written by other steps, keep their full payload.
+_SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, and encoded alike by any serializer: same types (1, 1.0 and True are not the
+    same argument), same key order; a value of another type never counts as the same."""
+    kind = type(a)
+    if kind is not type(b):
+        return False
+    if kind in _SCALARS:
+        return bool(a == b)
+    if kind is list or kind is tuple:
+        return len(a) == len(b) and all(map(_same, a, b))
+    if kind is dict:
+        return list(a) == list(b) and all(_same(v, b[k]) for k, v in a.items())
+    return False
+
+
+def child_template(jobs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The template a level's children are stored against: the first child job's dict
+    without its task_id; None when the level has no child job (only nested flows)."""
+    for job in jobs:
+        if "nested" not in job:
+            return {**job, "options": {**job["options"], "task_id": None}}
+    return None
+
+
+def job_delta(template: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] | None:
+    """What ``job`` differs from ``template`` in (its task_id aside): the fields to store in
+    its row. None when it is not told that way (a nested flow's entry): store it whole."""
+    if "nested" in job or list(job) != list(template):
+        return None
+    delta: dict[str, Any] = {}
+    for key, value in job.items():
+        if key == "options":
+            # The template's task_id is a placeholder: every other option compared.
+            mine = template["options"]
+            if list(value) != list(mine) or not all(
+                k == "task_id" or _same(v, mine[k]) for k, v in value.items()
+            ):
+                delta[key] = {**value, "task_id": None}
+        elif not _same(value, template[key]):
+            delta[key] = value
+    return delta

@@ -1,0 +1,306 @@
+"""Connecting to the flow store, and riding through a failover.
+
+``make_client`` turns the settings into a redis-py client: ``redis://``, ``rediss://`` and
+``redis+socket://`` URLs as they are, ``redis+cluster://`` as a ``RedisCluster``, and Celery's
+``sentinel://`` form through ``redis.sentinel.Sentinel(...).master_for(...)``.
+
+Every client retries a command that meets a connection error, a timeout, a ``READONLY`` reply
+(a primary demoted under us) or a loading dataset (a primary restarted), with capped
+exponential backoff and jitter, until ``echomq_store_retry_timeout`` has passed since the
+command started: a Sentinel or Cluster failover takes seconds, and a worker's transition or a
+producer's enqueue waits for it instead of failing. Resending a command whose first attempt
+may have been applied is safe because every command celery-echomq sends is idempotent: the
+transition scripts check the job's state and token before they write (see scripts.py), and the
+plain commands are SET, HSET, SADD, ZREM or DEL of fixed values (a statistics counter may
+count one event twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast, overload
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import (
+    AuthenticationError,
+    AuthorizationError,
+    ClusterDownError,
+    MasterDownError,
+    ReadOnlyError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+from redis.retry import Retry
+
+from celery_echomq.config import Settings, missing_url_error, parse_sentinel_url, safe_url
+
+logger = logging.getLogger("celery_echomq.store")
+# A worker's logging shows the retry notice; where nothing is configured (a CLI command), it is
+# not printed to stderr ahead of the command's own one-line error.
+logger.addHandler(logging.NullHandler())
+
+T = TypeVar("T")
+
+# What a failover looks like from a client: the old primary refuses or drops connections, a
+# demoted primary answers READONLY, a restarted one answers LOADING (a ConnectionError in
+# redis-py), and Sentinel names no primary for a moment (MasterNotFoundError, also one).
+RETRYABLE: tuple[type[Exception], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    socket.timeout,
+    ReadOnlyError,
+)
+# A Redis Cluster adds: no slot owner while a replica is being promoted, and the cluster-wide
+# CLUSTERDOWN a failed master causes until then.
+CLUSTER_RETRYABLE: tuple[type[Exception], ...] = (
+    *RETRYABLE,
+    ClusterDownError,
+    MasterDownError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
+
+# Defaults for the store's sockets: without a timeout a command to a primary that vanished
+# from the network (rather than crashed) would hang forever instead of failing over.
+SOCKET_TIMEOUT = 30.0
+SOCKET_CONNECT_TIMEOUT = 5.0
+SENTINEL_SOCKET_TIMEOUT = 2.0
+
+_local = threading.local()
+
+
+@overload
+def text(value: None) -> None: ...
+@overload
+def text(value: Any) -> str: ...
+def text(value: Any) -> str | None:
+    """A reply from Redis as text (bytes decoded as UTF-8); None stays None."""
+    if value is None:
+        return None
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def retries_here() -> int:
+    """How many times a command was resent in this thread so far (a monotonic count).
+
+    A caller compares it before and after a call to learn whether its command may have been
+    applied by an attempt whose reply was lost.
+    """
+    return int(getattr(_local, "retries", 0))
+
+
+def backoff(failures: int, base: float = 0.05, cap: float = 1.0) -> float:
+    """Seconds to wait before attempt ``failures + 1``: exponential, capped, half jittered
+    (many workers retrying at once should not reach the new primary in lock step)."""
+    delay = min(cap, base * 2.0 ** max(0, failures - 1))
+    return delay / 2 + random.uniform(0, delay / 2)
+
+
+def call_until(
+    timeout: float,
+    do: Callable[[], T],
+    retryable: tuple[type[Exception], ...],
+    on_failure: Callable[[Exception], None] | None = None,
+) -> T:
+    """``do()``, retried on ``retryable`` errors with backoff for up to ``timeout`` seconds;
+    then the last error is raised.
+
+    Inside ``do()`` every other retry loop of this module makes one attempt only, so a
+    command is bounded by the outermost loop's ``timeout``, not by a product of nested ones.
+    """
+    deadline = time.monotonic() + timeout
+    failures = 0
+    while True:
+        outer = getattr(_local, "inside", False)
+        _local.inside = True
+        try:
+            return do()
+        except retryable as exc:
+            if isinstance(exc, (AuthenticationError, AuthorizationError)):
+                raise  # a wrong password or user is not a failover: no waiting it out
+            failures += 1
+            if on_failure is not None:
+                on_failure(exc)
+            delay = backoff(failures)
+            if time.monotonic() + delay > deadline:
+                raise
+            if failures == 1:
+                logger.warning(
+                    "echomq: flow store unavailable (%s: %s); retrying for up to %.0f s",
+                    type(exc).__name__,
+                    exc,
+                    timeout,
+                )
+            _local.retries = retries_here() + 1
+            time.sleep(delay)
+        finally:
+            _local.inside = outer
+
+
+class DeadlineRetry(Retry):
+    """redis-py's ``Retry`` bounded by time rather than by a count of attempts.
+
+    A connection retries both its connect and the command that needed it through the same
+    object; only the outermost call in a thread loops, so the whole command, reconnect
+    included, is bounded by ``timeout``.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        super().__init__(NoBackoff(), -1, RETRYABLE)
+        self.timeout = timeout
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DeadlineRetry) and other.timeout == self.timeout
+
+    __hash__ = Retry.__hash__
+
+    def call_with_retry(
+        self,
+        do: Callable[[], T],
+        fail: Callable[..., Any],
+        is_retryable: Callable[[Exception], bool] | None = None,
+        with_failure_count: bool = False,
+    ) -> T:
+        failures = 0
+
+        def failed(exc: Exception) -> None:
+            nonlocal failures
+            if is_retryable is not None and not is_retryable(exc):
+                raise exc
+            failures += 1
+            # redis-py's callback disconnects, so the next attempt reconnects (through
+            # Sentinel: to whichever primary it names now).
+            if with_failure_count:
+                fail(exc, failures)
+            else:
+                fail(exc)
+
+        if getattr(_local, "inside", False):
+            # An outer loop retries: one attempt, and the connection closed if it failed.
+            try:
+                return do()
+            except self._supported_errors as exc:
+                failed(exc)
+                raise
+        return call_until(self.timeout, do, self._supported_errors, failed)
+
+
+class RetryingCluster(RedisCluster):
+    """A ``RedisCluster`` whose commands ride through a master's failover.
+
+    redis-py's cluster client retries a failed command a few times at once, re-reading the
+    slot map each time, which is over long before a replica is promoted (after
+    ``cluster-node-timeout``); this retries the whole command with backoff until
+    ``retry_timeout`` has passed.
+    """
+
+    retry_timeout: float = 20.0
+
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        run = super().execute_command
+        if getattr(_local, "inside", False):
+            return run(*args, **kwargs)  # type: ignore[no-untyped-call]
+        return call_until(
+            self.retry_timeout,
+            lambda: run(*args, **kwargs),  # type: ignore[no-untyped-call]
+            CLUSTER_RETRYABLE,
+        )
+
+
+def _connection_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
+    """redis-py connection arguments from the transport options (see config.TRANSPORT_OPTIONS)."""
+    kwargs: dict[str, Any] = {
+        "socket_timeout": SOCKET_TIMEOUT,
+        "socket_connect_timeout": SOCKET_CONNECT_TIMEOUT,
+    }
+    for name in ("socket_timeout", "socket_connect_timeout", "socket_keepalive"):
+        if options.get(name) is not None:
+            kwargs[name] = options[name]
+    for name in ("username", "password"):
+        if options.get(name):
+            kwargs[name] = options[name]
+    ssl = options.get("ssl")
+    if ssl:
+        kwargs["ssl"] = True
+        if isinstance(ssl, Mapping):
+            kwargs.update(ssl)
+    return kwargs
+
+
+def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
+    from redis.sentinel import Sentinel
+
+    options = settings.transport_options
+    url = parse_sentinel_url(settings.redis_url or "")
+    sentinel_kwargs: dict[str, Any] = dict(options.get("sentinel_kwargs") or {})
+    sentinel_kwargs.setdefault("socket_timeout", SENTINEL_SOCKET_TIMEOUT)
+    sentinel_kwargs.setdefault("socket_connect_timeout", SENTINEL_SOCKET_TIMEOUT)
+    # One try per Sentinel per discovery: a Sentinel that is down is skipped at once, and the
+    # store's own retry (above) asks them all again after a backoff.
+    sentinel_kwargs.setdefault("retry", Retry(NoBackoff(), 0))
+    # The URL's user and password are the primary's (as in Celery); the transport options'
+    # win when both are given.
+    if url.username and "username" not in kwargs:
+        kwargs["username"] = url.username
+    if url.password and "password" not in kwargs:
+        kwargs["password"] = url.password
+    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+        list(url.hosts),
+        min_other_sentinels=int(options.get("min_other_sentinels") or 0),
+        sentinel_kwargs=sentinel_kwargs,
+    )
+    return sentinel.master_for(  # type: ignore[no-any-return,no-untyped-call]
+        str(options["master_name"]),
+        redis_class=redis.Redis,
+        db=url.db,
+        retry=DeadlineRetry(settings.store_retry_timeout),
+        health_check_interval=30,
+        **kwargs,
+    )
+
+
+def make_client(settings: Settings | str) -> Any:
+    """A redis-py client for the flow store that ``settings`` (or a bare URL) names."""
+    if isinstance(settings, str):
+        settings = Settings(redis_url=settings)
+    url = settings.redis_url
+    if url is None:
+        raise missing_url_error()
+    kwargs = _connection_kwargs(settings.transport_options)
+    if url.startswith("sentinel://"):
+        return _sentinel_client(settings, kwargs)
+    if url.startswith("redis+cluster://"):
+        cluster = cast(
+            RetryingCluster,
+            RetryingCluster.from_url("redis://" + url[len("redis+cluster://") :], **kwargs),
+        )
+        cluster.retry_timeout = settings.store_retry_timeout
+        return cluster
+    if url.startswith("redis+socket://"):
+        url = "unix://" + url[len("redis+socket://") :]
+    # A plain URL says TLS by its scheme; the transport options' ssl=True upgrades redis://.
+    if kwargs.pop("ssl", False) and url.startswith("redis://"):
+        url = "rediss://" + url[len("redis://") :]
+    if url.startswith("unix://"):
+        kwargs = {k: v for k, v in kwargs.items() if not k.startswith("ssl_")}
+    return redis.Redis.from_url(
+        url,
+        retry=DeadlineRetry(settings.store_retry_timeout),
+        health_check_interval=30,
+        **kwargs,
+    )
+
+
+def describe(settings: Settings) -> str:
+    """Where the store is, for messages: the URL with its passwords masked, and the Sentinel
+    service name when there is one."""
+    where = safe_url(settings.redis_url or "(no Redis URL)")
+    master = settings.transport_options.get("master_name")
+    return f"{where} (master {master})" if master and where.startswith("sentinel://") else where

@@ -1,0 +1,178 @@
+"""The deadline scripts (``lua/deadline*.lua``, ``lua/retry_deadline.lua``) as typed calls.
+
+Each builds its KEYS through the keyspace gate and runs through the store's script runner
+(EVALSHA, a resend through a failover, WAIT for replicas where that is set).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_echomq.store.codec import Stored, stored_of
+from celery_echomq.store.connection import text
+from celery_echomq.store.state import EchoMQ
+
+INDEX = "deadlines"  # the per-queue index: parent id -> when its deadline passes (ms)
+
+
+def index_key(state: EchoMQ, queue: str) -> str:
+    return state.keys.queue_key(queue, INDEX)
+
+
+@dataclass(frozen=True)
+class Fired:
+    """What deadline.lua answered for one flow."""
+
+    status: str  # failed, released, fired, early, stale, moot, missing, noop
+    due_ms: int = 0
+    fired_ms: int = 0
+    cut: tuple[str, ...] = ()  # children cut on the parent's slot
+    running: tuple[str, ...] = ()  # children still running there (active, held nested flows)
+    remote: tuple[str, ...] = ()  # unsettled children of other slots
+    outcome: str = ""  # for "fired": what it was ("failed" or "released"); for "moot": state
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def outstanding(self) -> tuple[str, ...]:
+        return (*self.cut, *self.running, *self.remote)
+
+
+def arm(state: EchoMQ, queue: str, parent_id: str, kind: str, ms: int, outer: str = "") -> int:
+    """Arm ``parent_id``'s deadline (before its level is enqueued); the index score."""
+    keys = [state.keys.job_key(queue, parent_id), index_key(state, queue)]
+    reply = state.scripts._run("deadline_arm", keys, [parent_id, kind, str(ms), outer])
+    return int(reply[1])
+
+
+def disarm(state: EchoMQ, armed: Sequence[tuple[str, str]]) -> None:
+    """Take back the arms ``(queue, parent id)`` of a flow that was refused (nothing of it
+    was written)."""
+    for queue, parent_id in armed:
+        state.client.zrem(index_key(state, queue), parent_id)
+
+
+def fire(
+    state: EchoMQ,
+    queue: str,
+    parent_id: str,
+    payload_sha: str,
+    on_deadline: str,
+    local: Sequence[str],
+    remote: Sequence[str],
+) -> Fired:
+    """Run deadline.lua for one flow whose entry came due."""
+    keys_ = state.keys
+    deps, processed, ignored = keys_.flow_keys(queue, parent_id)
+    keys = [
+        keys_.job_key(queue, parent_id),
+        deps,
+        processed,
+        ignored,
+        keys_.settled_key(queue, parent_id),
+        keys_.queue_key(queue, "pending"),
+        keys_.queue_key(queue, "failed"),
+        keys_.queue_key(queue, "counters"),
+        index_key(state, queue),
+        *(keys_.job_key(queue, cid) for cid in local),
+    ]
+    argv = [
+        parent_id,
+        payload_sha,
+        on_deadline,
+        str(state.settings.result_ttl),
+        str(state.settings.stall_ms),
+        str(len(local)),
+        *local,
+        *remote,
+    ]
+    reply = [text(item) or "" for item in state.scripts._run("deadline", keys, argv)]
+    status = reply[0]
+    if status in ("failed", "released"):
+        ncut, nrun, nremote = (int(x) for x in reply[3:6])
+        ids = tuple(reply[6:])
+        return Fired(
+            status,
+            int(reply[1]),
+            int(reply[2]),
+            ids[:ncut],
+            ids[ncut : ncut + nrun],
+            ids[ncut + nrun : ncut + nrun + nremote],
+        )
+    if status == "fired":
+        return Fired(status, int(float(reply[1] or 0)), int(reply[2]), outcome=reply[3])
+    if status == "early":
+        return Fired(status, int(float(reply[1])))
+    if status == "moot":
+        return Fired(status, outcome=reply[1])
+    return Fired(status)
+
+
+def cut_remote(
+    state: EchoMQ, queue: str, parent_id: str, child_ids: Sequence[str], error: str
+) -> list[str]:
+    """Cut the children of ``parent_id`` on ``queue``'s slot that have not started."""
+    keys = [
+        state.keys.queue_key(queue, "pending"),
+        *(state.keys.job_key(queue, cid) for cid in child_ids),
+    ]
+    argv = [parent_id, str(state.settings.result_ttl), error, *child_ids]
+    return [text(cid) or "" for cid in state.scripts._run("deadline_cut", keys, argv)]
+
+
+def done(state: EchoMQ, queue: str, parent_id: str, fired_ms: int) -> bool:
+    """End the follow-up of a fired deadline: its index entry goes."""
+    keys = [state.keys.job_key(queue, parent_id), index_key(state, queue)]
+    return bool(state.scripts._run("deadline_done", keys, [parent_id, str(fired_ms)]))
+
+
+def retry(
+    state: EchoMQ, queue: str, parent_id: str, child_ids: Sequence[str], kind: str, ms: int
+) -> tuple[str, int, list[tuple[str, Stored]]]:
+    """retry_deadline.lua: ``(status, new deadline ms, [(child id, stored job)])``."""
+    keys_ = state.keys
+    deps, processed, ignored = keys_.flow_keys(queue, parent_id)
+    keys = [
+        keys_.job_key(queue, parent_id),
+        deps,
+        processed,
+        ignored,
+        keys_.settled_key(queue, parent_id),
+        keys_.queue_key(queue, "pending"),
+        keys_.queue_key(queue, "failed"),
+        keys_.queue_key(queue, "counters"),
+        index_key(state, queue),
+        *(keys_.job_key(queue, cid) for cid in child_ids),
+    ]
+    reply = state.scripts._run("retry_deadline", keys, [parent_id, kind, str(ms), *child_ids])
+    status = text(reply[0]) or ""
+    if status not in ("retried", "released"):
+        return status, 0, []
+    found = []
+    rest = reply[2:]
+    for i in range(0, len(rest), 3):
+        stored = stored_of(rest[i + 1], rest[i + 2], parent_id)
+        if stored is not None:
+            found.append((text(rest[i]) or "", stored))
+    return status, int(reply[1]), found
+
+
+def arm_levels(state: EchoMQ, levels: Sequence[Any]) -> list[tuple[str, str]]:
+    """Arm every planned level that has a deadline, before any of them is enqueued:
+    ``(queue, parent id)`` of each armed (what :func:`disarm` takes back on a refusal)."""
+    from celery_echomq.store.deadline_spec import level_deadline, spec_ms
+
+    armed: list[tuple[str, str]] = []
+    for level in levels:
+        found = level_deadline(level)
+        if found is None:
+            continue
+        kind, ms = spec_ms(found[0])
+        try:
+            arm(state, level.queue, level.parent_id, kind, ms, level.outer)
+        except Exception:
+            disarm(state, armed)  # a refused flow leaves no entry behind
+            raise
+        armed.append((level.queue, level.parent_id))
+    return armed

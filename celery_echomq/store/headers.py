@@ -1,0 +1,53 @@
+"""The message headers that mark a flow job, and reading them back.
+
+The producer writes them on every job it plans (``send/plan.py``); a worker reads them from a
+Request, recovery from a stored job. Celery keeps custom headers across retries.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery_echomq.store.scripts import ParentRef
+
+# Message headers that mark a flow job; Celery keeps custom headers across retries.
+H_QUEUE = "echomq_q"  # the queue whose slot holds this job's row
+H_PARENT = "echomq_p"  # the parent's job id, on a child
+H_PARENT_QUEUE = "echomq_pq"  # the queue whose slot holds the parent's keys
+H_FLOW = "echomq_f"  # "1" on a flow parent: it has keys of its own to expire
+# On a child's first message only (not in its stored payload): the store's clock in ms, read
+# just before the flow was enqueued. The claim takes it for the job's pending time.
+H_SINCE = "echomq_t"
+# On a child's first message only, too: the producer's store, its URL with any password
+# masked, so that a worker reading another store can name both.
+H_STORE = "echomq_s"
+# "1": the store writes this job's result into Celery's result backend when the job completes
+# (the message says ignore_result, so Celery's trace writes none; see results.py).
+H_RESULT = "echomq_r"
+
+# The prefix of every header above: reserved for the plan's own.
+RESERVED = "echomq_"
+
+
+class Headers:
+    """Attribute access to a job's message headers, as Celery's worker Request gives them:
+    what :func:`parent_ref` reads from a stored job's headers or a revoked request's."""
+
+    def __init__(self, headers: dict[str, Any]) -> None:
+        self.__dict__.update(headers)
+
+    @classmethod
+    def of_job(cls, job: dict[str, Any]) -> Headers:
+        """The headers of a stored job dict (its ``options``)."""
+        return cls((job.get("options") or {}).get("headers") or {})
+
+
+def parent_ref(headers: Any) -> ParentRef | None:
+    """Where a flow job's parent lives, from its headers (a Request or :class:`Headers`);
+    None for a job that is not a flow's child."""
+    parent_id = getattr(headers, H_PARENT, None)
+    if not parent_id:
+        return None
+    return ParentRef(
+        str(parent_id), str(getattr(headers, H_PARENT_QUEUE, None) or getattr(headers, H_QUEUE))
+    )

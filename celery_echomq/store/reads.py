@@ -1,0 +1,297 @@
+"""Pure reads of a flow's state: plain reads of its keys, never a write.
+
+Each takes the parent's job id. The queue whose slot holds the flow is found from, in order:
+the ``queue`` argument, the current task's own headers (a parent reading its own flow), the
+flow's locator key written when it started, and a look at every queue that holds flows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, NamedTuple, cast
+
+from celery import current_app, current_task
+
+from celery_echomq.errors import CursorError, InvalidIdError, ListingError, UnknownFlowError
+from celery_echomq.store.connection import text
+from celery_echomq.store.headers import H_QUEUE
+from celery_echomq.store.keyspace import check_id, check_queue
+from celery_echomq.store.state import EchoMQ, get_state
+
+logger = logging.getLogger("celery_echomq")
+
+__all__ = [
+    "Dependencies",
+    "UnknownFlowError",
+    "children_values",
+    "counts_of",
+    "dependencies",
+    "failed_children",
+    "ignored_failures",
+    "locate",
+]
+
+# The parent row's field prefix of a child failed under fail, remove or continue (its error),
+# and the field counting them (settle_child.lua).
+FAILED_PREFIX = "failed:"
+
+
+class Dependencies(NamedTuple):
+    """Where a flow's children stand; for a finished flow the four add up to its children.
+
+    ``outstanding``: not settled yet (pending, running; cancelled ones stay here);
+    ``done``: succeeded, their values are the parent's; ``failed``: failed under policy
+    ``fail``, ``remove`` or ``continue``; ``ignored``: failed under ``ignore``.
+    """
+
+    outstanding: int
+    done: int
+    failed: int
+    ignored: int
+
+
+def counts_of(
+    counter: Any, values: Any, ignored: Any, credited_failed: Any, recorded: Any
+) -> Dependencies:
+    """The counts from what the store keeps: the ``:dependencies`` counter, ``HLEN`` of
+    ``:processed`` and of ``:ignored``, and the row's ``credited_failed`` and
+    ``failed_children``.
+
+    A child failed under ``fail`` is never counted down (settle_child returns before the
+    DECR), so the counter still includes it; the row's record of failed children tells it
+    from one still outstanding. A flow written before that record existed reads as before.
+    """
+    n_ignored = int(ignored or 0)
+    credited_others = max(0, int(credited_failed or 0) - n_ignored)  # remove and continue
+    under_fail = max(0, int(recorded or 0) - credited_others)
+    return Dependencies(
+        outstanding=max(0, int(counter or 0) - under_fail),
+        done=int(values or 0),
+        failed=credited_others + under_fail,
+        ignored=n_ignored,
+    )
+
+
+def locate(state: EchoMQ, job_id: str, queue: str | None = None, *, verify: bool = False) -> str:
+    """The queue whose slot holds ``job_id``'s keys: ``queue`` if given, the running task's own
+    queue, the flow's locator key (a parent's), else a look at every queue that holds flows
+    (a child has no locator).
+
+    ``verify``: trust ``queue`` and the locator only where the job's row exists (what the CLI
+    and :mod:`~celery_echomq.views` read), and tell an expired flow from an unknown one.
+    Raises :class:`UnknownFlowError` when nothing is found.
+    """
+    check_id(job_id)
+    client, keys = state.client, state.keys
+
+    def there(name: str) -> bool:
+        return not verify or bool(client.exists(keys.job_key(name, job_id)))
+
+    if queue and there(queue):
+        return queue
+    if not verify and current_task and getattr(current_task.request, "id", None) == job_id:
+        own = getattr(current_task.request, H_QUEUE, None)
+        if own:
+            return str(own)
+    located: str | None = text(client.get(keys.locator_key(job_id)))
+    if located is not None and there(located):
+        return located
+    scanned = scan_queues(state, job_id)
+    if scanned is not None:
+        return scanned
+    if verify and located is not None:
+        raise UnknownFlowError(
+            f"flow {job_id!r} has expired or was forgotten (its keys are gone from Redis)",
+            job_id,
+        )
+    raise UnknownFlowError(f"no job {job_id!r} in Redis (never started, or expired)", job_id)
+
+
+def scan_queues(state: EchoMQ, job_id: str) -> str | None:
+    """The queue, among those that hold flows, whose slot has ``job_id``'s row (one round trip).
+
+    What finds a job without a locator: a child, or a flow whose producer died before writing
+    its locator.
+    """
+    keys, client = state.keys, state.client
+    names = sorted(text(q) for q in client.smembers(keys.queues_key()))
+    pipe = client.pipeline(transaction=False)
+    for name in names:
+        pipe.exists(keys.job_key(name, job_id))
+    return next((name for name, there in zip(names, pipe.execute(), strict=True) if there), None)
+
+
+# Flows whose parent is running eagerly in this process (``flow.apply()``), by parent id: the
+# reads inside its body answer from memory, as they answer from Redis on a worker.
+EAGER: dict[str, Any] = {}
+
+
+def _state(app: Any) -> EchoMQ:
+    return get_state(app or current_app)
+
+
+def children_values(
+    job_id: str,
+    *,
+    app: Any = None,
+    queue: str | None = None,
+    cursor: str | None = None,
+    count: int | None = None,
+) -> Any:
+    """``{child_job_id: value}`` for the children of ``job_id`` completed so far.
+
+    With ``count``: one page of at most ``count`` values and the cursor of the next page,
+    ``(values, next_cursor)``; ``next_cursor`` is None after the last page. Pages follow
+    Redis's HSCAN, so a flow of any size is read a page at a time: every value completed
+    before the first page is returned exactly once; one completed while paging may come
+    once or not at all. A cursor no page gave raises :class:`CursorError`.
+    """
+    _check_page(cursor, count)
+    if job_id in EAGER:
+        return eager_values(dict(EAGER[job_id].values), cursor, count)
+    state = _state(app)
+    _, processed, _ = state.keys.flow_keys(locate(state, job_id, queue), job_id)
+    if count is None:
+        # In chunks rather than one HGETALL: a flow's 100,000 values must not block Redis.
+        scanned = state.client.hscan_iter(processed, count=1000)
+        return {text(k): state.loads(v) for k, v in scanned}
+    raw, after = _page(state, processed, _parse_cursor(cursor), count)
+    return {k: state.loads(v) for k, v in raw.items()}, after
+
+
+def _check_page(cursor: str | None, count: int | None) -> None:
+    if count is None and cursor is not None:
+        raise CursorError("children_values: a cursor needs a count (the page size)")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise ListingError(f"children_values: count must be a whole number >= 1, not {count!r}")
+
+
+def _parse_cursor(cursor: str | None) -> tuple[int, str | None]:
+    """A values cursor: ``"<hscan cursor>"`` or ``"<hscan cursor>:<last child id>"``."""
+    if cursor is None:
+        return 0, None
+    scan, _, last = str(cursor).partition(":")
+    if not scan.isdigit() or len(scan) > 20 or (last and not last.startswith("JOB")):
+        raise CursorError(f"not a children_values cursor: {cursor!r} (pass the one a page gave)")
+    if last:
+        check_id(last)
+    return int(scan), last or None
+
+
+def _page(
+    state: EchoMQ, key: str, start: tuple[int, str | None], count: int
+) -> tuple[dict[str, bytes], str | None]:
+    """At most ``count`` fields of the hash ``key`` from ``start``, and the next cursor.
+
+    HSCAN's COUNT is a hint (a small hash comes whole), so each batch is sorted by field and a
+    page may stop inside it: the cursor then names the batch and the last field returned, and
+    the next page scans that batch again and skips up to that field. A field added meanwhile
+    may sort before it (skipped) or after (returned): what SCAN promises for new fields.
+    """
+    scan, after = start
+    page: dict[str, bytes] = {}
+    while True:
+        following, batch = state.client.hscan(key, scan, count=count)
+        fields = sorted((text(k), v) for k, v in batch.items())
+        fresh = [(k, v) for k, v in fields if after is None or k > after]
+        room = count - len(page)
+        page.update(fresh[:room])
+        if len(fresh) > room:
+            return page, f"{scan}:{fresh[room - 1][0]}"
+        after, scan = None, int(following)
+        if scan == 0:
+            return page, None
+        if len(page) >= count:
+            return page, str(scan)
+
+
+def eager_values(values: dict[str, Any], cursor: str | None, count: int | None) -> Any:
+    """The same pages over an eager flow's values, in memory (the cursor: a position)."""
+    _check_page(cursor, count)
+    if count is None:
+        return values
+    if cursor is not None and not str(cursor).isdigit():
+        raise CursorError(f"not a children_values cursor: {cursor!r} (pass the one a page gave)")
+    start = int(cursor or 0)
+    items = list(values.items())[start : start + count]
+    after = start + count
+    return dict(items), (str(after) if after < len(values) else None)
+
+
+def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> Dependencies:
+    """Where the children stand: :class:`Dependencies` (outstanding, done, failed, ignored)."""
+    if job_id in EAGER:
+        return cast(Dependencies, EAGER[job_id].dependencies())
+    state = _state(app)
+    q = locate(state, job_id, queue)
+    deps, processed, ignored = state.keys.flow_keys(q, job_id)
+    pipe = state.client.pipeline(transaction=False)
+    pipe.get(deps)
+    pipe.hlen(processed)
+    pipe.hlen(ignored)
+    pipe.hmget(state.keys.job_key(q, job_id), "credited_failed", "failed_children")
+    counter, values, n_ignored, (credited_failed, recorded) = pipe.execute()
+    return counts_of(counter, values, n_ignored, credited_failed, recorded)
+
+
+def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
+    """``{child_job_id: "ExcType: message"}`` for children that failed under policy ``ignore``."""
+    if job_id in EAGER:
+        return dict(EAGER[job_id].ignored)
+    state = _state(app)
+    _, _, ignored = state.keys.flow_keys(locate(state, job_id, queue), job_id)
+    return {text(k): text(v) for k, v in state.client.hgetall(ignored).items()}
+
+
+def failed_children(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
+    """``{child_job_id: "ExcType: message"}`` for every child that failed for good, under any
+    policy (``fail``, ``ignore``, ``remove``, ``continue``), and those its deadline cut before
+    they started (``FlowDeadlineExceeded: ...``); a child retried since is not."""
+    if job_id in EAGER:
+        return dict(EAGER[job_id].failed_children())
+    state = _state(app)
+    q = locate(state, job_id, queue)
+    _, _, ignored = state.keys.flow_keys(q, job_id)
+    failed = {text(k): text(v) for k, v in state.client.hgetall(ignored).items()}
+    found = state.client.hscan_iter(
+        state.keys.job_key(q, job_id), match=FAILED_PREFIX + "*", count=1000
+    )
+    failed.update((text(k)[len(FAILED_PREFIX) :], text(v)) for k, v in found)
+    failed.update(_cut_children(state, q, job_id))
+    return failed
+
+
+def _cut_children(state: EchoMQ, q: str, job_id: str) -> dict[str, str]:
+    """The children a deadline cut before they started (their rows say ``cut=deadline``)."""
+    client, keys = state.client, state.keys
+    payload = client.hget(keys.job_key(q, job_id), "payload")
+    children = [str(c) for c in (state.loads(payload).get("children") or [])] if payload else []
+    pipe = client.pipeline(transaction=False)
+    for cid in children:
+        pipe.hmget(keys.job_key(q, cid), "state", "error", "cut")
+    found: dict[str, str] = {}
+    for cid, (row_state, error, cut) in zip(children, pipe.execute(), strict=True):
+        if row_state is None:  # a child of another slot
+            where = scan_queues(state, cid)
+            if where is None:
+                continue
+            row_state, error, cut = client.hmget(keys.job_key(where, cid), "state", "error", "cut")
+        if cut == b"deadline":
+            found[cid] = text(error) or ""
+    return found
+
+
+def queues_of(state: EchoMQ, queues: Iterable[str] | None) -> list[str]:
+    """The queues in ``emq:queues`` (those of them in ``queues``), well-formed ones only."""
+    names = sorted(text(raw) for raw in state.client.smembers(state.keys.queues_key()))
+    if queues is not None:
+        wanted = set(queues)
+        names = [name for name in names if name in wanted]
+    valid = []
+    for name in names:
+        try:
+            valid.append(check_queue(name))
+        except InvalidIdError:
+            logger.warning("echomq recovery: ignoring ill-formed queue name %r", name)
+    return valid

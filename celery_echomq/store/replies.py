@@ -1,0 +1,94 @@
+"""What the scripts reply: every status as a :class:`Status` member, and the error replies
+as Python errors (``EMQKIND`` -> :class:`KindError`, ``EMQEXISTS`` -> :class:`FlowExistsError`).
+
+Each script's header (``lua/<name>.lua``) lists the statuses it can give.
+"""
+
+from __future__ import annotations
+
+import sys
+from enum import Enum
+
+import redis
+
+from celery_echomq.errors import FlowExistsError, KindError
+
+if sys.version_info >= (3, 11):
+    from enum import StrEnum
+else:  # pragma: no cover - Python 3.10
+
+    class StrEnum(str, Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+        def __format__(self, spec: str) -> str:
+            return str(self.value).__format__(spec)
+
+
+class Status(StrEnum):
+    """Every status a script replies with (each script's header says which it can give).
+
+    A member is a ``str``, so a reply compares equal to its text; code compares against the
+    members, never against bare strings.
+    """
+
+    # a job's states, also the reply of a transition that found the job in another state
+    PENDING = "pending"
+    ACTIVE = "active"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    AWAITING_CHILDREN = "awaiting_children"
+    MISSING = "missing"  # no row
+    # claim
+    CLAIMED = "claimed"
+    TAKEN_OVER = "taken_over"
+    BUSY = "busy"
+    HELD = "held"  # also requeue: a live worker holds the job it received
+    # complete, fail, credit, seal_flow: the fan-in
+    RELEASED = "released"
+    CREDITED = "credited"
+    STAGED = "staged"
+    PARENT_FAILED = "parent_failed"
+    DUPLICATE = "duplicate"
+    FINISHED = "finished"
+    SEALED = "sealed"
+    # any transition that checks the caller's token
+    STALE = "stale"
+    # claim, complete, fail: the caller named another parent than the job row's own
+    FORGED = "forged"
+    NOOP = "noop"
+    # retry, requeue, drop, hand_over, abandon_flow
+    RETRIED = "retried"
+    REQUEUED = "requeued"
+    FRESH = "fresh"
+    LAPSED = "lapsed"
+    HANDED_OVER = "handed_over"
+    ABANDONED = "abandoned"
+    # grow_flow
+    ADDED = "added"
+
+
+# What a claim means for the delivery that made it.
+STARTED = frozenset({Status.CLAIMED, Status.TAKEN_OVER})
+DUPLICATE_DELIVERY = frozenset(
+    {Status.BUSY, Status.DONE, Status.FAILED, Status.CANCELLED, Status.HELD}
+)
+# What settling a finished job can answer when it changed nothing for the parent.
+UNSETTLED = frozenset(
+    {Status.STALE, Status.FINISHED, Status.FAILED, Status.DUPLICATE, Status.FORGED}
+)
+
+
+def server_error(exc: redis.ResponseError) -> Exception:
+    """The Python error for a script's error reply (others come back unchanged)."""
+    message = str(exc)
+    if message.startswith("EMQKIND"):
+        return KindError(message)
+    if message.startswith("EMQEXISTS"):
+        job_id = message.split(" ", 1)[1] if " " in message else "?"
+        return FlowExistsError(
+            f"job id {job_id!r} already exists in Redis; a flow never overwrites a job "
+            "(nothing was written or published)"
+        )
+    return exc

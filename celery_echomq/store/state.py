@@ -1,0 +1,169 @@
+"""Per-app runtime state: settings, the Redis client, the scripts, and (de)serialization.
+
+A Redis client must not cross a fork (prefork pool children would share its sockets), so the
+client and the scripts bound to it are made lazily, once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from typing import Any, cast
+
+from kombu.serialization import dumps, loads, prepare_accept_content, registry
+
+from celery_echomq.config import Settings, missing_url_error, read_settings
+from celery_echomq.errors import ConfigError
+from celery_echomq.store.connection import make_client
+from celery_echomq.store.keyspace import Keyspace
+from celery_echomq.store.scripts import Scripts
+
+__all__ = ["EchoMQ", "find_state", "get_state", "install_state", "make_client"]
+
+_ATTR = "_echomq_state"
+
+
+class EchoMQ:
+    """Everything celery-echomq needs for one Celery app.
+
+    The settings are read from ``app.conf`` when they are first needed (the app finalized,
+    a flow sent, a read), as Celery reads its own configuration: ``install(app)`` may come
+    before ``config_from_object`` or a test plugin that supplies the URLs. ``settings``
+    given here are used as they are (the CLI's, with its own timeouts).
+    """
+
+    def __init__(self, app: Any, settings: Settings | None = None) -> None:
+        self.app = app
+        self._settings = settings
+        self._lock = threading.Lock()
+        self._pid: int | None = None
+        self._client: Any = None
+        self._scripts: Scripts | None = None
+        self._codec: tuple[str, str, Any] | None = None
+        self._keys: Keyspace | None = None
+        self._queues: tuple[float, frozenset[str]] = (0.0, frozenset())
+
+    @property
+    def settings(self) -> Settings:
+        """The app's ``echomq_*`` settings; a ConfigError names what is wrong, at first use."""
+        if self._settings is None:
+            with self._lock:
+                if self._settings is None:
+                    self._settings = read_settings(self.app.conf)
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: Settings) -> None:
+        # What a test (or an operator's script) swaps in: keys and codec follow it; the client
+        # keeps its connection.
+        self._settings, self._keys, self._codec = settings, None, None
+
+    def read_early(self) -> None:
+        """Read the settings now if they can be read (the app was finalized); an error waits
+        for the first use, where it is raised, so a configuration still to come can fix it."""
+        if self._settings is None:
+            with contextlib.suppress(ConfigError):
+                _ = self.settings
+
+    @property
+    def keys(self) -> Keyspace:
+        if self._keys is None:
+            self._keys = Keyspace(self.settings.key_prefix)
+        return self._keys
+
+    def _encoding(self) -> tuple[str, str, Any]:
+        if self._codec is None:
+            settings = self.settings
+            content_type, encoding, _ = registry._encoders[settings.serializer]
+            accept = prepare_accept_content(settings.accept_content)  # type: ignore[no-untyped-call]
+            self._codec = (content_type, encoding, accept)
+        return self._codec
+
+    def _ensure(self) -> None:
+        if self._pid != os.getpid():
+            with self._lock:
+                if self._pid != os.getpid():
+                    settings = self.settings
+                    if settings.redis_url is None:
+                        raise missing_url_error()
+                    self._client = make_client(settings)
+                    self._scripts = Scripts(
+                        self._client,
+                        self.keys,
+                        retry_timeout=settings.store_retry_timeout,
+                        min_replicas=settings.min_replicas,
+                        min_replicas_timeout=settings.min_replicas_timeout,
+                    )
+                    self._pid = os.getpid()
+
+    @property
+    def client(self) -> Any:
+        self._ensure()
+        return self._client
+
+    @property
+    def scripts(self) -> Scripts:
+        self._ensure()
+        return cast(Scripts, self._scripts)
+
+    def known_queues(self, max_age: float = 1.0) -> frozenset[str]:
+        """The queues that hold flows (``emq:queues``), read at most once per ``max_age``
+        seconds: what the id check across queues looks at."""
+        read_at, names = self._queues
+        now = time.monotonic()
+        if now - read_at > max_age or self._pid != os.getpid():
+            raw = self.client.smembers(self.keys.queues_key())
+            names = frozenset(
+                filter(None, (m.decode() if isinstance(m, bytes) else str(m) for m in raw))
+            )
+            self._queues = (now, names)
+        return names
+
+    @property
+    def locator_ttl(self) -> int:
+        """Seconds a flow's locator key (``emq:loc:{JOB…}``: its parent's queue) lives. A held
+        flow may wait long; the locator only has to outlive the flow's readable life."""
+        return max(self.settings.result_ttl * 7, 7 * 86400)
+
+    def dumps(self, obj: Any) -> bytes:
+        _, _, data = dumps(obj, serializer=self.settings.serializer)  # type: ignore[no-untyped-call]
+        return data.encode("utf-8") if isinstance(data, str) else cast(bytes, data)
+
+    def loads(self, data: bytes) -> Any:
+        """Decode what :meth:`dumps` stored; content the app does not accept is refused."""
+        content_type, encoding, accept = self._encoding()
+        return loads(data, content_type, encoding, accept=accept)  # type: ignore[no-untyped-call]
+
+
+def install_state(app: Any) -> EchoMQ:
+    """A fresh state on ``app``, its settings read when the app is finalized (or at first
+    use, whichever comes first)."""
+    state = EchoMQ(app)
+    setattr(app, _ATTR, state)
+    if getattr(app, "finalized", False):
+        return state  # read at first use
+
+    def finalized(sender: Any = None, **kwargs: Any) -> None:
+        # The state installed last is the one in force (the testing plugin installs again).
+        if getattr(app, _ATTR, None) is state:
+            state.read_early()
+
+    # weak=False: the receiver is a closure that nothing else holds.
+    app.on_after_finalize.connect(finalized, weak=False)
+    return state
+
+
+def get_state(app: Any) -> EchoMQ:
+    state = getattr(app, _ATTR, None)
+    if state is None:
+        raise ConfigError(
+            f"celery-echomq is not installed on app {app.main!r}: call celery_echomq.install(app) "
+            "in the module that defines the app"
+        )
+    return cast(EchoMQ, state)
+
+
+def find_state(app: Any) -> EchoMQ | None:
+    return cast(EchoMQ | None, getattr(app, _ATTR, None))

@@ -1,0 +1,218 @@
+"""A due deadline, fired once (deadline.lua), and what follows it: the parent's FAILURE
+recorded (with its errbacks, carried to an outer flow) or its dispatch, the cut children's
+messages revoked (those of other slots cut there first), then the index entry ended.
+
+What follows the script is repeated, by whichever worker finds the entry due again, if the
+process that fired it dies before ``deadline_done``: every step checks before it acts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from celery import states
+
+from celery_echomq import tracing
+from celery_echomq.errors import FlowDeadlineExceeded
+from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.store import deadlines as store
+from celery_echomq.store.connection import text
+from celery_echomq.store.deadline_spec import exceeded
+from celery_echomq.store.deadlines import Fired
+from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
+from celery_echomq.store.reads import scan_queues
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import EchoMQ
+from celery_echomq.worker.settle import error_text, record_failure, settle_failure
+
+logger = logging.getLogger("celery_echomq")
+
+PREFIX = "FlowDeadlineExceeded: "
+STALE_TRIES = 3
+
+
+def _job(state: EchoMQ, payload: bytes | None) -> dict[str, Any] | None:
+    if payload is None:
+        return None
+    try:
+        job = state.loads(payload)
+    except Exception:
+        return None
+    return job if isinstance(job, dict) else None
+
+
+@dataclass
+class Step:
+    """A deadline this process fired (or must follow up again): what follows it."""
+
+    queue: str
+    parent_id: str
+    job: dict[str, Any] | None
+    fired: Fired
+    local: list[str]
+
+
+def fire_due(state: EchoMQ, queue: str, parent_id: str) -> str | None:
+    """Fire ``parent_id``'s due deadline on ``queue`` and do what follows: one line for the
+    log when it acted, else None (early, moot, already handled by another worker)."""
+    step = fire_one(state, queue, parent_id)
+    return finish(state, [step])[0] if step is not None else None
+
+
+def finish(state: EchoMQ, steps: list[Step]) -> list[str]:
+    """What follows the deadlines ``steps`` fired: each one's failure or dispatch, then one
+    revoke of every child they cut, then their index entries ended."""
+    revoke: list[str] = []
+    lines = []
+    followed = []
+    for step in steps:
+        again = step.fired.status == "fired"
+        try:
+            lines.append((follow_again if again else follow_up)(state, step, revoke))
+        except Exception as exc:  # left to the next look, once its follow-up lease lapses
+            logger.warning("echomq deadlines: follow-up of %s failed: %r", step.parent_id, exc)
+            continue
+        followed.append(step)
+    if revoke:
+        state.app.control.revoke(revoke)
+    for step in followed:
+        store.done(state, step.queue, step.parent_id, step.fired.fired_ms)
+    return lines
+
+
+def fire_one(state: EchoMQ, queue: str, parent_id: str) -> Step | None:
+    """Run deadline.lua for one due entry: the step to follow up, or None (nothing to do)."""
+    client, keys = state.client, state.keys
+    row_key = keys.job_key(queue, parent_id)
+    for _ in range(STALE_TRIES):
+        payload = client.hget(row_key, "payload")
+        job = _job(state, payload)
+        children = [str(c) for c in (job or {}).get("children") or []]
+        on_deadline = str((job or {}).get("on_deadline", "fail"))
+        pipe = client.pipeline(transaction=False)
+        for cid in children:
+            pipe.exists(keys.job_key(queue, cid))
+        here = pipe.execute() if children else []
+        local = [c for c, there in zip(children, here, strict=True) if there]
+        remote = [c for c, there in zip(children, here, strict=True) if not there]
+        sha = hashlib.sha1(payload or b"").hexdigest()
+        fired = store.fire(state, queue, parent_id, sha, on_deadline, local, remote)
+        if fired.status != "stale":
+            break
+    else:
+        return None
+    if fired.status in ("failed", "released", "fired"):
+        return Step(queue, parent_id, job, fired, local)
+    return None
+
+
+def deadline_error(
+    parent_id: str, fired: Fired, job: dict[str, Any] | None
+) -> FlowDeadlineExceeded:
+    """The error a flow failed by its deadline raises from ``get()``: its outstanding
+    children named in the children's order, as eager mode names them."""
+    order = {cid: i for i, cid in enumerate((job or {}).get("children") or [])}
+    named = sorted(fired.outstanding, key=lambda cid: order.get(cid, len(order)))
+    exc: FlowDeadlineExceeded = exceeded(parent_id, named, fired.due_ms / 1000 or None)
+    return exc
+
+
+def follow_up(state: EchoMQ, step: Step, revoke: list[str]) -> str:
+    """What follows a deadline that fired just now (the script's reply says what it did);
+    the ids to revoke go into ``revoke``."""
+    queue, parent_id, job, fired = step.queue, step.parent_id, step.job, step.fired
+    exc = deadline_error(parent_id, fired, job)
+    late = fired.fired_ms - fired.due_ms
+    tracing.deadline_event(job, parent_id, fired.status, len(fired.outstanding), late)
+    if fired.status == "failed":
+        _record(state, queue, parent_id, job, exc)
+    else:
+        dispatch_parent(state, queue, parent_id)
+    revoked = list(fired.cut)
+    if fired.remote:
+        revoked += _cut_remote(state, parent_id, fired.remote, PREFIX + str(exc))
+    revoke += revoked
+    what = "failed" if fired.status == "failed" else "released with the values so far"
+    line = (
+        f"{queue}: flow {parent_id} passed its deadline ({late} ms late): {what}; "
+        f"{len(fired.outstanding)} children outstanding, {len(revoked)} cut"
+    )
+    logger.info("echomq: %s", line)
+    return line
+
+
+def follow_again(state: EchoMQ, step: Step, revoke: list[str]) -> str:
+    """The follow-up of a deadline fired by a process that died before ending it."""
+    queue, parent_id, job, fired, local = (
+        step.queue, step.parent_id, step.job, step.fired, step.local
+    )  # fmt: skip
+    client, keys = state.client, state.keys
+    pipe = client.pipeline(transaction=False)
+    pipe.hmget(keys.job_key(queue, parent_id), "error", "deadline_outstanding")
+    for cid in local:
+        pipe.hget(keys.job_key(queue, cid), "cut")
+    (error, count), *cuts = pipe.execute()
+    cut = tuple(c for c, mark in zip(local, cuts, strict=True) if mark == b"deadline")
+    if fired.outcome == "failed":
+        meta = state.app.backend.get_task_meta(parent_id) if _readable(state) else {}
+        # Its outstanding children are no longer known here: the row's error names them.
+        message = (text(error) or "").removeprefix(PREFIX)
+        exc = FlowDeadlineExceeded(message, parent_id, (), int(count or 0), fired.due_ms / 1000)
+        if meta.get("status") != states.FAILURE:
+            _record(state, queue, parent_id, job, exc)
+        else:
+            _carry(state, queue, parent_id, job, exc)
+    else:
+        dispatch_parent(state, queue, parent_id)
+    revoke += cut
+    return f"{queue}: finished what followed the deadline of flow {parent_id} ({fired.outcome})"
+
+
+def _readable(state: EchoMQ) -> bool:
+    from celery_echomq.store.results import backend_readable
+
+    return backend_readable(state.app)
+
+
+def _record(
+    state: EchoMQ,
+    queue: str,
+    parent_id: str,
+    job: dict[str, Any] | None,
+    exc: FlowDeadlineExceeded,
+) -> None:
+    """Store the parent's FAILURE (its errbacks run) and carry it to an outer flow."""
+    record_failure(state, parent_id, exc, job)
+    _carry(state, queue, parent_id, job, exc)
+
+
+def _carry(
+    state: EchoMQ,
+    queue: str,
+    parent_id: str,
+    job: dict[str, Any] | None,
+    exc: FlowDeadlineExceeded,
+) -> None:
+    headers = ((job or {}).get("options") or {}).get("headers") or {}
+    outer = headers.get(H_PARENT)
+    if outer:
+        # A nested flow failed by its deadline is a failed child of its outer flow, under
+        # its own parent_policy (fail.lua carries it once).
+        ref = ParentRef(str(outer), str(headers.get(H_PARENT_QUEUE) or queue))
+        settle_failure(state, queue, parent_id, "", error_text(exc), True, ref, carry=True)
+
+
+def _cut_remote(state: EchoMQ, parent_id: str, remote: tuple[str, ...], error: str) -> list[str]:
+    """Cut the unsettled children of other slots that have not started, on their slots."""
+    by_queue: dict[str, list[str]] = {}
+    for cid in remote:
+        where = scan_queues(state, cid)
+        if where is not None:
+            by_queue.setdefault(where, []).append(cid)
+    cut: list[str] = []
+    for where, ids in by_queue.items():
+        cut += store.cut_remote(state, where, parent_id, ids, error)
+    return cut

@@ -1,0 +1,403 @@
+"""(b), (d), (e), (f), (g): a job whose lease lapsed, a failure that never reached the result
+backend, and the cross-slot path: a child staged but never credited, a flow never sealed,
+children added to a held flow but never written on their slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import states
+
+from celery_echomq import tracing
+from celery_echomq.errors import FlowFailed
+from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.send.grow import write_staged
+from celery_echomq.send.start import publish
+from celery_echomq.store.codec import STORED_FIELDS, Stored, stored_of
+from celery_echomq.store.connection import text
+from celery_echomq.store.headers import H_FLOW, H_PARENT, H_PARENT_QUEUE, Headers, parent_ref
+from celery_echomq.store.replies import Status
+from celery_echomq.store.results import backend_readable
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import EchoMQ
+from celery_echomq.worker.recovery.common import (
+    BUDGET,
+    FAILED_MARK,
+    STORE_ERRORS,
+    decode_job,
+    guarded,
+    now_ms,
+    overdue,
+    repair_stalled,
+    valid_ids,
+    with_values,
+)
+from celery_echomq.worker.settle import (
+    credit_remote,
+    error_text,
+    follow,
+    record_failure,
+    settle_failure,
+    settle_success,
+)
+
+logger = logging.getLogger("celery_echomq")
+
+
+def _backend_outcome(state: EchoMQ, job_id: str) -> tuple[str | None, Any]:
+    """The job's status and result in Celery's result backend; (None, None) if it keeps none
+    that this process can read."""
+    backend = state.app.backend
+    if not backend_readable(state.app):
+        return None, None
+    meta = backend.get_task_meta(job_id)
+    return meta.get("status"), meta.get("result")
+
+
+def lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
+    """(b) jobs whose holder's lease lapsed (its worker died, or could not reach Redis), and
+    jobs handed over to a replacement task, due for a look at the result backend."""
+    client = state.client
+    due = overdue(state, queue, "active", now_ms(client), batch)
+    if not due:
+        return []
+    pipe = client.pipeline(transaction=False)
+    for job_id, _ in due:
+        pipe.hmget(
+            state.keys.job_key(queue, job_id),
+            "state",
+            "token",
+            "replaced",
+            "replaced_by",
+            *STORED_FIELDS,
+        )
+    rows = pipe.execute()
+    repairs: list[str] = []
+    for (job_id, _), (row_state, token, replaced, by, *stored) in zip(due, rows, strict=True):
+        if row_state is None or text(row_state) != Status.ACTIVE:
+            continue
+        if len(repairs) >= BUDGET:
+            break
+        line = guarded(
+            "active job",
+            _repair_active,
+            state,
+            queue,
+            job_id,
+            text(token or b""),
+            stored_of(*stored),
+            text(by) if by else (job_id if replaced is not None else ""),
+        )
+        if line:
+            repairs.append(line)
+    return repairs
+
+
+def _repair_active(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    payload: Stored | None,
+    replaced_by: str = "",
+) -> str | None:
+    """Settle a job whose lease lapsed, from its result in Celery's backend; or a job handed
+    over to a replacement (``replaced_by``: the id the replacement stores its result under)."""
+    job = decode_job(state, queue, job_id, payload)
+    if job is None:
+        # Refused: push its deadline back, so it is reported once per stall timeout.
+        state.scripts.extend(queue, [job_id], state.settings.stall_ms)
+        return None
+    headers = Headers.of_job(job)
+    parent = parent_ref(headers)
+    is_parent = bool(getattr(headers, H_FLOW, None))
+    try:
+        status, result = _backend_outcome(state, replaced_by or job_id)
+    except STORE_ERRORS:
+        raise
+    except Exception as exc:
+        # Without the backend we cannot tell a finished body from a lost one; re-running a
+        # finished one would be safe for the credit but not for its side effects: wait.
+        logger.warning("echomq recovery: result backend unreadable for %s: %s", job_id, exc)
+        return None
+    if replaced_by and replaced_by != job_id and status in (states.SUCCESS, states.FAILURE):
+        # A flow replaced it under an id of its own: the replaced id resolves too, as
+        # Task.replace promises.
+        if status == states.SUCCESS:
+            state.app.backend.mark_as_done(job_id, result)
+        else:
+            state.app.backend.mark_as_failure(job_id, result)
+    if status == states.SUCCESS:
+        # The body finished and stored its result (or its replacement did); only the success
+        # signal's transition was lost. The token makes this the very completion the signal
+        # would have made.
+        done = settle_success(state, queue, job_id, token, is_parent, parent, state.dumps(result))
+        whose = "its replacement's" if replaced_by else "its"
+        return f"{queue}: completed {job_id} from {whose} SUCCESS result ({done})"
+    if status == states.FAILURE:
+        error = error_text(result) if isinstance(result, BaseException) else str(result)
+        failed = settle_failure(state, queue, job_id, token, error, is_parent, parent)
+        return f"{queue}: failed {job_id} from its FAILURE result ({failed}): {error}"
+    if replaced_by and not backend_readable(state.app):
+        # Its replacement's outcome can never be read here: fail it (under its policy) once,
+        # rather than look again every pass for ever.
+        error = (
+            f"HandOverError: {job_id} replaced itself (Task.replace), but the result backend "
+            f"({type(state.app.backend).__name__}) keeps no result this process can read; set "
+            "result_backend to one that stores results (redis://, a database) to replace a "
+            "flow job"
+        )
+        failed = settle_failure(state, queue, job_id, token, error, is_parent, parent)
+        return f"{queue}: failed {job_id}: its replacement's result cannot be read ({failed})"
+    if replaced_by:
+        # Its replacement has not finished: look again next pass. Whether the replacement's
+        # messages arrive is Celery's business, as for a chord whose header task replaced
+        # itself; this job is not re-run.
+        state.scripts.extend(queue, [job_id], int(state.settings.recovery_interval * 1000))
+        return None
+    requeued, stored = state.scripts.requeue(
+        queue, job_id, state.settings.stall_ms, Status.ACTIVE, token
+    )
+    if requeued is not Status.REQUEUED:
+        return None
+    job = decode_job(state, queue, job_id, stored)
+    if job is None:
+        return None
+    if "children" in job:
+        job = with_values(state, queue, job_id, job)
+    tracing.republished(job, job_id, queue, "lease lapsed")
+    with tracing.job_context(job):
+        publish(state.app, [job])
+    return (
+        f"{queue}: re-published {job_id} (its holder's lease lapsed; result backend: "
+        f"{status or 'none'})"
+    )
+
+
+def unrecorded_failures(state: EchoMQ, queue: str, batch: int) -> list[str]:
+    """(d) failed parents whose FAILURE never reached the backend or their outer flow."""
+    keys, client, settings = state.keys, state.client, state.settings
+    now = now_ms(client)
+    mark_key = keys.queue_key(queue, FAILED_MARK)
+    # fail.lua trims the failed set to the result TTL; entries younger than a stall timeout are
+    # left to the worker that is recording them right now.
+    low = max(int(float(client.get(mark_key) or 0)), now - settings.result_ttl * 1000)
+    high = now - settings.stall_ms
+    if high <= low:
+        return []
+    found = client.zrangebyscore(
+        keys.queue_key(queue, "failed"), f"({low}", high, start=0, num=batch, withscores=True
+    )
+    scores = {text(item): float(score) for item, score in found}
+    # A full batch resumes at the last score read (entries sharing it are checked again).
+    checked_to = high if len(found) < batch else int(max(scores.values(), default=high)) - 1
+    ids = valid_ids(scores, queue)
+    repairs: list[str] = []
+    if ids:
+        fields = ("state", "failed_child", "error", "abandoned", "parent", "propagated")
+        pipe = client.pipeline(transaction=False)
+        for job_id in ids:
+            pipe.hmget(keys.job_key(queue, job_id), fields)
+        for job_id, values in zip(ids, pipe.execute(), strict=True):
+            row = {name: text(v) for name, v in zip(fields, values, strict=True) if v is not None}
+            if row.get("state") != Status.FAILED or not (
+                row.get("failed_child") or row.get("abandoned")
+            ):
+                continue  # a failed child, or a parent whose own body failed (Celery recorded it)
+            try:
+                line = _record_failed_parent(state, queue, job_id, row)
+            except STORE_ERRORS:
+                raise
+            except Exception:
+                logger.exception("echomq recovery: could not record the failure of %s", job_id)
+                checked_to = min(checked_to, int(scores[job_id]) - 1)  # the next pass retries
+                continue
+            if line:
+                repairs.append(line)
+    if found:
+        # Only when something was read: an idle pass writes nothing (no AOF growth, no noise).
+        client.set(mark_key, checked_to, ex=settings.result_ttl)
+    return repairs
+
+
+def _record_failed_parent(
+    state: EchoMQ, queue: str, parent_id: str, row: dict[str, str]
+) -> str | None:
+    """Finish what the worker that failed this parent did not: the FAILURE in Celery's result
+    backend (with the errbacks), then, for a nested flow, the failure of its outer flow's child.
+    """
+    status, _ = _backend_outcome(state, parent_id)
+    now_state, payload = state.client.hmget(
+        state.keys.job_key(queue, parent_id), "state", "payload"
+    )
+    if now_state != Status.FAILED.encode():
+        # An operator's retry held it again since the row was read (and cleared the stored
+        # FAILURE): recording the failure now would make get() raise for a flow that runs on.
+        return None
+    child = row.get("failed_child", "")
+    if child:
+        prefix = f"child {child} failed: "
+        error = row.get("error", "")
+        reason = error[len(prefix) :] if error.startswith(prefix) else error
+        exc = FlowFailed(f"flow {parent_id}: child {child} failed: {reason}", child, reason)
+    else:
+        reason = row.get("error", "its producer stopped before the flow was sealed")
+        exc = FlowFailed(f"flow {parent_id}: {reason}", "", reason)
+    if status not in (None, states.FAILURE):
+        if child:
+            # What the failing child's worker would have done: record, run the errbacks, and
+            # carry a nested flow's failure to its outer flow.
+            follow(state, Status.PARENT_FAILED, child, ParentRef(parent_id, queue), reason)
+        else:
+            _mark_abandoned(state, queue, parent_id, exc, payload)
+        why = f"child {child} failed: {reason}" if child else reason
+        return f"{queue}: recorded FAILURE of parent {parent_id} ({why})"
+    if row.get("parent") and not row.get("propagated"):
+        outer = _outer_ref(state, queue, parent_id, payload)
+        if outer is not None:
+            settled = settle_failure(
+                state, queue, parent_id, "", error_text(exc), True, outer, carry=True
+            )
+            if settled is not Status.FINISHED:
+                return f"{queue}: carried the failure of {parent_id} to its flow {outer.id}"
+    return None
+
+
+def _outer_ref(state: EchoMQ, queue: str, parent_id: str, payload: Any) -> ParentRef | None:
+    job = decode_job(state, queue, parent_id, payload) if payload is not None else None
+    if job is None:
+        return None
+    headers = (job.get("options") or {}).get("headers") or {}
+    outer = headers.get(H_PARENT)
+    return ParentRef(str(outer), str(headers.get(H_PARENT_QUEUE) or queue)) if outer else None
+
+
+def _mark_abandoned(
+    state: EchoMQ, queue: str, parent_id: str, exc: FlowFailed, payload: Any
+) -> None:
+    job = decode_job(state, queue, parent_id, payload) if payload is not None else None
+    record_failure(state, parent_id, exc, job, call_errbacks=False)
+    outer = _outer_ref(state, queue, parent_id, payload)
+    if outer is not None:
+        settle_failure(state, queue, parent_id, "", error_text(exc), True, outer, carry=True)
+
+
+def uncredited_outbox(state: EchoMQ, queue: str, batch: int) -> list[str]:
+    """(e) children of another slot finished but never credited on their parent's slot."""
+    client = state.client
+    due = overdue(state, queue, "outbox", now_ms(client) - state.settings.stall_ms, batch)
+    if not due:
+        return []
+    fields = ("state", "value", "error", "parent_policy", *STORED_FIELDS)
+    pipe = client.pipeline(transaction=False)
+    for job_id, _ in due:
+        pipe.hmget(state.keys.job_key(queue, job_id), fields)
+    repairs = []
+    for (job_id, _), values in zip(due, pipe.execute(), strict=True):
+        row = dict(zip(fields, values, strict=True))
+        line = guarded("staged child", _credit, state, queue, job_id, row)
+        if line:
+            repairs.append(line)
+    return repairs
+
+
+def _credit(state: EchoMQ, queue: str, job_id: str, row: dict[str, Any]) -> str | None:
+    outbox = state.keys.queue_key(queue, "outbox")
+    stored = stored_of(row["payload"], row["delta"], row["parent"])
+    job = decode_job(state, queue, job_id, stored) if stored is not None else None
+    parent = parent_ref(Headers.of_job(job)) if job is not None else None
+    row_state = text(row["state"]) if row["state"] is not None else Status.MISSING
+    if parent is None or row_state not in (Status.DONE, Status.FAILED):
+        state.client.zrem(outbox, job_id)  # expired, or nothing to credit
+        return None
+    if row_state == Status.DONE:
+        status, _ = credit_remote(
+            state, queue, job_id, parent, Status.DONE, row["value"] or b"", ""
+        )
+        error = ""
+    else:
+        error = text(row["error"] or b"")
+        policy = text(row["parent_policy"] or b"")
+        status, _ = credit_remote(state, queue, job_id, parent, Status.FAILED, error, policy)
+    if status is Status.DUPLICATE:
+        return None
+    follow(state, status, job_id, parent, error)
+    return f"{queue}: credited staged {job_id} ({row_state}) to parent {parent.id} ({status})"
+
+
+def unsealed_flows(state: EchoMQ, queue: str, batch: int) -> list[str]:
+    """(f) flows open past the stall timeout: their producer died before sealing them."""
+    return repair_stalled(state, queue, "open", "open flow", _seal_or_abandon, batch)
+
+
+def _seal_or_abandon(state: EchoMQ, queue: str, parent_id: str) -> str | None:
+    client, keys = state.client, state.keys
+    payload = client.hget(keys.job_key(queue, parent_id), "payload")
+    job = decode_job(state, queue, parent_id, payload)
+    children: list[str] = list(job.get("children") or []) if job else []
+    # The children of one flow may live on any queue's slot; a row that names this parent is
+    # one add_children wrote.
+    queues = sorted(text(q) for q in client.smembers(keys.queues_key()))
+    pipe = client.pipeline(transaction=False)
+    for cid in children:
+        for name in queues:
+            pipe.hget(keys.job_key(name, cid), "parent")
+    owners = pipe.execute()
+    written = {
+        cid
+        for i, cid in enumerate(children)
+        if any(text(o) == parent_id for o in owners[i * len(queues) : (i + 1) * len(queues)] if o)
+    }
+    if job is not None and len(written) == len(children):
+        status = state.scripts.seal_flow(queue, parent_id)
+        if status is Status.NOOP:
+            return None
+        if status is Status.RELEASED:
+            dispatch_parent(state, queue, parent_id)
+        return f"{queue}: sealed flow {parent_id} (every child was written; {status})"
+    reason = (
+        f"its producer stopped while starting it ({len(written)} of {len(children)} children "
+        "written)"
+    )
+    status = state.scripts.abandon_flow(
+        queue, parent_id, state.settings.stall_ms, reason, ttl=state.settings.result_ttl
+    )
+    if status is not Status.ABANDONED:
+        return None
+    exc = FlowFailed(f"flow {parent_id}: {reason}", "", reason)
+    _mark_abandoned(state, queue, parent_id, exc, payload)
+    return f"{queue}: failed flow {parent_id}: {reason}"
+
+
+def unwritten_children(state: EchoMQ, queue: str, batch: int) -> list[str]:
+    """(g) children of other slots added to a held flow (grow_flow) but never written on their
+    own slots: the adder died between its two steps."""
+    return repair_stalled(state, queue, "adding", "added children", _write_added, batch)
+
+
+def _write_added(state: EchoMQ, queue: str, parent_id: str) -> str | None:
+    parent = ParentRef(parent_id, queue)
+    fields = state.client.hgetall(state.keys.adding_key(queue, parent_id))
+    staged = {text(k): v for k, v in fields.items()}
+    rows = [
+        (cid, payload, text(staged.get(f"{cid}:policy") or b""))
+        for cid, payload in staged.items()
+        if ":" not in cid
+    ]
+    if not rows:
+        state.scripts.grow_done(parent, [])
+        return None
+    parent_state = state.client.hget(state.keys.job_key(queue, parent_id), "state")
+    if parent_state != b"awaiting_children":
+        # Cancelled or failed meanwhile: children written now would run for nothing.
+        state.scripts.grow_done(parent, [cid for cid, _, _ in rows])
+        return (
+            f"{queue}: dropped {len(rows)} children staged for flow {parent_id}, which is "
+            f"{text(parent_state) if parent_state else 'gone'}"
+        )
+    # Their rows are then pending with their payloads: (a) publishes them on evidence that
+    # their messages are gone (they may have been published before the crash).
+    write_staged(state, parent, rows)
+    return f"{queue}: wrote {len(rows)} children added to flow {parent_id} on other queues"

@@ -1,0 +1,233 @@
+"""The worker's side: renew its leases, end those of its dead pool processes, and run the
+pass, one worker at a time under a Redis lease (:class:`RecoveryStep`)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from celery import bootsteps
+
+from celery_echomq.send.start import publish
+from celery_echomq.store.headers import H_QUEUE
+from celery_echomq.store.replies import Status
+from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.worker.recovery.common import (
+    LEASE,
+    LEASE_MIN_MS,
+    STORE_ERRORS,
+    TICK,
+    decode_job,
+    with_values,
+)
+from celery_echomq.worker.recovery.sweep import anything_due, run_pass
+from celery_echomq.worker.signals import holder_prefix, pid_alive
+
+logger = logging.getLogger("celery_echomq")
+
+
+def leased_pass(
+    state: EchoMQ, holder: str, queues: Iterable[str] | None = None
+) -> list[str] | None:
+    """:func:`run_pass` under the recovery lease; None when another process holds it.
+
+    Nothing due (:func:`anything_due`): an empty list, without taking the lease.
+    """
+    if not anything_due(state, queues):
+        return []
+    settings = state.settings
+    ttl_ms = max(LEASE_MIN_MS, int(settings.recovery_interval * 3000))
+    if not state.client.set(state.keys.lease_key(LEASE), holder, nx=True, px=ttl_ms):
+        return None
+    try:
+        return run_pass(state, queues=queues)
+    finally:
+        # If Redis is gone the lease expires on its own.
+        with contextlib.suppress(*STORE_ERRORS):
+            state.scripts.lease_release(LEASE, holder)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A flow job this worker holds: running in pool process ``pid``, or received, not started."""
+
+    queue: str
+    running: bool
+    pid: int | None
+
+
+def held_jobs() -> dict[str, Held]:
+    """The flow jobs this worker holds now, by id (Celery's worker state, read in its main
+    process): running, prefetched and waiting for a pool process, or waiting for an eta."""
+    from celery.worker import state as worker_state
+
+    held: dict[str, Held] = {}
+    # Copies: the worker's event loop adds and removes requests while this thread reads.
+    groups = (
+        (True, list(worker_state.active_requests)),
+        (False, list(worker_state.reserved_requests)),
+        (False, list(getattr(worker_state, "scheduled_requests", ()))),
+    )
+    for running, requests in groups:
+        for request in requests:
+            headers = getattr(request, "request_dict", None) or {}
+            queue = headers.get(H_QUEUE)
+            if queue and str(request.id) not in held:
+                pid = getattr(request, "worker_pid", None) if running else None
+                held[str(request.id)] = Held(str(queue), running, pid)
+    return held
+
+
+def renew(state: EchoMQ, jobs: dict[str, Held], released: dict[str, Held] | None = None) -> int:
+    """Renew this worker's leases on ``jobs`` and end its holds on ``released`` (jobs it held
+    unstarted at the last look, started or gone since); how many moved."""
+    by_queue: dict[str, tuple[list[str], list[str], list[str]]] = {}
+    for job_id, job in jobs.items():
+        running, waiting, _ = by_queue.setdefault(job.queue, ([], [], []))
+        (running if job.running else waiting).append(job_id)
+    for job_id, job in (released or {}).items():
+        by_queue.setdefault(job.queue, ([], [], []))[2].append(job_id)
+    moved = 0
+    for queue, (running, waiting, ended) in by_queue.items():
+        moved += state.scripts.extend(queue, running, state.settings.stall_ms, waiting, ended)
+    return moved
+
+
+def drop_dead(state: EchoMQ, jobs: dict[str, Held]) -> list[str]:
+    """End the leases of ``jobs``, whose pool processes this worker saw die; one line each."""
+    lines = []
+    for job_id, job in jobs.items():
+        if job.pid is None:
+            continue
+        status, payload = state.scripts.drop(job.queue, job_id, holder_prefix(job.pid))
+        if status is Status.NOOP:
+            continue
+        if status is Status.REQUEUED:
+            # A duplicate was skipped while this holder looked alive: no message is left.
+            found = decode_job(state, job.queue, job_id, payload)
+            if found is not None:
+                if "children" in found:
+                    found = with_values(state, job.queue, job_id, found)
+                publish(state.app, [found])
+            line = f"{job.queue}: re-published {job_id} (its pool process {job.pid} died)"
+        else:
+            line = f"{job.queue}: lease of {job_id} ended (its pool process {job.pid} died)"
+        logger.warning("echomq recovery: %s", line)
+        lines.append(line)
+    return lines
+
+
+class RecoveryLoop:
+    """A daemon thread in the worker's main process: leases and leased recovery passes.
+
+    Every :data:`TICK` it compares the flow jobs the worker holds with the last look: a job it
+    has just received is leased at once, a job whose pool process died has its lease ended at
+    once; every third of a stall timeout it renews all its leases; every recovery interval it
+    runs a pass. A thread rather than the worker's timer: the timer's callbacks run on the
+    event loop, and a pass makes blocking calls to Redis, the broker and the result backend.
+    """
+
+    def __init__(self, state: EchoMQ, name: str, app: Any = None) -> None:
+        self.state = state
+        self.app = app
+        self.holder = f"{name}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        settings = state.settings
+        self.interval = settings.recovery_interval
+        # Renew at least three times per stall timeout, so one slow renewal never lets the
+        # lease of a live job lapse.
+        self.renew_every = min(settings.recovery_interval, settings.stall_timeout / 3)
+        self.tick = min(TICK, self.renew_every)
+        self._held: dict[str, Held] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="echomq-recovery", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def queues(self) -> set[str] | None:
+        """The queues this worker consumes (read each pass: ``add_consumer`` can change them).
+
+        A worker recovers only the flows of its own queues: it runs their tasks, so its
+        ``echomq_stall_timeout`` is the one that fits them, and a worker for a queue of
+        hour-long jobs is not second-guessed by one for a queue of quick ones.
+        """
+        if self.app is None:
+            return None
+        return {str(name) for name in self.app.amqp.queues.consume_from}
+
+    def look(self, renew_all: bool) -> None:
+        """One tick: lease what is new (or everything), end the leases of dead holders."""
+        now = held_jobs()
+        before, self._held = self._held, now
+        gone = {
+            job_id: job
+            for job_id, job in before.items()
+            if job.running
+            and job.pid is not None
+            and (job_id not in now or now[job_id].pid != job.pid)
+            and not pid_alive(job.pid)
+        }
+        if gone:
+            drop_dead(self.state, gone)
+        fresh = (
+            now
+            if renew_all
+            else {job_id: job for job_id, job in now.items() if before.get(job_id) != job}
+        )
+        # Holds this loop made (received, not started at the last look) that have ended: the
+        # claim leaves them to this call, one per tick, rather than a ZREM per claim.
+        released = {
+            job_id: job
+            for job_id, job in before.items()
+            if not job.running and (job_id not in now or now[job_id].running)
+        }
+        if fresh or released:
+            renew(self.state, fresh, released)
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        next_pass = start  # a worker that starts after a crash repairs at once
+        next_renew = start
+        while not self._stop.is_set():
+            renew_all = time.monotonic() >= next_renew
+            if renew_all:
+                next_renew = time.monotonic() + self.renew_every
+            try:
+                self.look(renew_all)
+            except Exception as exc:
+                logger.warning("echomq recovery: could not renew leases: %s", exc)
+                self._held = {}  # lease everything again at the next tick
+            if time.monotonic() >= next_pass:
+                next_pass = time.monotonic() + self.interval
+                try:
+                    leased_pass(self.state, self.holder, self.queues())
+                except Exception as exc:
+                    logger.warning("echomq recovery: pass failed: %r", exc)
+            self._stop.wait(self.tick)
+
+
+class RecoveryStep(bootsteps.StartStopStep):  # type: ignore[misc]
+    """The worker step that runs :class:`RecoveryLoop` (added by ``celery_echomq.install``)."""
+
+    label = "echomq recovery"
+    # After the pool: the loop reads the requests the pool is running.
+    requires = ("celery.worker.components:Pool",)
+
+    def create(self, worker: Any) -> RecoveryLoop | None:
+        state = find_state(worker.app)
+        if state is None:
+            return None
+        return RecoveryLoop(state, str(worker.hostname), worker.app)

@@ -1,0 +1,202 @@
+"""Settling a finished job: complete or fail it, credit its parent on whichever slot it
+lives, and act on what that made of the parent (dispatch it, or record its failure).
+
+What the worker's signal receivers and recovery call; each step is one script call, and what
+follows it (a publish, a result written to Celery's backend) is repeated by recovery if the
+process dies in between.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from celery_echomq import tracing
+from celery_echomq.errors import FlowFailed
+from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
+from celery_echomq.store.replies import UNSETTLED, Status
+from celery_echomq.store.scripts import ParentRef, ResultWrite
+from celery_echomq.store.state import EchoMQ
+
+logger = logging.getLogger("celery_echomq")
+
+
+def error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def record_failure(
+    state: EchoMQ,
+    job_id: str,
+    exc: BaseException,
+    job: dict[str, Any] | None,
+    *,
+    call_errbacks: bool = True,
+    status: str = "FAILURE",
+) -> None:
+    """Store FAILURE for a job that never ran (a flow's parent), as its own worker would:
+    with its request, so that its ``link_error`` callbacks run and a result backend that
+    replies to the caller (``rpc://``) finds the caller's ``reply_to`` in it.
+
+    ``status="REVOKED"``: a cancelled flow, stored as Celery stores a revoked task (no
+    callbacks), with ``exc`` (a FlowCancelled) as what ``get()`` raises."""
+    from celery.app.task import Context
+    from celery.utils.functional import maybe_list
+
+    job = job or {"task": None, "options": {}}
+    options = job.get("options") or {}
+    request = Context(
+        id=job_id,
+        task=job.get("task"),
+        errbacks=maybe_list(options.get("link_error")) if call_errbacks else None,
+        args=job.get("args", []),
+        kwargs=job.get("kwargs", {}),
+        reply_to=options.get("reply_to"),
+        correlation_id=job_id,
+        delivery_info={},
+        # What follows it in a chain fails too, and a chord it is part of counts it, as for a
+        # task that failed on a worker (the backend's mark_as_failure reads them).
+        chain=options.get("chain"),
+        chord=options.get("chord"),
+        group=options.get("group_id"),
+        group_index=options.get("group_index"),
+    )
+    if status == "REVOKED":
+        state.app.backend.store_result(job_id, exc, status, request=request)
+        return
+    state.app.backend.mark_as_failure(job_id, exc, request=request, call_errbacks=call_errbacks)
+
+
+def parent_failed(
+    state: EchoMQ, queue: str, parent_id: str, child_id: str, error: str
+) -> tuple[FlowFailed, ParentRef | None]:
+    """Record FAILURE for a parent whose child failed under ``fail``, and run its errbacks.
+
+    Returns the error and, for a nested flow, where its own parent lives (the failure is
+    that flow's child's failure next).
+    """
+    payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
+    job = state.loads(payload) if payload else {"task": None, "options": {}}
+    exc = FlowFailed(f"flow {parent_id}: child {child_id} failed: {error}", child_id, error)
+    record_failure(state, parent_id, exc, job)
+    logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
+    headers = job["options"].get("headers") or {}
+    outer = headers.get(H_PARENT)
+    return exc, ParentRef(outer, headers.get(H_PARENT_QUEUE) or queue) if outer else None
+
+
+def credit_remote(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    parent: ParentRef,
+    outcome: str,
+    data: bytes | str,
+    policy: str,
+) -> tuple[Status, str]:
+    """Count a child staged in ``queue``'s outbox on its parent's slot, then unstage it.
+
+    Idempotent per child id: recovery repeats it for an outbox entry left by a crash.
+    """
+    status, applied = state.scripts.credit(
+        parent, job_id, outcome, data, policy, ttl=state.settings.result_ttl
+    )
+    state.client.zrem(state.keys.queue_key(queue, "outbox"), job_id)
+    logger.info("echomq: child %s (%s) credited to %s: %s", job_id, outcome, parent.id, status)
+    return status, applied
+
+
+def follow(state: EchoMQ, status: Status, job_id: str, parent: ParentRef, error: str = "") -> None:
+    """Act on what a child's transition made of its parent: publish it, or settle its failure."""
+    if status is Status.RELEASED:
+        logger.info("echomq: parent %s released by child %s", parent.id, job_id)
+        tracing.released(job_id, parent.id)
+        dispatch_parent(state, parent.queue, parent.id, released_by=job_id)
+    elif status is Status.PARENT_FAILED:
+        exc, outer = parent_failed(state, parent.queue, parent.id, job_id, error)
+        if outer is not None:
+            # A nested flow failed: that is a failed child of the flow it belongs to.
+            settle_failure(
+                state, parent.queue, parent.id, "", error_text(exc), True, outer, carry=True
+            )
+
+
+def settle_success(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    is_parent: bool,
+    parent: ParentRef | None,
+    value: bytes,
+    result: ResultWrite | None = None,
+    unwritten: Callable[[], None] | None = None,
+) -> Status:
+    """A job succeeded: complete it and credit its parent (on whichever slot it lives).
+
+    ``result``: its result for Celery's backend, written by the completion itself; where the
+    completion was not the job's transition (a stale token, a job cancelled meanwhile) it
+    writes nothing and ``unwritten`` is called, to store it as Celery would."""
+    status, written = state.scripts.complete_writing(
+        queue,
+        job_id,
+        token,
+        ttl=state.settings.result_ttl,
+        is_parent=is_parent,
+        parent=parent,
+        value=value,
+        result=result,
+    )
+    if status is Status.FORGED:
+        logger.warning(
+            "echomq: completion of %s refused: parent %s is not the job's own", job_id, parent
+        )
+    if result is not None and not written and unwritten is not None:
+        unwritten()
+    if status is Status.STAGED and parent is not None:
+        status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")
+    if parent is not None:
+        follow(state, status, job_id, parent)
+    return status
+
+
+def settle_failure(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    error: str,
+    is_parent: bool,
+    parent: ParentRef | None,
+    *,
+    carry: bool = False,
+) -> Status:
+    """A job failed for good: fail it and apply its parent_policy to the parent.
+
+    ``carry``: the job is a nested flow's parent, already failed by one of its own children;
+    apply that failure, once, to the flow it belongs to (see fail.lua).
+    """
+    status, policy = state.scripts.fail(
+        queue,
+        job_id,
+        token,
+        error,
+        ttl=state.settings.result_ttl,
+        is_parent=is_parent,
+        parent=parent,
+        carry=carry,
+    )
+    if status is Status.FORGED:
+        logger.warning(
+            "echomq: failure of %s refused: parent %s is not the job's own", job_id, parent
+        )
+    if status is Status.STAGED and parent is not None:
+        status, policy = credit_remote(state, queue, job_id, parent, Status.FAILED, error, policy)
+    if parent is None or status in UNSETTLED:
+        return status
+    logger.info("echomq: child %s failed under policy %s: %s", job_id, policy, error)
+    tracing.child_failed(job_id, parent.id, policy, error, status is Status.PARENT_FAILED)
+    follow(state, status, job_id, parent, error)
+    return status

@@ -1,0 +1,375 @@
+"""Worker signal receivers: each calls one transition script for a flow job.
+
+Receivers run in the pool process (revocation in the main process), and Celery logs and
+swallows their exceptions, so every transition is idempotent and recovery repairs the ones a
+receiver could not make. A task without the flow headers costs nothing here: no Redis command.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections import OrderedDict
+from datetime import datetime, timezone
+from typing import Any
+
+from billiard.exceptions import TimeLimitExceeded, WorkerLostError
+from celery import signals
+from celery.app.task import Task
+from celery.exceptions import Ignore
+
+from celery_echomq import tracing
+from celery_echomq.config import safe_url
+from celery_echomq.store.headers import (
+    H_FLOW,
+    H_PARENT,
+    H_QUEUE,
+    H_SINCE,
+    H_STORE,
+    Headers,
+    parent_ref,
+)
+from celery_echomq.store.replies import DUPLICATE_DELIVERY, STARTED, Status
+from celery_echomq.store.results import (
+    store_failure,
+    store_retry,
+    store_revoked,
+    store_started,
+    store_success,
+    success_write,
+)
+from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
+from celery_echomq.worker.settle import error_text, settle_failure, settle_success
+
+logger = logging.getLogger("celery_echomq")
+
+# The token each running flow job was claimed with, by task id, in this (pool) process.
+_tokens: dict[str, str] = {}
+
+# Deliveries whose claim found the job running elsewhere or finished: their body is skipped.
+_skip: set[str] = set()
+
+# Tokens name their holder ("host|pid|random"), so a worker can end the lease of a pool
+# process it saw die, and a claim can tell a dead holder on this host from a live one.
+HOST = socket.gethostname().replace("|", "_")
+
+
+def new_token() -> str:
+    return f"{HOST}|{os.getpid()}|{uuid.uuid4().hex}"
+
+
+def holder_prefix(pid: int) -> str:
+    return f"{HOST}|{pid}|"
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _holder_dead(token: str) -> bool:
+    """Whether ``token``'s holder is a pool process of this host that no longer exists."""
+    host, _, rest = token.partition("|")
+    pid = rest.partition("|")[0]
+    return host == HOST and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid))
+
+
+# In the worker's main process: the headers of flow jobs it received, by task id. A hard
+# time limit reports the failure there, where no task request is on the stack.
+_received: OrderedDict[str, Any] = OrderedDict()
+_RECEIVED_MAX = 10_000
+
+
+def _flow_state(task: Any, request: Any) -> EchoMQ | None:
+    if request is None or not getattr(request, H_QUEUE, None):
+        return None
+    return find_state(task.app)
+
+
+def _priority(request: Any) -> int:
+    # Brokers deliver a queue in order within one priority: the claim mark is kept per priority.
+    try:
+        return int((getattr(request, "delivery_info", None) or {}).get("priority") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any) -> None:
+    request = task.request
+    state = _flow_state(task, request)
+    if state is None:
+        return
+    queue, token = getattr(request, H_QUEUE), new_token()
+    lease, priority = state.settings.stall_ms, _priority(request)
+    retries = int(getattr(request, "retries", 0) or 0)
+    since = getattr(request, H_SINCE, None)
+    # The parent the message names: the claim compares it with the row's own.
+    named = str(getattr(request, H_PARENT, None) or "")
+    status, attempts, holder = state.scripts.claim(
+        queue,
+        task_id,
+        token,
+        lease,
+        priority=priority,
+        retries=retries,
+        since=since if isinstance(since, int) else None,
+        parent=named,
+    )
+    if status is Status.BUSY and holder == token:
+        # The store's client resent this claim after a lost reply (a failover): the first
+        # attempt landed, so the job is this delivery's.
+        status = Status.CLAIMED
+    elif status is Status.BUSY and _holder_dead(holder):
+        # Its pool process died on this host (acks late: this is the broker's redelivery):
+        # the holder is known dead, so its lease does not have to lapse first.
+        status, attempts, holder = state.scripts.claim(
+            queue,
+            task_id,
+            token,
+            lease,
+            priority=priority,
+            force=True,
+            retries=retries,
+            parent=named,
+        )
+    if status in STARTED:
+        _tokens[task_id] = token
+        store_started(task, request)
+        if status is Status.CLAIMED:
+            logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
+        else:
+            logger.info("echomq: claim %s -> taken over (attempt %d)", task_id, attempts)
+    elif status is Status.MISSING:
+        # A flow job's message with no row here: expired long ago, or (far likelier when it
+        # happens to every job) the producer writes to another store than this worker reads.
+        mine = safe_url(state.settings.redis_url or "")
+        theirs = str(getattr(request, H_STORE, None) or "")
+        elsewhere = theirs and theirs != mine
+        logger.warning(
+            "echomq: flow job %s (queue %s) has no row in this worker's store %s%s. Its body "
+            "runs as a plain task, outside the flow",
+            task_id,
+            queue,
+            mine,
+            f"; its producer wrote it to {theirs}: point both at one store (echomq_redis_url)"
+            if elsewhere
+            else "; if the producer's echomq_redis_url names another store, point both at one",
+        )
+    elif status is Status.FORGED:
+        # The row's own parent is not the one this message names: a forged or copied header.
+        # The body does not run, and nothing of the flow changes.
+        _skip.add(task_id)
+        logger.warning(
+            "echomq: refused delivery of %s on %s: its message names parent %r, which is not "
+            "the job's own (its body is skipped; counted as forged_refused)",
+            task_id,
+            queue,
+            named or None,
+        )
+    elif status in DUPLICATE_DELIVERY:
+        # A duplicate delivery: the job runs under a live lease elsewhere, or it is finished,
+        # or (a parent) it still waits for its children. Its body is skipped and its message
+        # acknowledged; the holder's outcome is the job's.
+        _skip.add(task_id)
+        logger.info("echomq: skip duplicate delivery of %s (%s)", task_id, status)
+
+
+def skip_duplicate(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
+    """``Task.before_start`` for every task: a duplicate's body ends here, as ``Ignore``.
+
+    A signal receiver cannot stop a task (Celery logs and swallows its exceptions), while
+    ``before_start`` runs inside the task's trace, where ``Ignore`` acknowledges the message
+    and stores nothing. For a task that is not a flow job this is one set lookup.
+    """
+    if task_id in _skip:
+        _skip.discard(task_id)
+        raise Ignore(f"echomq: duplicate delivery of {task_id} skipped")
+    if tracing.ON and getattr(self.request, H_FLOW, None):
+        state = find_state(self.app)
+        if state is not None:
+            tracing.parent_started(state, getattr(self.request, H_QUEUE), task_id, self.request)
+
+
+def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
+    request = sender.request
+    state = _flow_state(sender, request)
+    if state is None:
+        return
+    token = _tokens.pop(request.id, None)
+    if token is None:
+        return
+    if tracing.ON:
+        tracing.record_child(state, request.id, parent_ref(request))
+    settle_success(
+        state,
+        getattr(request, H_QUEUE),
+        request.id,
+        token,
+        bool(getattr(request, H_FLOW, None)),
+        parent_ref(request),
+        state.dumps(result),
+        success_write(state, sender, request, result),
+        lambda: store_success(sender, request, result),
+    )
+
+
+def on_failure(
+    sender: Any = None,
+    task_id: str = "",
+    exception: BaseException | None = None,
+    einfo: Any = None,
+    **_: Any,
+) -> None:
+    request = sender.request
+    token = _tokens.pop(task_id, None)
+    lost = token is None and isinstance(exception, (WorkerLostError, TimeLimitExceeded))
+    if lost:
+        # Reported by the worker's main process: the pool process that held the token was
+        # killed (acks early: the message is gone with it) or hit its hard time limit. The
+        # failure applies whatever token the row has, at once, as a chord's header fails then.
+        if getattr(request, "id", None) != task_id:
+            request = _received.get(task_id)  # Celery versions that push no request context
+        token = ""
+    received = _received.pop(task_id, None)
+    if exception is not None:
+        # The main process (a lost or timed-out pool process, a Reject without requeue) stores
+        # a failure without a traceback, and may push no request context.
+        holder = request if getattr(request, "id", None) == task_id else received
+        traceback = None if lost or holder is received else getattr(einfo, "traceback", None)
+        store_failure(sender, holder, task_id, exception, traceback)
+    state = _flow_state(sender, request)
+    if state is None or token is None:
+        return
+    if tracing.ON:
+        tracing.record_child(state, task_id, parent_ref(request))
+    settle_failure(
+        state,
+        getattr(request, H_QUEUE),
+        task_id,
+        token,
+        error_text(exception) if exception is not None else "unknown error",
+        bool(getattr(request, H_FLOW, None)),
+        parent_ref(request),
+    )
+
+
+def _due_in_ms(reason: Any) -> int:
+    """How long until a retry's message is due: its countdown or eta (Retry.when)."""
+    when = getattr(reason, "when", None)
+    if isinstance(when, (int, float)):
+        return int(when * 1000)
+    if isinstance(when, datetime):
+        aware = when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+        return int((aware - datetime.now(timezone.utc)).total_seconds() * 1000)
+    return 0
+
+
+def on_retry(
+    sender: Any = None, request: Any = None, reason: Any = None, einfo: Any = None, **_: Any
+) -> None:
+    state = _flow_state(sender, request)
+    if state is None:
+        return
+    if reason is not None:
+        store_retry(
+            sender, request, getattr(reason, "exc", None), getattr(einfo, "traceback", None)
+        )
+    token = _tokens.pop(request.id, None)
+    if token is not None:
+        status = state.scripts.retry(
+            getattr(request, H_QUEUE), request.id, token, _due_in_ms(reason)
+        )
+        logger.info("echomq: retry %s -> %s", request.id, status)
+
+
+def on_postrun(
+    sender: Any = None, task_id: str = "", state: str = "", retval: Any = None, **_: Any
+) -> None:
+    if task_id in _skip:
+        _skip.discard(task_id)  # skipped before before_start ran (e.g. it was overridden)
+        return
+    if state != "IGNORED":
+        return
+    request = sender.request
+    store = _flow_state(sender, request)
+    token = _tokens.pop(task_id, None)
+    if store is None or token is None:
+        return
+    # Ignore without a duplicate: the body replaced itself (Task.replace) or chose to leave its
+    # state to another task. The job waits for the outcome stored under its id.
+    status = store.scripts.hand_over(getattr(request, H_QUEUE), task_id, token)
+    logger.info("echomq: %s handed over to its replacement (%s)", task_id, status)
+
+
+def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
+    headers = getattr(request, "request_dict", None) or {}
+    if headers.get(H_QUEUE):
+        _received[request.id] = Headers(headers)
+        while len(_received) > _RECEIVED_MAX:
+            _received.popitem(last=False)
+
+
+def on_revoked(
+    sender: Any = None,
+    request: Any = None,
+    terminated: bool = False,
+    expired: bool = False,
+    **_: Any,
+) -> None:
+    # Celery passes the request's Context here: the message headers are its attributes.
+    headers = request
+    if sender is None or not getattr(headers, H_QUEUE, None):
+        return
+    _received.pop(request.id, None)
+    state = find_state(sender.app)
+    if state is None:
+        return
+    reason = "TaskRevokedError: expired" if expired else "TaskRevokedError: revoked"
+    queue = getattr(headers, H_QUEUE)
+    if expired and not may_expire(state, queue, request.id):
+        # An expired copy of a job whose own message never expires (a forged or replayed
+        # message): the row decides, and its job runs as sent.
+        logger.warning(
+            "echomq: ignored an expired delivery of %s on %s: the job's stored message has no "
+            "expiry",
+            request.id,
+            queue,
+        )
+        return
+    store_revoked(
+        sender, request, "expired" if expired else "terminated" if terminated else "revoked"
+    )
+    settle_failure(
+        state,
+        queue,
+        request.id,
+        "",
+        reason,
+        bool(getattr(headers, H_FLOW, None)),
+        parent_ref(headers),
+    )
+
+
+def connect() -> None:
+    """Connect the receivers (once per process; each checks the sender's app)."""
+    signals.task_prerun.connect(on_prerun, weak=False, dispatch_uid="echomq_prerun")
+    signals.task_success.connect(on_success, weak=False, dispatch_uid="echomq_success")
+    signals.task_failure.connect(on_failure, weak=False, dispatch_uid="echomq_failure")
+    signals.task_retry.connect(on_retry, weak=False, dispatch_uid="echomq_retry")
+    signals.task_revoked.connect(on_revoked, weak=False, dispatch_uid="echomq_revoked")
+    signals.task_unknown.connect(on_unknown, weak=False, dispatch_uid="echomq_unknown")
+    signals.task_rejected.connect(on_rejected, weak=False, dispatch_uid="echomq_rejected")
+    signals.task_received.connect(on_received, weak=False, dispatch_uid="echomq_received")
+    signals.task_postrun.connect(on_postrun, weak=False, dispatch_uid="echomq_postrun")
+    # On Celery's base class, so that tasks with a custom base get it too; Celery's tracer
+    # calls an overridden before_start (see celery.app.trace.task_has_custom).
+    if Task.before_start is not skip_duplicate:
+        Task.before_start = skip_duplicate
