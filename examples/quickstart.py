@@ -72,6 +72,15 @@ def main() -> int:
             print("parent result:", res.get(timeout=60))
             released = [line for line in log.read_text().splitlines() if "echomq:" in line]
             print("worker log:", *(line.split("] ", 1)[-1] for line in released), sep="\n  ")
+            print(
+                "\nTry next, on your own app and Redis (this redis-server stops now):",
+                f"  celery -A proj echomq show {res.id}   # the flow as a tree",
+                "  celery -A proj echomq list --state recent   # flows, newest first",
+                f"  celery -A proj echomq watch {res.id}   # live progress",
+                "  pip install 'celery-echomq[dashboard]' && celery -A proj echomq dashboard",
+                "  (where proj is the module that calls celery_echomq.install(app))",
+                sep="\n",
+            )
             return 0
 
 
