@@ -49,7 +49,6 @@ ROOT = HERE.parent
 sys.path[:0] = [str(HERE), str(ROOT)]
 
 import bench_app  # noqa: E402 - needs the path above
-import worker_variants  # noqa: E402
 
 from celery_echomq import flow  # noqa: E402
 from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
@@ -812,17 +811,6 @@ def lean_hook(mode: str) -> Iterator[None]:
         state.settings = settings
 
 
-def chain_hooks(*hooks: ModeHook) -> ModeHook:
-    @contextlib.contextmanager
-    def both(mode: str) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for hook in hooks:
-                stack.enter_context(hook(mode))
-            yield
-
-    return both
-
-
 # --- enqueue against BullMQ's FlowProducer ------------------------------------------------
 
 
@@ -960,11 +948,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, help="interleaved rounds per size (default 5)")
     p.add_argument("--plain-tasks", type=int, help="tasks per plain-task round (default 1000)")
     p.add_argument("--no-plain", action="store_true", help="skip the install/no-install ratio")
-    p.add_argument(
-        "--proposals",
-        action="store_true",
-        help="also run flow+claim, the worker-side prototype of PROPOSALS.md (own worker)",
-    )
     p.add_argument("--no-held", action="store_true", help="skip the held-memory phase")
     p.add_argument(
         "--no-lean",
@@ -1028,12 +1011,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     modes: Sequence[str] = MODES if args.no_lean else (*MODES, LEAN)
     hook: ModeHook = lean_hook
-    variant_of: dict[str, str] = {}
-    if args.proposals:
-        import proposals
-
-        modes, hook = (*modes, *proposals.BENCH_MODES), chain_hooks(lean_hook, proposals.hook)
-        variant_of = proposals.WORKER_VARIANTS
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
         signal.signal(sig, _on_signal)
     signal.alarm(args.max_seconds)
@@ -1098,15 +1075,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             log(f"bench: {' / '.join(modes)} against one worker")
         worker = Worker(base, "celery")
         stack.callback(worker.stop)
-        # A prototype that changes the worker gets a worker (and a queue) of its own, idle
-        # while the other modes run.
         queues: dict[str, str] = {}
-        variant_workers: list[Worker] = []
-        for mode, variant in variant_of.items():
-            queues[mode] = f"celery_{variant}"
-            w = Worker(base, queues[mode], extra_env={worker_variants.VARIANT_ENV: variant})
-            stack.callback(w.stop)
-            variant_workers.append(w)
         for mode in modes if args.sizes else ():
             run_once(admin, waiter, mode, Size(5, 20), -1, hook, queues.get(mode))
         runs: list[Run] = []
@@ -1131,8 +1100,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             t_chains = time.time()
             report["chains"] = versus_chains(admin, waiter, args.chains, args.chain_rounds, hook)
             report["chains_elapsed_s"] = round(time.time() - t_chains, 1)
-        for w in (worker, *variant_workers):
-            w.stop()
+        worker.stop()
 
         if not args.no_plain:
             log("bench: plain tasks, worker with install vs without (interleaved)")

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import worker_variants
 from celery import Celery, signals
 
 import celery_echomq
@@ -47,7 +46,6 @@ def configure(url: str, *, install: bool = True) -> Celery:
 # Without the variable the module is being imported by bench.py, which calls configure itself.
 if os.environ.get(ENV_URL):
     configure(os.environ[ENV_URL], install=os.environ.get(ENV_INSTALL, "1") == "1")
-    worker_variants.install_from_env()
 
 
 @app.task(name="bench.add")
