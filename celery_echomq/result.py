@@ -1,20 +1,23 @@
-"""``FlowResult``: the parent's result, with reads of the flow's state in Redis."""
+"""``FlowResult``: the parent's result, with reads of the flow's state in Redis; and
+``EagerFlowResult``, the same after an eager run, its reads in memory (:class:`FanIn`)."""
 
 from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery import states
-from celery.result import AsyncResult
+from celery.result import AsyncResult, EagerResult
 from vine import promise
 
-from celery_echomq.errors import NoResultBackendError
+from celery_echomq.errors import FlowClosedError, FlowFailed, NoResultBackendError
 from celery_echomq.ops.cancel import cancel_flow
 from celery_echomq.store import reads
 from celery_echomq.store.connection import text
-from celery_echomq.store.reads import locate
+from celery_echomq.store.reads import Dependencies, locate
 from celery_echomq.store.state import get_state
 
 # A parent row in one of these states runs again: its flow was retried since it failed.
@@ -164,3 +167,113 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         parent_state = state.client.hget(state.keys.job_key(queue, self.id), "state")
         if parent_state != b"cancelled" and not self.ready():
             super().revoke(connection, terminate, signal, wait, timeout)
+
+
+@dataclass
+class FanIn:
+    """A flow's counter, values and ignored errors, as the scripts keep them in Redis."""
+
+    parent_id: str
+    outstanding: int
+    policy: str
+    values: dict[str, Any] = field(default_factory=dict)
+    ignored: dict[str, str] = field(default_factory=dict)
+    # Children failed under fail, remove or continue (the row's 'failed:<id>' fields).
+    failures: dict[str, str] = field(default_factory=dict)
+    credited: int = 0
+    waiting: bool = True
+    failure: FlowFailed | None = None
+    cut: list[str] = field(default_factory=list)  # children its deadline cut
+
+    def dependencies(self) -> Dependencies:
+        under_fail = len(self.failures) - (self.credited - len(self.values) - len(self.ignored))
+        return Dependencies(
+            self.outstanding - under_fail, len(self.values), len(self.failures), len(self.ignored)
+        )
+
+    def failed_children(self) -> dict[str, str]:
+        cut = "FlowDeadlineExceeded: flow {} passed its deadline before this child started"
+        return {
+            **self.ignored,
+            **self.failures,
+            **{cid: cut.format(self.parent_id) for cid in self.cut},
+        }
+
+    def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
+        """Count one finished child; whether this released the parent (settle_child.lua)."""
+        if ok:
+            self.values[child_id] = data
+            policy = ""
+        else:
+            policy = policy or self.policy
+            if policy != "ignore":
+                self.failures[child_id] = data
+            if policy == "fail":
+                if self.waiting:
+                    self.waiting = False
+                    self.failure = FlowFailed(
+                        f"flow {self.parent_id}: child {child_id} failed: {data}", child_id, data
+                    )
+                return False
+            if policy == "ignore":
+                self.ignored[child_id] = data
+        self.outstanding -= 1
+        self.credited += 1
+        if (policy == "continue" or self.outstanding <= 0) and self.waiting:
+            self.waiting = False
+            return True
+        return False
+
+    def released_values(self, child_ids: Sequence[str]) -> list[Any]:
+        """The parent's argument: the values so far, in the children's order (dispatch.lua)."""
+        return [self.values[cid] for cid in child_ids if cid in self.values]
+
+
+class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
+    """A flow's result after an eager run: the parent's outcome and the flow's reads, in
+    memory. ``get()`` returns the parent's value, or raises what a worker's result would."""
+
+    def __init__(
+        self,
+        id: str,
+        ret_value: Any,
+        state: str,
+        traceback: Any = None,
+        name: str | None = None,
+        fanin: FanIn | None = None,
+        app: Any = None,
+    ) -> None:
+        # Celery 5.3's EagerResult takes no name.
+        EagerResult.__init__(self, id, ret_value, state, traceback)
+        self._name = name
+        self.app = app
+        self.flow_queue = None
+        self.fanin = fanin or FanIn(id, 0, "fail")
+
+    def __reduce_args__(self) -> tuple[Any, ...]:
+        return (self.id, self._result, self._state, self._traceback, self._name, self.fanin)
+
+    def children_values(self, cursor: str | None = None, count: int | None = None) -> Any:
+        return reads.eager_values(dict(self.fanin.values), cursor, count)
+
+    def dependencies(self) -> Dependencies:
+        return self.fanin.dependencies()
+
+    def failed_children(self) -> dict[str, str]:
+        return self.fanin.failed_children()
+
+    def ignored_failures(self) -> dict[str, str]:
+        return dict(self.fanin.ignored)
+
+    def add_children(self, children: Any) -> list[str]:
+        # The run is over: its parent no longer waits, whatever its outcome.
+        raise FlowClosedError(
+            f"flow {self.id} was run eagerly and has finished: children can only be added "
+            "while it runs (add_children() inside a child's body)",
+            self.id,
+            self.state,
+        )
+
+    def revoke(self, *args: Any, **kwargs: Any) -> None:
+        # Everything already ran: as for any eager result.
+        EagerResult.revoke(self, *args, **kwargs)

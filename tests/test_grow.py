@@ -386,7 +386,7 @@ def test_recovery_writes_staged_children_or_drops_them_once_the_flow_is_closed(
     import hashlib
 
     from celery_echomq.store.scripts import ParentRef
-    from celery_echomq.worker.recovery.stalled import unwritten_children
+    from celery_echomq.worker.recovery.unfinished import unwritten_children
 
     state = get_state(proj.app)
     home, other = own_queue("grow-e"), own_queue("grow-f")

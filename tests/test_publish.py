@@ -18,9 +18,9 @@ from celery.utils.saferepr import saferepr
 from kombu.transport import redis as kombu_redis
 
 from celery_echomq import flow
-from celery_echomq.send import publish
+from celery_echomq.send import envelope, publish
+from celery_echomq.send.envelope import fast_repr
 from celery_echomq.send.plan import plan_flow
-from celery_echomq.send.publish import _fast_repr
 from celery_echomq.send.start import _with_since
 
 # kombu's Redis transport batches publishes from 5.7 on; with an older kombu every message takes
@@ -40,7 +40,7 @@ def test_plain_arguments_get_exactly_saferepr_and_others_are_left_to_celery() ->
     fast = 0
     for a, b in itertools.product(VALUES, repeat=2):
         args, kwargs = (a, b), {"k": a, "z": b}
-        got = _fast_repr(args, kwargs)
+        got = fast_repr(args, kwargs)
         if got is None:
             continue
         fast += 1
@@ -48,8 +48,8 @@ def test_plain_arguments_get_exactly_saferepr_and_others_are_left_to_celery() ->
     assert fast > 100  # the common case (numbers, short plain strings) takes the fast path
     # Quotes, backslashes, non-ASCII, long strings, huge ints, containers: Celery's saferepr.
     for odd in ("a'b", "a\\b", "é", "x" * 41, 10**30, [1], {"a": 1}, b"ab"):
-        assert _fast_repr((odd,), {}) is None
-    assert _fast_repr(tuple(range(17)), {}) is None
+        assert fast_repr((odd,), {}) is None
+    assert fast_repr(tuple(range(17)), {}) is None
 
 
 # --- The Redis fast path: each message as the producer would have published it -------------
@@ -140,7 +140,7 @@ def test_fast_path_publishes_what_the_producer_would(
     broker = redis.Redis.from_url(env.broker)
     jobs = _leaves(proj, _varied_flow(proj, q1, q2))
     templated = count_templated(monkeypatch)
-    publish._TEMPLATES.clear()  # no template from an earlier test's batch
+    envelope.TEMPLATES.clear()  # no template from an earlier test's batch
     publish.send_jobs(proj.app, jobs)
     fast = _drain(broker, [q1, q2])
     with monkeypatch.context() as m:
@@ -210,7 +210,7 @@ def test_a_later_batch_is_built_from_the_templates_an_earlier_one_learnt(
     queue = own_queue("fastlater")
     broker = redis.Redis.from_url(env.broker)
     templated = count_templated(monkeypatch)
-    publish._TEMPLATES.clear()
+    envelope.TEMPLATES.clear()
     batches = [_leaves(proj, _alike(proj, queue, 3)) for _ in range(3)]
     for i, jobs in enumerate(batches):
         for job in jobs:
@@ -236,7 +236,7 @@ def test_a_template_is_not_used_where_kombu_would_declare_again(
     would, rather than reuse a template."""
     queue = own_queue("fastdeclare")
     broker = redis.Redis.from_url(env.broker)
-    publish._TEMPLATES.clear()
+    envelope.TEMPLATES.clear()
     publish.send_jobs(proj.app, _leaves(proj, _alike(proj, queue, 2)))
     with proj.app.producer_or_acquire(None) as producer:
         declared = producer.channel.connection.client.declared_entities

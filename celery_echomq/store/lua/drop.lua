@@ -16,7 +16,7 @@
 --                          holder looked alive, so no message is left for it: the job is
 --                          pending again and the host re-publishes its stored job (the
 --                          payload, or with a nil payload the delta against the template on
---                          the parent's row; see stored.py)
+--                          the parent's row; see codec.py)
 --   {"noop"}               not active under that holder (finished, retried, claimed anew)
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"

@@ -26,7 +26,7 @@
 --                 lapsed holder's token can no longer complete it, and the re-published
 --                 delivery claims it as a first one). The host re-publishes its stored job: the
 --                 payload, or (nil payload) the delta against the template on the parent's
---                 row (a child its flow wrote in one step; see stored.py) (a flow
+--                 row (a child its flow wrote in one step; see codec.py) (a flow
 --                 parent with its children's values, which it reads from :processed in
 --                 chunks, as dispatch does).
 --   {"fresh"}     not stalled (claimed, retried, renewed or requeued since the caller looked)

@@ -14,10 +14,11 @@
 --
 -- Reply: {id1, payload1, delta1, id2, payload2, delta2, ...} the children made pending (maybe
 --        none): each one's stored job, its payload or (nil payload) its delta against the
---        template on the parent's row (see stored.py)
+--        template on the parent's row (see codec.py)
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "now_ms"
+--- @include "repend"
 local refused = gate_ids(1, #ARGV)
 if refused then
   return refused
@@ -29,15 +30,7 @@ for i = 1, #KEYS - 2 do
   local cid = ARGV[1 + i]
   local c = redis.call('HMGET', child, 'state', 'parent')
   if c[1] == 'failed' and c[2] == ARGV[1] then
-    redis.call('HSET', child, 'state', 'pending')
-    redis.call('HDEL', child, 'error', 'suspect', 'token')
-    redis.call('PERSIST', child)
-    redis.call('ZREM', KEYS[2], cid)
-    redis.call('ZADD', KEYS[1], now, cid)
-    reply[#reply + 1] = cid
-    local stored = redis.call('HMGET', child, 'payload', 'delta')
-    reply[#reply + 1] = stored[1]
-    reply[#reply + 1] = stored[2]
+    repend(child, cid, KEYS[1], KEYS[2], now, reply)
   end
 end
 return reply

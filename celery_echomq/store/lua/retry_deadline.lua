@@ -29,6 +29,7 @@
 --- @include "gate"
 --- @include "now_ms"
 --- @include "release_parent"
+--- @include "repend"
 local refused = gate_ids(1, 1) or gate_ids(4, #ARGV)
 if refused then
   return refused
@@ -51,15 +52,7 @@ for i = 1, #KEYS - 9 do
   local again = c[2] == id and ((c[1] == 'cancelled' and c[3] == 'deadline')
     or (c[1] == 'failed' and (c[4] or default) == 'fail'))
   if again then
-    redis.call('HSET', child, 'state', 'pending')
-    redis.call('HDEL', child, 'error', 'suspect', 'token', 'cut', 'dispatched')
-    redis.call('PERSIST', child)
-    redis.call('ZREM', KEYS[7], cid)
-    redis.call('ZADD', KEYS[6], now, cid)
-    reply[#reply + 1] = cid
-    local stored = redis.call('HMGET', child, 'payload', 'delta')
-    reply[#reply + 1] = stored[1]
-    reply[#reply + 1] = stored[2]
+    repend(child, cid, KEYS[6], KEYS[7], now, reply, 'cut', 'dispatched')
   end
 end
 redis.call('HSET', KEYS[1], 'state', 'awaiting_children')

@@ -28,7 +28,7 @@
 --
 -- Reply: {status, id1, payload1, delta1, id2, payload2, delta2, ...} the children made
 --        pending (the host publishes their stored jobs: the payload or, nil payload, the
---        delta against the template on the parent's row; see stored.py)
+--        delta against the template on the parent's row; see codec.py)
 --   "retried"    the parent awaits its children again
 --   "released"   the parent awaits nothing (its counter is 0: every outstanding child has
 --                settled meanwhile): it is now pending and the host dispatches it
@@ -40,6 +40,7 @@
 --- @include "gate"
 --- @include "now_ms"
 --- @include "release_parent"
+--- @include "repend"
 
 local function unrecord(cid)
   if redis.call('HDEL', KEYS[1], 'failed:' .. cid) == 1 then
@@ -68,17 +69,9 @@ for i = 1, n do
   local cid = ARGV[2 + i]
   local c = redis.call('HMGET', child, 'state', 'parent_policy', 'parent')
   if c[1] == 'failed' and (c[2] or default) == 'fail' and c[3] == ARGV[1] then
-    redis.call('HSET', child, 'state', 'pending')
-    redis.call('HDEL', child, 'error', 'suspect', 'token')
-    redis.call('PERSIST', child)
-    redis.call('ZREM', KEYS[7], cid)
-    redis.call('ZADD', KEYS[6], now, cid)
     redis.call('HDEL', KEYS[5], cid)
     unrecord(cid)
-    reply[#reply + 1] = cid
-    local stored = redis.call('HMGET', child, 'payload', 'delta')
-    reply[#reply + 1] = stored[1]
-    reply[#reply + 1] = stored[2]
+    repend(child, cid, KEYS[6], KEYS[7], now, reply)
   end
 end
 local others = #ARGV - 2 - n

@@ -10,10 +10,9 @@ from celery_echomq.store.reads import queues_of
 from celery_echomq.store.state import EchoMQ
 from celery_echomq.worker.recovery.common import BATCH, FAILED_MARK, HOLD_MS, now_ms
 from celery_echomq.worker.recovery.lost import lost_pending
-from celery_echomq.worker.recovery.stalled import (
-    lost_active,
+from celery_echomq.worker.recovery.stalled import lost_active, unrecorded_failures
+from celery_echomq.worker.recovery.unfinished import (
     uncredited_outbox,
-    unrecorded_failures,
     unsealed_flows,
     unwritten_children,
 )
