@@ -294,7 +294,7 @@ def test_children_added_on_another_queue_are_credited_across_slots(
 CRASH = """
 import os, signal, sys
 from tests import proj
-from celery_echomq import grow
+from celery_echomq.send import grow
 
 def die(*args, **kwargs):
     os.kill(os.getpid(), signal.SIGKILL)

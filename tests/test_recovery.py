@@ -251,7 +251,9 @@ def _killed_producer(env: Env, point: str, queue: str, tag: str, pid: str, ids: 
     is added or before the flow is sealed."""
     code = """
 import dataclasses, os, signal, sys
-from celery_echomq import flow, get_state, scripts, start
+from celery_echomq import flow, get_state
+from celery_echomq.send import start
+from celery_echomq.store import scripts
 from tests import proj
 
 point, queue, tag, pid, *ids = sys.argv[1:]

@@ -53,6 +53,25 @@ def disarm(state: EchoMQ, armed: Sequence[tuple[str, str]]) -> None:
         state.client.zrem(index_key(state, queue), parent_id)
 
 
+def _flow_keys(state: EchoMQ, queue: str, parent_id: str, child_ids: Sequence[str]) -> list[str]:
+    """The KEYS deadline.lua and retry_deadline.lua share: the flow's own keys on its slot,
+    its queue's sets, the deadline index, then the rows of ``child_ids``."""
+    keys = state.keys
+    deps, processed, ignored = keys.flow_keys(queue, parent_id)
+    return [
+        keys.job_key(queue, parent_id),
+        deps,
+        processed,
+        ignored,
+        keys.settled_key(queue, parent_id),
+        keys.queue_key(queue, "pending"),
+        keys.queue_key(queue, "failed"),
+        keys.queue_key(queue, "counters"),
+        index_key(state, queue),
+        *(keys.job_key(queue, cid) for cid in child_ids),
+    ]
+
+
 def fire(
     state: EchoMQ,
     queue: str,
@@ -63,20 +82,7 @@ def fire(
     remote: Sequence[str],
 ) -> Fired:
     """Run deadline.lua for one flow whose entry came due."""
-    keys_ = state.keys
-    deps, processed, ignored = keys_.flow_keys(queue, parent_id)
-    keys = [
-        keys_.job_key(queue, parent_id),
-        deps,
-        processed,
-        ignored,
-        keys_.settled_key(queue, parent_id),
-        keys_.queue_key(queue, "pending"),
-        keys_.queue_key(queue, "failed"),
-        keys_.queue_key(queue, "counters"),
-        index_key(state, queue),
-        *(keys_.job_key(queue, cid) for cid in local),
-    ]
+    keys = _flow_keys(state, queue, parent_id, local)
     argv = [
         parent_id,
         payload_sha,
@@ -131,20 +137,7 @@ def retry(
     state: EchoMQ, queue: str, parent_id: str, child_ids: Sequence[str], kind: str, ms: int
 ) -> tuple[str, int, list[tuple[str, Stored]]]:
     """retry_deadline.lua: ``(status, new deadline ms, [(child id, stored job)])``."""
-    keys_ = state.keys
-    deps, processed, ignored = keys_.flow_keys(queue, parent_id)
-    keys = [
-        keys_.job_key(queue, parent_id),
-        deps,
-        processed,
-        ignored,
-        keys_.settled_key(queue, parent_id),
-        keys_.queue_key(queue, "pending"),
-        keys_.queue_key(queue, "failed"),
-        keys_.queue_key(queue, "counters"),
-        index_key(state, queue),
-        *(keys_.job_key(queue, cid) for cid in child_ids),
-    ]
+    keys = _flow_keys(state, queue, parent_id, child_ids)
     reply = state.scripts._run("retry_deadline", keys, [parent_id, kind, str(ms), *child_ids])
     status = text(reply[0]) or ""
     if status not in ("retried", "released"):
