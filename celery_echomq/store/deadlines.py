@@ -55,20 +55,11 @@ def disarm(state: EchoMQ, armed: Sequence[tuple[str, str]]) -> None:
 
 def _flow_keys(state: EchoMQ, queue: str, parent_id: str, child_ids: Sequence[str]) -> list[str]:
     """The KEYS deadline.lua and retry_deadline.lua share: the flow's own keys on its slot,
-    its queue's sets, the deadline index, then the rows of ``child_ids``."""
-    keys = state.keys
-    deps, processed, ignored = keys.flow_keys(queue, parent_id)
+    the deadline index, then the rows of ``child_ids``."""
     return [
-        keys.job_key(queue, parent_id),
-        deps,
-        processed,
-        ignored,
-        keys.settled_key(queue, parent_id),
-        keys.queue_key(queue, "pending"),
-        keys.queue_key(queue, "failed"),
-        keys.queue_key(queue, "counters"),
+        *state.scripts.held_keys(queue, parent_id),
         index_key(state, queue),
-        *(keys.job_key(queue, cid) for cid in child_ids),
+        *(state.keys.job_key(queue, cid) for cid in child_ids),
     ]
 
 

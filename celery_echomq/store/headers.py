@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.script_base import ParentRef
 
 # Message headers that mark a flow job; Celery keeps custom headers across retries.
 H_QUEUE = "echomq_q"  # the queue whose slot holds this job's row

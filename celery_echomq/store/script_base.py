@@ -62,6 +62,20 @@ class ScriptsBase(ScriptRunner):
         super().__init__(*args, **kwargs)
         self._known_marks: dict[tuple[str, int], int] = {}
 
+    def held_keys(self, queue: str, parent_id: str, entry: str = "pending") -> list[str]:
+        """The first eight KEYS of the scripts that settle a whole flow on its slot (retry_flow,
+        abandon_flow, deadline, retry_deadline): its row, counter, values, ignored errors and
+        cross-slot credits, then its queue's ``entry`` set, failed set and counters."""
+        keys = self.keys
+        return [
+            keys.job_key(queue, parent_id),
+            *keys.flow_keys(queue, parent_id),
+            keys.settled_key(queue, parent_id),
+            keys.queue_key(queue, entry),
+            keys.queue_key(queue, "failed"),
+            keys.queue_key(queue, "counters"),
+        ]
+
     def _parent_keys(self, parent: ParentRef | None, *names: str) -> list[str]:
         if parent is None:
             return []

@@ -72,16 +72,8 @@ class Scripts(FlowScripts):
         children retried elsewhere (another slot, or a nested flow) whose :settled entry goes.
         Returns the status and ``(id, stored job)`` of each child made pending.
         """
-        deps, processed, ignored = self.keys.flow_keys(queue, parent_id)
         keys = [
-            self.keys.job_key(queue, parent_id),
-            deps,
-            processed,
-            ignored,
-            self.keys.settled_key(queue, parent_id),
-            self.keys.queue_key(queue, "pending"),
-            self.keys.queue_key(queue, "failed"),
-            self.keys.queue_key(queue, "counters"),
+            *self.held_keys(queue, parent_id),
             *(self.keys.job_key(queue, cid) for cid in local),
         ]
         reply = self._run("retry_flow", keys, [parent_id, str(len(local)), *local, *others])
@@ -207,17 +199,7 @@ class Scripts(FlowScripts):
         self, queue: str, parent_id: str, stall_ms: int, error: str, *, ttl: int
     ) -> Status:
         """Fail an open flow (chunked path) whose producer stopped before writing every child."""
-        deps, processed, ignored = self.keys.flow_keys(queue, parent_id)
-        keys = [
-            self.keys.job_key(queue, parent_id),
-            deps,
-            processed,
-            ignored,
-            self.keys.settled_key(queue, parent_id),
-            self.keys.queue_key(queue, "open"),
-            self.keys.queue_key(queue, "failed"),
-            self.keys.queue_key(queue, "counters"),
-        ]
+        keys = self.held_keys(queue, parent_id, entry="open")
         return status_of(
             self._run("abandon_flow", keys, [parent_id, str(stall_ms), str(ttl), error])[0]
         )
