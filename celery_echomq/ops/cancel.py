@@ -84,8 +84,11 @@ def cancel_flow(
             pipe.exists(state.keys.flow_keys(where[cid], cid)[0])
     answers = iter(pipe.execute())
     revoked: list[str] = []
+    running: set[str] = set()
     for cid in [c for c in children if c in where]:
         child_state, nested = next(answers), next(answers)
+        if child_state == b"active":
+            running.add(cid)
         if nested and child_state in (b"awaiting_children", b"pending"):
             revoked += cancel_flow(state, where[cid], cid, terminate, settle=False)
     local = [cid for cid in children if where.get(cid) == queue]
@@ -98,8 +101,13 @@ def cancel_flow(
     rest = children if not cancelled else [cid for cid in children if where.get(cid) != queue]
     for other, ids in _by_queue(where, rest).items():
         outstanding += state.scripts.cancel_elsewhere(other, parent_id, ids, ttl=ttl, started=True)
+    # Without terminate a running child cannot be stopped, and its cancelled row already
+    # turns any later delivery away: its id is not broadcast, since Celery's workers (5.6
+    # and later) that do not run it would store REVOKED over the result it is about to store.
+    to_revoke = [cid for cid in outstanding if terminate or cid not in running]
     # A released parent's message is on its way: revoke it too, so it never runs.
-    to_revoke = [*outstanding, parent_id] if cancelled and was is Status.PENDING else outstanding
+    if cancelled and was is Status.PENDING:
+        to_revoke.append(parent_id)
     if to_revoke:
         state.app.control.revoke(to_revoke, terminate=terminate)
     if not cancelled:
