@@ -18,7 +18,7 @@ from celery.utils.saferepr import saferepr
 from kombu.transport import redis as kombu_redis
 
 from celery_echomq import flow
-from celery_echomq.send import envelope, publish
+from celery_echomq.send import publish, templates
 from celery_echomq.send.envelope import fast_repr
 from celery_echomq.send.plan import plan_flow
 from celery_echomq.send.start import _with_since
@@ -122,13 +122,20 @@ def _timeless(raw: bytes) -> dict[str, Any]:
 def count_templated(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Records, per message published from here on, whether it was built from a template."""
     templated: list[bool] = []
-    push = publish.Templates.push
+    push, find = publish.Templates.push, publish.Templates.find
 
     def counted(self: Any, *args: Any) -> bool:
         templated.append(push(self, *args))
         return templated[-1]
 
+    def found(self: Any, key: Any) -> Any:
+        template = find(self, key)
+        if template is None:
+            templated.append(False)  # built by Celery and kombu
+        return template
+
     monkeypatch.setattr(publish.Templates, "push", counted)
+    monkeypatch.setattr(publish.Templates, "find", found)
     return templated
 
 
@@ -140,7 +147,7 @@ def test_fast_path_publishes_what_the_producer_would(
     broker = redis.Redis.from_url(env.broker)
     jobs = _leaves(proj, _varied_flow(proj, q1, q2))
     templated = count_templated(monkeypatch)
-    envelope.TEMPLATES.clear()  # no template from an earlier test's batch
+    templates.TEMPLATES.clear()  # no template from an earlier test's batch
     publish.send_jobs(proj.app, jobs)
     fast = _drain(broker, [q1, q2])
     with monkeypatch.context() as m:
@@ -210,7 +217,7 @@ def test_a_later_batch_is_built_from_the_templates_an_earlier_one_learnt(
     queue = own_queue("fastlater")
     broker = redis.Redis.from_url(env.broker)
     templated = count_templated(monkeypatch)
-    envelope.TEMPLATES.clear()
+    templates.TEMPLATES.clear()
     batches = [_leaves(proj, _alike(proj, queue, 3)) for _ in range(3)]
     for i, jobs in enumerate(batches):
         for job in jobs:
@@ -236,7 +243,7 @@ def test_a_template_is_not_used_where_kombu_would_declare_again(
     would, rather than reuse a template."""
     queue = own_queue("fastdeclare")
     broker = redis.Redis.from_url(env.broker)
-    envelope.TEMPLATES.clear()
+    templates.TEMPLATES.clear()
     publish.send_jobs(proj.app, _leaves(proj, _alike(proj, queue, 2)))
     with proj.app.producer_or_acquire(None) as producer:
         declared = producer.channel.connection.client.declared_entities

@@ -21,21 +21,23 @@ signals are sent per message and no template is used.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
+from celery.app.routes import MapRoute
 from celery.utils.functional import maybe_list
 
 from celery_echomq.send.envelope import (
     MESSAGE_OPTIONS,
-    Templates,
     expiration_of,
     fast_repr,
     key_routing,
     publish_receivers,
     queue_of,
+    same,
 )
 from celery_echomq.send.pushes import RedisPushes
+from celery_echomq.send.templates import Template, Templates
 
 
 def _batch(producer: Any) -> contextlib.AbstractContextManager[Any]:
@@ -55,7 +57,29 @@ def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
             pushes.flush()
 
 
-def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
+def built_pushes(
+    app: Any, jobs: Iterable[dict[str, Any]], accept: Callable[[Any], bool]
+) -> list[tuple[str, str]] | None:
+    """The LPUSHes publishing ``jobs`` would send, ``(list key, message)`` in order, built
+    and not sent; None (nothing built) unless kombu's Redis transport publishes them, its
+    channel passes ``accept``, and every message comes from a template learnt before (the
+    kombu steps of a first message may declare its queue: a write this must not make)."""
+    with app.producer_or_acquire(None) as producer:
+        pushes = RedisPushes.of(app, producer)
+        if pushes is None or publish_receivers() or not accept(pushes.channel):
+            return None
+        if not _send(app, pushes, jobs, templates_only=True):
+            return None
+    if any(name != "lpush" or len(args) != 2 for name, args in pushes.commands):
+        return None
+    return [(str(args[0]), str(args[1])) for _, args in pushes.commands]
+
+
+def _send(
+    app: Any, producer: Any, jobs: Iterable[dict[str, Any]], templates_only: bool = False
+) -> bool:
+    """Publish (or, on :class:`RedisPushes`, collect) every job's message. ``templates_only``:
+    stop at the first job without a template, and say so (False)."""
     amqp = app.amqp
     current = app.current_worker_task
     sent_event = app.conf.task_send_sent_event
@@ -63,12 +87,30 @@ def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
     pushes = producer if isinstance(producer, RedisPushes) else None
     if pushes is not None and not publish_receivers():
         templates = Templates.of(app, pushes.channel)
+    if templates_only and templates is None:
+        return False
     # The entities each queue's first message of the batch declared.
     declared: dict[str, list[Any]] = {}
     task_defaults: dict[str, dict[str, Any]] = {}
+    # The last job pushed from a template, where its routing read its options alone: a job
+    # of the same task whose options are the same but for its id takes the same template
+    # (a flow's children), without merging defaults, routing and keying again.
+    last: _Last | None = None
+    reusable = all(isinstance(route, MapRoute) for route in amqp.router.routes)
     for job in jobs:
         name = job["task"]
         args, kwargs = tuple(job["args"]), dict(job["kwargs"])
+        if (
+            templates is not None
+            and last is not None
+            and name == last.name
+            and same_but_id(job["options"], last.options)
+        ):
+            reprs = fast_repr(args, kwargs) if last.template.own_reprs else None
+            task_id = job["options"]["task_id"]
+            if templates.push(producer, last.template, task_id, args, kwargs, reprs, last.headers):
+                continue
+            last = None
         options = dict(job["options"])
         task = app.tasks.get(name)
         if task is not None:
@@ -104,16 +146,16 @@ def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
             # of the job's own plain headers.
             keyed, varying = key_routing(routed)
             key = (name, ignore_result, link, link_error, named, keyed)
-            if templates.push(
-                producer,
-                key,
-                task_id,
-                args,
-                kwargs,
-                reprs if own_reprs else None,
-                routed.get("headers"),
+            template = templates.find(key)
+            given = routed.get("headers")
+            if template is not None and templates.push(
+                producer, template, task_id, args, kwargs, reprs if own_reprs else None, given
             ):
+                if reusable:
+                    last = _Last(name, job["options"], template, given)
                 continue
+            if templates_only:
+                return False
         queue_name = queue_of(routed)
         first = queue_name not in declared
         if not first:
@@ -154,6 +196,22 @@ def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
                 )
         else:
             declared.setdefault(queue_name, [])
+    return True
+
+
+class _Last(NamedTuple):
+    name: str
+    options: dict[str, Any]
+    template: Template
+    headers: dict[str, Any] | None
+
+
+def same_but_id(options: dict[str, Any], other: dict[str, Any]) -> bool:
+    """Whether two jobs' options are the same, key order and types included, but for their
+    ``task_id``."""
+    if len(options) != len(other) or list(options) != list(other):
+        return False
+    return all(name == "task_id" or same(value, other[name]) for name, value in options.items())
 
 
 def _without(options: dict[str, Any], name: str) -> dict[str, Any]:

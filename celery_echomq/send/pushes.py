@@ -160,7 +160,7 @@ class RedisPushes:
         self.commands = []
         if not pushes and not others:
             return
-        with _client(self.channel).pipeline(transaction=False) as pipe:
+        with client_of(self.channel).pipeline(transaction=False) as pipe:
             for key, values in pushes.items():
                 for start in range(0, len(values), PUSH_CHUNK):
                     pipe.lpush(key, *values[start : start + PUSH_CHUNK])
@@ -184,7 +184,8 @@ class RedisPushes:
 _CLIENTS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def _client(channel: Any) -> Any:
+def client_of(channel: Any) -> Any:
+    """The redis-py client kombu's ``channel`` publishes with (one per channel)."""
     client = _CLIENTS.get(channel)
     if client is None:
         with channel.conn_or_acquire() as client:

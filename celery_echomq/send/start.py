@@ -18,12 +18,14 @@ from redis.cluster import RedisCluster
 from celery_echomq.config import safe_url
 from celery_echomq.errors import EchoMQError, FlowExistsError, StoreUnavailableError
 from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.send.fused import SINCE_MARK, prepare
 from celery_echomq.send.ids import refuse_taken
 from celery_echomq.send.plan import Plan, child_id, child_queue
 from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.codec import child_template, job_delta
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
+from celery_echomq.store.script_base import BrokerPushes
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
 
@@ -130,6 +132,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     # When each level's children became pending (the store's clock, no later than their
     # pending score): their messages carry it, sparing each claim a read (see H_SINCE).
     since: dict[str, int | None] = {}
+    store = safe_url(state.settings.redis_url or "")
+    fused: BrokerPushes | None = None
     try:
         # Before the flow lands, not after: a producer killed right after the EVAL must still
         # leave its queues where recovery looks (SADD is idempotent).
@@ -158,6 +162,12 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             clock = int(seconds) * 1000 + int(micros) // 1000
             register = []
         whole = []
+        # A small flow of one level, on a broker that shares the store's server: its
+        # children's messages go with its enqueue script (send/fused.py).
+        fused = None
+        one = levels[0]
+        if len(levels) == 1 and one.children and not (cluster or chunked[0] or one.child_policies):
+            fused = prepare(state, [_with_since(j, SINCE_MARK, store) for j in one.children])
         armed = arm_levels(state, levels)  # first: a flow that lands has its deadline
         try:
             for level, is_chunked in zip(levels, chunked, strict=True):
@@ -181,6 +191,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                     policy="" if level.policy == "fail" else level.policy,
                     locator_ttl=0 if cluster else state.locator_ttl,
                     register=register,
+                    publish=fused,
                 )
                 register = []
                 written.append((level.queue, level.parent_id, level.child_ids()))
@@ -232,7 +243,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             len(plan.children),
             f" ({len(levels) - 1} nested flows)" if len(levels) > 1 else "",
         )
-    store = safe_url(state.settings.redis_url or "")
+    if fused is not None:
+        return  # its children's messages were pushed by its enqueue
     leaves = [
         _with_since(job, since[level.parent_id], store)
         for level in levels

@@ -85,6 +85,20 @@ def _store_where(state: EchoMQ) -> tuple[Any, ...] | None:
     return _where(pool.connection_kwargs, pool.connection_class)
 
 
+def database_on_store_server(state: EchoMQ, client: Any) -> int | None:
+    """The database redis-py ``client`` uses when it talks to the store's own server (same
+    address, identity and TLS; Sentinel and Cluster aside), else None."""
+    mine = _store_where(state)
+    if mine is None or type(client) is not redis.Redis:
+        return None
+    pool = client.connection_pool
+    theirs = _where(pool.connection_kwargs, pool.connection_class)
+    at = 2 if mine[0] == "unix" else 3  # the database's place in a _where tuple
+    if theirs[:at] + theirs[at + 1 :] != mine[:at] + mine[at + 1 :]:
+        return None
+    return int(theirs[at])
+
+
 def fusable(state: EchoMQ, backend: Any) -> bool:
     """Whether ``backend`` is Celery's plain Redis backend on the store's server and database
     (not Sentinel, not a Cluster): then the store's scripts can write its results."""

@@ -50,6 +50,17 @@ class ResultWrite:
     expires: int | None
 
 
+@dataclass(frozen=True)
+class BrokerPushes:
+    """Messages for the enqueue script to push into the broker's database ``db`` of the
+    store's own server: per message, the 1-based index of its list in ``lists``, and its JSON
+    before and after the enqueue time the script writes between them."""
+
+    db: int
+    lists: list[str]
+    messages: list[tuple[int, str, str]]
+
+
 class ScriptsBase(ScriptRunner):
     """Bound to one Redis client and one keyspace: what the script calls build on."""
 

@@ -9,9 +9,11 @@
 -- KEYS[5]      the queue's counters            emq:{q}:counters
 -- KEYS[5+i]    child i's row, i = 1..N         emq:{q}:JOBc
 -- KEYS[6+N]    optional (with ARGV[10+2N]): the parent's locator   emq:loc:{JOBp}
--- KEYS[#KEYS]  optional (with ARGV[12+2N..]): the registry of queues that hold flows
+-- KEYS[...]    optional (with ARGV[12+2N] > 0): the registry of queues that hold flows
 --              emq:queues (after the locator when both are given)
---              (these two live on other slots than the queue's: never passed on a Cluster)
+-- KEYS[...]    optional (with ARGV[13+2N+R]): the broker's lists the children's messages go
+--              to, after the keys above
+--              (these live on other slots than the queue's: never passed on a Cluster)
 -- ARGV[1]      parent id
 -- ARGV[2]      parent payload
 -- ARGV[3]      N, the number of children
@@ -30,11 +32,18 @@
 -- ARGV[10+2N]  optional: the locator's TTL in seconds; KEYS[6+N] is set to ARGV[11+2N] (the
 --              queue's name) with it ('' or absent: no locator written here)
 -- ARGV[11+2N]  the queue's name (with ARGV[10+2N])
--- ARGV[12+2N..] optional: queue names to add to KEYS[#KEYS] (every queue of the flow's tree,
+-- ARGV[12+2N]  R, the number of queue names that follow ('' or absent: none)
+-- ARGV[13+2N..12+2N+R] queue names to add to the registry (every queue of the flow's tree,
 --              so that recovery looks there; they land with the flow)
+-- ARGV[13+2N+R] optional: the broker's database, on this same server: the children's
+--              messages are pushed there in this step (absent: the host publishes them)
+-- ARGV[14+2N+R..] with it, a triple per message: the 1-based index of its list among the
+--              broker's KEYS, the message up to its enqueue time and the rest after it
+--              (the message is head .. now .. tail, so it carries the time this step read)
 --
 -- Reply: {N (the counter), now}: now is the server time in ms this script read, the score of
 -- every child in the pending set (so recovery can tell how long a job has waited).
+-- A refusal returns before any write, and before any message is pushed.
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
 --- @include "gate"
 --- @include "recent"
@@ -133,11 +142,39 @@ end
 -- Where a bare id lives, and where recovery looks: written with the flow, so a producer that
 -- dies after this script leaves neither missing, and a refused flow leaves neither behind.
 local locator_ttl = ARGV[10 + 2 * n] or ''
+local extra = 6 + n -- the first of the optional KEYS
 if locator_ttl ~= '' then
-  redis.call('SET', KEYS[6 + n], ARGV[11 + 2 * n], 'EX', locator_ttl)
+  redis.call('SET', KEYS[extra], ARGV[11 + 2 * n], 'EX', locator_ttl)
+  extra = extra + 1
 end
-if #ARGV >= 12 + 2 * n then
-  redis.call('SADD', KEYS[#KEYS], unpack(ARGV, 12 + 2 * n))
+local registered = tonumber(ARGV[12 + 2 * n] or '') or 0
+if registered > 0 then
+  redis.call('SADD', KEYS[extra], unpack(ARGV, 13 + 2 * n, 12 + 2 * n + registered))
+  extra = extra + 1
 end
 index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]), t)
+-- The children's messages, when the broker is a database of this server: the flow lands with
+-- its messages or not at all, in one round trip. Each list's messages in one LPUSH per slice,
+-- in the order given (what the host's own pipeline would push).
+local broker_db = ARGV[13 + 2 * n + registered] or ''
+if broker_db ~= '' then
+  local stamp = string.format('%d', now)
+  local lists, order = {}, {}
+  for i = 14 + 2 * n + registered, #ARGV, 3 do
+    local key = KEYS[extra - 1 + tonumber(ARGV[i])]
+    if not lists[key] then
+      lists[key] = {}
+      order[#order + 1] = key
+    end
+    local messages = lists[key]
+    messages[#messages + 1] = ARGV[i + 1] .. stamp .. ARGV[i + 2]
+  end
+  redis.call('SELECT', tonumber(broker_db))
+  for _, key in ipairs(order) do
+    local messages = lists[key]
+    for first = 1, #messages, SLICE do
+      redis.call('LPUSH', key, unpack(messages, first, math.min(first + SLICE - 1, #messages)))
+    end
+  end
+end
 return {n, now}
