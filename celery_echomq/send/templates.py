@@ -17,8 +17,19 @@ from kombu import serialization
 from celery_echomq.send.envelope import PER_MESSAGE, queue_of, same
 from celery_echomq.send.prepared import Prepared, quoted, token
 from celery_echomq.send.pushes import REDIS_TRANSPORT, RedisPushes
+from celery_echomq.store.keyspace import uuid4_hex
 
 _serialize: Any = serialization.dumps
+# kombu's own delivery tag: a uuid4 as text, made per message.
+_KOMBU_TAG = getattr(getattr(REDIS_TRANSPORT, "Channel", None), "_next_delivery_tag", None)
+
+
+def _delivery_tag(channel: Any) -> str:
+    """The delivery tag kombu's channel would give the message (a random uuid4's text)."""
+    if _KOMBU_TAG is None or type(channel)._next_delivery_tag is not _KOMBU_TAG:
+        return str(channel._next_delivery_tag())
+    h = uuid4_hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 class Template:
@@ -215,7 +226,7 @@ class Templates:
                 saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=self.maxlevels),
             )
         encoded, _ = channel.encode_body(body, channel.body_encoding)
-        tag = channel._next_delivery_tag()
+        tag = _delivery_tag(channel)
         prepared = template.prepared
         if prepared is not None:
             values = dict(template.defaults)

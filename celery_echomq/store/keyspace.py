@@ -7,8 +7,8 @@ escape its tag or name another key raises here, before any Redis command.
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 from collections.abc import Iterable
 
 from celery_echomq.errors import DuplicateIdError, InvalidIdError, KindError
@@ -45,9 +45,18 @@ def check_id(job_id: object) -> str:
     return text
 
 
+def uuid4_hex() -> str:
+    """What ``uuid.uuid4().hex`` gives (random, version 4, RFC 4122 variant), made without a
+    UUID object: a third of the time, and a flow makes one per child."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = (raw[6] & 0x0F) | 0x40
+    raw[8] = (raw[8] & 0x3F) | 0x80
+    return raw.hex()
+
+
 def new_job_id() -> str:
     """A fresh id in the job namespace: ``JOB`` + a uuid4's hex."""
-    return KIND + uuid.uuid4().hex
+    return KIND + uuid4_hex()
 
 
 def check_queue(queue: object) -> str:
