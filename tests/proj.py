@@ -287,19 +287,24 @@ if _DIE_AT in ("dispatch", "parent_failed", "credit"):
 
     from celery_echomq.worker import settle as _settle
 
-    _step = {"dispatch": "dispatch_parent", "credit": "credit_remote"}.get(_DIE_AT, _DIE_AT)
-    _original = getattr(_settle, _step)
+    # Publishing a released parent: handed to the completion that released it
+    # (publish_handed), or claimed by the dispatch script (dispatch_parent).
+    _steps = {"dispatch": ("dispatch_parent", "publish_handed"), "credit": ("credit_remote",)}
 
-    def _die(*args: Any, **kwargs: Any) -> Any:
-        if current_process().name == "MainProcess":
-            return _original(*args, **kwargs)
-        logging.getLogger("tests.proj").warning(
-            "pool process %d killed itself at %s", os.getpid(), _DIE_AT
-        )
-        os.kill(os.getpid(), _signal.SIGKILL)
-        return None
+    def _dying(original: Any) -> Any:
+        def _die(*args: Any, **kwargs: Any) -> Any:
+            if current_process().name == "MainProcess":
+                return original(*args, **kwargs)
+            logging.getLogger("tests.proj").warning(
+                "pool process %d killed itself at %s", os.getpid(), _DIE_AT
+            )
+            os.kill(os.getpid(), _signal.SIGKILL)
+            return None
 
-    setattr(_settle, _step, _die)
+        return _die
+
+    for _step in _steps.get(_DIE_AT, (_DIE_AT,)):
+        setattr(_settle, _step, _dying(getattr(_settle, _step)))
 
 
 # --- Tasks of tests/test_grow.py: children added while a flow runs; flows in chord bodies -----

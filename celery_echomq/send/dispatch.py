@@ -1,7 +1,9 @@
 """Publishing a released parent, once: the ``dispatch`` script decides which process may.
 
-Called where a parent is released: the completion of its last child (``worker/settle.py``),
-a flow with nothing to wait for (``send/start.py``), recovery and the repairs.
+Called where a parent is released: a flow with nothing to wait for (``send/start.py``), a
+child of another slot credited (``worker/settle.py``), recovery and the repairs. The completion
+of a last child on its parent's slot is handed the parent by its own script, and publishes it
+with :func:`publish_handed`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 from celery_echomq import tracing
 from celery_echomq.send.plan import parent_args, valued
 from celery_echomq.send.publish import send_jobs
+from celery_echomq.store.flow_scripts import Handed
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
@@ -32,7 +35,14 @@ def dispatch_parent(
     )
     if claimed is None:
         return False
-    payload, stored = claimed
+    publish_handed(state, parent_id, claimed, released_by)
+    return True
+
+
+def publish_handed(state: EchoMQ, parent_id: str, handed: Handed, released_by: str = "") -> None:
+    """Publish a released parent handed to this caller (by ``dispatch``, or by the completion
+    that released it): its payload with its children's values as its arguments."""
+    payload, stored = handed
     job = state.loads(payload)
     values = [state.loads(stored[cid]) for cid in valued(job) if cid in stored]
     job["args"] = parent_args(job, values)
@@ -41,4 +51,3 @@ def dispatch_parent(
     with tracing.job_context(job):
         send_jobs(state.app, [job])
     logger.info("echomq: parent %s dispatched with %d values", parent_id, len(values))
-    return True

@@ -21,6 +21,9 @@ from celery_echomq.store.script_base import (
 )
 from celery_echomq.store.start_scripts import StartScripts
 
+# A released parent handed to one caller to publish: its payload, and its children's values.
+Handed = tuple[bytes, dict[str, bytes]]
+
 
 class FlowScripts(StartScripts):
     """The transitions of a flow's life, from its enqueue (:class:`StartScripts`) to its
@@ -74,7 +77,12 @@ class FlowScripts(StartScripts):
         """:meth:`complete_writing` (same arguments), returning the status alone."""
         return self.complete_writing(*args, **kwargs)[0]
 
-    def complete_writing(
+    def complete_writing(self, *args: Any, **kwargs: Any) -> tuple[Status, bool]:
+        """:meth:`complete_releasing` (same arguments), without the parent to publish."""
+        status, written, _ = self.complete_releasing(*args, **kwargs)
+        return status, written
+
+    def complete_releasing(
         self,
         queue: str,
         job_id: str,
@@ -85,11 +93,13 @@ class FlowScripts(StartScripts):
         parent: ParentRef | None,
         value: Value,
         result: ResultWrite | None = None,
-    ) -> tuple[Status, bool]:
-        """Finish an active job (complete.lua) and credit its parent; returns the status and
+        inline_max: int = 0,
+    ) -> tuple[Status, bool, Handed | None]:
+        """Finish an active job (complete.lua) and credit its parent; returns the status,
         whether it wrote ``result``, the job's result for Celery's Redis backend (see
         results.py): only the job's real active -> done transition writes it, never a stale or
-        repeated completion."""
+        repeated completion; and, with ``inline_max``, the parent this completion released
+        for the caller to publish (what :meth:`dispatch` would hand out), else None."""
         remote = parent is not None and parent.queue != queue
         keys = [
             self.keys.job_key(queue, job_id),
@@ -116,8 +126,16 @@ class FlowScripts(StartScripts):
             keys.append(result.key)
             expires = str(result.expires) if result.expires else ""
             argv += ["1", result.meta, expires]
+        if inline_max and not remote and parent is not None:
+            if result is None:
+                argv += ["", "", ""]
+            argv.append(str(inline_max))
         reply = self._run("complete", keys, argv)
-        return status_of(reply[0]), len(reply) > 1 and text(reply[1]) == "1"
+        status, written = status_of(reply[0]), len(reply) > 1 and text(reply[1]) == "1"
+        handed = None
+        if status is Status.RELEASED and len(reply) > 2 and parent is not None:
+            handed = self._handed(parent, reply[2:], inline_max)
+        return status, written, handed
 
     def fail(
         self,
@@ -209,7 +227,7 @@ class FlowScripts(StartScripts):
 
     def dispatch(
         self, queue: str, parent_id: str, redispatch_after_ms: int = 0, inline_max: int = 1000
-    ) -> tuple[bytes, dict[str, bytes]] | None:
+    ) -> Handed | None:
         """The parent's payload and its children's values, or None if it is not ours to publish.
 
         More than ``inline_max`` values are read after the claim in chunks of that size.
@@ -224,7 +242,13 @@ class FlowScripts(StartScripts):
         )
         if not reply:
             return None
+        return self._handed(ParentRef(parent_id, queue), reply, inline_max)
+
+    def _handed(self, parent: ParentRef, reply: list[Any], inline_max: int) -> Handed:
+        """A parent to publish, from hand_out's reply: its payload and its children's values
+        (read in chunks of ``inline_max`` where the script left them out)."""
         if text(reply[1]) == "scan":
+            _, processed, _ = self.keys.flow_keys(parent.queue, parent.id)
             values = {text(k): v for k, v in self.client.hscan_iter(processed, count=inline_max)}
         else:
             values = {text(reply[i]): reply[i + 1] for i in range(2, len(reply), 2)}

@@ -14,7 +14,8 @@ from typing import Any
 
 from celery_echomq import tracing
 from celery_echomq.errors import FlowFailed
-from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.send.dispatch import dispatch_parent, publish_handed
+from celery_echomq.store.flow_scripts import Handed
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
 from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.scripts import ParentRef, ResultWrite
@@ -108,12 +109,25 @@ def credit_remote(
     return status, applied
 
 
-def follow(state: EchoMQ, status: Status, job_id: str, parent: ParentRef, error: str = "") -> None:
-    """Act on what a child's transition made of its parent: publish it, or settle its failure."""
+def follow(
+    state: EchoMQ,
+    status: Status,
+    job_id: str,
+    parent: ParentRef,
+    error: str = "",
+    handed: Handed | None = None,
+) -> None:
+    """Act on what a child's transition made of its parent: publish it, or settle its failure.
+
+    ``handed``: the released parent, already handed to this caller by the transition itself
+    (see complete.lua); else the dispatch script decides who publishes it."""
     if status is Status.RELEASED:
         logger.info("echomq: parent %s released by child %s", parent.id, job_id)
         tracing.released(job_id, parent.id)
-        dispatch_parent(state, parent.queue, parent.id, released_by=job_id)
+        if handed is not None:
+            publish_handed(state, parent.id, handed, released_by=job_id)
+        else:
+            dispatch_parent(state, parent.queue, parent.id, released_by=job_id)
     elif status is Status.PARENT_FAILED:
         exc, outer = parent_failed(state, parent.queue, parent.id, job_id, error)
         if outer is not None:
@@ -139,7 +153,7 @@ def settle_success(
     ``result``: its result for Celery's backend, written by the completion itself; where the
     completion was not the job's transition (a stale token, a job cancelled meanwhile) it
     writes nothing and ``unwritten`` is called, to store it as Celery would."""
-    status, written = state.scripts.complete_writing(
+    status, written, handed = state.scripts.complete_releasing(
         queue,
         job_id,
         token,
@@ -148,6 +162,7 @@ def settle_success(
         parent=parent,
         value=value,
         result=result,
+        inline_max=state.settings.chunk_size,
     )
     if status is Status.FORGED:
         logger.warning(
@@ -158,7 +173,7 @@ def settle_success(
     if status is Status.STAGED and parent is not None:
         status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")
     if parent is not None:
-        follow(state, status, job_id, parent)
+        follow(state, status, job_id, parent, handed=handed)
     return status
 
 

@@ -25,12 +25,17 @@
 --          the store's server and db are the result backend's; see results.py), else ''
 -- ARGV[9]  the result's encoded meta, exactly as Celery's RedisBackend would store it
 -- ARGV[10] its expiry in seconds (the backend's result_expires), '' for none
+-- ARGV[11] optional: when this completion releases its parent (on this slot), hand the host
+--          the parent to publish, as dispatch.lua would, inlining at most this many values
+--          ('' or absent: the host calls dispatch itself)
 --
 -- Reply: {status} or, when ARGV[8] == '1', {status, written}: written '1' when this call
 -- wrote the result (the job's one active -> done transition), else '' (the host stores it the
 -- way Celery would, which never overwrites a SUCCESS)
 --   "released"    credited, and it was the last outstanding child: the parent is now pending
---                 (the host dispatches it)
+--                 (the host dispatches it); with ARGV[11], the reply goes on with what
+--                 dispatch.lua replies: {"released", written, payload, "inline", id1,
+--                 value1, ...} or {"released", written, payload, "scan"}
 --   "credited"    credited; other children outstanding, or the parent no longer waits
 --   "staged"      finished and staged in the outbox (ARGV[7] == '1'): the host credits it
 --   "done"        finished; no parent to credit
@@ -43,6 +48,7 @@
 --- @include "expire"
 --- @include "holder"
 --- @include "settle_child"
+--- @include "hand_out"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
@@ -94,6 +100,16 @@ end
 if ARGV[5] ~= '' and was_active == 1 then
   local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
     pending = KEYS[9], counters = KEYS[10]}
-  return {settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1], written}
+  local settled = settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]
+  if settled == 'released' and (ARGV[11] or '') ~= '' then
+    -- The one completion that released the parent publishes it: no dispatch call after.
+    local payload = redis.call('HGET', parent.row, 'payload')
+    local reply = hand_out(parent.row, parent.processed, parent.counters, payload,
+      tonumber(ARGV[11]), now_ms())
+    table.insert(reply, 1, written)
+    table.insert(reply, 1, settled)
+    return reply
+  end
+  return {settled, written}
 end
 return {'done', written}

@@ -16,6 +16,7 @@
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "now_ms"
+--- @include "hand_out"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
@@ -33,15 +34,4 @@ if last then
     return {}
   end
 end
-redis.call('HSET', KEYS[1], 'dispatched', now)
-redis.call('HINCRBY', KEYS[3], 'dispatched', 1)
-local payload = row[3]
-if redis.call('HLEN', KEYS[2]) > tonumber(ARGV[3]) then
-  return {payload, 'scan'}
-end
-local reply = {payload, 'inline'}
-local values = redis.call('HGETALL', KEYS[2])
-for i = 1, #values do
-  reply[#reply + 1] = values[i]
-end
-return reply
+return hand_out(KEYS[1], KEYS[2], KEYS[3], row[3], tonumber(ARGV[3]), now)
