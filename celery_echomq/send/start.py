@@ -51,12 +51,16 @@ def _encode(state: EchoMQ, job: dict[str, Any], where: str) -> bytes:
     try:
         return state.dumps(job)
     except Exception as exc:
-        name = state.settings.serializer
-        raise EncodeError(
-            f"{where} cannot be encoded with the {name!r} serializer (task_serializer): "
-            f"{type(exc).__name__}: {exc}; the flow was not started: nothing was written or "
-            "published"
-        ) from exc
+        raise _refused(state, where, exc) from exc
+
+
+def _refused(state: EchoMQ, where: str, exc: Exception) -> EncodeError:
+    name = state.settings.serializer
+    return EncodeError(
+        f"{where} cannot be encoded with the {name!r} serializer (task_serializer): "
+        f"{type(exc).__name__}: {exc}; the flow was not started: nothing was written or "
+        "published"
+    )
 
 
 def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
@@ -71,15 +75,20 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
         template = child_template(j for j in level.children if child_queue(j) == level.queue)
         children = []
         kinds = []
+        dumps = state.dumps
         for position, job in enumerate(level.children, 1):
             cid = child_id(job)
-            what = "a nested flow" if "nested" in job else job["task"]
-            where = f"flow {level.parent_id}: child {position} ({what}, {cid})"
             delta = None
             if template is not None and child_queue(job) == level.queue:
                 delta = job_delta(template, job)
             kinds.append("p" if delta is None else "d")
-            children.append((cid, _encode(state, job if delta is None else delta, where)))
+            try:
+                children.append((cid, dumps(job if delta is None else delta)))
+            except Exception as exc:
+                # Named only when it fails: a flow encodes thousands of children.
+                what = "a nested flow" if "nested" in job else job["task"]
+                where = f"flow {level.parent_id}: child {position} ({what}, {cid})"
+                raise _refused(state, where, exc) from exc
         where = f"flow {level.parent_id}: the parent ({level.parent['task']})"
         parent = _encode(state, level.parent, where)
         if template is None:
