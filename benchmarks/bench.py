@@ -1011,7 +1011,7 @@ class ProducerTracing:
 
         self.provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
         self.provider.add_span_processor(SimpleSpanProcessor(NullExporter()))
-        self.instrumentor = CeleryInstrumentor()
+        self.instrumentor = CeleryInstrumentor()  # type: ignore[no-untyped-call]
 
     @contextlib.contextmanager
     def on(self) -> Iterator[None]:
