@@ -1,12 +1,18 @@
 """flow vs chord vs a plain group, on one private Redis and one real prefork `celery worker`.
 
 Modes: group, chord, flow, and flow-lean (a flow with echomq_child_results = False: its
-children store no result in Celery's backend). Before the worker starts, flow's enqueue is
-paired with BullMQ's FlowProducer (benchmarks/bullmq/, run with node; skipped with a message
-where node is absent) on the same redis-server. Then, on the same worker, chain children:
-one parent over N chains of S tasks as a flow (flow-chain) and as a chord with the chains in
-its header (chord-chain), beside a flow and a chord over N*S plain children (--chains). The
-closing table gives each target, met or missed, and the chain rows as information.
+children store no result in Celery's backend); beside the plain flow, what two capabilities
+cost: flow-deadline (``flow(..., deadline=3600)``) and flow-traced (OpenTelemetry's SDK in
+the producer and in a second worker of the same options that runs the traced flows alone,
+tracing being process-wide). Before the worker starts, flow's enqueue is paired with
+BullMQ's FlowProducer (benchmarks/bullmq/, run with node; skipped with a message where node
+is absent) on the same redis-server. Then, on the same worker, chain children: one parent
+over N chains of S tasks as a flow (flow-chain) and as a chord with the chains in its header
+(chord-chain), beside a flow and a chord over N*S plain children (--chains). The report
+splits each mode's Redis commands by command name, per child and per flow (printed for
+flow, chord and group at 200x5: "where the commands go"), and its closing table gives each
+target, met or missed, with BullMQ's figure beside flow's, and the capabilities' costs and
+the chain rows as information.
 
     python3 dev.py bench                 # the default run (a few minutes)
     python3 dev.py bench --quick         # a smoke run (under a minute)
@@ -57,6 +63,20 @@ MODES = ("group", "chord", "flow")
 # flow with echomq_child_results = False: the children's values reach the parent through the
 # store alone, without a result-backend write per child.
 LEAN = "flow-lean"
+# The costs of two capabilities, each beside a plain flow in the same rounds: a flow with a
+# deadline (``flow(..., deadline=3600)``, never due here), and a traced flow (the [otel]
+# extra with an OpenTelemetry SDK in the producer and in the worker that runs it). Tracing is
+# process-wide, so the traced flow runs on a second worker of the same configuration that
+# consumes TRACED_QUEUE alone, its SDK exporting to a processor that drops the spans.
+DEADLINE = "flow-deadline"
+DEADLINE_S = 3600
+TRACED = "flow-traced"
+TRACED_QUEUE = "bench_traced"
+# Variants compared with the plain flow only (not with chord or group).
+VARIANTS = (DEADLINE, TRACED)
+# The size of the per-command profile ("where the commands go"): its first KxN when absent.
+PROFILE_SIZE = "200x5"
+PROFILE_MODES = ("flow", "chord", "group")
 BULLMQ_DIR = HERE / "bullmq"
 BULLMQ_DB = 3
 BULLMQ_SIZES = "10x1000,200x5"
@@ -233,6 +253,8 @@ def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
             canvases.append(group(children))
         elif mode in ("chord", "chord-chain"):
             canvases.append(chord(children, parent))
+        elif mode == DEADLINE:
+            canvases.append(flow(parent, children, deadline=DEADLINE_S))
         elif mode.startswith("flow"):
             canvases.append(flow(parent, children))
         else:
@@ -302,6 +324,25 @@ class Waiter:
             time.sleep(0.005)
 
 
+def only_queue(queue: str) -> None:
+    """Leave ``queue`` the only one the store's registry (``emq:queues``) names, before a
+    round, outside its counters. A producer looks for each id of a flow on every other queue
+    that holds flows (send/ids.py: one EXISTS per id and other queue): flow-traced's own
+    queue would add one command per job to every other flow's round, and the other queues
+    one to flow-traced's. Each mode's round thus runs as on a store of one queue, as the
+    bench's rounds did before flow-traced had a queue of its own. The producer's one-second
+    cache of the registry is dropped too (its next enqueue reads it, as after any pause)."""
+    from celery_echomq.store.connection import text
+    from celery_echomq.store.state import get_state
+
+    state = get_state(bench_app.app)
+    key = state.keys.queues_key()
+    others = [q for q in state.client.smembers(key) if text(q) != queue]
+    if others:
+        state.client.srem(key, *others)
+    state._queues = (0.0, frozenset())
+
+
 def result_ids(mode: str, res: Any) -> list[str]:
     return [r.id for r in res.results] if mode == "group" else [res.id]
 
@@ -317,6 +358,7 @@ def run_once(
 ) -> Run:
     canvases = build(mode, size, queue)
     timeout = max(120.0, size.total / 20)
+    only_queue(queue or "celery")
     settle(admin)
     before = command_counts(admin)
     polls = waiter.polls
@@ -588,13 +630,23 @@ def summarize(runs: list[Run], modes: Sequence[str]) -> dict[str, Any]:
         for r in mine:
             for cmd, n in r.by_command.items():
                 top[cmd] = top.get(cmd, 0) + n
+        children = sum(r.children for r in mine)
+        flows = sum(int(r.size.split("x")[0]) for r in mine)
+        ordered = sorted(top.items(), key=lambda kv: (-kv[1], kv[0]))
+        # The mean over the rounds, split by command (the commands_per_child above is the
+        # median of the rounds' totals): "where the commands go".
         out["modes"][mode]["commands_per_child_by_command"] = {
-            cmd: round(n / sum(r.children for r in mine), 3)
-            for cmd, n in sorted(top.items(), key=lambda kv: -kv[1])
+            cmd: round(n / children, 3) for cmd, n in ordered
+        }
+        out["modes"][mode]["commands_per_flow_by_command"] = {
+            cmd: round(n / flows, 2) for cmd, n in ordered
         }
     for num in modes:
         for den in modes:
-            if not num.startswith("flow") or den not in ("group", "chord", "flow"):
+            if num in VARIANTS:  # a capability's cost: against the plain flow alone
+                if den != "flow":
+                    continue
+            elif not num.startswith("flow") or den not in ("group", "chord", "flow"):
                 continue
             if num == den or (num == "flow" and den.startswith("flow")):
                 continue
@@ -654,92 +706,212 @@ def render(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def profile(report: dict[str, Any]) -> dict[str, Any]:
+    """Where the commands go: every mode's Redis commands per child and per flow, split by
+    command name, at PROFILE_SIZE (the first KxN measured when it was not)."""
+    sizes = report["sizes"]
+    if not sizes:
+        return {}
+    label = PROFILE_SIZE if PROFILE_SIZE in sizes else next(iter(sizes))
+    flows, children = (int(x) for x in label.split("x"))
+    modes: dict[str, Any] = {}
+    for mode, m in sizes[label]["modes"].items():
+        per_child = m["commands_per_child_by_command"]
+        per_flow = m["commands_per_flow_by_command"]
+        modes[mode] = {
+            "commands_per_child": round(sum(per_child.values()), 3),
+            "commands_per_flow": round(sum(per_flow.values()), 2),
+            "by_command": {
+                cmd: {"per_child": per_child[cmd], "per_flow": per_flow[cmd]} for cmd in per_child
+            },
+        }
+    return {
+        "size": label,
+        "flows": flows,
+        "children_per_flow": children,
+        "rounds": report["config"]["rounds"],
+        "modes": modes,
+    }
+
+
+def render_profile(prof: dict[str, Any], modes: Sequence[str] = PROFILE_MODES) -> str:
+    shown = [m for m in modes if m in prof.get("modes", {})]
+    if not shown:
+        return ""
+    by = {m: prof["modes"][m]["by_command"] for m in shown}
+    names = sorted(
+        {cmd for m in shown for cmd in by[m]},
+        key=lambda c: (-max(by[m].get(c, {}).get("per_child", 0) for m in shown), c),
+    )
+    w = max(len("command"), *(len(n) for n in names)) + 2
+    lines = [
+        f"where the commands go, {prof['size']}: Redis commands per child | per flow of "
+        f"{prof['children_per_flow']} (mean of {prof['rounds']} rounds)",
+        f"{'command':<{w}}" + "".join(f"{m:>18}" for m in shown),
+    ]
+    lines.append("-" * len(lines[1]))
+    for cmd in names:
+        cells = ""
+        for m in shown:
+            c = by[m].get(cmd)
+            cells += f"{c['per_child']:>9.2f} | {c['per_flow']:>6.1f}" if c else f"{'-':>18}"
+        lines.append(f"{cmd:<{w}}{cells}")
+    sums = [prof["modes"][m] for m in shown]
+    total = "".join(
+        f"{t['commands_per_child']:>9.2f} | {t['commands_per_flow']:>6.1f}" for t in sums
+    )
+    lines.append(f"{'total':<{w}}{total}")
+    return "\n".join(lines)
+
+
 def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target, met or missed, for ``flow`` and (when measured) ``flow-lean``."""
+    """Each target, met or missed (``met`` None: an informational row), with its median
+    ratio and the min-max over the rounds, and the two sides' figures (``a`` / ``b``; beside
+    ``a``, BullMQ's children/s where BullMQ was measured)."""
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, size: str, value: float, ok: bool | None, spread: str = "") -> None:
-        # ok None: an informational row, no target.
-        rows.append({"target": name, "size": size, "value": value, "met": ok, "spread": spread})
+    def add(
+        name: str,
+        size: str,
+        r: dict[str, float],
+        ok: bool | None,
+        a: str,
+        b: str,
+        unit: str,
+        bullmq: str = "-",
+    ) -> None:
+        rows.append(
+            {
+                "target": name,
+                "size": size,
+                "value": r["median"],
+                "min": r.get("min"),
+                "max": r.get("max"),
+                "met": ok,
+                "a": a,
+                "bullmq": bullmq,
+                "b": b,
+                "unit": unit,
+            }
+        )
 
+    for label, vs in (report.get("bullmq") or {}).items():
+        r = vs["ratio"]
+        add(
+            "enqueue, flow / BullMQ FlowProducer >= 1.2x",
+            label,
+            r,
+            r["median"] >= 1.2,
+            fmt_rate(vs["flow_children_per_s"]),
+            "-",
+            "ch/s",
+            fmt_rate(vs["bullmq_children_per_s"]),
+        )
     flows = [m for m in report["modes"] if m in ("flow", LEAN)]
     for label, summary in report["sizes"].items():
         n = int(label.split("x")[1])
-        ratios = summary["ratios"]
+        ratios, modes = summary["ratios"], summary["modes"]
         held = report["held"].get(label, {})
+        held_r = report.get("held_ratios", {}).get(label, {})
         for mode in flows:
             fc, fg = ratios.get(f"{mode}/chord"), ratios.get(f"{mode}/group")
             if fc is None or fg is None:
                 continue
-            want = 1.2 if n >= 50 else 1.0
+            # flow is what the targets are about; flow-lean's rows are information.
+            target = mode == "flow"
+
+            def met(ok: bool, target: bool = target) -> bool | None:
+                return ok if target else None
+
+            want = 1.2 if n >= 50 else 1.1
             r = fc["e2e_children_per_s"]
             add(
-                f"{mode} e2e >= {want}x chord",
+                f"e2e, {mode} / chord >= {want}x",
                 label,
-                r["median"],
-                r["median"] >= want,
-                fmt_ratio(r),
+                r,
+                met(r["median"] >= want),
+                fmt_rate(modes[mode]["e2e_children_per_s"]),
+                fmt_rate(modes["chord"]["e2e_children_per_s"]),
+                "ch/s",
             )
             if n >= 50:
                 r = fg["e2e_children_per_s"]
                 add(
-                    f"{mode} e2e >= 0.95x group",
+                    f"e2e, {mode} / group (0.95x)",
                     label,
-                    r["median"],
-                    r["median"] >= 0.95,
-                    fmt_ratio(r),
+                    r,
+                    None,
+                    fmt_rate(modes[mode]["e2e_children_per_s"]),
+                    fmt_rate(modes["group"]["e2e_children_per_s"]),
+                    "ch/s",
                 )
             r = fc["commands_per_child"]
-            mine, chord_cmds = (
-                summary["modes"][mode]["commands_per_child"],
-                summary["modes"]["chord"]["commands_per_child"],
-            )
             add(
-                f"{mode} cmds/child <= chord",
+                f"Redis cmds/child, {mode} / chord <= 1.0x",
                 label,
-                r["median"],
-                r["median"] <= 1,
-                f"{mine:.1f} vs {chord_cmds:.1f}",
+                r,
+                met(r["median"] <= 1),
+                f"{modes[mode]['commands_per_child']:.1f}",
+                f"{modes['chord']['commands_per_child']:.1f}",
+                "cmds",
             )
-            if held.get(mode) and held.get("chord"):
+            r = held_r.get(f"{mode}/chord") or {}
+            if r and held.get(mode) and held.get("chord"):
                 add(
-                    f"{mode} held B/child <= chord",
+                    f"held B/child, {mode} / chord <= 1.0x",
                     label,
-                    held[mode] / held["chord"],
-                    held[mode] <= held["chord"],
-                    f"{held[mode]:,.0f} vs {held['chord']:,.0f} B",
+                    r,
+                    met(r["median"] <= 1),
+                    f"{held[mode]:,.0f}",
+                    f"{held['chord']:,.0f}",
+                    "B",
                 )
-    for label, vs in (report.get("bullmq") or {}).items():
-        r = vs["ratio"]
-        add(
-            "flow enqueue >= 1.0x BullMQ FlowProducer",
-            label,
-            r["median"],
-            r["median"] >= 1,
-            f"{fmt_ratio(r)}; {fmt_rate(vs['flow_children_per_s'])} vs "
-            f"{fmt_rate(vs['bullmq_children_per_s'])} ch/s",
-        )
+        for mode in VARIANTS:
+            r_all = ratios.get(f"{mode}/flow")
+            if r_all is None:
+                continue
+            what = "deadline=3600" if mode == DEADLINE else "traced"
+            r = r_all["e2e_children_per_s"]
+            add(
+                f"e2e, {mode} / flow ({what})",
+                label,
+                r,
+                None,
+                fmt_rate(modes[mode]["e2e_children_per_s"]),
+                fmt_rate(modes["flow"]["e2e_children_per_s"]),
+                "ch/s",
+            )
+            r = r_all["commands_per_child"]
+            add(
+                f"Redis cmds/child, {mode} / flow",
+                label,
+                r,
+                None,
+                f"{modes[mode]['commands_per_child']:.1f}",
+                f"{modes['flow']['commands_per_child']:.1f}",
+                "cmds",
+            )
     for label, summary in (report.get("chains") or {}).items():
         modes, ratios = summary["modes"], summary["ratios"]
-        for key, what in (("flow-chain/chord-chain", "chain children"), ("flow/chord", "plain")):
+        for key, what in (("flow-chain/chord-chain", "chains"), ("flow/chord", "plain")):
             num, den = key.split("/")
-            r = ratios[key]["e2e"]
-            ms = (modes[num]["e2e_s"]["median"] * 1000, modes[den]["e2e_s"]["median"] * 1000)
             add(
-                f"{key} e2e, {what} (info)",
-                f"{label} chains",
-                r["median"],
+                f"e2e, {num} / {den} ({what})",
+                f"{label} ch",
+                ratios[key]["e2e"],
                 None,
-                f"{fmt_ratio(r)}; {ms[0]:,.0f} vs {ms[1]:,.0f} ms/round",
+                fmt_rate(modes[num]["e2e_tasks_per_s"]),
+                fmt_rate(modes[den]["e2e_tasks_per_s"]),
+                "tasks/s",
             )
-        c = ratios["flow-chain/chord-chain"]["commands_per_task"]
         add(
-            "flow-chain/chord-chain cmds/task (info)",
-            f"{label} chains",
-            c["median"],
+            "Redis cmds/task, flow-chain / chord-chain",
+            f"{label} ch",
+            ratios["flow-chain/chord-chain"]["commands_per_task"],
             None,
-            f"{modes['flow-chain']['commands_per_task']:.1f} vs "
-            f"{modes['chord-chain']['commands_per_task']:.1f} per task",
+            f"{modes['flow-chain']['commands_per_task']:.1f}",
+            f"{modes['chord-chain']['commands_per_task']:.1f}",
+            "cmds",
         )
     plain = report.get("plain")
     if plain:
@@ -747,32 +919,43 @@ def targets(report: dict[str, Any]) -> list[dict[str, Any]]:
         add(
             "plain task/s, install / without >= 0.97x",
             f"{plain['tasks']} tasks",
-            r["median"],
+            r,
             r["median"] >= 0.97,
-            f"{fmt_ratio(r)}, middle half [{r['q1']:.2f}-{r['q3']:.2f}]",
+            fmt_rate(plain["rate_install"]),
+            fmt_rate(plain["rate_no_install"]),
+            "tasks/s",
         )
         cmds = plain["commands_per_task_install"] / plain["commands_per_task_no_install"]
         add(
             "plain task Redis cmds, install / without",
             f"{plain['tasks']} tasks",
-            cmds,
-            abs(cmds - 1) < 0.005,
-            f"{plain['commands_per_task_install']:.2f} vs "
-            f"{plain['commands_per_task_no_install']:.2f} per task",
+            {"median": cmds},
+            None,
+            f"{plain['commands_per_task_install']:.2f}",
+            f"{plain['commands_per_task_no_install']:.2f}",
+            "cmds",
         )
     return rows
 
 
 def render_targets(rows: list[dict[str, Any]]) -> str:
     w = max([len("target"), *(len(row["target"]) for row in rows)]) + 2
-    head = f"{'target':<{w}}{'size':<13}{'ratio':>8}  {'met':<5}{'rounds: median [min-max]'}"
-    lines = [head, "-" * len(head)]
+    head = (
+        f"{'target':<{w}}{'size':<10}{'ratio':>6} {'[min-max]':<12}{'met':<5}"
+        f"{'A':>8}{'BullMQ':>8}{'B':>8} unit"
+    )
+    lines = [head, "-" * (len(head) + 4)]
     for row in rows:
+        lo, hi = row.get("min"), row.get("max")
+        span = f"[{lo:.2f}-{hi:.2f}]" if lo is not None and hi is not None else "-"
+        met = "info" if row["met"] is None else "yes" if row["met"] else "NO"
         lines.append(
-            f"{row['target']:<{w}}{row['size']:<13}{row['value']:>7.2f}x  "
-            f"{'info' if row['met'] is None else 'yes' if row['met'] else 'NO':<5}"
-            f"{row['spread']}"
+            f"{row['target']:<{w}}{row['size']:<10}{row['value']:>5.2f}x {span:<12}{met:<5}"
+            f"{row['a']:>8}{row['bullmq']:>8}{row['b']:>8} {row['unit']}"
         )
+    lines.append("ratio = A / B: the median of the per-round paired ratios (both sides ran in the")
+    lines.append("same round), [min-max] over the rounds; A and B: their medians (held: B/child,")
+    lines.append("enqueue: flow and BullMQ's FlowProducer, B unused); info = no target.")
     return "\n".join(lines)
 
 
@@ -809,6 +992,74 @@ def lean_hook(mode: str) -> Iterator[None]:
         yield
     finally:
         state.settings = settings
+
+
+class ProducerTracing:
+    """The producer's side of ``flow-traced``: an SDK tracer for celery-echomq's send span
+    and opentelemetry-instrumentation-celery's publish spans, on only while a flow-traced
+    round enqueues (outside the clock: the other modes' producer stays as it is, with the
+    API's no-op tracer). The provider is the bench's own, not the global one, and its spans
+    are dropped as the traced worker's are."""
+
+    def __init__(self) -> None:
+        from opentelemetry.instrumentation.celery import CeleryInstrumentor
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+        from tests.otel_setup import NullExporter
+
+        self.provider = TracerProvider(resource=Resource.create({"service.name": "bench"}))
+        self.provider.add_span_processor(SimpleSpanProcessor(NullExporter()))
+        self.instrumentor = CeleryInstrumentor()  # type: ignore[no-untyped-call]
+
+    @contextlib.contextmanager
+    def on(self) -> Iterator[None]:
+        from importlib import metadata
+
+        from celery_echomq import tracing
+
+        saved = tracing._tracer
+        tracing._tracer = self.provider.get_tracer(
+            tracing.TRACER, metadata.version("celery-echomq")
+        )
+        self.instrumentor.instrument(tracer_provider=self.provider)
+        try:
+            yield
+        finally:
+            self.instrumentor.uninstrument()
+            tracing._tracer = saved
+
+
+def tracing_missing() -> str | None:
+    """Why ``flow-traced`` cannot run here, or None."""
+    from celery_echomq import tracing
+
+    if not tracing.ON:
+        return "the [otel] extra is not installed (or ECHOMQ_OTEL=0)"
+    import importlib
+
+    try:
+        for name in ("opentelemetry.sdk.trace", "opentelemetry.instrumentation.celery"):
+            importlib.import_module(name)
+    except ImportError as exc:
+        return f"no OpenTelemetry SDK or Celery instrumentation ({exc})"
+    return None
+
+
+def mode_hooks(traced: ProducerTracing | None) -> ModeHook:
+    """``flow-lean``'s settings and ``flow-traced``'s producer tracing, each for its mode."""
+
+    @contextlib.contextmanager
+    def hook(mode: str) -> Iterator[None]:
+        if mode == TRACED and traced is not None:
+            with traced.on():
+                yield
+        else:
+            with lean_hook(mode):
+                yield
+
+    return hook
 
 
 # --- enqueue against BullMQ's FlowProducer ------------------------------------------------
@@ -955,6 +1206,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"skip {LEAN} (flow with echomq_child_results = False)",
     )
     p.add_argument(
+        "--no-deadline",
+        action="store_true",
+        help=f"skip {DEADLINE} (flow with deadline={DEADLINE_S}, beside the plain flow)",
+    )
+    p.add_argument(
+        "--no-traced",
+        action="store_true",
+        help=f"skip {TRACED} (flow with an OpenTelemetry SDK in producer and worker)",
+    )
+    p.add_argument(
         "--bullmq-sizes",
         type=parse_sizes,
         help=f"KxN,... for enqueue vs BullMQ's FlowProducer (default {BULLMQ_SIZES})",
@@ -1009,8 +1270,18 @@ def log(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    modes: Sequence[str] = MODES if args.no_lean else (*MODES, LEAN)
-    hook: ModeHook = lean_hook
+    modes: list[str] = list(MODES if args.no_lean else (*MODES, LEAN))
+    if not args.no_deadline:
+        modes.append(DEADLINE)
+    traced: ProducerTracing | None = None
+    if not args.no_traced and args.sizes:
+        why_not = tracing_missing()
+        if why_not is None:
+            traced = ProducerTracing()
+            modes.append(TRACED)
+        else:
+            log(f"bench: {TRACED} skipped: {why_not}")
+    hook: ModeHook = mode_hooks(traced)
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
         signal.signal(sig, _on_signal)
     signal.alarm(args.max_seconds)
@@ -1022,6 +1293,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             "rounds": args.rounds,
             "plain_tasks": args.plain_tasks,
             "modes": list(modes),
+            "deadline_s": DEADLINE_S if DEADLINE in modes else None,
+            "traced": f"{TRACED} on a second worker (queue {TRACED_QUEUE}), same options, "
+            "OpenTelemetry SDK + opentelemetry-instrumentation-celery, spans dropped"
+            if TRACED in modes
+            else None,
             "chains": [f"{s.children}x{s.steps}" for s in args.chains],
             "chain_rounds": args.chain_rounds,
             "worker": "celery worker -P prefork -c 2 --loglevel WARNING "
@@ -1030,6 +1306,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "modes": list(modes),
         "sizes": {},
         "held": {},
+        "held_ratios": {},
         "held_detail": [],
         "runs": [],
     }
@@ -1056,12 +1333,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             for mode in held_modes:  # warm up allocations, script cache and queue bindings
                 measure_held(admin_for, mode, Size(1, 5), hook)
             for size in args.sizes:
-                per_mode: dict[str, float] = {}
-                for mode in held_modes:
-                    held = measure_held(admin_for, mode, size, hook)
-                    report["held_detail"].append({**asdict(held)})
-                    per_mode[mode] = held.used_memory_per_child
-                report["held"][size.label] = per_mode
+                got: dict[tuple[str, int], float] = {}
+                # Rounds, the order rotating, as for the other figures: used_memory moves
+                # with the allocator's state, and one measure is one sample of it.
+                for rnd in range(args.rounds):
+                    for mode in rotated(held_modes, rnd):
+                        held = measure_held(admin_for, mode, size, hook)
+                        report["held_detail"].append({**asdict(held), "round": rnd})
+                        got[(mode, rnd)] = held.used_memory_per_child
+                report["held"][size.label] = {
+                    m: med([got[(m, k)] for k in range(args.rounds)]) for m in held_modes
+                }
+                report["held_ratios"][size.label] = {
+                    f"{m}/chord": spread(
+                        [got[(m, k)] / got[("chord", k)] for k in range(args.rounds)]
+                    )
+                    for m in held_modes
+                    if m.startswith("flow") and got[("chord", 0)]
+                }
 
         if not args.no_bullmq:
             why = bullmq_ready()
@@ -1076,6 +1365,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         worker = Worker(base, "celery")
         stack.callback(worker.stop)
         queues: dict[str, str] = {}
+        traced_worker: Worker | None = None
+        if TRACED in modes:
+            traced_worker = Worker(base, TRACED_QUEUE, extra_env={bench_app.ENV_OTEL: "1"})
+            stack.callback(traced_worker.stop)
+            queues[TRACED] = TRACED_QUEUE
         for mode in modes if args.sizes else ():
             run_once(admin, waiter, mode, Size(5, 20), -1, hook, queues.get(mode))
         runs: list[Run] = []
@@ -1095,6 +1389,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         report["runs"] = [
             {**asdict(r), "enqueue_rate": r.enqueue_rate, "e2e_rate": r.e2e_rate} for r in runs
         ]
+        if traced_worker is not None:  # its idle polls would count in the chain rounds
+            traced_worker.stop()
         if args.chains:
             log("bench: chain children, flow-chain / chord-chain / flow / chord (same worker)")
             t_chains = time.time()
@@ -1147,6 +1443,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             }
     signal.alarm(0)
     report["elapsed_s"] = round(time.time() - started, 1)
+    report["profile"] = profile(report)
     report["targets"] = targets(report)
 
     if report["sizes"]:
@@ -1163,6 +1460,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             f"{p['commands_per_task_install']:.1f} vs {p['commands_per_task_no_install']:.1f} "
             "cmds/task)"
         )
+    if report["profile"]:
+        print()
+        print(render_profile(report["profile"]))
     print()
     print(render_targets(report["targets"]))
     out = args.out or HERE / "results" / time.strftime("bench-%Y%m%d-%H%M%S.json")

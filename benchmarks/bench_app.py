@@ -21,6 +21,10 @@ ENV_URL = "ECHOMQ_BENCH_REDIS"
 ENV_INSTALL = "ECHOMQ_BENCH_INSTALL"
 ENV_PROFILE = "ECHOMQ_BENCH_PROFILE_DIR"
 ENV_READY = "ECHOMQ_BENCH_READY_FILE"
+# "1": this worker traces (the bench's flow-traced mode): OpenTelemetry's SDK and
+# opentelemetry-instrumentation-celery, spans dropped by the exporter (tests/otel_setup.py,
+# as benchmarks/tracing_cost.py's workers have them).
+ENV_OTEL = "ECHOMQ_BENCH_OTEL"
 # The flow store shares the result backend's database: then a flow job's completion writes its
 # result too (celery_echomq/results.py).
 BROKER_DB, BACKEND_DB, STORE_DB = 0, 1, 1
@@ -46,6 +50,10 @@ def configure(url: str, *, install: bool = True) -> Celery:
 # Without the variable the module is being imported by bench.py, which calls configure itself.
 if os.environ.get(ENV_URL):
     configure(os.environ[ENV_URL], install=os.environ.get(ENV_INSTALL, "1") == "1")
+if os.environ.get(ENV_OTEL) == "1":
+    from tests.otel_setup import configure as configure_otel
+
+    configure_otel("", service="bench-worker")
 
 
 @app.task(name="bench.add")
