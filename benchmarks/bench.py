@@ -14,8 +14,8 @@ flow, chord and group at 200x5: "where the commands go"), and its closing table 
 target, met or missed, with BullMQ's figure beside flow's, and the capabilities' costs and
 the chain rows as information.
 
-    python3 dev.py bench                 # the default run (a few minutes)
-    python3 dev.py bench --quick         # a smoke run (under a minute)
+    python3 dev.py bench                 # the default run (tens of minutes)
+    python3 dev.py bench --quick         # a smoke run (smaller sizes, 2 rounds: several minutes)
     python benchmarks/bench.py --sizes 20x50,2x1000 --rounds 5
     python benchmarks/bench.py --chains-only --chains 20x3,100x3   # the chain section alone
 

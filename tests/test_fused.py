@@ -60,12 +60,16 @@ def _watch(env: Env) -> tuple[list[dict[str, Any]], Callable[[], None]]:
     return seen, stop
 
 
+@pytest.fixture
+def where(env: Env, own_queue: Any) -> tuple[str, redis.Redis, redis.Redis]:
+    """A queue of the test's own, the broker and the store."""
+    return own_queue("fused"), redis.Redis.from_url(env.broker), redis.Redis.from_url(env.store)
+
+
 def test_a_flow_after_the_first_of_its_shape_is_pushed_by_its_enqueue(
-    proj: Any, env: Env, own_queue: Any
+    proj: Any, env: Env, where: tuple[str, redis.Redis, redis.Redis]
 ) -> None:
-    queue = own_queue("fused")
-    broker = redis.Redis.from_url(env.broker)
-    store = redis.Redis.from_url(env.store)
+    queue, broker, store = where
     first = _send(proj, queue, 3)  # the first of its shape: published by the producer
     seen, stop = _watch(env)
     try:
@@ -99,11 +103,9 @@ def test_a_flow_after_the_first_of_its_shape_is_pushed_by_its_enqueue(
 
 
 def test_a_refused_flow_on_the_one_step_path_publishes_nothing(
-    proj: Any, env: Env, own_queue: Any
+    proj: Any, where: tuple[str, redis.Redis, redis.Redis]
 ) -> None:
-    queue = own_queue("fusedrefused")
-    broker = redis.Redis.from_url(env.broker)
-    store = redis.Redis.from_url(env.store)
+    queue, broker, store = where
     taken = _send(proj, queue, 2)
     held = _messages(broker, queue)
     rows = sorted(store.scan_iter(match=f"emq:{{{queue}}}:*"))
