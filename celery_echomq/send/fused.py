@@ -53,16 +53,10 @@ def prepare(state: EchoMQ, jobs: Iterable[dict[str, Any]]) -> BrokerPushes | Non
     the enqueue script to push, or None where they must be published after it."""
     if state.settings.min_replicas:
         return None  # the publish waits for the replicas, after the enqueue
-    database: list[int] = []
-
-    def on_store_server(channel: Any) -> bool:
-        found = _broker_database(state, channel)
-        database[:] = [] if found is None else [found]
-        return found is not None
-
-    pushes = built_pushes(state.app, jobs, on_store_server)
-    if pushes is None or not database:
+    built = built_pushes(state.app, jobs, lambda channel: _broker_database(state, channel))
+    if built is None:
         return None
+    database, pushes = built
     lists: dict[str, int] = {}
     messages: list[tuple[int, str, str]] = []
     for key, message in pushes:
@@ -71,4 +65,4 @@ def prepare(state: EchoMQ, jobs: Iterable[dict[str, Any]]) -> BrokerPushes | Non
             return None  # not JSON as kombu writes it: publish as always
         index = lists.setdefault(key, len(lists) + 1)
         messages.append((index, message[: at + _VALUE_AT], message[at + len(_MARK) :]))
-    return BrokerPushes(database[0], list(lists), messages)
+    return BrokerPushes(database, list(lists), messages)

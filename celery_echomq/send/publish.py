@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from celery.app.routes import MapRoute
 from celery.utils.functional import maybe_list
@@ -38,6 +38,8 @@ from celery_echomq.send.envelope import (
 )
 from celery_echomq.send.pushes import RedisPushes
 from celery_echomq.send.templates import Template, Templates
+
+T = TypeVar("T")
 
 
 def _batch(producer: Any) -> contextlib.AbstractContextManager[Any]:
@@ -58,21 +60,23 @@ def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
 
 
 def built_pushes(
-    app: Any, jobs: Iterable[dict[str, Any]], accept: Callable[[Any], bool]
-) -> list[tuple[str, str]] | None:
+    app: Any, jobs: Iterable[dict[str, Any]], accept: Callable[[Any], T | None]
+) -> tuple[T, list[tuple[str, str]]] | None:
     """The LPUSHes publishing ``jobs`` would send, ``(list key, message)`` in order, built
-    and not sent; None (nothing built) unless kombu's Redis transport publishes them, its
-    channel passes ``accept``, and every message comes from a template learnt before (the
-    kombu steps of a first message may declare its queue: a write this must not make)."""
+    and not sent, with what ``accept`` said of the kombu channel; None (nothing built) unless
+    kombu's Redis transport publishes them, ``accept`` gives something for its channel, and
+    every message comes from a template learnt before (the kombu steps of a first message may
+    declare its queue: a write this must not make)."""
     with app.producer_or_acquire(None) as producer:
         pushes = RedisPushes.of(app, producer)
-        if pushes is None or publish_receivers() or not accept(pushes.channel):
+        if pushes is None or publish_receivers():
             return None
-        if not _send(app, pushes, jobs, templates_only=True):
+        accepted = accept(pushes.channel)
+        if accepted is None or not _send(app, pushes, jobs, templates_only=True):
             return None
     if any(name != "lpush" or len(args) != 2 for name, args in pushes.commands):
         return None
-    return [(str(args[0]), str(args[1])) for _, args in pushes.commands]
+    return accepted, [(str(args[0]), str(args[1])) for _, args in pushes.commands]
 
 
 def _send(
