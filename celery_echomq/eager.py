@@ -17,7 +17,8 @@ while it runs. ``add_children`` works while the parent waits (from a child's bod
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -190,17 +191,19 @@ def _run(
     }
     parent_res: Any = None
     silent = set(plan.silent)
+    root = str(plan.parent["options"].get("root_id") or plan.parent_id)
 
     def run_parent() -> Any:
         values = fanin.released_values([cid for cid in child_ids if cid not in silent])
         reads.EAGER[plan.parent_id] = fanin
         try:
-            return sig.parent.apply(
-                tuple(parent_args({"args": [], "single": plan.single}, values)),
-                task_id=plan.parent_id,
-                throw=False,
-                **parent_options,
-            )
+            with under_root(root):
+                return sig.parent.apply(
+                    tuple(parent_args({"args": [], "single": plan.single}, values)),
+                    task_id=plan.parent_id,
+                    throw=False,
+                    **parent_options,
+                )
         finally:
             reads.EAGER.pop(plan.parent_id, None)
 
@@ -246,7 +249,7 @@ def _run(
             i += 1
             token = CURRENT.set(plan.parent_id)
             try:
-                res = _run_child(app, child, job, c_args, c_kwargs, cid, seen)
+                res = _run_child(app, child, job, c_args, c_kwargs, cid, seen, root)
             finally:
                 CURRENT.reset(token)
             ok, data = _outcome(res)
@@ -283,6 +286,7 @@ def _run_child(
     kwargs: dict[str, Any],
     cid: str,
     seen: dict[str, FanIn],
+    root: str,
 ) -> Any:
     if is_flow(child):
         inner_partial = () if child.immutable else (*partial, *child.args)
@@ -290,7 +294,36 @@ def _run_child(
         inner_opts = {k: v for k, v in child.options.items() if k in ("link", "link_error")}
         return _run(app, child, inner, inner_partial, kwargs, inner_opts, seen)
     run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
-    return run.apply(task_id=cid, throw=False)
+    with under_root(root):
+        return run.apply(task_id=cid, throw=False)
+
+
+class _Lineage:
+    """What ``Task.apply`` reads of the task it runs under: its request's ids."""
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+
+
+@contextmanager
+def under_root(root: str) -> Iterator[None]:
+    """Run an eager job with its flow's root as its ``request.root_id``, as on a worker.
+
+    ``Task.apply`` takes ``root_id`` and ``parent_id`` from the task on top of Celery's task
+    stack, and has no option for them: a stand-in carrying the flow's root and the id of the
+    task beneath (the caller, if any: the job's ``parent_id`` stays what it was) is on top
+    while ``apply`` starts. It says it is eager, so ``current_worker_task`` passes over it.
+    """
+    from celery._state import _task_stack
+    from celery.app.task import Context
+
+    below = getattr(_task_stack.top, "request", None)
+    caller = getattr(below, "id", None)
+    _task_stack.push(_Lineage(Context(id=caller, root_id=root, is_eager=True)))
+    try:
+        yield
+    finally:
+        _task_stack.pop()
 
 
 def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None:

@@ -558,6 +558,18 @@ def flow_add_eager(x: int, y: int) -> Any:
     return celery_echomq.flow(tsum.s(), [add.s(x, x), add.s(y, y)]).apply_async().result
 
 
+# --- Tasks of tests/test_lineage.py -------------------------------------------------------------
+
+
+@app.task(bind=True)
+def flow_of_ids(self: Any, how: str) -> Any:
+    """Start ``flow(collect_ids(i=0), [ids(i=1), ids(i=2)])`` from inside this task (``how``:
+    ``apply``, eagerly, or ``apply_async``): its value (eager) or its id, and this task's own
+    root."""
+    res = getattr(celery_echomq.flow(collect_ids.s(i=0), [ids.si(i=1), ids.si(i=2)]), how)()
+    return (res.result if how == "apply" else res.id), self.request.root_id
+
+
 if os.environ.get("ECHOMQ_T_OTEL_FILE") or os.environ.get("ECHOMQ_T_OTEL_NULL"):
     # Tracing tests (tests/test_tracing.py): this worker records its spans into that file;
     # benchmarks/tracing_cost.py: spans made and dropped.

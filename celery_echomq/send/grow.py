@@ -32,7 +32,14 @@ from celery import current_app
 from celery_echomq.errors import EchoMQError, FlowClosedError, FlowExistsError
 from celery_echomq.send.children import child_signatures
 from celery_echomq.send.ids import refuse_taken
-from celery_echomq.send.plan import Plan, check_depth, child_id, child_queue, plan_children
+from celery_echomq.send.plan import (
+    Plan,
+    check_depth,
+    child_id,
+    child_queue,
+    plan_children,
+    set_root,
+)
 from celery_echomq.send.start import publish, start_flow
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
@@ -147,6 +154,10 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
         fresh = [j for j in plan.children if child_id(j) not in listed]
         if not fresh:
             return []
+        root = (job.get("options") or {}).get("root_id")
+        if root:
+            # The flow's own root, whoever adds them: one tree in every monitor.
+            set_root(fresh, str(root))
         local: list[tuple[str, bytes, str]] = []
         remote: list[tuple[str, bytes, str]] = []
         for j in fresh:

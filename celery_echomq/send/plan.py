@@ -7,10 +7,11 @@ headers it writes on each job are named in ``store/headers.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from celery import current_task
 from celery.canvas import Signature
 
 from celery_echomq.errors import DepthError, PolicyError
@@ -267,7 +268,36 @@ def plan_flow(
     if not outer:
         # Every id of the tree once: a nested parent is listed as its outer flow's child.
         check_unique([parent_id, *(cid for level in plan.levels() for cid in level.child_ids())])
+        root = flow_root(options, parent_id)
+        plan.parent["options"]["root_id"] = root
+        set_root(plan.children, root)
     return plan
+
+
+def flow_root(options: dict[str, Any], flow_id: str) -> str:
+    """The Celery ``root_id`` every job of a flow carries: the one it was sent with (a chain,
+    a chord or ``Task.replace`` hands it down), else that of the task starting the flow (as
+    ``send_task`` gives a task's messages), else the flow's own id: the job its tree grows
+    from, whose value is the flow's."""
+    given = options.get("root_id")
+    if given:
+        return str(given)
+    request = getattr(current_task, "request", None)
+    caller = getattr(request, "root_id", None) or getattr(request, "id", None)
+    return str(caller) if caller else flow_id
+
+
+def set_root(jobs: Iterable[dict[str, Any]], root: str) -> None:
+    """Give every job of ``jobs`` (child tasks, and every parent and child of nested flows)
+    ``root`` as its Celery ``root_id``: monitors (Flower, ``celery events``) then draw the
+    flow as one tree, as they draw a chord's tasks under the task that started it. A job's
+    own ``root_id`` gives way: the outermost flow's root is the one its tree can have."""
+    for job in jobs:
+        if "nested" in job:
+            job["nested"]["parent"]["options"]["root_id"] = root
+            set_root(job["nested"]["children"], root)
+        else:
+            job["options"]["root_id"] = root
 
 
 def plan_children(
