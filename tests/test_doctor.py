@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from celery_echomq.config import Settings
-from celery_echomq.embedded import RedisServer
+from celery_echomq.embedded import RedisSentinelServer, RedisServer, wait_replicated
 from celery_echomq.ops.doctor import CLOCK_TOLERANCE_MS, Facts, check_clock
 from celery_echomq.store.server_info import required_commands, script_commands
 
@@ -164,6 +164,35 @@ def test_doctor_tells_a_cluster_from_a_cluster_node_reached_as_one_server(
     assert as_node.returncode == 1
     mode = statuses(as_node)["mode"]
     assert mode["status"] == "wrong" and "redis+cluster://" in mode["change"]
+
+
+def test_doctor_counts_the_sentinels_and_replicas_of_a_sentinel_store(env: Env) -> None:
+    with RedisSentinelServer(replicas=1, sentinels=3) as servers:
+        urls = {
+            "ECHOMQ_T_STORE": servers.url(1),
+            "ECHOMQ_T_MASTER_NAME": servers.master_name,
+            "ECHOMQ_T_MIN_REPLICAS": "1",
+        }
+        wait_replicated(servers.redis_client(servers.primary_port()), 1)
+        found = statuses(doctor(env, "--json", **urls))
+        assert found["mode"] == {
+            "check": "mode",
+            "status": "ok",
+            "detail": "Sentinel, master 'mymaster': 3 of 3 Sentinels answer, quorum 2",
+            "change": "",
+        }
+        assert found["replicas"]["status"] == "ok"
+        assert found["replicas"]["detail"] == "1 online, echomq_min_replicas=1"
+        # Two Sentinels gone: the one left cannot agree a failover alone.
+        gone = servers.sentinels[:2]
+        for sentinel in gone:
+            sentinel.stop()
+        out = doctor(env, "--json", **urls)
+        assert out.returncode == 1
+        mode = statuses(out)["mode"]
+        assert mode["status"] == "wrong"
+        assert mode["detail"].startswith("Sentinel, master 'mymaster': 1 of 3 Sentinels answer")
+        assert all(f"127.0.0.1:{s.port}" in mode["change"] for s in gone)
 
 
 # --- The pure checks -------------------------------------------------------------------------

@@ -79,11 +79,21 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
     facts.backend = safe_url(str(state.app.conf.result_backend or "none"))
     facts.local_clock = server_info.clock_offset(client)
     try:
-        replies = state.app.control.broadcast(CLOCK_COMMAND, reply=True, timeout=workers_timeout)
-        facts.workers = {name: answer for reply in replies or [] for name, answer in reply.items()}
+        facts.workers = ask_workers(state.app, workers_timeout)
     except Exception as exc:  # the broker unreachable: the workers cannot be asked
         facts.workers = f"{type(exc).__name__}: {exc}"
     return facts
+
+
+def ask_workers(app: Any, timeout: float) -> dict[str, dict[str, Any]]:
+    """Every live worker's answer to ``echomq_clock``, by worker name."""
+    with app.connection_for_write() as connection:
+        # An unreachable broker: one try, not Celery's connection retries.
+        connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
+        replies = app.control.broadcast(
+            CLOCK_COMMAND, reply=True, timeout=timeout, connection=connection
+        )
+    return {name: answer for reply in replies or [] for name, answer in reply.items()}
 
 
 def _each(nodes: list[NodeFacts], bad: dict[str, str]) -> str:
