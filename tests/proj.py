@@ -33,6 +33,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_expires=3600,
     result_extended=os.environ.get("ECHOMQ_T_RESULT_EXTENDED") == "1",
+    worker_send_task_events=os.environ.get("ECHOMQ_T_EVENTS") == "1",
 )
 if os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess":
     # The fast tier's in-process worker shares this process: results still awaited when the

@@ -10,14 +10,17 @@ they ran with (``ids``, ``collect_ids``: ``(root_id, parent_id, i)``).
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
 import pytest
 import redis
 from celery import chain, group
+from celery.events.state import State
 
 from celery_echomq import flow
-from tests.conftest import Env
+from tests.conftest import Env, Worker, wait_for
 from tests.test_celery_chords import _ways, run
 
 TIMEOUT = 30
@@ -132,3 +135,41 @@ def test_the_messages_of_flows_of_one_shape_each_carry_their_own_root(
         **{res.id: {res.id} for res in sent},
         given.id: {"JOB" + "0" * 32},
     }
+
+
+def test_celerys_events_draw_a_flow_as_one_tree(proj: Any, env: Env, own_queue: Any) -> None:
+    """What Flower reads: the worker's task events, kept in Celery's own ``events.State``."""
+    queue = own_queue("events")
+    worker = Worker(env, queues=queue, concurrency=1, extra_env={"ECHOMQ_T_EVENTS": "1"})
+    seen = State()
+    received: list[dict[str, Any]] = []
+    try:
+        with proj.app.connection_for_read() as connection:
+
+            def keep(event: dict[str, Any]) -> None:
+                seen.event(event)
+                if event["type"] == "task-received":
+                    received.append(event)
+
+            receiver = proj.app.events.Receiver(connection, handlers={"*": keep})
+            listening = threading.Thread(
+                target=lambda: receiver.capture(limit=None, timeout=None, wakeup=True),
+                daemon=True,
+            )
+            listening.start()
+            time.sleep(0.5)  # the receiver's queue is bound before anything is sent
+            inner = flow(proj.collect_ids.s(i=10), [proj.ids.si(i=11)])
+            res = flow(proj.collect_ids.s(i=0), [proj.ids.si(i=1), inner]).apply_async(queue=queue)
+            res.get(timeout=TIMEOUT)
+            wait_for(lambda: len(received) >= 4, timeout=TIMEOUT)
+            receiver.should_stop = True
+            listening.join(10)
+    finally:
+        worker.stop()
+    assert len(received) == 4
+    assert {event["root_id"] for event in received} == {res.id}
+    tasks = {
+        uuid: task for uuid, task in seen.tasks.items() if uuid in {e["uuid"] for e in received}
+    }
+    assert {task.root_id for task in tasks.values()} == {res.id}
+    assert seen.tasks[res.id].root_id == res.id  # the root is a task of the tree
