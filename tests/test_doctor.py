@@ -137,6 +137,21 @@ def test_doctor_names_what_is_wrong_and_what_to_change_with_exit_1(
     assert [after.get(f"db{n}") for n in (1, 2)] == [before.get(f"db{n}") for n in (1, 2)]
 
 
+def test_doctor_names_the_keys_a_user_may_not_touch(env: Env, good: dict[str, str]) -> None:
+    with RedisServer() as server:
+        server.client().execute_command(
+            "ACL", "SETUSER", "elsewhere", "on", ">pw", "~other:*", "&*", "+@all"
+        )
+        store = f"redis://elsewhere:pw@127.0.0.1:{server.port}/1"
+        out = doctor(env, "--json", **{**good, "ECHOMQ_T_STORE": store})
+    assert out.returncode == 1, out.stderr
+    acl = statuses(out)["ACL"]
+    assert acl["status"] == "wrong"
+    assert acl["detail"].startswith("user 'elsewhere' may not touch the keys emq:* (")
+    assert "EVALSHA" in acl["detail"] and "HSET" in acl["detail"]
+    assert acl["change"] == "ACL SETUSER elsewhere ~emq:*"
+
+
 def test_a_worker_warns_once_at_start_of_a_store_that_evicts(
     env: Env, bad: tuple[dict[str, str], Any]
 ) -> None:

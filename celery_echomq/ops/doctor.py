@@ -221,14 +221,24 @@ def check_acl(user: str | None, refused: dict[str, str] | None, prefix: str) -> 
         )
     if not refused:
         return Finding("ACL", "ok", f"{who} may run every command the store sends")
-    names = sorted(refused)
-    keys = any("key" in reason for reason in refused.values())
-    grant = " ".join(f"+{name.lower()}" for name in names)
+    # Redis says which right is missing: to run the command, or to touch a key or a channel.
+    commands = sorted(n for n, why in refused.items() if "command" in why)
+    keys = sorted(n for n, why in refused.items() if "command" not in why and "key" in why)
+    channels = sorted(n for n, why in refused.items() if "command" not in why and "channel" in why)
+    said, grant = [], [f"+{name.lower()}" for name in commands]
+    if commands:
+        said.append(f"may not run {', '.join(commands)}")
+    if keys:
+        said.append(f"may not touch the keys {prefix}:* ({', '.join(keys)} refused)")
+        grant.append(f"~{prefix}:*")
+    if channels:
+        said.append("may not publish on the channels celery-task-meta-*")
+        grant.append("&celery-task-meta-*")
     return Finding(
         "ACL",
         "wrong",
-        f"{who} may not run {', '.join(names)}" + (f" on the keys {prefix}:*" if keys else ""),
-        f"ACL SETUSER {user or '<user>'} {grant}" + (f" ~{prefix}:*" if keys else ""),
+        f"{who} " + "; ".join(said),
+        f"ACL SETUSER {user or '<user>'} {' '.join(grant)}",
     )
 
 
