@@ -319,6 +319,8 @@ def check_clock(facts: Facts) -> Finding:
         asked = f"; {answered} worker(s) answered" + (
             f", {', '.join(failed)} could not read the store's clock" if failed else ""
         )
+    if not offsets:
+        return Finding("clock", "note", "no clock measured" + asked, "start a worker")
     worst_name = max(offsets, key=lambda n: offsets[n])
     worst = max(0.0, offsets[worst_name])
     detail = f"largest offset from the store's clock {worst:.0f} ms ({worst_name}){asked}"
