@@ -498,6 +498,37 @@ def test_min_replicas_fails_loudly_when_replicas_do_not_acknowledge(
         greedy.enqueue_flow("q", jid(), b"p", [(jid(), b"c")])
 
 
+def test_min_replicas_a_completion_that_hands_out_its_parent_is_followed_unacknowledged(
+    primary_replica: tuple[RedisServer, RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The completion of a flow's last child marks its parent handed out to this worker on
+    the primary; a WAIT that comes back short (a new primary whose replica is not back yet)
+    must not drop that reply, or the parent stays marked and is never published."""
+    primary, replica = primary_replica
+    settings = Settings(redis_url=primary.url(0), min_replicas=1, min_replicas_timeout=0.3)
+    _, scripts = scripts_for(settings)
+    parent, child = jid(), jid()
+    scripts.enqueue_flow("q", parent, b"p", [(child, b"c")])
+    scripts.claim("q", child, "t", LEASE)
+    assert replica.proc is not None
+    os.kill(replica.proc.pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level("WARNING", logger="celery_echomq.store"):
+            status, _, handed = scripts.complete_releasing(
+                "q", child, "t", ttl=TTL, is_parent=False, parent=ParentRef(parent, "q"),
+                value=b"1", inline_max=100,
+            )  # fmt: skip
+        # Still loud for the transitions that hand nothing out.
+        with pytest.raises(ReplicationError):
+            scripts.claim("q", jid(), "t", LEASE)
+    finally:
+        os.kill(replica.proc.pid, signal.SIGCONT)
+    assert status == "released"
+    assert handed is not None and handed[0] == b"p"
+    assert "0 of echomq_min_replicas=1" in caplog.text and "its reply is followed" in caplog.text
+    assert primary.client().hget(f"emq:{{q}}:{parent}", "dispatched") is not None
+
+
 # --- Failover under load, with real workers -------------------------------------------------
 
 _SUCCEEDED = re.compile(r"Task (\S+)\[(JOB\w+)\] succeeded")

@@ -19,7 +19,7 @@ from celery_echomq.config import safe_url
 from celery_echomq.errors import EchoMQError, FlowExistsError, StoreUnavailableError
 from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.send.fused import SINCE_MARK, prepare
-from celery_echomq.send.ids import refuse_taken
+from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.plan import Plan, child_id, child_queue
 from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.codec import child_template, job_delta
@@ -143,19 +143,24 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     since: dict[str, int | None] = {}
     store = safe_url(state.settings.redis_url or "")
     fused: BrokerPushes | None = None
+    claims: list[str] = []
     try:
         # Before the flow lands, not after: a producer killed right after the EVAL must still
         # leave its queues where recovery looks (SADD is idempotent).
         queues = {level.queue for level in levels}
         queues.update(child_queue(job) for level in levels for job in level.children)
         register: list[str] = sorted(queues)
-        refuse_taken(
-            state,
-            {
-                **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
-                **{child_id(j): child_queue(j) for lv in levels for j in lv.children},
-            },
-        )
+        # An id names one job in the whole store (send/ids.py): on one server, each level's
+        # enqueue script checks its ids across queues itself; else they are claimed first.
+        in_script = not (cluster or any(chunked))
+        if not in_script:
+            claims = claim_ids(
+                state,
+                {
+                    **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
+                    **{child_id(j): child_queue(j) for lv in levels for j in lv.children},
+                },
+            )
         clock = None
         if cluster:
             state.client.sadd(keys.queues_key(), *register)
@@ -200,6 +205,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                     policy="" if level.policy == "fail" else level.policy,
                     locator_ttl=0 if cluster else state.locator_ttl,
                     register=register,
+                    check=in_script,
                     publish=fused,
                 )
                 register = []
@@ -244,6 +250,10 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             f"{where} became unavailable ({exc}) after flow {plan.parent_id} was enqueued; "
             "nothing was published: recovery publishes its children once Redis is back"
         ) from exc
+    finally:
+        # Landed or refused: its rows, or nothing, stand for its ids from now on.
+        with contextlib.suppress(redis.RedisError):
+            release_claims(state, claims)
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "echomq: flow %s enqueued on %s with %d children%s",

@@ -86,9 +86,17 @@ def server_error(exc: redis.ResponseError) -> Exception:
     if message.startswith("EMQKIND"):
         return KindError(message)
     if message.startswith("EMQEXISTS"):
-        job_id = message.split(" ", 1)[1] if " " in message else "?"
-        return FlowExistsError(
-            f"job id {job_id!r} already exists in Redis; a flow never overwrites a job "
-            "(nothing was written or published)"
-        )
+        # "EMQEXISTS <id>": a row on the script's own slot; "EMQEXISTS <id> <queue>": the id
+        # is another queue's (includes/taken.lua).
+        _, job_id, queue = [*message.split(" ", 2), "?", ""][:3]
+        return exists_error(job_id, queue)
     return exc
+
+
+def exists_error(job_id: str, queue: str = "") -> FlowExistsError:
+    """The refusal of an id that names a job already (on ``queue``, when another's)."""
+    where = f", on queue {queue!r}; an id names one job in the whole store, and" if queue else ";"
+    return FlowExistsError(
+        f"job id {job_id!r} already exists in Redis{where} a flow never overwrites a job "
+        "(nothing was written or published)"
+    )
