@@ -305,7 +305,9 @@ def _rows_of(cluster: Any, queue: str, parent: str) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k not in ("payload", "template")}
 
 
-def failover_run(logs: Path, settle_for: float, rejoin_after: float) -> dict[str, Any]:
+def failover_run(
+    logs: Path, settle_for: float, rejoin_after: float, seeds: str = "all"
+) -> dict[str, Any]:
     import threading
 
     from celery.result import AsyncResult
@@ -316,13 +318,21 @@ def failover_run(logs: Path, settle_for: float, rejoin_after: float) -> dict[str
         RedisServer() as broker,
         RedisClusterServer(masters=3, replicas=1, node_timeout_ms=2000) as cluster,
     ):
-        queue = f"fo-{uuid.uuid4().hex[:8]}"
+        # The queue's slot on the first node: the master lost is the URL's first seed.
+        first = redis.Redis(host="127.0.0.1", port=cluster.ports[0])
+        queue = next(
+            q
+            for q in (f"fo-{uuid.uuid4().hex[:8]}" for _ in range(5000))
+            if cluster.master_of(int(first.cluster("KEYSLOT", f"emq:{{{q}}}:pending")))
+            == cluster.ports[0]
+        )
+        url = cluster.url() if seeds == "all" else f"redis+cluster://127.0.0.1:{cluster.ports[0]}"
         # Recovery repairs what a failover lost a stall timeout later (as in the tests).
         os.environ[ENV_STALL] = "15"
         base = broker.url().rsplit("/", 1)[0]
-        configure(cluster.url(), base, 1)
+        configure(url, base, 1)
         with_replicas(1)
-        worker = start_worker(cluster.url(), base, 1, queue, logs / f"{queue}.log", concurrency=8)
+        worker = start_worker(url, base, 1, queue, logs / f"{queue}.log", concurrency=8)
         slot = redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0]).keyslot(
             f"emq:{{{queue}}}:pending"
         )
@@ -374,8 +384,11 @@ def failover_run(logs: Path, settle_for: float, rejoin_after: float) -> dict[str
             job = line.split("ha.tsum[", 1)[1].split("]", 1)[0]
             ran[job] = ran.get(job, 0) + 1
     refused = [r["error"] for r in sent if r["error"]]
+    failed_passes = text.count("echomq recovery: pass failed")
     return {
         "queue": queue,
+        "seeds": seeds,
+        "recovery_passes_failed": failed_passes,
         "sent": len(sent),
         "accepted": len(sent) - len(refused),
         "refused": {e: refused.count(e) for e in sorted(set(refused))},
@@ -389,7 +402,9 @@ def failover_run(logs: Path, settle_for: float, rejoin_after: float) -> dict[str
     }
 
 
-def part_failover(runs: int, settle_for: float, rejoin_after: float) -> dict[str, Any]:
+def part_failover(
+    runs: int, settle_for: float, rejoin_after: float, seeds: str = "all"
+) -> dict[str, Any]:
     logs = Path(tempfile.mkdtemp(prefix="echomq-ha-failover-"))
     results = []
     for n in range(runs):
@@ -400,6 +415,7 @@ def part_failover(runs: int, settle_for: float, rejoin_after: float) -> dict[str
             [
                 *(sys.executable, __file__, "--one-failover", str(logs)),
                 *("--settle", str(settle_for), "--rejoin-after", str(rejoin_after)),
+                *("--seeds", seeds),
             ],
             capture_output=True,
             text=True,
@@ -432,10 +448,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--settle", type=float, default=90.0)
     parser.add_argument("--rejoin-after", type=float, default=5.0)
+    parser.add_argument(
+        "--seeds",
+        choices=["all", "first"],
+        default="all",
+        help="the cluster URL names every node, or only the first (the master that is lost)",
+    )
     parser.add_argument("--one-failover", metavar="LOGS", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one_failover:
-        print(json.dumps(failover_run(Path(args.one_failover), args.settle, args.rejoin_after)))
+        print(
+            json.dumps(
+                failover_run(Path(args.one_failover), args.settle, args.rejoin_after, args.seeds)
+            )
+        )
         return
     result: dict[str, Any] = {"python": platform.python_version(), "cpus": os.cpu_count()}
     if args.part in ("wait", "all"):
@@ -443,7 +469,7 @@ def main() -> None:
     if args.part in ("master", "all"):
         result["master"] = part_master(args.clients, args.seconds, args.flow_size)
     if args.part in ("failover", "all"):
-        result["failover"] = part_failover(args.runs, args.settle, args.rejoin_after)
+        result["failover"] = part_failover(args.runs, args.settle, args.rejoin_after, args.seeds)
     print(json.dumps(result, indent=2))
     out = HERE / "results" / f"ha-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)

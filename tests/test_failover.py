@@ -16,6 +16,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -46,7 +48,7 @@ from celery_echomq.store.loader import load_source
 from celery_echomq.store.scripts import ParentRef, Scripts
 from celery_echomq.store.state import _ATTR, EchoMQ, get_state
 
-from .conftest import LOGDIR, Env, Worker
+from .conftest import LOGDIR, ROOT, Env, Worker
 
 LEASE = 60_000
 TTL = 600
@@ -731,6 +733,9 @@ def failover_under_load(
     *,
     min_replicas: int,
     settle_for: float,
+    rejoin_after: float = 0.0,
+    cut_for: float = 0.5,
+    traffic_shape: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Flows arrive and real workers run them while the store's primary is SIGKILLed; then
     every flow is waited for and counted: completed, lost, parents run twice."""
@@ -752,8 +757,8 @@ def failover_under_load(
     )
     try:
         with store_of(proj.app, **store, min_replicas=min_replicas, stall_timeout=STALL) as state:
-            with Traffic(proj, queue) as traffic:
-                wreck = crash_under(proj, crash, traffic)
+            with Traffic(proj, queue, **(traffic_shape or {})) as traffic:
+                wreck = crash_under(proj, crash, traffic, rejoin_after, cut_for)
             settle(proj, traffic.sent, settle_for)
             runs = runs_in_log(worker.log)
             # What became of each lost flow: is its parent row still in the store (on the
@@ -780,8 +785,11 @@ def failover_under_load(
     )
 
 
-def crash_under(proj: Any, crash: Crash, traffic: Traffic) -> dict[str, Any]:
-    """Cut replication, SIGKILL the primary, wait for its replacement, bring it back."""
+def crash_under(
+    proj: Any, crash: Crash, traffic: Traffic, rejoin_after: float = 0.0, cut_for: float = 0.5
+) -> dict[str, Any]:
+    """Cut replication, SIGKILL the primary ``cut_for`` s later, wait for its replacement,
+    bring it back ``rejoin_after`` s later (meanwhile the new primary has no replica)."""
     time.sleep(2.5)
     primary, replica = crash.pair()
     # The replication link breaks just before the crash, as in a network partition
@@ -789,7 +797,7 @@ def crash_under(proj: Any, crash: Crash, traffic: Traffic) -> dict[str, Any]:
     # from now on is on it alone.
     replica.config_set("masterauth", "partitioned")
     primary.client_kill_filter(_type="replica")
-    time.sleep(0.5)
+    time.sleep(cut_for)
     at_kill = len(traffic.sent)
     in_flight = sum(
         1
@@ -804,6 +812,7 @@ def crash_under(proj: Any, crash: Crash, traffic: Traffic) -> dict[str, Any]:
     new = crash.wait_failover(old)
     failover_s = time.monotonic() - killed_at
     replica.config_set("masterauth", "")
+    time.sleep(rejoin_after)
     crash.restart(old)
     time.sleep(2.0)
     return {
@@ -868,10 +877,20 @@ def test_failover_sentinel_without_min_replicas_reports_what_was_lost(
 @pytest.mark.e2e
 @pytest.mark.parametrize("min_replicas", [1, 0], ids=["min_replicas=1", "min_replicas=0"])
 def test_failover_cluster_master_killed_mid_flow(env: Env, proj: Any, min_replicas: int) -> None:
-    """The same on a Redis Cluster of three masters with a replica each: the master that owns
-    the flows' queue is killed, its replica takes its slots, redis-py follows MOVED."""
+    """The same on a Redis Cluster of three masters with a replica each, as an operator meets
+    it: the master that owns the flows' queue, the first seed of the cluster URL, is killed
+    0.7 s after its replica stopped following it; its replica takes its slots and runs
+    without a replica of its own for 5 s (transitions meanwhile come back short of
+    echomq_min_replicas) before the old master rejoins; flows of 3 children of 0.4 s, two a
+    second."""
     with RedisClusterServer(masters=3, replicas=1, node_timeout_ms=2000) as cluster:
-        queue = f"fo-{uuid.uuid4().hex[:10]}"
+        first = redis.Redis(host="127.0.0.1", port=cluster.ports[0])
+        queue = next(
+            q
+            for q in (f"fo-{uuid.uuid4().hex[:10]}" for _ in range(5000))
+            if cluster.master_of(int(first.cluster("KEYSLOT", f"emq:{{{q}}}:pending")))
+            == cluster.ports[0]
+        )
         summary = failover_under_load(
             env,
             proj,
@@ -880,6 +899,9 @@ def test_failover_cluster_master_killed_mid_flow(env: Env, proj: Any, min_replic
             {"redis_url": cluster.url()},
             min_replicas=min_replicas,
             settle_for=60 if min_replicas else 30,
+            rejoin_after=5.0,
+            cut_for=0.7,
+            traffic_shape={"children": 3, "rate": 2.0, "work": 0.4},
         )
     assert summary["new_primary_differs"]
     assert summary["in_flight_at_kill"] > 0, summary
@@ -891,3 +913,43 @@ def test_failover_cluster_master_killed_mid_flow(env: Env, proj: Any, min_replic
         assert summary["lost"] == 0, summary
         assert summary["wrong_value"] == 0, summary
         assert summary["parents_run_twice"] == 0, summary
+        # What the new master took while it had no replica was refused to its producers.
+        assert summary["refused_errors"] in ([], ["ReplicationError"]), summary
+
+
+@pytest.mark.e2e
+def test_cli_reaches_a_cluster_whose_first_seed_node_died(env: Env, proj: Any) -> None:
+    """A cluster URL names several seed nodes: with the first one SIGKILLed (a master, its
+    slots failed over to its replica), `celery echomq show` still finds the cluster and the
+    flow, where a URL naming that node alone cannot connect."""
+    with RedisClusterServer(masters=3, replicas=1, node_timeout_ms=2000) as cluster:
+        seed = cluster.ports[0]
+        first = redis.Redis(host="127.0.0.1", port=seed)
+        assert first.role()[0] == b"master"
+        # A queue whose slot the first seed serves: its failover is what the read rides over.
+        queue = next(
+            q
+            for q in (f"seed-{uuid.uuid4().hex[:8]}" for _ in range(2000))
+            if cluster.master_of(int(first.cluster("KEYSLOT", f"emq:{{{q}}}:pending"))) == seed
+        )
+        slot = int(first.cluster("KEYSLOT", f"emq:{{{queue}}}:pending"))
+        with store_of(proj.app, redis_url=cluster.url()):
+            res = flow(proj.tsum.s(), [proj.add.s(1, 2)]).apply_async(queue=queue)
+        cluster.node(seed).kill()
+        cluster.wait_failover(seed, slot)
+
+        def show(url: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [sys.executable, "-m", "celery", "-A", "tests.proj", "echomq", "show", res.id,
+                 "--json"],
+                cwd=ROOT, env=env.environ(ECHOMQ_T_STORE=url, ECHOMQ_T_STORE_RETRY="2"),
+                capture_output=True, text=True, timeout=120,
+            )  # fmt: skip
+
+        done = show(cluster.url())
+        assert done.returncode == 0, done.stderr
+        tree = json.loads(done.stdout)
+        assert (tree["state"], tree["queue"]) == ("awaiting_children", queue)
+        assert [c["state"] for c in tree["children"]] == ["pending"]
+        alone = show(f"redis+cluster://127.0.0.1:{seed}")
+        assert alone.returncode != 0

@@ -1,7 +1,8 @@
 """Connecting to the flow store, and riding through a failover.
 
 ``make_client`` turns the settings into a redis-py client: ``redis://``, ``rediss://`` and
-``redis+socket://`` URLs as they are, ``redis+cluster://`` as a ``RedisCluster``, and Celery's
+``redis+socket://`` URLs as they are, ``redis+cluster://`` (one or more seed nodes, joined with
+``,``) as a ``RedisCluster``, and Celery's
 ``sentinel://`` form through ``redis.sentinel.Sentinel(...).master_for(...)``.
 
 Every client retries a command that meets a connection error, a timeout, a ``READONLY`` reply
@@ -23,11 +24,12 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, cast, overload
+from typing import Any, TypeVar, overload
+from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
@@ -40,6 +42,7 @@ from redis.exceptions import (
 from redis.retry import Retry
 
 from celery_echomq.config import Settings, missing_url_error, parse_sentinel_url, safe_url
+from celery_echomq.errors import ConfigError
 
 logger = logging.getLogger("celery_echomq.store")
 # A worker's logging shows the retry notice; where nothing is configured (a CLI command), it is
@@ -266,6 +269,40 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
     )
 
 
+def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
+    """A ``redis+cluster://[user:password@]host:port[,host:port...][?options]`` URL as the
+    ``redis://`` URL of its first seed node (credentials and options with it) and the
+    ``(host, port)`` of the others.
+
+    redis-py's ``RedisCluster`` asks its startup nodes, in turn, who serves what: with several
+    seeds, a client still finds the cluster when a seed is down (a master lost, not yet
+    replaced, or a node removed)."""
+    rest = url[len("redis+cluster://") :]
+    path = ""
+    for mark in "/?":
+        if mark in rest:
+            index = rest.index(mark)
+            rest, path = rest[:index], rest[index:] + path
+    userinfo, _, hosts = rest.rpartition("@")
+    names = [h.strip() for h in hosts.split(",") if h.strip()]
+    if not names:
+        raise ConfigError(f"echomq_redis_url={safe_url(url)!r} names no cluster node")
+    seeds: list[tuple[str, int]] = []
+    for name in names:
+        parts = urlsplit(f"redis://{name}")
+        try:
+            port = parts.port or 6379
+        except ValueError:
+            raise ConfigError(
+                f"echomq_redis_url={safe_url(url)!r}: the port of {name!r} is not a number"
+            ) from None
+        if not parts.hostname:
+            raise ConfigError(f"echomq_redis_url={safe_url(url)!r}: {name!r} names no host")
+        seeds.append((parts.hostname, port))
+    credentials = f"{userinfo}@" if userinfo else ""
+    return f"redis://{credentials}{names[0]}{path}", seeds[1:]
+
+
 def make_client(settings: Settings | str) -> Any:
     """A redis-py client for the flow store that ``settings`` (or a bare URL) names."""
     if isinstance(settings, str):
@@ -277,9 +314,11 @@ def make_client(settings: Settings | str) -> Any:
     if url.startswith("sentinel://"):
         return _sentinel_client(settings, kwargs)
     if url.startswith("redis+cluster://"):
-        cluster = cast(
-            RetryingCluster,
-            RetryingCluster.from_url("redis://" + url[len("redis+cluster://") :], **kwargs),
+        first, seeds = cluster_seeds(url)
+        cluster = RetryingCluster(
+            url=first,
+            startup_nodes=[ClusterNode(host, port) for host, port in seeds],  # type: ignore[no-untyped-call]
+            **kwargs,
         )
         cluster.retry_timeout = settings.store_retry_timeout
         return cluster
