@@ -34,7 +34,13 @@ from redis.sentinel import SentinelManagedSSLConnection
 
 import celery_echomq
 from celery_echomq import StoreUnavailableError, flow
-from celery_echomq.config import Settings, parse_sentinel_url, read_settings, safe_url
+from celery_echomq.config import (
+    Settings,
+    parse_cluster_url,
+    parse_sentinel_url,
+    read_settings,
+    safe_url,
+)
 from celery_echomq.embedded import (
     RedisClusterServer,
     RedisSentinelServer,
@@ -134,6 +140,8 @@ def test_sentinel_broker_url_is_a_fallback_with_its_transport_options() -> None:
         ({"echomq_min_replicas_timeout": 0}, "echomq_min_replicas_timeout"),
         ({"echomq_store_retry_timeout": -1}, "echomq_store_retry_timeout"),
         ({"echomq_transport_options": {"master_name": "m", "ssl": "yes"}}, "ssl"),
+        ({"echomq_redis_url": "redis+cluster://"}, "names no cluster node"),
+        ({"echomq_redis_url": "redis+cluster://h1:1,h2:x"}, "port of 'h2:x' is not a number"),
     ],
     ids=[
         "unknown-option",
@@ -146,6 +154,8 @@ def test_sentinel_broker_url_is_a_fallback_with_its_transport_options() -> None:
         "zero-wait-timeout",
         "negative-retry",
         "bad-ssl",
+        "cluster-no-node",
+        "cluster-bad-port",
     ],
 )
 def test_bad_store_settings_are_refused(settings: dict[str, Any], message: str) -> None:
@@ -156,6 +166,14 @@ def test_bad_store_settings_are_refused(settings: dict[str, Any], message: str) 
     values.update(settings)
     with pytest.raises(ConfigError, match=message):
         read_settings(values)
+
+
+def test_cluster_url_names_several_seed_nodes() -> None:
+    assert parse_cluster_url("redis+cluster://u:p@h1:7000,h2:7001,h3/?socket_timeout=3") == (
+        "redis://u:p@h1:7000/?socket_timeout=3",
+        [("h2", 7001), ("h3", 6379)],
+    )
+    assert parse_cluster_url("redis+cluster://h1:7000") == ("redis://h1:7000", [])
 
 
 def test_safe_url_masks_every_sentinel_password() -> None:

@@ -25,7 +25,6 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, overload
-from urllib.parse import urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -41,8 +40,13 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from celery_echomq.config import Settings, missing_url_error, parse_sentinel_url, safe_url
-from celery_echomq.errors import ConfigError
+from celery_echomq.config import (
+    Settings,
+    missing_url_error,
+    parse_cluster_url,
+    parse_sentinel_url,
+    safe_url,
+)
 
 logger = logging.getLogger("celery_echomq.store")
 # A worker's logging shows the retry notice; where nothing is configured (a CLI command), it is
@@ -269,40 +273,6 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
     )
 
 
-def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
-    """A ``redis+cluster://[user:password@]host:port[,host:port...][?options]`` URL as the
-    ``redis://`` URL of its first seed node (credentials and options with it) and the
-    ``(host, port)`` of the others.
-
-    redis-py's ``RedisCluster`` asks its startup nodes, in turn, who serves what: with several
-    seeds, a client still finds the cluster when a seed is down (a master lost, not yet
-    replaced, or a node removed)."""
-    rest = url[len("redis+cluster://") :]
-    path = ""
-    for mark in "/?":
-        if mark in rest:
-            index = rest.index(mark)
-            rest, path = rest[:index], rest[index:] + path
-    userinfo, _, hosts = rest.rpartition("@")
-    names = [h.strip() for h in hosts.split(",") if h.strip()]
-    if not names:
-        raise ConfigError(f"echomq_redis_url={safe_url(url)!r} names no cluster node")
-    seeds: list[tuple[str, int]] = []
-    for name in names:
-        parts = urlsplit(f"redis://{name}")
-        try:
-            port = parts.port or 6379
-        except ValueError:
-            raise ConfigError(
-                f"echomq_redis_url={safe_url(url)!r}: the port of {name!r} is not a number"
-            ) from None
-        if not parts.hostname:
-            raise ConfigError(f"echomq_redis_url={safe_url(url)!r}: {name!r} names no host")
-        seeds.append((parts.hostname, port))
-    credentials = f"{userinfo}@" if userinfo else ""
-    return f"redis://{credentials}{names[0]}{path}", seeds[1:]
-
-
 def make_client(settings: Settings | str) -> Any:
     """A redis-py client for the flow store that ``settings`` (or a bare URL) names."""
     if isinstance(settings, str):
@@ -314,7 +284,7 @@ def make_client(settings: Settings | str) -> Any:
     if url.startswith("sentinel://"):
         return _sentinel_client(settings, kwargs)
     if url.startswith("redis+cluster://"):
-        first, seeds = cluster_seeds(url)
+        first, seeds = parse_cluster_url(url)
         cluster = RetryingCluster(
             url=first,
             startup_nodes=[ClusterNode(host, port) for host, port in seeds],  # type: ignore[no-untyped-call]
