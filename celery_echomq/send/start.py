@@ -7,6 +7,7 @@ process dies in between.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -25,6 +26,7 @@ from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.codec import child_template, job_delta
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
+from celery_echomq.store.replies import WideCheck
 from celery_echomq.store.script_base import BrokerPushes
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
@@ -154,13 +156,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
         # enqueue script checks its ids across queues itself; else they are claimed first.
         in_script = not (cluster or any(chunked))
         if not in_script:
-            claims = claim_ids(
-                state,
-                {
-                    **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
-                    **{child_id(j): child_queue(j) for lv in levels for j in lv.children},
-                },
-            )
+            claims = claim_ids(state, placed(levels))
         clock = None
         if cluster:
             state.client.sadd(keys.queues_key(), *register)
@@ -190,7 +186,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                     since[level.parent_id] = clock
                     continue
                 step = encoded[level.parent_id]
-                _, since[level.parent_id] = scripts.enqueue_flow_at(
+                enqueue = functools.partial(
+                    scripts.enqueue_flow_at,
                     level.queue,
                     level.parent_id,
                     step.parent,
@@ -205,9 +202,14 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                     policy="" if level.policy == "fail" else level.policy,
                     locator_ttl=0 if cluster else state.locator_ttl,
                     register=register,
-                    check=in_script,
                     publish=fused,
                 )
+                try:
+                    _, since[level.parent_id] = enqueue(check=in_script)
+                except WideCheck:
+                    # Too many ids and queues for one script to check: claimed here instead.
+                    claims += claim_ids(state, placed([level]))
+                    _, since[level.parent_id] = enqueue(check=False)
                 register = []
                 written.append((level.queue, level.parent_id, level.child_ids()))
                 whole.append(level)
@@ -275,6 +277,15 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     for level in levels:
         if not level.children:
             dispatch_parent(state, level.queue, level.parent_id)
+
+
+def placed(levels: list[Plan]) -> dict[str, str]:
+    """Every id these levels write (a nested level's parent is its outer level's child) ->
+    the queue its row lives on."""
+    return {
+        **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
+        **{child_id(j): child_queue(j) for lv in levels for j in lv.children},
+    }
 
 
 def _with_since(job: dict[str, Any], since: int | None, store: str) -> dict[str, Any]:

@@ -85,6 +85,8 @@ def server_error(exc: redis.ResponseError) -> Exception:
     message = str(exc)
     if message.startswith("EMQKIND"):
         return KindError(message)
+    if message.startswith("EMQWIDE"):
+        return WideCheck(message)
     if message.startswith("EMQEXISTS"):
         # "EMQEXISTS <id>": a row on the script's own slot; "EMQEXISTS <id> <queue>": the id
         # is another queue's (includes/taken.lua).
@@ -100,3 +102,9 @@ def exists_error(job_id: str, queue: str = "") -> FlowExistsError:
         f"job id {job_id!r} already exists in Redis{where} a flow never overwrites a job "
         "(nothing was written or published)"
     )
+
+
+class WideCheck(Exception):
+    """enqueue_flow's check across queues would take more lookups than one script should
+    make (``includes/taken.lua``): nothing was written; the host claims and checks the ids
+    itself (``send/ids.py``) and enqueues again without the check."""

@@ -48,7 +48,8 @@
 -- every child in the pending set (so recovery can tell how long a job has waited).
 -- A refusal returns before any write, and before any message is pushed.
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists;
--- "EMQEXISTS <id> <queue>" the id is another queue's (its row, or its enqueue in flight).
+-- "EMQEXISTS <id> <queue>" the id is another queue's (its row, or its enqueue in flight);
+-- "EMQWIDE ..." the check across queues is too wide for one script: the host makes it.
 --- @include "gate"
 --- @include "recent"
 --- @include "child_row"

@@ -6,7 +6,10 @@
 -- (``parts[1] .. queue .. parts[2] .. id``). ``parts`` come from store/keyspace.py, the
 -- only place a key's form is written. Returns the EMQEXISTS error reply for the first id
 -- taken, else nil. One variadic EXISTS per slice of keys: nothing per queue on a store of
--- one queue but one SMEMBERS.
+-- one queue but one SMEMBERS. A check wider than CHECK_MAX keys (ids x queues) would hold
+-- the server for milliseconds: before any lookup, "EMQWIDE" tells the host to claim the ids
+-- and check them itself (send/ids.py), then call again without the check.
+local CHECK_MAX = 1000
 -- The first i whose keys[i] exists and, when ``value`` is given, holds another value than it.
 local function _first_taken(keys, value)
   local SLICE_IDS = 500
@@ -33,6 +36,9 @@ end
 local function taken_elsewhere(registry, parts, own, ids)
   if #ids == 0 then
     return nil
+  end
+  if redis.call('SCARD', registry) * #ids > CHECK_MAX then
+    return redis.error_reply('EMQWIDE ' .. #ids .. ' ids')
   end
   local claims = {}
   for i = 1, #ids do
