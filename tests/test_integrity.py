@@ -313,7 +313,9 @@ def test_two_flows_made_at_once_on_two_new_queues_never_share_an_id(
     # The same flow without the shared id lands, and leaves no claim behind.
     again = flow(proj.tsum.s(), [*kids[1:], proj.add.s(5, 5)]).apply_async(queue=second_q)
     assert store.hget(f"emq:{{{second_q}}}:{again.id}", "state") == b"awaiting_children"
-    assert store.keys("emq:id:*") == []
+    landed = json.loads(store.hget(f"emq:{{{second_q}}}:{again.id}", "payload"))["children"]
+    assert len(landed) == len(kids)
+    assert not any(store.exists(f"emq:id:{{{i}}}") for i in [again.id, *landed])
 
 
 @pytest.mark.parametrize("path", ["one_step", "chunked"])
