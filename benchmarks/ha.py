@@ -21,11 +21,15 @@ would take. Redis runs scripts on one thread, so that is the ceiling of one mast
 ``failover``: a Redis Cluster of six nodes (3 masters x 1 replica, cluster-node-timeout
 2000), a redis-server for the broker and result backend, one real prefork worker with
 ``echomq_min_replicas=1``. Flows of 3 children of 0.4 s each are sent every 0.5 s; 2.5 s in,
-the replica of the master that owns the queue's slot stops following it (it can no longer
-authenticate: a partition), 0.7 s later that master is SIGKILLed, its replica is promoted,
-and the old master comes back as the new one's replica. Then every accepted flow is waited
-for (``--settle`` s). Per run: flows sent, accepted, refused (and why), completed, lost (an
-accepted flow whose parent never came), parents run twice. Repeated ``--runs`` times.
+the replica of the master that owns the queue's slot (the cluster URL's first seed) stops
+following it (it can no longer authenticate: a partition), 0.7 s later that master is
+SIGKILLed, its replica is promoted and runs ``--rejoin-after`` s without a replica (its
+transitions come back short of the WAIT), then the old master comes back as the new one's
+replica. Every accepted flow is waited for (``--settle`` s). ``--seeds first``: the URL names
+the lost master alone, not every node. Per run (each in a process of its own): flows sent,
+accepted, refused (and why), completed, lost (an accepted flow whose parent never came, with
+its parent's row), parents run twice, refused flows that ran, failed recovery passes.
+Repeated ``--runs`` times.
 
 Results also go to benchmarks/results/ha-<time>.json. This file is also the workers' Celery
 app (``celery -A ha worker``), configured from the environment the driver sets.
@@ -397,6 +401,8 @@ def failover_run(
         "lost": len(lost),
         "lost_detail": detail,
         "parents_run_twice": sum(1 for n in ran.values() if n > 1),
+        # A refused enqueue may still have landed on the primary: recovery then runs it.
+        "refused_but_ran": sum(1 for r in sent if r["error"] and ran.get(r["id"])),
         "failover_s": round(failover_s, 1),
         "longest_apply_async_s": round(max((r["took"] for r in sent), default=0.0), 2),
     }
@@ -432,6 +438,7 @@ def part_failover(
         "accepted": sum(r["accepted"] for r in results),
         "refused": sum(sum(r["refused"].values()) for r in results),
         "parents_run_twice": sum(r["parents_run_twice"] for r in results),
+        "refused_but_ran": sum(r.get("refused_but_ran", 0) for r in results),
         "failover_s": [r["failover_s"] for r in results],
         "each": results,
     }
