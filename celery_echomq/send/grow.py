@@ -31,7 +31,7 @@ from celery import current_app
 
 from celery_echomq.errors import EchoMQError, FlowClosedError, FlowExistsError
 from celery_echomq.send.children import child_signatures
-from celery_echomq.send.ids import refuse_taken
+from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.plan import (
     Plan,
     check_depth,
@@ -143,6 +143,15 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
     check_unique([parent.id, *(cid for level in plan.levels() for cid in level.child_ids())])
     if any("nested" in j for j in plan.children):
         check_depth(plan, state.settings.max_depth, _levels_above(state, parent))
+    claims: list[str] = []
+    try:
+        return _grow(state, parent, plan, claims)
+    finally:
+        # Landed or refused: the rows stand for their ids from now on.
+        release_claims(state, claims)
+
+
+def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> list[str]:
     keys, client, scripts = state.keys, state.client, state.scripts
     row_key = keys.job_key(parent.queue, parent.id)
     for _ in range(MAX_STALE):
@@ -165,7 +174,7 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
             row = (cid, state.dumps(j), plan.child_policies.get(cid, ""))
             (local if child_queue(j) == parent.queue else remote).append(row)
         _refuse_taken(state, [j for j in fresh if child_queue(j) != parent.queue])
-        refuse_taken(state, {child_id(j): child_queue(j) for j in fresh})
+        claims += claim_ids(state, {child_id(j): child_queue(j) for j in fresh})
         queues = {parent.queue, *(child_queue(j) for j in fresh)}
         queues.update(lv.queue for j in fresh if "nested" in j for lv in _levels(j))
         queues.update(

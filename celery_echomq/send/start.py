@@ -7,6 +7,7 @@ process dies in between.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterable
 from typing import Any, NamedTuple
@@ -19,12 +20,13 @@ from celery_echomq.config import safe_url
 from celery_echomq.errors import EchoMQError, FlowExistsError, StoreUnavailableError
 from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.send.fused import SINCE_MARK, prepare
-from celery_echomq.send.ids import refuse_taken
+from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.plan import Plan, child_id, child_queue
 from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.codec import child_template, job_delta
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
+from celery_echomq.store.replies import WideCheck
 from celery_echomq.store.script_base import BrokerPushes
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
@@ -143,19 +145,18 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     since: dict[str, int | None] = {}
     store = safe_url(state.settings.redis_url or "")
     fused: BrokerPushes | None = None
+    claims: list[str] = []
     try:
         # Before the flow lands, not after: a producer killed right after the EVAL must still
         # leave its queues where recovery looks (SADD is idempotent).
         queues = {level.queue for level in levels}
         queues.update(child_queue(job) for level in levels for job in level.children)
         register: list[str] = sorted(queues)
-        refuse_taken(
-            state,
-            {
-                **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
-                **{child_id(j): child_queue(j) for lv in levels for j in lv.children},
-            },
-        )
+        # An id names one job in the whole store (send/ids.py): on one server, each level's
+        # enqueue script checks its ids across queues itself; else they are claimed first.
+        in_script = not (cluster or any(chunked))
+        if not in_script:
+            claims = claim_ids(state, placed(levels))
         clock = None
         if cluster:
             state.client.sadd(keys.queues_key(), *register)
@@ -185,7 +186,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                     since[level.parent_id] = clock
                     continue
                 step = encoded[level.parent_id]
-                _, since[level.parent_id] = scripts.enqueue_flow_at(
+                enqueue = functools.partial(
+                    scripts.enqueue_flow_at,
                     level.queue,
                     level.parent_id,
                     step.parent,
@@ -202,6 +204,12 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                     register=register,
                     publish=fused,
                 )
+                try:
+                    _, since[level.parent_id] = enqueue(check=in_script)
+                except WideCheck:
+                    # Too many ids and queues for one script to check: claimed here instead.
+                    claims += claim_ids(state, placed([level]))
+                    _, since[level.parent_id] = enqueue(check=False)
                 register = []
                 written.append((level.queue, level.parent_id, level.child_ids()))
                 whole.append(level)
@@ -244,6 +252,10 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             f"{where} became unavailable ({exc}) after flow {plan.parent_id} was enqueued; "
             "nothing was published: recovery publishes its children once Redis is back"
         ) from exc
+    finally:
+        # Landed or refused: its rows, or nothing, stand for its ids from now on.
+        with contextlib.suppress(redis.RedisError):
+            release_claims(state, claims)
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "echomq: flow %s enqueued on %s with %d children%s",
@@ -265,6 +277,15 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     for level in levels:
         if not level.children:
             dispatch_parent(state, level.queue, level.parent_id)
+
+
+def placed(levels: list[Plan]) -> dict[str, str]:
+    """Every id these levels write (a nested level's parent is its outer level's child) ->
+    the queue its row lives on."""
+    return {
+        **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
+        **{child_id(j): child_queue(j) for lv in levels for j in lv.children},
+    }
 
 
 def _with_since(job: dict[str, Any], since: int | None, store: str) -> dict[str, Any]:

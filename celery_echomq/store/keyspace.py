@@ -108,5 +108,17 @@ class Keyspace:
         """The set of queue names that hold flows: what recovery and ``stats`` scan."""
         return f"{self.prefix}:queues"
 
+    def claim_key(self, job_id: str) -> str:
+        """An id claimed by an enqueue in flight: ``{prefix}:id:{JOB...}`` holds the queue its
+        row will live on, for the moments between the host's check across queues and the
+        row's landing (see send/ids.py)."""
+        return f"{self.prefix}:id:{{{check_id(job_id)}}}"
+
+    def check_parts(self) -> list[str]:
+        """What a script of a store of one server joins its keys from, for the check across
+        queues (``includes/taken.lua``): a row is ``[0] + queue + [1] + id``, a claim
+        ``[2] + id + [3]``: the forms of :meth:`job_key` and :meth:`claim_key`."""
+        return [f"{self.prefix}:{{", "}:", f"{self.prefix}:id:{{", "}"]
+
     def lease_key(self, name: str) -> str:
         return f"{self.prefix}:lease:{_check_text(name, 'lease name')}"

@@ -9,8 +9,8 @@
 -- KEYS[5]      the queue's counters            emq:{q}:counters
 -- KEYS[5+i]    child i's row, i = 1..N         emq:{q}:JOBc
 -- KEYS[6+N]    optional (with ARGV[10+2N]): the parent's locator   emq:loc:{JOBp}
--- KEYS[...]    optional (with ARGV[12+2N] > 0): the registry of queues that hold flows
---              emq:queues (after the locator when both are given)
+-- KEYS[...]    optional (with ARGV[12+2N] > 0 or ARGV[13+2N+R] given): the registry of
+--              queues that hold flows emq:queues (after the locator when both are given)
 -- KEYS[...]    optional (with ARGV[13+2N+R]): the broker's lists the children's messages go
 --              to, after the keys above
 --              (these live on other slots than the queue's: never passed on a Cluster)
@@ -35,19 +35,25 @@
 -- ARGV[12+2N]  R, the number of queue names that follow ('' or absent: none)
 -- ARGV[13+2N..12+2N+R] queue names to add to the registry (every queue of the flow's tree,
 --              so that recovery looks there; they land with the flow)
--- ARGV[13+2N+R] optional: the broker's database, on this same server: the children's
+-- ARGV[13+2N+R..16+2N+R] optional: the key parts of the check across queues, on a store of
+--              one server (includes/taken.lua): a row's head and tail around its queue, a
+--              claim's head and tail around its id ('' or absent: no check, the host made it)
+-- ARGV[17+2N+R] optional: the broker's database, on this same server: the children's
 --              messages are pushed there in this step (absent: the host publishes them)
--- ARGV[14+2N+R..] with it, a triple per message: the 1-based index of its list among the
+-- ARGV[18+2N+R..] with it, a triple per message: the 1-based index of its list among the
 --              broker's KEYS, the message up to its enqueue time and the rest after it
 --              (the message is head .. now .. tail, so it carries the time this step read)
 --
 -- Reply: {N (the counter), now}: now is the server time in ms this script read, the score of
 -- every child in the pending set (so recovery can tell how long a job has waited).
 -- A refusal returns before any write, and before any message is pushed.
--- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
+-- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists;
+-- "EMQEXISTS <id> <queue>" the id is another queue's (its row, or its enqueue in flight);
+-- "EMQWIDE ..." the check across queues is too wide for one script: the host makes it.
 --- @include "gate"
 --- @include "recent"
 --- @include "child_row"
+--- @include "taken"
 
 -- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
 -- write.
@@ -99,6 +105,27 @@ for first = 6, 5 + n, SLICE do
     end
   end
 end
+-- The same ids on every other queue, before any write (a store of one server only).
+local registered = tonumber(ARGV[12 + 2 * n] or '') or 0
+local check = 13 + 2 * n + registered
+local extra = 6 + n -- the first of the optional KEYS
+if (ARGV[10 + 2 * n] or '') ~= '' then
+  extra = extra + 1 -- after the locator
+end
+if (ARGV[check] or '') ~= '' then
+  local ids = {}
+  if outer == '' then
+    ids[1] = ARGV[1]
+  end
+  for i = 1, n do
+    ids[#ids + 1] = ARGV[2 + 2 * i]
+  end
+  local taken = taken_elsewhere(KEYS[extra],
+    {ARGV[check], ARGV[check + 1], ARGV[check + 2], ARGV[check + 3]}, ARGV[11 + 2 * n], ids)
+  if taken then
+    return taken
+  end
+end
 -- One TIME for the pending scores and the recent index.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -142,25 +169,24 @@ end
 -- Where a bare id lives, and where recovery looks: written with the flow, so a producer that
 -- dies after this script leaves neither missing, and a refused flow leaves neither behind.
 local locator_ttl = ARGV[10 + 2 * n] or ''
-local extra = 6 + n -- the first of the optional KEYS
 if locator_ttl ~= '' then
-  redis.call('SET', KEYS[extra], ARGV[11 + 2 * n], 'EX', locator_ttl)
-  extra = extra + 1
+  redis.call('SET', KEYS[6 + n], ARGV[11 + 2 * n], 'EX', locator_ttl)
 end
-local registered = tonumber(ARGV[12 + 2 * n] or '') or 0
 if registered > 0 then
   redis.call('SADD', KEYS[extra], unpack(ARGV, 13 + 2 * n, 12 + 2 * n + registered))
-  extra = extra + 1
+end
+if registered > 0 or (ARGV[check] or '') ~= '' then
+  extra = extra + 1 -- after the registry
 end
 index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]), t)
 -- The children's messages, when the broker is a database of this server: the flow lands with
 -- its messages or not at all, in one round trip. Each list's messages in one LPUSH per slice,
 -- in the order given (what the host's own pipeline would push).
-local broker_db = ARGV[13 + 2 * n + registered] or ''
+local broker_db = ARGV[check + 4] or ''
 if broker_db ~= '' then
   local stamp = string.format('%d', now)
   local lists, order = {}, {}
-  for i = 14 + 2 * n + registered, #ARGV, 3 do
+  for i = check + 5, #ARGV, 3 do
     local key = KEYS[extra - 1 + tonumber(ARGV[i])]
     if not lists[key] then
       lists[key] = {}
