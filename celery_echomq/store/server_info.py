@@ -61,6 +61,7 @@ SCRIPT_COMMANDS: dict[str, tuple[str, ...]] = {
     "INCRBY": ("K", "1"),
     "PERSIST": ("K",),
     "PUBLISH": ("C", "v"),
+    "SCARD": ("K",),
     "SELECT": ("0",),
     "ZREMRANGEBYRANK": ("K", "0", "0"),
     "ZREMRANGEBYSCORE": ("K", "0", "0"),
