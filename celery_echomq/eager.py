@@ -250,9 +250,11 @@ def _run(
             finally:
                 CURRENT.reset(token)
             ok, data = _outcome(res)
+            # A chain's failure is its failed step's, named by its own id (as on a worker).
+            settled = cid if ok or "steps" not in job else str(res.id)
             # A child still running when the deadline passed finishes and is recorded.
             cut = passed([cid])
-            if fanin.settle(cid, ok, data, child.options.get("parent_policy")):
+            if fanin.settle(settled, ok, data, child.options.get("parent_policy")):
                 parent_res = run_parent()
             if cut:
                 break
@@ -284,6 +286,8 @@ def _run_child(
     cid: str,
     seen: dict[str, FanIn],
 ) -> Any:
+    if "steps" in job:
+        return _run_steps(child, job, partial, kwargs)
     if is_flow(child):
         inner_partial = () if child.immutable else (*partial, *child.args)
         inner = Plan.from_dict(job["nested"])
@@ -291,6 +295,24 @@ def _run_child(
         return _run(app, child, inner, inner_partial, kwargs, inner_opts, seen)
     run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
     return run.apply(task_id=cid, throw=False)
+
+
+def _run_steps(
+    chain: Any, job: dict[str, Any], partial: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A linked chain's steps, one after another in a loop (no recursion, whatever its
+    length), each given the value of the one before: the last step's result, or the result
+    of the step that failed (the chain's failure, as on a worker)."""
+    res: Any = None
+    for i, (step, planned) in enumerate(zip(chain.tasks, job["steps"], strict=True)):
+        if i == 0:
+            run = step.clone(args=partial, kwargs=kwargs) if partial or kwargs else step
+        else:
+            run = step if step.immutable else step.clone(args=(res.result,))
+        res = run.apply(task_id=planned["options"]["task_id"], throw=False)
+        if res.state != states.SUCCESS:
+            break
+    return res
 
 
 def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None:

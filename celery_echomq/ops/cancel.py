@@ -54,6 +54,26 @@ def where_children(state: EchoMQ, queue: str, children: list[str]) -> dict[str, 
     return found
 
 
+def with_steps(state: EchoMQ, children: list[str], where: dict[str, str]) -> list[str]:
+    """``children`` with the steps of each linked chain among them before it (its last
+    step's ``steps``), each step found where its chain is: cancel reaches the one that runs
+    and those that wait."""
+    found = [cid for cid in children if cid in where]
+    pipe = state.client.pipeline(transaction=False)
+    for cid in found:
+        pipe.hget(state.keys.job_key(where[cid], cid), "steps")
+    listed = dict(zip(found, pipe.execute(), strict=True))
+    out: list[str] = []
+    for cid in children:
+        steps = listed.get(cid)
+        for step in text(steps).split() if steps else ():
+            if step != cid:
+                where[step] = where[cid]
+                out.append(step)
+        out.append(cid)
+    return out
+
+
 def _by_queue(where: dict[str, str], ids: Iterable[str]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for cid in ids:
@@ -76,6 +96,7 @@ def cancel_flow(
     job = state.loads(payload) if payload else None
     children: list[str] = list(job["children"]) if job else []
     where = where_children(state, queue, children)
+    children = with_steps(state, children, where)
     # Nested flows first, inner before outer: each is a flow of its own to cancel.
     pipe = client.pipeline(transaction=False)
     for cid in children:

@@ -14,10 +14,17 @@ from typing import Any
 from celery.canvas import Signature
 
 from celery_echomq.errors import DepthError, PolicyError
-from celery_echomq.send.shapes import CALLBACKS, expand, merge_callbacks
+from celery_echomq.send.shapes import (
+    CALLBACKS,
+    expand,
+    is_linked,
+    merge_callbacks,
+    nested_chain,
+)
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import (
     H_FLOW,
+    H_NEXT,
     H_PARENT,
     H_PARENT_QUEUE,
     H_QUEUE,
@@ -71,7 +78,8 @@ class Plan:
     """A flow with every id assigned and every message built, before anything is sent.
 
     A nested flow's entry in ``children`` is ``{"nested": <its Plan as a dict>}``; its
-    ``outer`` is the id of the flow it is a child of.
+    ``outer`` is the id of the flow it is a child of. A linked chain's is ``{"steps": [<each
+    step's job>]}``: one child, whose id is its last step's.
     """
 
     queue: str
@@ -106,6 +114,10 @@ class Plan:
     def child_ids(self) -> list[str]:
         return [child_id(job) for job in self.children]
 
+    def row_ids(self) -> list[str]:
+        """The ids of every row this level writes for its children: each step of a chain."""
+        return [cid for job in self.children for cid in row_ids(job)]
+
     def valued_ids(self) -> list[str]:
         """The children whose values the parent gets, in order."""
         silent = set(self.silent)
@@ -119,11 +131,32 @@ class Plan:
 
 
 def child_queue(job: dict[str, Any]) -> str:
-    return str(job["nested"]["queue"] if "nested" in job else job["options"]["headers"][H_QUEUE])
+    if "nested" in job:
+        return str(job["nested"]["queue"])
+    if "steps" in job:
+        job = job["steps"][0]
+    return str(job["options"]["headers"][H_QUEUE])
 
 
 def child_id(job: dict[str, Any]) -> str:
-    return str(job["nested"]["parent_id"] if "nested" in job else job["options"]["task_id"])
+    """A child's id: a nested flow's parent's, a linked chain's last step's."""
+    if "nested" in job:
+        return str(job["nested"]["parent_id"])
+    if "steps" in job:
+        job = job["steps"][-1]
+    return str(job["options"]["task_id"])
+
+
+def row_ids(job: dict[str, Any]) -> list[str]:
+    """The rows a child entry writes on its level: one, or one per step of a chain."""
+    if "steps" in job:
+        return [str(step["options"]["task_id"]) for step in job["steps"]]
+    return [child_id(job)]
+
+
+def first_job(job: dict[str, Any]) -> dict[str, Any]:
+    """The message a child entry publishes first: its own, or its chain's first step's."""
+    return job["steps"][0] if "steps" in job else job
 
 
 def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
@@ -172,7 +205,8 @@ def check_depth(plan: Plan, limit: int, above: int = 0) -> None:
         stack.extend((job["nested"]["children"], depth + 1) for job in children if "nested" in job)
     if deepest > limit:
         raise DepthError(
-            f"flow {plan.parent_id} is {deepest} levels deep (a chain's steps count as levels); "
+            f"flow {plan.parent_id} is {deepest} levels deep (each step of a chain with a group, "
+            "chord or flow among its steps counts as a level; a chain of tasks as none); "
             f"allowed: at most {limit} (the echomq_max_depth setting); nothing was sent"
         )
 
@@ -266,7 +300,7 @@ def plan_flow(
         plan.parent["silent"] = list(plan.silent)
     if not outer:
         # Every id of the tree once: a nested parent is listed as its outer flow's child.
-        check_unique([parent_id, *(cid for level in plan.levels() for cid in level.child_ids())])
+        check_unique([parent_id, *(cid for level in plan.levels() for cid in level.row_ids())])
     return plan
 
 
@@ -291,6 +325,19 @@ def plan_children(
     parent_id, queue = plan.parent_id, plan.queue
     for position, child in enumerate(expand(list(children), app), len(plan.children) + 1):
         child_policy = child.options.get("parent_policy")
+        if is_linked(child):
+            steps = _steps(app, plan, child, args, kwargs, shared, child_results, store_results)
+            if steps is not None:
+                plan.children.append({"steps": steps})
+                if child_policy is not None:
+                    for step in steps:
+                        cid = step["options"]["task_id"]
+                        plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
+                continue
+            policy_of = child.options.get("parent_policy")
+            child = nested_chain(child, app)
+            if policy_of is not None:
+                child.options["parent_policy"] = policy_of
         if is_flow(child):
             inner_opts = {**shared, **child.options}
             inner_opts.pop("parent_policy", None)
@@ -333,6 +380,46 @@ def plan_children(
             plan.children.append(job)
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
+
+
+def _steps(
+    app: Any,
+    plan: Plan,
+    chain: Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    shared: dict[str, Any],
+    child_results: bool,
+    store_results: bool,
+) -> list[dict[str, Any]] | None:
+    """A linked chain's steps as jobs, each naming the flow's parent and the step after it
+    (:data:`H_NEXT`); None when its steps live on more than one queue's slot (one script
+    cannot make the next step pending there: the chain is then planned as nested flows).
+    The first step takes the flow's partial arguments, as a chain's first task does."""
+    tasks = list(chain.tasks)
+    if args or kwargs:
+        tasks[0] = tasks[0].clone(args=args, kwargs=kwargs)
+    queues = [route_queue(app, task, shared) for task in tasks]
+    if len(set(queues)) > 1:
+        return None
+    step_queue = queues[0]
+    ids = [job_id_of(task.options) for task in tasks]
+    jobs = []
+    for i, task in enumerate(tasks):
+        headers = {H_QUEUE: step_queue, H_PARENT: plan.parent_id}
+        if step_queue != plan.queue:
+            headers[H_PARENT_QUEUE] = plan.queue
+        if i + 1 < len(tasks):
+            headers[H_NEXT] = ids[i + 1]
+        job = _job_dict(task, shared, headers)
+        job["options"].pop("parent_policy", None)
+        job["options"]["task_id"] = ids[i]
+        if not child_results:
+            job["options"].setdefault("ignore_result", True)
+        elif store_results:
+            mark_for_store(job)
+        jobs.append(job)
+    return jobs
 
 
 def mark_for_store(job: dict[str, Any]) -> None:

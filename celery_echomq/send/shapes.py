@@ -3,8 +3,11 @@ chord takes a canvas, in the only shape the store holds (a held row per parent).
 
 - a group among the children is unrolled into its tasks (nested groups flattened), as a
   chord's header is;
-- a chain ``a | b | c`` is a nested flow whose parent is ``c``, held on a one-child flow
-  whose parent is ``b``, held on ``a``: each step is a held row, and takes its single
+- a chain ``a | b | c`` of single tasks is *linked*: one child of the flow whose steps are
+  plain job rows, run in order (``a`` pending, ``b`` and ``c`` waiting until the step before
+  them completes; see ``linked``); its value is its last step's. A chain with a group, chord
+  or flow among its steps is a nested flow whose parent is ``c``, held on a one-child flow
+  whose parent is ``b``, held on ``a``: each such step is a held row, and takes its single
   child's value as is (``single``), not as a list;
 - a chord child ``chord(header, body)`` is ``flow(body, header)``;
 - a parent that fans out (a group, a chord or a flow) is held as the *spread* task: once
@@ -32,6 +35,9 @@ SPREAD_TASK = "celery_echomq.spread"
 COLLECT_TASK = "celery_echomq.collect"
 
 CALLBACKS = ("link", "link_error")
+# The option that marks a linked chain (a chain of single tasks, each with its id): a child
+# of a flow planned as steps (send/plan.py), not as nested flows.
+LINKED = "echomq_linked"
 
 
 def merge_callbacks(own: Any, given: Any) -> list[Any]:
@@ -46,7 +52,7 @@ def merge_callbacks(own: Any, given: Any) -> list[Any]:
 # Options of a chain, group or chord that are its own, not handed down to its tasks.
 _OWN = frozenset(
     "task_id group_id group_index chord parent_policy subtask_type link link_error chain "  # noqa: SIM905
-    "reply_to root_id parent_id echomq_silent".split()
+    "reply_to root_id parent_id echomq_silent echomq_linked".split()
 )
 
 
@@ -105,10 +111,34 @@ def _flow(
     return node
 
 
+def is_linked(sig: Any) -> bool:
+    """A linked chain: made by :func:`linked`, planned as steps."""
+    return isinstance(sig, _chain) and bool(sig.options.get(LINKED))
+
+
+def linked(sig: _chain, steps: list[Any], app: Any, inherited: dict[str, Any]) -> Signature:
+    """A chain of single tasks as one child whose steps run in order: each step a copy with
+    its own id (the last takes the chain's), the chain's options handed down to each."""
+    own_id = _own(sig)
+    last = len(steps) - 1
+    tasks = [_task(s, inherited, own_id if i == last else None) for i, s in enumerate(steps)]
+    node = _chain(tasks, app=app)
+    node.options[LINKED] = True
+    node.options["task_id"] = tasks[-1].options["task_id"]
+    return node
+
+
+def nested_chain(sig: Signature, app: Any) -> Signature:
+    """A linked chain as nested flows (each step held on the one before it): for a chain
+    whose steps live on different queues' slots, which one script cannot link."""
+    steps = list(sig.tasks)
+    return _chain_on(steps[1:], [steps[0]], False, app, {}, _own(steps[-1]))[0]
+
+
 def is_normal(sig: Any) -> bool:
-    """A task, or a flow whose parent is a task and whose children are normal: planned as
-    it is (what this module makes, and the common case)."""
-    if is_task(sig):
+    """A task, a linked chain, or a flow whose parent is a task and whose children are
+    normal: planned as it is (what this module makes, and the common case)."""
+    if is_task(sig) or is_linked(sig):
         return True
     return (
         getattr(sig, "subtask_type", None) == "flow"
@@ -191,10 +221,14 @@ def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature
 def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
     """A chain, chord or flow as one flow whose parent is a single task."""
     mine = {**inherited, **_options_of(sig)}
+    if is_linked(sig):
+        return sig
     if isinstance(sig, _chain):
         steps = [maybe_signature(s, app=app) for s in sig.tasks]
         if not steps:
             raise ValueError("a chain among a flow's children has no tasks")
+        if len(steps) > 1 and all(map(is_task, steps)):
+            return linked(sig, steps, app, mine)
         first = as_children(steps[0], app, mine)
         if len(steps) == 1 and len(first) == 1:
             return first[0]

@@ -24,6 +24,7 @@ from celery_echomq import tracing
 from celery_echomq.config import safe_url
 from celery_echomq.store.headers import (
     H_FLOW,
+    H_NEXT,
     H_PARENT,
     H_QUEUE,
     H_SINCE,
@@ -218,6 +219,7 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
         state.dumps(result),
         success_write(state, sender, request, result),
         lambda: store_success(sender, request, result),
+        str(getattr(request, H_NEXT, None) or ""),
     )
 
 
