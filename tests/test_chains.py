@@ -5,14 +5,20 @@ a real worker and eagerly, of any length."""
 from __future__ import annotations
 
 import time
+import uuid
 from typing import Any
 
 import pytest
 import redis
 from celery import chain
 
-from celery_echomq import FlowFailed, flow
+from celery_echomq import FlowCancelled, FlowFailed, flow
 from celery_echomq.store.keyspace import new_job_id as job_id
+
+from .conftest import wait_for
+from .test_cli import echomq
+from .test_exactly_once import counters, skipped
+from .test_recovery import fast_recovery, logged
 
 TIMEOUT = 60
 
@@ -63,3 +69,129 @@ def test_a_failed_step_counts_the_chain_once_under_its_policy(
     assert res.get(timeout=TIMEOUT) == 5
     assert res.dependencies().outstanding == 0
     assert len(res.failed_children()) == 1
+
+
+# --- the guarantees, on a real worker -----------------------------------------------------
+
+
+def row(store: redis.Redis, jid: str, field: str, queue: str = "celery") -> str | None:
+    value = store.hget(f"emq:{{{queue}}}:{jid}", field)
+    return value.decode() if value is not None else None
+
+
+def frozen(proj: Any, steps: Any) -> tuple[Any, list[str]]:
+    """flow(tsum, [steps]) with every id assigned, and the ids of the chain's steps."""
+    sig = flow(proj.tsum.s(), [steps])
+    sig.freeze()
+    return sig, [str(task.options["task_id"]) for task in steps.tasks]
+
+
+def test_a_redelivered_step_is_counted_once(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    queue = own_queue("chain")
+    w = start_worker(queues=queue)
+    dup = job_id()
+    steps = chain(proj.add.s(1, 1), proj.redeliver.s(countdown=1.0).set(task_id=dup), proj.add.s(1))
+    sig, ids = frozen(proj, steps)
+    res = sig.apply_async(queue=queue)
+    # redeliver gets 2 and returns 21; the copy of its message it sends arrives once it
+    # completed, and is skipped: the step after it runs once, with 21.
+    assert res.get(timeout=TIMEOUT) == 22
+    wait_for(lambda: skipped(w, dup, "done"), timeout=60)
+    _, _, last = ids
+    assert int(store.get(f"test:delivery:{dup}") or 0) == 1  # the copy's body did not run
+    assert row(store, dup, "attempts", queue) == "1"
+    assert row(store, last, "attempts", queue) == "1"
+    assert counters(store, queue).get("duplicates_skipped") == 1
+    assert res.dependencies() == (0, 1, 0, 0)
+    assert res.children_values() == {last: 22}
+
+
+def test_a_step_whose_message_was_never_published_is_recovered(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    queue = own_queue("chain")
+    # Each pool process that completes a step SIGKILLs itself before publishing the next:
+    # recovery finds that step pending with no message, and re-publishes it with its input.
+    w = start_worker(queues=queue, extra_env=fast_recovery(ECHOMQ_T_DIE_AT="publish_step"))
+    steps = chain(proj.add.s(1, 1), proj.add.s(10), proj.add.s(100))
+    sig, ids = frozen(proj, steps)
+    res = sig.apply_async(queue=queue)
+    assert res.get(timeout=120) == 112
+    logged(w, "killed itself at publish_step")
+    first, second, third = ids
+    logged(w, f"re-published {second}")
+    logged(w, f"re-published {third}")
+    for step in (first, second, third):
+        assert row(store, step, "state", queue) == "done"
+    assert row(store, third, "attempts", queue) == "1"
+
+
+def test_cancel_reaches_the_running_step_and_those_waiting(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    steps = chain(proj.add.s(1, 1), proj.gated.s(gate), proj.add.s(1))
+    sig, ids = frozen(proj, steps)
+    first, running, waiting = ids
+    res = sig.apply_async()
+    wait_for(lambda: row(store, running, "state") == "active")
+    assert row(store, waiting, "state") == "waiting"
+    res.revoke()
+    assert row(store, running, "state") == "cancelled"
+    assert row(store, waiting, "state") == "cancelled"
+    store.set(gate, 1)  # the running step finishes: its completion goes nowhere
+    with pytest.raises(FlowCancelled):
+        res.get(timeout=TIMEOUT)
+    time.sleep(1.0)
+    assert row(store, waiting, "state") == "cancelled"
+    assert row(store, waiting, "attempts") == "0"
+    assert row(store, first, "state") == "done"
+
+
+def test_retry_runs_the_failed_step_again_with_its_input(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    steps = chain(proj.add.s(1, 1), proj.flaky.s(flag), proj.add.s(1))
+    sig, ids = frozen(proj, steps)
+    first, failing, last = ids
+    res = sig.apply_async()
+    with pytest.raises(FlowFailed) as caught:
+        res.get(timeout=TIMEOUT)
+    assert caught.value.child_id == failing
+    assert row(store, last, "state") == "waiting"
+    store.set(flag, 1)
+    out = echomq("retry", res.id)
+    assert out.exit_code == 0, out.output
+    # flaky gets 2 again (the first step's value, kept on its row), then the last step runs.
+    assert res.get(timeout=TIMEOUT) == 3
+    assert store.get(f"test:ran:flaky:{flag}") == b"2"
+    assert row(store, first, "attempts") == "1"
+    assert res.children_values() == {last: 3}
+
+
+def test_show_lists_the_steps_and_the_one_that_runs(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    steps = chain(proj.add.s(1, 1), proj.gated.s(gate), proj.add.s(1))
+    sig, ids = frozen(proj, steps)
+    first, running, last = ids
+    res = sig.apply_async()
+    try:
+        wait_for(lambda: row(store, running, "state") == "active")
+        out = echomq("show", res.id)
+        assert out.exit_code == 0, out.output
+        lines = out.output.splitlines()
+        head = next(line for line in lines if f"chain {last}" in line)
+        assert "3 steps, step 2 runs  active" in head
+        one, two, three = lines[lines.index(head) + 1 : lines.index(head) + 4]
+        assert f"step 1/3  {first}  tests.proj.add  done" in one and "value=2" in one
+        assert f"step 2/3  {running}  tests.proj.gated  active" in two and "<- runs" in two
+        assert "args=(2, " in two
+        assert f"step 3/3  {last}  tests.proj.add  waiting" in three
+    finally:
+        store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT) == 3

@@ -17,7 +17,7 @@ from typing import Any
 from celery_echomq.errors import EchoMQError
 from celery_echomq.ops.listing import QueueStats, held_parents, queue_stats
 from celery_echomq.ops.timing import finish_times
-from celery_echomq.store.codec import Delta, load_job, stored_of
+from celery_echomq.store.codec import Delta, Step, load_job, stored_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.reads import counts_of, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
@@ -56,9 +56,11 @@ _ROW_FIELDS = (
     "template",
     "failed_children",
     "cut",  # "deadline": cut by its flow's deadline before it started
+    "steps",  # a linked chain's last step: every step's id, in order
+    "input",  # a chain's step: the value of the step before it, its first argument
 )
 # Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
-_STORED = frozenset({"payload", "delta", "template"})
+_STORED = frozenset({"payload", "delta", "template", "input"})
 # A nested flow is a child that is itself a parent; a cycle cannot be written (enqueue_flow
 # refuses an id that exists), and the depth a flow may have (echomq_max_depth) caps the walk,
 # so a corrupted store cannot hang the CLI either.
@@ -100,10 +102,32 @@ class JobNode:
     dispatched_ms: int | None = None  # a parent: when its release was published
     flow: FlowInfo | None = None  # set when this job is a flow parent
     children: tuple[JobNode, ...] = field(default=())
+    # A linked chain's last step (the child its flow counts): every step, in order, itself
+    # last; the chain's own state is :attr:`chain_state`.
+    steps: tuple[JobNode, ...] = field(default=())
 
     @property
     def finished(self) -> bool:
         return self.state in FINISHED
+
+    @property
+    def running_step(self) -> int | None:
+        """A linked chain: the 1-based number of the step that runs or is due to (pending or
+        active), None when none is."""
+        for number, step in enumerate(self.steps, 1):
+            if step.state in ("pending", "active"):
+                return number
+        return None
+
+    @property
+    def chain_state(self) -> str:
+        """A linked chain's state as a child: its failed or cancelled step's, else that of
+        the step that runs, else its last step's."""
+        for step in self.steps:
+            if step.state in ("failed", "cancelled"):
+                return step.state
+        running = self.running_step
+        return self.steps[running - 1].state if running else self.state
 
     @property
     def runtime_ms(self) -> int | None:
@@ -140,13 +164,13 @@ def _task_and_children(
 
     ``template``: the encoded template on the parent's row, when the caller has it (a
     child's delta is joined with it; else it is read)."""
-    stored = stored_of(row["payload"], row["delta"], row["parent"])
+    stored = stored_of(row["payload"], row["delta"], row["parent"], row["input"])
     if stored is None:
         return None, [], (None, None)
-    if isinstance(stored, Delta):
+    if isinstance(stored, (Delta, Step)):
         try:
             known: dict[str, bytes | None] | None = None
-            if template is not None:
+            if template is not None and isinstance(stored, Delta):
                 known = {stored.parent: template}
             job = load_job(state, queue, job_id, stored, known)
         except Exception:
@@ -338,10 +362,55 @@ def _build(
                 f"flow tree under {job_id!r} is deeper than {state.settings.max_depth} levels "
                 "(the echomq_max_depth setting)"
             )
-        children.append(
-            _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
-        )
+        child = _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
+        if child_row["steps"]:
+            child = _with_steps(state, child, child_row["steps"].split(), ignored, info)
+        children.append(child)
     return replace(node, flow=info, children=tuple(children))
+
+
+def _with_steps(
+    state: EchoMQ, last: JobNode, ids: list[str], ignored: dict[str, str], info: FlowInfo
+) -> JobNode:
+    """A linked chain's last step with every step of the chain (one pipelined read): what
+    each ran with, its state, and what its failure made of the flow."""
+    pipe = state.client.pipeline(transaction=False)
+    earlier = ids[:-1]
+    for sid in earlier:
+        pipe.hmget(state.keys.job_key(last.queue, sid), _ROW_FIELDS)
+    steps = []
+    policy = last.policy or info.policy
+    rows = [_row(fields) for fields in pipe.execute()]
+    # A step's value is the input of the step after it, once that one was made pending.
+    inputs = [row["input"] for row in rows[1:]] + [last_input(state, last)]
+    for sid, row, value in zip(earlier, rows, inputs, strict=True):
+        task, _, (args, kwargs) = _task_and_children(state, last.queue, sid, row)
+        step_state = row["state"] or MISSING
+        steps.append(
+            JobNode(
+                id=sid,
+                queue=last.queue,
+                state=step_state,
+                task=task,
+                attempts=_int(row["attempts"]) or 0,
+                parent=row["parent"],
+                policy=policy,
+                policy_is_default=last.policy_is_default,
+                outcome=_outcome(step_state, policy, False, sid in ignored, info.failed_child, sid),
+                error=row["error"] or ignored.get(sid),
+                has_value=value is not None,
+                value=None if value is None else _load(state, value),
+                args=args,
+                kwargs=kwargs,
+                started_ms=_int(row["started"]),
+            )
+        )
+    return replace(last, steps=(*steps, last))
+
+
+def last_input(state: EchoMQ, last: JobNode) -> Any:
+    """The input a chain's last step was given (the value of the step before it)."""
+    return state.client.hget(state.keys.job_key(last.queue, last.id), "input")
 
 
 def json_default(value: Any) -> Any:
@@ -361,6 +430,10 @@ def node_dict(node: JobNode) -> dict[str, Any]:
     data["finished"] = node.finished
     data["runtime_ms"] = node.runtime_ms
     data["children"] = [node_dict(child) for child in node.children]
+    data["steps"] = [node_dict(step) for step in node.steps]
+    if node.steps:
+        data["chain_state"] = node.chain_state
+        data["running_step"] = node.running_step
     return data
 
 
@@ -372,6 +445,7 @@ def tree_json(node: JobNode, *, indent: int | None = 2) -> str:
 def walk(node: JobNode) -> list[JobNode]:
     """``node`` and every job under it, parents before their children."""
     out = [node]
+    out.extend(node.steps[:-1])  # a linked chain's steps before its last (the node itself)
     for child in node.children:
         out.extend(walk(child))
     return out
