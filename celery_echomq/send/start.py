@@ -83,12 +83,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             state,
             {
                 **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
-                **{
-                    cid: child_queue(j)
-                    for lv in levels
-                    for j in lv.children
-                    for cid in row_ids(j)
-                },
+                **{cid: child_queue(j) for lv in levels for j in lv.children for cid in row_ids(j)},
             },
         )
         clock = None

@@ -104,7 +104,7 @@ class FlowScripts(StartScripts):
 
         ``next_step``: the job is a chain's step but its last; its value goes to that step,
         made pending: the status is then ``advanced`` and the handed payload that step's
-        (``(payload, {})``), for the caller to publish."""
+        (``(payload, {"since": its pending score})``), for the caller to publish."""
         remote = parent is not None and parent.queue != queue and not next_step
         if next_step:
             onward = [self.keys.job_key(queue, next_step), self.keys.queue_key(queue, "pending")]
@@ -142,7 +142,7 @@ class FlowScripts(StartScripts):
         reply = self._run("complete", keys, argv)
         status, written = status_of(reply[0]), len(reply) > 1 and text(reply[1]) == "1"
         if status is Status.ADVANCED:
-            return status, written, (reply[2], {})
+            return status, written, (reply[2], {"since": reply[3]})
         handed = None
         if status is Status.RELEASED and len(reply) > 2 and parent is not None:
             handed = self._handed(parent, reply[2:], inline_max)

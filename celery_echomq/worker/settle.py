@@ -148,6 +148,7 @@ def settle_success(
     result: ResultWrite | None = None,
     unwritten: Callable[[], None] | None = None,
     next_step: str = "",
+    since: int | None = None,
 ) -> Status:
     """A job succeeded: complete it and credit its parent (on whichever slot it lives).
 
@@ -155,7 +156,9 @@ def settle_success(
     completion was not the job's transition (a stale token, a job cancelled meanwhile) it
     writes nothing and ``unwritten`` is called, to store it as Celery would. ``next_step``: the
     job is a chain's step but its last (:data:`H_NEXT`): the completion makes that step
-    pending, and this publishes it with the value."""
+    pending, and this publishes it with the value; ``since``: the pending time this step's
+    message carried (:data:`H_SINCE`), which the next step's carries on (an older time than
+    its own pending score, which only spares its claim the claim marks, see claim.lua)."""
     status, written, handed = state.scripts.complete_releasing(
         queue,
         job_id,
@@ -175,7 +178,9 @@ def settle_success(
     if result is not None and not written and unwritten is not None:
         unwritten()
     if status is Status.ADVANCED and handed is not None:
-        publish_step(state, next_step, handed[0], value, previous=job_id)
+        if since is None:
+            since = int(handed[1]["since"])
+        publish_step(state, next_step, handed[0], value, previous=job_id, since=since)
         return status
     if status is Status.STAGED and parent is not None:
         status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")

@@ -220,6 +220,7 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
         success_write(state, sender, request, result),
         lambda: store_success(sender, request, result),
         str(getattr(request, H_NEXT, None) or ""),
+        since if isinstance(since := getattr(request, H_SINCE, None), int) else None,
     )
 
 

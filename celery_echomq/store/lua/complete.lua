@@ -44,7 +44,8 @@
 --   "staged"      finished and staged in the outbox (ARGV[7] == '1'): the host credits it
 --   "advanced"    a chain's step: finished, and the next step is now pending with this value
 --                 as its 'input'; the reply goes on with that step's payload, for the host to
---                 publish: {"advanced", written, payload}
+--                 publish: {"advanced", written, payload, now} (now: its pending score, the
+--                 server's ms, which its message carries so that its claim need not read it)
 --   "done"        finished; no parent to credit (or the next step no longer waits)
 --   "stale"       the token is not the current one: nothing changed
 --   "forged"      ARGV[5] is not the row's own parent, or ARGV[12] its own next step (a
@@ -109,9 +110,10 @@ if next_id ~= '' then
   if was_active == 1 then
     local after = redis.call('HMGET', KEYS[6], 'state', 'payload')
     if after[1] == 'waiting' then
+      local now = now_ms()
       redis.call('HSET', KEYS[6], 'state', 'pending', 'input', ARGV[6])
-      redis.call('ZADD', KEYS[7], now_ms(), next_id)
-      return {'advanced', written, after[2]}
+      redis.call('ZADD', KEYS[7], now, next_id)
+      return {'advanced', written, after[2], now}
     end
   end
   return {'done', written}
