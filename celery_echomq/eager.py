@@ -37,7 +37,8 @@ from celery_echomq.send.plan import (
     plan_flow,
     too_deep,
 )
-from celery_echomq.send.shapes import CALLBACKS, expand, merge_callbacks
+from celery_echomq.send.shapes import expand, is_linked, nested_chain
+from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
 from celery_echomq.store import reads
 from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
@@ -67,7 +68,10 @@ class Growing:
             )
         added = Plan(queue=self.plan.queue, parent_id=self.plan.parent_id, parent={})
         # Added children take no partial arguments, as on a worker.
-        sigs = expand(list(sigs), self.app)
+        # A chain of tasks among them is held step by step, as on a worker (see grow.py).
+        sigs = [
+            nested_chain(s, self.app) if is_linked(s) else s for s in expand(list(sigs), self.app)
+        ]
         plan_children(self.app, added, sigs, shared={"queue": self.plan.queue})
         listed = {cid for _, cid, _, _, _ in self.entries}
         fresh: list[str] = []

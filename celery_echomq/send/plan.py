@@ -13,14 +13,18 @@ from typing import Any
 
 from celery.canvas import Signature
 
-from celery_echomq.errors import DepthError, PolicyError
-from celery_echomq.send.shapes import (
-    CALLBACKS,
-    expand,
-    is_linked,
-    merge_callbacks,
-    nested_chain,
+from celery_echomq.errors import DepthError
+from celery_echomq.send.jobs import (
+    CHILD_ONLY,
+    PARENT_ONLY,
+    check_policy,
+    child_job_id,
+    job_dict,
+    job_id_of,
+    mark_for_store,
+    route_queue,
 )
+from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import (
     H_FLOW,
@@ -28,49 +32,8 @@ from celery_echomq.store.headers import (
     H_PARENT,
     H_PARENT_QUEUE,
     H_QUEUE,
-    H_RESULT,
-    RESERVED,
 )
-from celery_echomq.store.keyspace import check_id, check_queue, check_unique, new_job_id
-
-POLICIES = ("fail", "ignore", "remove", "continue")
-
-
-# Options that belong to the flow's parent alone: the rest reach every child too.
-PARENT_ONLY = frozenset(
-    {"task_id", "link", "link_error", "chain", "chord", "group_id", "group_index", "reply_to"}
-)
-# Options that delay or expire the children's messages; the parent is sent when released.
-CHILD_ONLY = frozenset({"task_id", "countdown", "eta", "expires"})
-# Options a stored payload must not carry: they are per-send, not per-job.
-NOT_STORED = frozenset({"producer", "connection", "router", "add_to_parent", "publisher"})
-
-
-def job_id_of(options: dict[str, Any], fallback: str | None = None) -> str:
-    """The signature's own ``task_id`` (gated: an empty one is an error, not a default)."""
-    given = options.get("task_id")
-    if given is None:
-        given = fallback if fallback is not None else new_job_id()
-    return check_id(given)
-
-
-def _child_id(options: dict[str, Any], position: int) -> str:
-    """A child's id, gated; a refusal names the child's place among its siblings."""
-    try:
-        return job_id_of(options)
-    except ValueError as exc:
-        raise type(exc)(
-            f"flow child {position}: {exc}; allowed: a signature without task_id, or "
-            "task_id='JOB' + uuid.uuid4().hex"
-        ) from exc
-
-
-def check_policy(policy: object, where: str) -> str:
-    if policy not in POLICIES:
-        raise PolicyError(
-            f"{where}: unknown parent_policy {policy!r}; allowed: " + ", ".join(POLICIES)
-        )
-    return str(policy)
+from celery_echomq.store.keyspace import check_unique
 
 
 @dataclass
@@ -157,38 +120,6 @@ def row_ids(job: dict[str, Any]) -> list[str]:
 def first_job(job: dict[str, Any]) -> dict[str, Any]:
     """The message a child entry publishes first: its own, or its chain's first step's."""
     return job["steps"][0] if "steps" in job else job
-
-
-def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
-    """The Celery queue a signature is sent to: its ``queue`` option, else the app's router."""
-    queue = sig.options.get("queue") or options.get("queue")
-    if queue is None:
-        route = app.amqp.router.route({}, sig.task, sig.args, sig.kwargs)
-        queue = route.get("queue")
-    name = getattr(queue, "name", queue) or app.conf.task_default_queue
-    return check_queue(str(name))
-
-
-def _job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    opts = {k: v for k, v in {**options, **sig.options}.items() if k not in NOT_STORED}
-    for name in CALLBACKS:
-        if name in options and name in sig.options:
-            # Both run, as a chord runs its body's own callbacks and those it was sent with.
-            opts[name] = merge_callbacks(sig.options[name], options[name])
-    given = opts.get("headers") or {}
-    if any(str(name).startswith(RESERVED) for name in given):
-        # The flow's own headers are the plan's alone: one a signature brings (copied from a
-        # request, or from untrusted JSON) must not name another flow's job.
-        given = {k: v for k, v in given.items() if not str(k).startswith(RESERVED)}
-    opts["headers"] = {**given, **headers}
-    return {
-        "task": sig.task,
-        "args": list(sig.args),
-        "kwargs": dict(sig.kwargs),
-        "options": opts,
-        "subtask_type": None,
-        "immutable": sig.immutable,
-    }
 
 
 def is_flow(sig: Any) -> bool:
@@ -289,7 +220,7 @@ def plan_flow(
         headers[H_PARENT] = outer
         if outer_queue != queue:
             headers[H_PARENT_QUEUE] = outer_queue
-    plan.parent = _job_dict(parent, parent_opts, headers)
+    plan.parent = job_dict(parent, parent_opts, headers)
     plan.parent["options"]["task_id"] = parent_id
     if store_results:
         mark_for_store(plan.parent)
@@ -314,9 +245,12 @@ def plan_children(
     shared: dict[str, Any] | None = None,
     child_results: bool = True,
     store_results: bool = False,
+    linked: bool = True,
 ) -> None:
     """Plan ``children`` as children of ``plan``'s parent: append them (ids assigned and
     gated, messages built) to ``plan.children`` and their policies to ``plan.child_policies``.
+    ``linked`` False: a chain of tasks is planned as nested flows (what children added to a
+    running flow are: grow_flow writes no chain's steps).
 
     What a flow does for its children at start, and what ``add_children`` does for children
     added while it runs. Pure.
@@ -326,7 +260,9 @@ def plan_children(
     for position, child in enumerate(expand(list(children), app), len(plan.children) + 1):
         child_policy = child.options.get("parent_policy")
         if is_linked(child):
-            steps = _steps(app, plan, child, args, kwargs, shared, child_results, store_results)
+            steps = None
+            if linked:
+                steps = _steps(app, plan, child, args, kwargs, shared, child_results, store_results)
             if steps is not None:
                 plan.children.append({"steps": steps})
                 if child_policy is not None:
@@ -363,14 +299,14 @@ def plan_children(
                 plan.silent.append(cid)
             plan.children.append({"nested": inner.to_dict()})
         else:
-            cid = _child_id(child.options, position)
+            cid = child_job_id(child.options, position)
             if args or kwargs:
                 child = child.clone(args=args, kwargs=kwargs)
             child_queue = route_queue(app, child, shared)
             headers = {H_QUEUE: child_queue, H_PARENT: parent_id}
             if child_queue != queue:
                 headers[H_PARENT_QUEUE] = queue
-            job = _job_dict(child, shared, headers)
+            job = job_dict(child, shared, headers)
             job["options"].pop("parent_policy", None)
             job["options"]["task_id"] = cid
             if not child_results:
@@ -411,7 +347,7 @@ def _steps(
             headers[H_PARENT_QUEUE] = plan.queue
         if i + 1 < len(tasks):
             headers[H_NEXT] = ids[i + 1]
-        job = _job_dict(task, shared, headers)
+        job = job_dict(task, shared, headers)
         job["options"].pop("parent_policy", None)
         job["options"]["task_id"] = ids[i]
         if not child_results:
@@ -420,18 +356,3 @@ def _steps(
             mark_for_store(job)
         jobs.append(job)
     return jobs
-
-
-def mark_for_store(job: dict[str, Any]) -> None:
-    """Send ``job`` with ``ignore_result`` and the :data:`H_RESULT` header: the store writes
-    its result when it completes, in the same script call (see store/results.py).
-
-    Not for a job whose options decide ``ignore_result`` themselves, nor for one that is part
-    of a chord (a flow in a chord's header): Celery's ``mark_as_done`` must store its result
-    before ``on_chord_part_return`` counts it.
-    """
-    options = job["options"]
-    if "ignore_result" in options or options.get("chord"):
-        return
-    options["ignore_result"] = True
-    options["headers"][H_RESULT] = "1"
