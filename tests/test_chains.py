@@ -195,3 +195,17 @@ def test_show_lists_the_steps_and_the_one_that_runs(
     finally:
         store.set(gate, 1)
     assert res.get(timeout=TIMEOUT) == 3
+
+
+def test_a_long_chain_child_inside_a_flow_that_is_a_step_of_a_chain(proj: Any, how: str) -> None:
+    # The value before the flow goes to each child: their first tasks are immutable here.
+    steps = chain(proj.add.si(0, 1), *(proj.add.s(1) for _ in range(199)))
+    inner = flow(proj.tsum.s(), [steps, proj.add.si(1, 1)])
+    sig = chain(proj.add.si(0, 1), inner, proj.add.s(1))
+    assert run(sig, how).get(timeout=TIMEOUT) == 203
+
+
+def test_a_chain_child_takes_the_values_a_chain_gives_its_flow(proj: Any, how: str) -> None:
+    # chain(task, flow): the previous value goes to every child; a chain child's first step.
+    sig = chain(proj.add.si(2, 3), flow(proj.tsum.s(), [chain(proj.add.s(1), proj.add.s(1))]))
+    assert run(sig, how).get(timeout=TIMEOUT) == 7
