@@ -209,3 +209,32 @@ def test_a_chain_child_takes_the_values_a_chain_gives_its_flow(proj: Any, how: s
     # chain(task, flow): the previous value goes to every child; a chain child's first step.
     sig = chain(proj.add.si(2, 3), flow(proj.tsum.s(), [chain(proj.add.s(1), proj.add.s(1))]))
     assert run(sig, how).get(timeout=TIMEOUT) == 7
+
+
+def test_a_chain_child_on_another_queue_than_its_parent(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    # Its steps' rows live on the other queue's slot: the flow takes the chunked path, each step
+    # makes the next pending there, and the last one is credited on the parent's slot.
+    main, side = own_queue("chain"), own_queue("steps")
+    start_worker(queues=f"{main},{side}")
+    steps = chain(proj.add.s(1, 1).set(queue=side), proj.add.s(10).set(queue=side))
+    sig, ids = frozen(proj, steps)
+    res = sig.apply_async(queue=main)
+    assert res.get(timeout=TIMEOUT) == 12
+    assert [row(store, sid, "state", side) for sid in ids] == ["done", "done"]
+    assert res.children_values() == {ids[-1]: 12}
+
+    failing = chain(proj.add.s(1, 1).set(queue=side), proj.fail.s().set(queue=side))
+    bad, bad_ids = frozen(proj, failing)
+    with pytest.raises(FlowFailed) as caught:
+        bad.apply_async(queue=main).get(timeout=TIMEOUT)
+    assert caught.value.child_id == bad_ids[-1]
+
+
+def test_a_chain_child_of_a_flow_on_the_chunked_path(proj: Any, worker: Any) -> None:
+    # More children than echomq_chunk_size (1000): written in chunks, a chain's steps in one.
+    kids = [proj.add.s(i, 0) for i in range(1000)]
+    res = flow(proj.tsum.s(), [*kids[:500], counting(proj, 5), *kids[500:]]).apply_async()
+    assert res.get(timeout=120) == sum(range(1000)) + 5
+    assert res.dependencies() == (0, 1001, 0, 0)
