@@ -38,7 +38,8 @@ from celery_echomq.send.plan import (
     plan_flow,
     too_deep,
 )
-from celery_echomq.send.shapes import CALLBACKS, expand, merge_callbacks
+from celery_echomq.send.shapes import expand, is_linked, nested_chain
+from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
 from celery_echomq.store import reads
 from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
@@ -68,7 +69,10 @@ class Growing:
             )
         added = Plan(queue=self.plan.queue, parent_id=self.plan.parent_id, parent={})
         # Added children take no partial arguments, as on a worker.
-        sigs = expand(list(sigs), self.app)
+        # A chain of tasks among them is held step by step, as on a worker (see grow.py).
+        sigs = [
+            nested_chain(s, self.app) if is_linked(s) else s for s in expand(list(sigs), self.app)
+        ]
         plan_children(self.app, added, sigs, shared={"queue": self.plan.queue})
         listed = {cid for _, cid, _, _, _ in self.entries}
         fresh: list[str] = []
@@ -253,9 +257,11 @@ def _run(
             finally:
                 CURRENT.reset(token)
             ok, data = _outcome(res)
+            # A chain's failure is its failed step's, named by its own id (as on a worker).
+            settled = cid if ok or "steps" not in job else str(res.id)
             # A child still running when the deadline passed finishes and is recorded.
             cut = passed([cid])
-            if fanin.settle(cid, ok, data, child.options.get("parent_policy")):
+            if fanin.settle(settled, ok, data, child.options.get("parent_policy")):
                 parent_res = run_parent()
             if cut:
                 break
@@ -288,6 +294,8 @@ def _run_child(
     seen: dict[str, FanIn],
     root: str,
 ) -> Any:
+    if "steps" in job:
+        return _run_steps(child, job, partial, kwargs)
     if is_flow(child):
         inner_partial = () if child.immutable else (*partial, *child.args)
         inner = Plan.from_dict(job["nested"])
@@ -324,6 +332,24 @@ def under_root(root: str) -> Iterator[None]:
         yield
     finally:
         _task_stack.pop()
+
+
+def _run_steps(
+    chain: Any, job: dict[str, Any], partial: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A linked chain's steps, one after another in a loop (no recursion, whatever its
+    length), each given the value of the one before: the last step's result, or the result
+    of the step that failed (the chain's failure, as on a worker)."""
+    res: Any = None
+    for i, (step, planned) in enumerate(zip(chain.tasks, job["steps"], strict=True)):
+        if i == 0:
+            run = step.clone(args=partial, kwargs=kwargs) if partial or kwargs else step
+        else:
+            run = step if step.immutable else step.clone(args=(res.result,))
+        res = run.apply(task_id=planned["options"]["task_id"], throw=False)
+        if res.state != states.SUCCESS:
+            break
+    return res
 
 
 def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None:

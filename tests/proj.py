@@ -274,13 +274,14 @@ def sleep_then_boom(seconds: float, message: str = "boom") -> None:
     raise ValueError(message)
 
 
-# Crash points for tests/test_recovery.py: with ECHOMQ_T_DIE_AT=dispatch (parent_failed, credit)
-# a pool process SIGKILLs itself where a worker publishes the parent its child just released
-# (records the parent its child just failed, credits a child staged in its queue's outbox on
-# its parent's slot): a worker dying between two steps of the protocol.
+# Crash points for tests/test_recovery.py: with ECHOMQ_T_DIE_AT=dispatch (parent_failed, credit,
+# publish_step) a pool process SIGKILLs itself where a worker publishes the parent its child
+# just released (records the parent its child just failed, credits a child staged in its
+# queue's outbox on its parent's slot, publishes the chain's step its step just made
+# pending): a worker dying between two steps of the protocol.
 # The worker's main process, where recovery runs, goes through unharmed.
 _DIE_AT = os.environ.get("ECHOMQ_T_DIE_AT", "")
-if _DIE_AT in ("dispatch", "parent_failed", "credit"):
+if _DIE_AT in ("dispatch", "parent_failed", "credit", "publish_step"):
     import logging
     import signal as _signal
 

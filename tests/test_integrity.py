@@ -172,9 +172,18 @@ def test_a_flow_at_the_depth_limit_runs(proj: Any, worker: Any, how: str) -> Non
     assert res.get(timeout=60) == 2
 
 
-def test_a_chain_child_longer_than_the_depth_limit_is_refused(proj: Any, worker: Any) -> None:
+def test_a_chain_child_of_tasks_counts_as_no_level(proj: Any, worker: Any) -> None:
+    # echomq_max_depth counts flow nesting: a chain of tasks of any length is one child.
     steps = chain(proj.add.s(0, 1), *[proj.add.s(1) for _ in range(40)])
-    with pytest.raises(DepthError, match="a chain's steps count as levels"):
+    assert flow(proj.tsum.s(), [steps]).apply_async().get(timeout=60) == 41
+
+
+def test_a_chain_child_with_a_flow_among_its_steps_counts_each_step_as_a_level(
+    proj: Any, worker: Any
+) -> None:
+    inner = flow(proj.tsum.s(), [proj.add.s(1, 1)])
+    steps = chain(inner, *[proj.add.s(1) for _ in range(40)])
+    with pytest.raises(DepthError, match="each step of a chain with a group, chord or flow"):
         flow(proj.tsum.s(), [steps]).apply_async()
 
 

@@ -54,6 +54,40 @@ def where_children(state: EchoMQ, queue: str, children: list[str]) -> dict[str, 
     return found
 
 
+def with_steps(
+    state: EchoMQ, children: list[str], where: dict[str, str]
+) -> tuple[list[str], list[str]]:
+    """``children`` with the steps of each linked chain among them before it (its last
+    step's ``steps``), each step found where its chain is: cancel reaches the one that runs
+    and those that wait. And the ids of every chain's steps, its last included."""
+    found = [cid for cid in children if cid in where]
+    pipe = state.client.pipeline(transaction=False)
+    for cid in found:
+        pipe.hget(state.keys.job_key(where[cid], cid), "steps")
+    listed = dict(zip(found, pipe.execute(), strict=True))
+    out: list[str] = []
+    every: list[str] = []
+    for cid in children:
+        steps = text(listed.get(cid) or "").split()
+        every += steps
+        for step in steps[:-1]:
+            where[step] = where[cid]
+            out.append(step)
+        out.append(cid)
+    return out, every
+
+
+def _never_started(state: EchoMQ, where: dict[str, str], ids: list[str]) -> list[str]:
+    """Of the cancelled steps ``ids``, those no delivery ever claimed: they will never run, so
+    their results say so (REVOKED), as a cancelled held parent's do."""
+    if not ids:
+        return []
+    pipe = state.client.pipeline(transaction=False)
+    for sid in ids:
+        pipe.hget(state.keys.job_key(where[sid], sid), "attempts")
+    return [sid for sid, n in zip(ids, pipe.execute(), strict=True) if n == b"0"]
+
+
 def _by_queue(where: dict[str, str], ids: Iterable[str]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for cid in ids:
@@ -76,6 +110,7 @@ def cancel_flow(
     job = state.loads(payload) if payload else None
     children: list[str] = list(job["children"]) if job else []
     where = where_children(state, queue, children)
+    children, steps = with_steps(state, children, where)
     # Nested flows first, inner before outer: each is a flow of its own to cancel.
     pipe = client.pipeline(transaction=False)
     for cid in children:
@@ -105,11 +140,22 @@ def cancel_flow(
     # turns any later delivery away: its id is not broadcast, since Celery's workers (5.6
     # and later) that do not run it would store REVOKED over the result it is about to store.
     to_revoke = [cid for cid in outstanding if terminate or cid not in running]
+    # A chain's step no delivery ever claimed gets its result here (REVOKED, FlowCancelled):
+    # its id is not broadcast either (a worker would store TaskRevokedError over it), and its
+    # cancelled row turns away any message of it still on its way.
+    cut = set(outstanding)
+    unstarted = _never_started(state, where, [s for s in steps if s in cut])
+    if unstarted:
+        quiet = set(unstarted)
+        to_revoke = [cid for cid in to_revoke if cid not in quiet]
     # A released parent's message is on its way: revoke it too, so it never runs.
     if cancelled and was is Status.PENDING:
         to_revoke.append(parent_id)
     if to_revoke:
         state.app.control.revoke(to_revoke, terminate=terminate)
+    for sid in unstarted:
+        gone = FlowCancelled(f"flow {parent_id} was cancelled; its step {sid} will not run")
+        record_failure(state, sid, gone, None, call_errbacks=False, status="REVOKED")
     if not cancelled:
         if outstanding:
             logger.info(

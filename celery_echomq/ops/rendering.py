@@ -80,6 +80,25 @@ def job_line(node: JobNode, color: bool) -> str:
     return "  ".join(parts)
 
 
+def _child_line(node: JobNode, color: bool) -> str:
+    """A child's line; a linked chain's says so, with its state and the step that runs (its
+    steps follow, one line each)."""
+    if not node.steps:
+        return job_line(node, color)
+    running = node.running_step
+    where = f", step {running} runs" if running else ""
+    colour = _STATE_COLOURS.get(node.chain_state) if color else None
+    state = click.style(node.chain_state, fg=colour) if colour else node.chain_state
+    parts = [f"chain {node.id}", f"{len(node.steps)} steps{where}", state]
+    if node.policy is not None and not node.policy_is_default:
+        parts.append(f"policy={node.policy}")
+    if node.has_value:
+        parts.append(f"value={short(node.value)}")
+    if node.outcome not in (None, "credited"):
+        parts.append(f"[{node.outcome}]")
+    return "  ".join(parts)
+
+
 def render_tree(node: JobNode, *, color: bool = False) -> list[str]:
     """The tree as text lines: the root, then each child under ├─/└─, nested flows indented.
 
@@ -93,8 +112,17 @@ def render_tree(node: JobNode, *, color: bool = False) -> list[str]:
     def children(parent: JobNode, indent: str) -> None:
         for i, child in enumerate(parent.children):
             last = i == len(parent.children) - 1
-            lines.append(indent + ("└─ " if last else "├─ ") + job_line(child, color))
+            lines.append(indent + ("└─ " if last else "├─ ") + _child_line(child, color))
+            steps(child, indent + ("   " if last else "│  "))
             children(child, indent + ("   " if last else "│  "))
+
+    def steps(chain: JobNode, indent: str) -> None:
+        for number, step in enumerate(chain.steps, 1):
+            last = number == len(chain.steps)
+            line = f"step {number}/{len(chain.steps)}  " + job_line(step, color)
+            if number == chain.running_step:
+                line += "  <- runs"
+            lines.append(indent + ("└─ " if last else "├─ ") + line)
 
     children(node, "")
     return lines

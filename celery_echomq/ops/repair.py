@@ -38,13 +38,19 @@ RETRY_ALLOWS = (
 RELEASE_ALLOWS = "release applies to a held parent (awaiting_children)"
 
 
+def _settling(node: JobNode) -> list[JobNode]:
+    """The jobs whose outcome settles one of ``node``'s children: each child, or each step of
+    a linked chain (the step that failed is the one to run again, with its input)."""
+    return [job for c in node.children for job in (c.steps or (c,))]
+
+
 def _retryable(node: JobNode) -> list[JobNode]:
     """The children whose failure failed (or would fail) ``node``: failed under policy fail.
 
     Such a child was never counted (settle_child returns before the DECR), so retrying it
     leaves the counter right; a child counted under ignore/remove/continue is left alone.
     """
-    return [c for c in node.children if c.state == "failed" and c.policy == "fail"]
+    return [c for c in _settling(node) if c.state == "failed" and c.policy == "fail"]
 
 
 def _own_failure(node: JobNode) -> bool:
@@ -227,7 +233,7 @@ def retry_flow(
         raise by_deadline.refuse(job_id, node.state)
     failed = _retryable(node)
     if child is not None:
-        match = [c for c in node.children if c.id == child]
+        match = [c for c in _settling(node) if c.id == child]
         if not match:
             raise NotRepairableError(f"{child} is not a child of flow {job_id}", node.state, job_id)
         if match[0].state == "failed" and match[0].policy != "fail":

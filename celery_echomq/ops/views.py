@@ -11,19 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 from celery_echomq.errors import EchoMQError
 from celery_echomq.ops.listing import QueueStats, held_parents, queue_stats
+from celery_echomq.ops.nodes import FINISHED, MISSING, FlowInfo, JobNode
 from celery_echomq.ops.timing import finish_times
-from celery_echomq.store.codec import Delta, load_job, stored_of
+from celery_echomq.store.codec import Delta, Step, load_job, stored_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.reads import counts_of, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
 
 __all__ = [
     "FINISHED",
+    "MISSING",
     "FlowInfo",
     "JobNode",
     "QueueStats",
@@ -34,11 +36,6 @@ __all__ = [
     "tree_json",
     "walk",
 ]
-
-# A job in one of these states will not change again (until its keys expire).
-FINISHED = frozenset({"done", "failed", "cancelled"})
-# What a job row's state reads as when the row is gone (expired, forgotten, never written).
-MISSING = "missing"
 
 _ROW_FIELDS = (
     "state",
@@ -56,61 +53,14 @@ _ROW_FIELDS = (
     "template",
     "failed_children",
     "cut",  # "deadline": cut by its flow's deadline before it started
+    "steps",  # a linked chain's last step: every step's id, in order
+    "input",  # a chain's step: the value of the step before it, its first argument
 )
 # Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
-_STORED = frozenset({"payload", "delta", "template"})
+_STORED = frozenset({"payload", "delta", "template", "input"})
 # A nested flow is a child that is itself a parent; a cycle cannot be written (enqueue_flow
 # refuses an id that exists), and the depth a flow may have (echomq_max_depth) caps the walk,
 # so a corrupted store cannot hang the CLI either.
-
-
-@dataclass(frozen=True)
-class FlowInfo:
-    """What only a flow parent has: where its children stand (``Dependencies``'s counts)."""
-
-    policy: str  # the default parent_policy of children that set none
-    outstanding: int | None  # children not settled yet; None once the counter expired
-    done: int  # children whose values count
-    failed: int  # children failed under fail, remove or continue
-    ignored: int  # children failed under ignore
-    total: int  # children of the flow (those added while it ran included)
-    failed_child: str | None  # the child whose failure under policy "fail" failed the flow
-
-
-@dataclass(frozen=True)
-class JobNode:
-    """One job of a flow tree: a parent, a child, or a child that is itself a flow."""
-
-    id: str
-    queue: str
-    state: str  # the row's state, or "missing" when the row is gone
-    task: str | None
-    attempts: int
-    parent: str | None = None  # the parent's job id, for a child
-    policy: str | None = None  # as a child: the parent_policy that applies to it
-    policy_is_default: bool = False  # True when that policy is the flow's default
-    outcome: str | None = None  # as a child: what its parent made of it (see _outcome)
-    has_value: bool = False  # False means "no value yet", so that a None value still shows
-    value: Any = None
-    error: str | None = None  # "ExcType: message" for a failed job
-    args: str | None = None  # its arguments as Celery shows them (argsrepr)
-    kwargs: str | None = None  # and its keyword arguments (kwargsrepr)
-    started_ms: int | None = None  # server time of its latest claim
-    finished_ms: int | None = None  # when it finished (see timing.py), if known
-    dispatched_ms: int | None = None  # a parent: when its release was published
-    flow: FlowInfo | None = None  # set when this job is a flow parent
-    children: tuple[JobNode, ...] = field(default=())
-
-    @property
-    def finished(self) -> bool:
-        return self.state in FINISHED
-
-    @property
-    def runtime_ms(self) -> int | None:
-        """From its latest start to its end, when both are known."""
-        if self.started_ms is None or self.finished_ms is None:
-            return None
-        return max(0, self.finished_ms - self.started_ms)
 
 
 def _int(value: Any) -> int | None:
@@ -140,13 +90,13 @@ def _task_and_children(
 
     ``template``: the encoded template on the parent's row, when the caller has it (a
     child's delta is joined with it; else it is read)."""
-    stored = stored_of(row["payload"], row["delta"], row["parent"])
+    stored = stored_of(row["payload"], row["delta"], row["parent"], row["input"])
     if stored is None:
         return None, [], (None, None)
-    if isinstance(stored, Delta):
+    if isinstance(stored, (Delta, Step)):
         try:
             known: dict[str, bytes | None] | None = None
-            if template is not None:
+            if template is not None and isinstance(stored, Delta):
                 known = {stored.parent: template}
             job = load_job(state, queue, job_id, stored, known)
         except Exception:
@@ -338,10 +288,55 @@ def _build(
                 f"flow tree under {job_id!r} is deeper than {state.settings.max_depth} levels "
                 "(the echomq_max_depth setting)"
             )
-        children.append(
-            _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
-        )
+        child = _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
+        if child_row["steps"]:
+            child = _with_steps(state, child, child_row["steps"].split(), ignored, info)
+        children.append(child)
     return replace(node, flow=info, children=tuple(children))
+
+
+def _with_steps(
+    state: EchoMQ, last: JobNode, ids: list[str], ignored: dict[str, str], info: FlowInfo
+) -> JobNode:
+    """A linked chain's last step with every step of the chain (one pipelined read): what
+    each ran with, its state, and what its failure made of the flow."""
+    pipe = state.client.pipeline(transaction=False)
+    earlier = ids[:-1]
+    for sid in earlier:
+        pipe.hmget(state.keys.job_key(last.queue, sid), _ROW_FIELDS)
+    steps = []
+    policy = last.policy or info.policy
+    rows = [_row(fields) for fields in pipe.execute()]
+    # A step's value is the input of the step after it, once that one was made pending.
+    inputs = [row["input"] for row in rows[1:]] + [last_input(state, last)]
+    for sid, row, value in zip(earlier, rows, inputs, strict=True):
+        task, _, (args, kwargs) = _task_and_children(state, last.queue, sid, row)
+        step_state = row["state"] or MISSING
+        steps.append(
+            JobNode(
+                id=sid,
+                queue=last.queue,
+                state=step_state,
+                task=task,
+                attempts=_int(row["attempts"]) or 0,
+                parent=row["parent"],
+                policy=policy,
+                policy_is_default=last.policy_is_default,
+                outcome=_outcome(step_state, policy, False, sid in ignored, info.failed_child, sid),
+                error=row["error"] or ignored.get(sid),
+                has_value=value is not None,
+                value=None if value is None else _load(state, value),
+                args=args,
+                kwargs=kwargs,
+                started_ms=_int(row["started"]),
+            )
+        )
+    return replace(last, steps=(*steps, last))
+
+
+def last_input(state: EchoMQ, last: JobNode) -> Any:
+    """The input a chain's last step was given (the value of the step before it)."""
+    return state.client.hget(state.keys.job_key(last.queue, last.id), "input")
 
 
 def json_default(value: Any) -> Any:
@@ -361,6 +356,10 @@ def node_dict(node: JobNode) -> dict[str, Any]:
     data["finished"] = node.finished
     data["runtime_ms"] = node.runtime_ms
     data["children"] = [node_dict(child) for child in node.children]
+    data["steps"] = [node_dict(step) for step in node.steps]
+    if node.steps:
+        data["chain_state"] = node.chain_state
+        data["running_step"] = node.running_step
     return data
 
 
@@ -372,6 +371,7 @@ def tree_json(node: JobNode, *, indent: int | None = 2) -> str:
 def walk(node: JobNode) -> list[JobNode]:
     """``node`` and every job under it, parents before their children."""
     out = [node]
+    out.extend(node.steps[:-1])  # a linked chain's steps before its last (the node itself)
     for child in node.children:
         out.extend(walk(child))
     return out

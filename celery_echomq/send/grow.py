@@ -139,6 +139,7 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
         shared={"queue": parent.queue},
         child_results=state.settings.child_results,
         store_results=writes_results(state),
+        linked=False,
     )
     check_unique([parent.id, *(cid for level in plan.levels() for cid in level.child_ids())])
     if any("nested" in j for j in plan.children):

@@ -9,21 +9,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import redis
-from kombu.exceptions import EncodeError
 from redis.cluster import RedisCluster
 
 from celery_echomq.config import safe_url
 from celery_echomq.errors import EchoMQError, FlowExistsError, StoreUnavailableError
 from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.send.encoding import Encoded, encode_plan
 from celery_echomq.send.fused import SINCE_MARK, prepare
 from celery_echomq.send.ids import claim_ids, release_claims
-from celery_echomq.send.plan import Plan, child_id, child_queue
+from celery_echomq.send.plan import Plan, child_queue, first_job, row_ids
 from celery_echomq.send.publish import send_jobs
-from celery_echomq.store.codec import child_template, job_delta
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
 from celery_echomq.store.replies import WideCheck
@@ -32,75 +31,6 @@ from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")
-
-
-class Encoded(NamedTuple):
-    """A level's stored messages, encoded before anything is written.
-
-    A level's children on its parent's slot are stored compactly: ``template`` (kept on the
-    parent's row) and, per child, a delta against it where ``kinds`` has a ``d``; a whole
-    payload where it has a ``p`` (a nested flow's entry, a child routed to another queue).
-    See :mod:`~celery_echomq.stored`. ``kinds`` empty: every child's is a whole payload.
-    """
-
-    parent: bytes
-    children: list[tuple[str, bytes]]
-    template: bytes = b""
-    kinds: str = ""
-
-
-def _encode(state: EchoMQ, job: dict[str, Any], where: str) -> bytes:
-    try:
-        return state.dumps(job)
-    except Exception as exc:
-        raise _refused(state, where, exc) from exc
-
-
-def _refused(state: EchoMQ, where: str, exc: Exception) -> EncodeError:
-    name = state.settings.serializer
-    return EncodeError(
-        f"{where} cannot be encoded with the {name!r} serializer (task_serializer): "
-        f"{type(exc).__name__}: {exc}; the flow was not started: nothing was written or "
-        "published"
-    )
-
-
-def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
-    """Every level's messages, by parent id; refuses (``EncodeError``) an argument the
-    serializer cannot encode, naming its job, before any Redis command or publish."""
-    encoded: dict[str, Encoded] = {}
-    # Inner levels first: a bad argument is named where it is, not by the nested flow's
-    # entry that carries it.
-    for level in reversed(list(plan.levels())):
-        # The template lives on the parent's row: only a child on the same slot (routed to
-        # the parent's queue) can be stored against it.
-        template = child_template(j for j in level.children if child_queue(j) == level.queue)
-        children = []
-        kinds = []
-        dumps = state.dumps
-        for position, job in enumerate(level.children, 1):
-            cid = child_id(job)
-            delta = None
-            if template is not None and child_queue(job) == level.queue:
-                delta = job_delta(template, job)
-            kinds.append("p" if delta is None else "d")
-            try:
-                children.append((cid, dumps(job if delta is None else delta)))
-            except Exception as exc:
-                # Named only when it fails: a flow encodes thousands of children.
-                what = "a nested flow" if "nested" in job else job["task"]
-                where = f"flow {level.parent_id}: child {position} ({what}, {cid})"
-                raise _refused(state, where, exc) from exc
-        where = f"flow {level.parent_id}: the parent ({level.parent['task']})"
-        parent = _encode(state, level.parent, where)
-        if template is None:
-            encoded[level.parent_id] = Encoded(parent, children)
-            continue
-        where = f"flow {level.parent_id}: its children's template ({template['task']})"
-        encoded[level.parent_id] = Encoded(
-            parent, children, _encode(state, template, where), "".join(kinds)
-        )
-    return encoded
 
 
 def declare_reply_queue(app: Any, parent_id: str) -> None:
@@ -177,7 +107,9 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
         fused = None
         one = levels[0]
         if len(levels) == 1 and one.children and not (cluster or chunked[0] or one.child_policies):
-            fused = prepare(state, [_with_since(j, SINCE_MARK, store) for j in one.children])
+            fused = prepare(
+                state, [_with_since(first_job(j), SINCE_MARK, store) for j in one.children]
+            )
         armed = arm_levels(state, levels)  # first: a flow that lands has its deadline
         try:
             for level, is_chunked in zip(levels, chunked, strict=True):
@@ -211,7 +143,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                     claims += claim_ids(state, placed([level]))
                     _, since[level.parent_id] = enqueue(check=False)
                 register = []
-                written.append((level.queue, level.parent_id, level.child_ids()))
+                written.append((level.queue, level.parent_id, level.row_ids()))
                 whole.append(level)
         except EchoMQError:
             # A refusal after an earlier level or chunk landed: take back exactly what this
@@ -267,7 +199,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     if fused is not None:
         return  # its children's messages were pushed by its enqueue
     leaves = [
-        _with_since(job, since[level.parent_id], store)
+        _with_since(first_job(job), since[level.parent_id], store)
         for level in levels
         for job in level.children
         if "nested" not in job
@@ -284,7 +216,7 @@ def placed(levels: list[Plan]) -> dict[str, str]:
     the queue its row lives on."""
     return {
         **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
-        **{child_id(j): child_queue(j) for lv in levels for j in lv.children},
+        **{cid: child_queue(j) for lv in levels for j in lv.children for cid in row_ids(j)},
     }
 
 
@@ -346,22 +278,25 @@ def _enqueue_chunked(
         template=encoded.template,
     )
     written.append((level.queue, level.parent_id, []))
-    by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
-    kinds_by_queue: dict[str, list[str]] = {}  # a kind per row: a delta or a whole payload
-    kinds = encoded.kinds or "p" * len(level.children)
-    for job, (cid, payload), kind in zip(level.children, encoded.children, kinds, strict=True):
-        by_queue.setdefault(child_queue(job), []).append(
-            (cid, payload, level.child_policies.get(cid, ""))
-        )
-        kinds_by_queue.setdefault(child_queue(job), []).append(kind)
+    # Per queue, each child's rows with their kinds: one row, or a chain's steps, which one
+    # add_children call writes together (a step names the next, which must be there).
+    by_queue: dict[str, list[list[tuple[str, bytes, str, str]]]] = {}
+    kinds = encoded.kinds or "p" * len(encoded.children)
+    rows = iter(zip(encoded.children, kinds, strict=True))
+    for job in level.children:
+        group = []
+        for _ in row_ids(job):
+            (cid, payload), kind = next(rows)
+            group.append((cid, payload, level.child_policies.get(cid, ""), kind))
+        by_queue.setdefault(child_queue(job), []).append(group)
     parent = ParentRef(level.parent_id, level.queue)
     open_key = state.keys.queue_key(level.queue, "open")
-    for queue, rows in by_queue.items():
-        for start in range(0, len(rows), chunk):
-            rows_chunk = rows[start : start + chunk]
-            rows_kinds = "".join(kinds_by_queue[queue][start : start + chunk])
+    for queue, groups in by_queue.items():
+        for part in _chunks(groups, chunk):
+            rows_chunk = [(cid, payload, policy) for cid, payload, policy, _ in part]
+            rows_kinds = "".join(kind for *_, kind in part)
             scripts.add_children(
-                queue, parent, rows_chunk, "" if "d" not in rows_kinds else rows_kinds
+                queue, parent, rows_chunk, "" if set(rows_kinds) == {"p"} else rows_kinds
             )
             written.append((queue, "", [cid for cid, _, _ in rows_chunk]))
             # A producer still writing is alive: recovery takes an open flow for abandoned a
@@ -375,6 +310,19 @@ def _enqueue_chunked(
         len(level.children),
         len(by_queue),
     )
+
+
+def _chunks(groups: list[list[Any]], size: int) -> Iterator[list[Any]]:
+    """The rows of ``groups`` in chunks of about ``size``, a group never split (a long chain
+    makes one chunk of its own, however many steps it has)."""
+    part: list[Any] = []
+    for group in groups:
+        if part and len(part) + len(group) > size:
+            yield part
+            part = []
+        part.extend(group)
+    if part:
+        yield part
 
 
 def resume_nested(state: EchoMQ, plan: Plan) -> None:

@@ -39,6 +39,7 @@ class Status(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     AWAITING_CHILDREN = "awaiting_children"
+    WAITING = "waiting"  # a chain's step whose step before has not completed
     MISSING = "missing"  # no row
     # claim
     CLAIMED = "claimed"
@@ -49,6 +50,7 @@ class Status(StrEnum):
     RELEASED = "released"
     CREDITED = "credited"
     STAGED = "staged"
+    ADVANCED = "advanced"  # complete: a chain's step, the next one made pending
     PARENT_FAILED = "parent_failed"
     DUPLICATE = "duplicate"
     FINISHED = "finished"
@@ -72,7 +74,7 @@ class Status(StrEnum):
 # What a claim means for the delivery that made it.
 STARTED = frozenset({Status.CLAIMED, Status.TAKEN_OVER})
 DUPLICATE_DELIVERY = frozenset(
-    {Status.BUSY, Status.DONE, Status.FAILED, Status.CANCELLED, Status.HELD}
+    {Status.BUSY, Status.DONE, Status.FAILED, Status.CANCELLED, Status.HELD, Status.WAITING}
 )
 # What settling a finished job can answer when it changed nothing for the parent.
 UNSETTLED = frozenset(

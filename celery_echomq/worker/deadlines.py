@@ -94,10 +94,16 @@ def fire_one(state: EchoMQ, queue: str, parent_id: str) -> Step | None:
         on_deadline = str((job or {}).get("on_deadline", "fail"))
         pipe = client.pipeline(transaction=False)
         for cid in children:
-            pipe.exists(keys.job_key(queue, cid))
+            pipe.hmget(keys.job_key(queue, cid), "state", "steps")
         here = pipe.execute() if children else []
-        local = [c for c, there in zip(children, here, strict=True) if there]
-        remote = [c for c, there in zip(children, here, strict=True) if not there]
+        # A linked chain's steps stand for it: the one pending is cut, the one active runs.
+        local = [
+            step
+            for cid, (there, steps) in zip(children, here, strict=True)
+            if there is not None
+            for step in (text(steps).split() if steps else [cid])
+        ]
+        remote = [c for c, (there, _) in zip(children, here, strict=True) if there is None]
         sha = hashlib.sha1(payload or b"").hexdigest()
         fired = store.fire(state, queue, parent_id, sha, on_deadline, local, remote)
         if fired.status != "stale":

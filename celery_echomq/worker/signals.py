@@ -24,6 +24,7 @@ from celery_echomq import tracing
 from celery_echomq.config import safe_url
 from celery_echomq.store.headers import (
     H_FLOW,
+    H_NEXT,
     H_PARENT,
     H_QUEUE,
     H_SINCE,
@@ -219,6 +220,8 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
         state.dumps(result),
         success_write(state, sender, request, result),
         lambda: store_success(sender, request, result),
+        str(getattr(request, H_NEXT, None) or ""),
+        since if isinstance(since := getattr(request, H_SINCE, None), int) else None,
     )
 
 

@@ -26,7 +26,9 @@
 --              parent's row ('' or absent: none)
 -- ARGV[8+2N]   optional: one character per child, 'd' where ARGV[3+2i] is a delta (the row
 --              keeps it as 'delta' rather than 'payload': a small row stays a listpack),
---              'p' where it is a whole payload ('' or absent: every child's is a payload)
+--              'p' where it is a whole payload ('' or absent: every child's is a payload);
+--              's', 'w', 'l' for the first, a middle and the last step of a linked chain, in
+--              order (includes/chain_step.lua: only its last is counted, only its first pending)
 -- ARGV[9+2N]   optional: the flow's policy, kept on the parent's row ('' or absent: none,
 --              which reads as 'fail')
 -- ARGV[10+2N]  optional: the locator's TTL in seconds; KEYS[6+N] is set to ARGV[11+2N] (the
@@ -44,7 +46,7 @@
 --              broker's KEYS, the message up to its enqueue time and the rest after it
 --              (the message is head .. now .. tail, so it carries the time this step read)
 --
--- Reply: {N (the counter), now}: now is the server time in ms this script read, the score of
+-- Reply: {the counter (N, less the steps of chains before their last), now}: now is the server time in ms this script read, the score of
 -- every child in the pending set (so recovery can tell how long a job has waited).
 -- A refusal returns before any write, and before any message is pushed.
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists;
@@ -54,6 +56,7 @@
 --- @include "recent"
 --- @include "child_row"
 --- @include "taken"
+--- @include "chain_step"
 
 -- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
 -- write.
@@ -134,13 +137,34 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local template = ARGV[7 + 2 * n] or ''
 local kinds = ARGV[8 + 2 * n] or ''
 local members = {}
+-- The children the parent counts: every child, but the steps of a chain before its last.
+local counted, head, head_at = 0, '', 0
+local function id_at(i)
+  return ARGV[2 + 2 * i]
+end
 for i = 1, n do
   local child = KEYS[5 + i]
   local cid = ARGV[2 + 2 * i]
-  write_child_row(child, ARGV[1], ARGV[3 + 2 * i], string.byte(kinds, i) == 100) -- 'd'
-  members[#members + 1] = now
-  members[#members + 1] = cid
-  if #members >= 2 * SLICE or i == n then
+  local kind = string.byte(kinds, i)
+  local pending = true
+  if is_step(kind) then
+    if kind == STEP_FIRST then
+      head, head_at = cid, i
+    end
+    pending = write_step_row(child, ARGV[1], ARGV[3 + 2 * i], kind, head, ARGV[4 + 2 * i],
+      kind == STEP_LAST and step_ids(head_at, i, id_at) or nil)
+    if kind == STEP_LAST then
+      counted = counted + 1
+    end
+  else
+    write_child_row(child, ARGV[1], ARGV[3 + 2 * i], kind == 100) -- 'd'
+    counted = counted + 1
+  end
+  if pending then
+    members[#members + 1] = now
+    members[#members + 1] = cid
+  end
+  if #members >= 2 * SLICE or (i == n and #members > 0) then
     redis.call('ZADD', KEYS[3], unpack(members))
     members = {}
   end
@@ -150,7 +174,7 @@ if placeholder[1] then
 end
 -- The parent: held out of pending (awaiting_children, in NO state set, so no claim reaches it)
 -- and the counter set to N. With no children there is nothing to wait for: release it now.
-if n == 0 then
+if counted == 0 then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2])
   redis.call('ZADD', KEYS[3], now, ARGV[1])
   redis.call('HINCRBY', KEYS[5], 'released', 1)
@@ -161,7 +185,7 @@ else
   end
   redis.call('HINCRBY', KEYS[5], 'held', 1)
 end
-redis.call('SET', KEYS[2], n)
+redis.call('SET', KEYS[2], counted)
 local policy = ARGV[9 + 2 * n] or ''
 if policy ~= '' then
   redis.call('HSET', KEYS[1], 'policy', policy)
@@ -203,4 +227,4 @@ if broker_db ~= '' then
     end
   end
 end
-return {n, now}
+return {counted, now}
