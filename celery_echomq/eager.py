@@ -295,7 +295,8 @@ def _run_child(
     root: str,
 ) -> Any:
     if "steps" in job:
-        return _run_steps(child, job, partial, kwargs)
+        with under_root(root):
+            return _run_steps(child, job, partial, kwargs)
     if is_flow(child):
         inner_partial = () if child.immutable else (*partial, *child.args)
         inner = Plan.from_dict(job["nested"])

@@ -261,6 +261,8 @@ def set_root(jobs: Iterable[dict[str, Any]], root: str) -> None:
         if "nested" in job:
             job["nested"]["parent"]["options"]["root_id"] = root
             set_root(job["nested"]["children"], root)
+        elif "steps" in job:
+            set_root(job["steps"], root)
         else:
             job["options"]["root_id"] = root
 
