@@ -78,6 +78,16 @@ class FlowInfo:
 
 
 @dataclass(frozen=True)
+class ChildPage:
+    """Which of a flow's children a node holds: one page of them, and where the next begins."""
+
+    only: str | None  # the state filter ("failed", "pending", ...), None for every child
+    cursor: str | None  # the cursor this page was read from (None: the first page)
+    next_cursor: str | None  # the next page's; None after the last
+    count: int  # the page size asked for
+
+
+@dataclass(frozen=True)
 class JobNode:
     """One job of a flow tree: a parent, a child, or a child that is itself a flow."""
 
@@ -100,6 +110,7 @@ class JobNode:
     dispatched_ms: int | None = None  # a parent: when its release was published
     flow: FlowInfo | None = None  # set when this job is a flow parent
     children: tuple[JobNode, ...] = field(default=())
+    page: ChildPage | None = None  # when ``children`` are one page of them (ops/pages.py)
 
     @property
     def finished(self) -> bool:
@@ -243,20 +254,14 @@ def _root_value(state: EchoMQ, node: JobNode) -> tuple[bool, Any]:
     return False, None
 
 
-def _build(
-    state: EchoMQ,
-    queue: str,
-    job_id: str,
-    row: dict[str, Any],
-    *,
-    facts: dict[str, Any],
-    depth: int,
-) -> JobNode:
-    """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
+def node_of(
+    state: EchoMQ, queue: str, job_id: str, row: dict[str, Any], facts: dict[str, Any]
+) -> tuple[JobNode, list[str]]:
+    """A node from its row, without children, and the children's ids its stored job names;
+    ``facts`` are what its parent knows of it (policy, value...)."""
     task, child_ids, (args, kwargs) = _task_and_children(
         state, queue, job_id, row, facts.get("template")
     )
-    keys, client = state.keys, state.client
     node = JobNode(
         id=job_id,
         queue=queue,
@@ -275,6 +280,21 @@ def _build(
         started_ms=_int(row["started"]),
         dispatched_ms=_int(row["dispatched"]),
     )
+    return node, child_ids
+
+
+def _build(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    row: dict[str, Any],
+    *,
+    facts: dict[str, Any],
+    depth: int,
+) -> JobNode:
+    """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
+    node, child_ids = node_of(state, queue, job_id, row, facts)
+    keys, client = state.keys, state.client
     deps_key, processed_key, ignored_key = keys.flow_keys(queue, job_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(deps_key)
@@ -356,8 +376,11 @@ def json_default(value: Any) -> Any:
 def node_dict(node: JobNode) -> dict[str, Any]:
     """A node as plain data, with ``finished`` spelled out: what ``show --json`` prints and the
     dashboard's ``/api/flows/<id>`` serves."""
-    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name != "children"}
+    skip = ("children", "page")
+    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name not in skip}
     data["flow"] = dataclasses.asdict(node.flow) if node.flow else None
+    if node.page is not None:
+        data["page"] = dataclasses.asdict(node.page)
     data["finished"] = node.finished
     data["runtime_ms"] = node.runtime_ms
     data["children"] = [node_dict(child) for child in node.children]

@@ -325,6 +325,7 @@ def _enqueue_chunked(
         template=encoded.template,
     )
     written.append((level.queue, level.parent_id, []))
+    _index_children(state, level, chunk)
     by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
     kinds_by_queue: dict[str, list[str]] = {}  # a kind per row: a delta or a whole payload
     kinds = encoded.kinds or "p" * len(level.children)
@@ -354,6 +355,22 @@ def _enqueue_chunked(
         len(level.children),
         len(by_queue),
     )
+
+
+def _index_children(state: EchoMQ, level: Plan, chunk: int) -> None:
+    """The parent's index of its children by position, on its row (what enqueue_flow writes
+    in its script): ``c:<i>`` -> id per chunk, then ``children_n``; and ``head``, its stored
+    job without its children's ids, so that a page of a huge flow never reads the payload."""
+    row = state.keys.job_key(level.queue, level.parent_id)
+    ids = level.child_ids()
+    head = {k: v for k, v in level.parent.items() if k != "children"}
+    pipe = state.client.pipeline(transaction=False)
+    pipe.hset(row, "head", state.dumps(head))
+    for start in range(0, len(ids), chunk):
+        part = ids[start : start + chunk]
+        pipe.hset(row, mapping={f"c:{start + i}": cid for i, cid in enumerate(part)})
+    pipe.hset(row, "children_n", len(ids))
+    pipe.execute()
 
 
 def resume_nested(state: EchoMQ, plan: Plan) -> None:
