@@ -103,7 +103,8 @@ def show(
     if page is not None and page.next_cursor is not None:
         state_opt = f" --state {page.only}" if page.only else ""
         click.echo(f"more: echomq show {job_id}{state_opt} --cursor {page.next_cursor}")
-    if node.flow and (node.flow.failed or node.flow.ignored) and only is None:
+    more = page is not None and page.next_cursor is not None
+    if more and node.flow and (node.flow.failed or node.flow.ignored) and only is None:
         failed = node.flow.failed + node.flow.ignored
         click.echo(f"{failed} failed: echomq show {job_id} --state failed")
 

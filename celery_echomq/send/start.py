@@ -325,7 +325,7 @@ def _enqueue_chunked(
         template=encoded.template,
     )
     written.append((level.queue, level.parent_id, []))
-    _index_children(state, level, chunk)
+    index_children(state, level.queue, level.parent_id, level.parent, level.child_ids(), chunk)
     by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
     kinds_by_queue: dict[str, list[str]] = {}  # a kind per row: a delta or a whole payload
     kinds = encoded.kinds or "p" * len(level.children)
@@ -357,13 +357,15 @@ def _enqueue_chunked(
     )
 
 
-def _index_children(state: EchoMQ, level: Plan, chunk: int) -> None:
+def index_children(
+    state: EchoMQ, queue: str, parent_id: str, parent: dict[str, Any], ids: list[str], chunk: int
+) -> None:
     """The parent's index of its children by position, on its row (what enqueue_flow writes
-    in its script): ``c:<i>`` -> id per chunk, then ``children_n``; and ``head``, its stored
-    job without its children's ids, so that a page of a huge flow never reads the payload."""
-    row = state.keys.job_key(level.queue, level.parent_id)
-    ids = level.child_ids()
-    head = {k: v for k, v in level.parent.items() if k != "children"}
+    in its script), for the chunked path: ``c:<i>`` -> id a chunk per HSET, then
+    ``children_n``; and ``head``, its stored job without its children's ids, so that a page
+    of a huge flow never reads the payload."""
+    row = state.keys.job_key(queue, parent_id)
+    head = {k: v for k, v in parent.items() if k != "children"}
     pipe = state.client.pipeline(transaction=False)
     pipe.hset(row, "head", state.dumps(head))
     for start in range(0, len(ids), chunk):
