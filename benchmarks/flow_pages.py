@@ -223,34 +223,19 @@ def main() -> None:
                       f"{fields[1]:,} fields, a payload of {fields[0]:,} bytes")  # fmt: skip
                 cursor = str(n // 2)  # a page in the middle
 
-                def get(path: str) -> Callable[[], int]:
-                    def ask() -> int:
-                        response = http.get(path)
-                        assert response.status_code == 200, (path, response.text[:200])
-                        return len(response.content)
-
-                    return ask
-
-                def cli(*words: str) -> Callable[[], int]:
-                    def ask() -> int:
-                        out = runner.invoke(echomq, list(words), catch_exceptions=False)
-                        assert out.exit_code == 0, out.output
-                        return len(out.stdout.encode())
-
-                    return ask
-
                 rows: list[list[str]] = []
+                page = f"/flows/{parent_id}"
                 for name, ask in (
-                    ("/flows/<id>", get(f"/flows/{parent_id}")),
-                    ("/flows/<id>/live", get(f"/flows/{parent_id}/live")),
-                    ("/api/flows/<id>", get(f"/api/flows/{parent_id}")),
-                    ("/flows/<id>?cursor=<middle>", get(f"/flows/{parent_id}?cursor={cursor}")),
-                    ("/flows/<id>?state=failed", get(f"/flows/{parent_id}?state=failed")),
-                    ("/flows/<id>/live?state=active", get(f"/flows/{parent_id}/live?state=active")),
-                    ("/api/flows/<id>?state=done", get(f"/api/flows/{parent_id}?state=done")),
-                    ("show <id>", cli("show", parent_id)),
-                    ("show <id> --state failed", cli("show", parent_id, "--state", "failed")),
-                    ("watch's read", lambda: len(repr(read_progress(state, parent_id)))),
+                    ("/flows/<id>", get(http, page)),
+                    ("/flows/<id>/live", get(http, f"{page}/live")),
+                    ("/api/flows/<id>", get(http, f"/api/flows/{parent_id}")),
+                    ("/flows/<id>?cursor=<middle>", get(http, f"{page}?cursor={cursor}")),
+                    ("/flows/<id>?state=failed", get(http, f"{page}?state=failed")),
+                    ("/flows/<id>/live?state=active", get(http, f"{page}/live?state=active")),
+                    ("/api/flows/<id>?state=done", get(http, f"/api/{page[1:]}?state=done")),
+                    ("show <id>", cli(runner, "show", parent_id)),
+                    ("show <id> --state failed", cli(runner, "show", parent_id, "--state=failed")),
+                    ("watch's read", progress(state, parent_id)),
                 ):
                     measure(name, ask, args.requests, slowlog, rows)
                 table[n] = rows
@@ -272,6 +257,28 @@ def main() -> None:
             f"{rows[i][1]} ms, {rows[i][3]} KB, slowest {rows[i][4]} ms" for rows in table.values()
         ]
         print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def get(http: httpx.Client, path: str) -> Callable[[], int]:
+    def ask() -> int:
+        response = http.get(path)
+        assert response.status_code == 200, (path, response.text[:200])
+        return len(response.content)
+
+    return ask
+
+
+def cli(runner: CliRunner, *words: str) -> Callable[[], int]:
+    def ask() -> int:
+        out = runner.invoke(echomq, list(words), catch_exceptions=False)
+        assert out.exit_code == 0, out.output
+        return len(out.stdout.encode())
+
+    return ask
+
+
+def progress(state: EchoMQ, parent_id: str) -> Callable[[], int]:
+    return lambda: len(repr(read_progress(state, parent_id)))
 
 
 def iter_all(state: EchoMQ, parent_id: str) -> Any:
