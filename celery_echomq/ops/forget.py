@@ -31,6 +31,8 @@ def forget_flow(state: EchoMQ, node: JobNode) -> list[str]:
             if job.flow is not None:
                 names.extend(keys.flow_keys(queue, job.id))
                 names.append(keys.settled_key(queue, job.id))
+                names.append(keys.children_key(queue, job.id))
+                names.append(keys.failures_key(queue, job.id))
                 names.append(keys.adding_key(queue, job.id))
         pipe = client.pipeline(transaction=True)
         for name in names:

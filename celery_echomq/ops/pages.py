@@ -2,14 +2,14 @@
 
 What every operator's read of one flow costs (``show``, ``watch``, the dashboard's pages and
 ``/api/flows/<id>``), whatever the flow's size: a few round trips of bounded commands. The
-children are read from the parent's index by position (``c:<i>`` -> child id on its row,
-``children_n`` how many; written with the children by enqueue_flow, grow_flow and the
-chunked path), never from the payload's whole list, and the counts from the counter and the
-``HLEN`` of ``:processed`` and ``:ignored``. A state filter pages a set of its own where the
-store keeps one (``failed``: the row's ``failed:<id>`` fields then ``:ignored``; ``done``:
-``:processed``), else examines the index a bounded stretch at a time, as SCAN does: a page
-may come short, or empty, with a cursor to go on. A nested flow is one line with its own
-counts; it is opened by reading it as a flow of its own.
+children are read from the parent's index by position (its ``:children`` list, written with
+them by enqueue_flow, grow_flow and the chunked path), never from the payload's whole list
+(a parent of the chunked path also keeps a ``head``, its job without that list), and the
+counts from the counter and the ``HLEN`` of ``:processed`` and ``:ignored``. A state filter
+pages a set of its own where the store keeps one (``failed``: ``:failures`` then
+``:ignored``; ``done``: ``:processed``), else examines the index a bounded stretch at a
+time, as SCAN does: a page may come short, or empty, with a cursor to go on. A nested flow
+is one line with its own counts; it is opened by reading it as a flow of its own.
 """
 
 from __future__ import annotations
@@ -43,14 +43,14 @@ MAX_PAGE = 1000
 FILTERS = ("failed", "done", "active", "pending", "awaiting_children", "cancelled", "missing")
 # Children examined for one page of a filter without a set of its own (a SCAN's COUNT).
 SCAN_BUDGET = 2000
-# HSCAN's COUNT over the parent's row (its fields include the index) for failed:<id> fields,
-# and how many such calls one page may make.
+# How many HSCAN calls one page may make, and their COUNT over the row of a flow written
+# before ``:failures`` existed (its failed:<id> fields).
 ROW_SCAN = 1000
 ROW_SCANS = 20
 # A payload is read whole only up to this size: a huge flow's parent keeps a ``head``.
 PAYLOAD_MAX = 1 << 20
 
-_FIELDS = (*(f for f in _ROW_FIELDS if f != "payload"), "head", "children_n")
+_FIELDS = (*(f for f in _ROW_FIELDS if f != "payload"), "head")
 _STORED = frozenset({"delta", "template", "head"})
 
 
@@ -121,9 +121,9 @@ def child_positions(
     """``(child id, position)`` of every child of ``job_id`` (``total`` of them), read from
     its index ``batch`` at a time (from its payload for a flow written before the index)."""
     row: dict[str, Any] = {"children_n": None, "_listed": []}
-    indexed = state.client.hget(state.keys.job_key(queue, job_id), "children_n")
-    if indexed is not None:
-        row["children_n"] = text(indexed)
+    indexed = state.client.llen(state.keys.children_key(queue, job_id))
+    if indexed:
+        row["children_n"] = indexed
     else:
         (full,) = _stored_rows(state, queue, [job_id])
         full["payload"] = state.client.hget(state.keys.job_key(queue, job_id), "payload")
@@ -147,12 +147,15 @@ def _stored_rows(state: EchoMQ, queue: str, ids: list[str]) -> list[dict[str, An
         pipe.get(deps)
         pipe.hlen(processed)
         pipe.hlen(ignored)
+        pipe.llen(keys.children_key(queue, job_id))
     replies = pipe.execute()
     rows: list[dict[str, Any]] = []
     for i in range(len(ids)):
-        values, size, counter, n_values, n_ignored = replies[5 * i : 5 * i + 5]
+        values, size, counter, n_values, n_ignored, listed = replies[6 * i : 6 * i + 6]
         row = _row(values)
         row.update(_size=int(size), _counter=counter, _values=n_values, _ignored=n_ignored)
+        # No list: a flow written before the index existed, or not a flow parent.
+        row["children_n"] = int(listed) or None
         rows.append(row)
     wanted = [
         (job_id, row)
@@ -220,7 +223,7 @@ def _page_ids(
     only: str | None,
 ) -> tuple[list[str], str | None]:
     if only == "failed":
-        return _failed_ids(state, queue, job_id, cursor, count)
+        return _failed_ids(state, queue, job_id, row["children_n"] is not None, cursor, count)
     if only == "done":
         return _hscan_ids(state, state.keys.flow_keys(queue, job_id)[1], "", cursor, count, count)
     start = _position(cursor)
@@ -245,9 +248,8 @@ def _positions(
         return []
     if row["children_n"] is None:
         return list(row["_listed"][start:stop])
-    fields = [f"c:{i}" for i in range(start, stop)]
-    found = state.client.hmget(state.keys.job_key(queue, job_id), fields)
-    return [text(cid) for cid in found if cid is not None]
+    found = state.client.lrange(state.keys.children_key(queue, job_id), start, stop - 1)
+    return [text(cid) for cid in found]
 
 
 def _matching(
@@ -279,17 +281,20 @@ def _matching(
 
 
 def _failed_ids(
-    state: EchoMQ, queue: str, job_id: str, cursor: str | None, count: int
+    state: EchoMQ, queue: str, job_id: str, indexed: bool, cursor: str | None, count: int
 ) -> tuple[list[str], str | None]:
-    """Children failed for good: the row's ``failed:<id>`` fields, then ``:ignored``'s."""
-    row_key = state.keys.job_key(queue, job_id)
+    """Children failed for good: those of ``:failures`` (the row's ``failed:<id>`` fields in a
+    flow written before it existed), then ``:ignored``'s."""
+    row_key, prefix, batch = state.keys.failures_key(queue, job_id), "", count
+    if not indexed:
+        row_key, prefix, batch = state.keys.job_key(queue, job_id), FAILED_PREFIX, ROW_SCAN
     ignored_key = state.keys.flow_keys(queue, job_id)[2]
     phase, rest = ("f", None) if cursor is None else (cursor[:1], cursor[1:])
     if phase not in ("f", "i") or rest == "":
         raise CursorError(f"not a page cursor: {str(cursor)[:40]!r} (pass the one a page gave)")
     ids: list[str] = []
     if phase == "f":
-        ids, after = _hscan_ids(state, row_key, FAILED_PREFIX, rest, count, ROW_SCAN)
+        ids, after = _hscan_ids(state, row_key, prefix, rest, count, batch)
         if after is not None:
             return ids, "f" + after
         rest = None

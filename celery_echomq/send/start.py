@@ -293,7 +293,12 @@ def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
         if child_ids:
             pipe.zrem(keys.queue_key(queue, "pending"), *child_ids)
         if parent_id:
-            pipe.delete(keys.job_key(queue, parent_id), keys.flow_keys(queue, parent_id)[0])
+            pipe.delete(
+                keys.job_key(queue, parent_id),
+                keys.flow_keys(queue, parent_id)[0],
+                keys.children_key(queue, parent_id),
+                keys.failures_key(queue, parent_id),
+            )
             # Its locator, where its script wrote one (a key of another slot: on its own).
             pipe.delete(keys.locator_key(parent_id))
             pipe.zrem(keys.queue_key(queue, "open"), parent_id)
@@ -360,18 +365,16 @@ def _enqueue_chunked(
 def index_children(
     state: EchoMQ, queue: str, parent_id: str, parent: dict[str, Any], ids: list[str], chunk: int
 ) -> None:
-    """The parent's index of its children by position, on its row (what enqueue_flow writes
-    in its script), for the chunked path: ``c:<i>`` -> id a chunk per HSET, then
-    ``children_n``; and ``head``, its stored job without its children's ids, so that a page
-    of a huge flow never reads the payload."""
-    row = state.keys.job_key(queue, parent_id)
+    """The parent's index of its children by position (what enqueue_flow writes in its
+    script), for the chunked path: its ``:children`` list, a chunk per RPUSH; and ``head`` on
+    its row, its stored job without its children's ids, so that a page of a huge flow never
+    reads the payload."""
     head = {k: v for k, v in parent.items() if k != "children"}
+    index = state.keys.children_key(queue, parent_id)
     pipe = state.client.pipeline(transaction=False)
-    pipe.hset(row, "head", state.dumps(head))
+    pipe.hset(state.keys.job_key(queue, parent_id), "head", state.dumps(head))
     for start in range(0, len(ids), chunk):
-        part = ids[start : start + chunk]
-        pipe.hset(row, mapping={f"c:{start + i}": cid for i, cid in enumerate(part)})
-    pipe.hset(row, "children_n", len(ids))
+        pipe.rpush(index, *ids[start : start + chunk])
     pipe.execute()
 
 

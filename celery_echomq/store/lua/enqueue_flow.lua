@@ -107,9 +107,11 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local template = ARGV[7 + 2 * n] or ''
 local kinds = ARGV[8 + 2 * n] or ''
 local members = {}
--- The parent's index of its children by position ('c:<i>' -> id, from 0; 'children_n' how
--- many): what an operator's page of children reads (HMGET of a few fields), never the whole
--- payload. Written with the rows, one HSET per slice.
+-- The parent's index of its children by position: the list '<its row>:children' (named
+-- from KEYS[1], on its slot; it expires with the flow's :dependencies, see 'expire'). What an
+-- operator's page of children reads (LRANGE of a page), never the payload's whole list. One
+-- RPUSH per slice.
+local index_key = KEYS[1] .. ':children'
 local index = {}
 for i = 1, n do
   local child = KEYS[5 + i]
@@ -117,11 +119,10 @@ for i = 1, n do
   write_child_row(child, ARGV[1], ARGV[3 + 2 * i], string.byte(kinds, i) == 100) -- 'd'
   members[#members + 1] = now
   members[#members + 1] = cid
-  index[#index + 1] = 'c:' .. (i - 1)
   index[#index + 1] = cid
   if #members >= 2 * SLICE or i == n then
     redis.call('ZADD', KEYS[3], unpack(members))
-    redis.call('HSET', KEYS[1], unpack(index))
+    redis.call('RPUSH', index_key, unpack(index))
     members = {}
     index = {}
   end
@@ -132,13 +133,11 @@ end
 -- The parent: held out of pending (awaiting_children, in NO state set, so no claim reaches it)
 -- and the counter set to N. With no children there is nothing to wait for: release it now.
 if n == 0 then
-  redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2],
-    'children_n', '0')
+  redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2])
   redis.call('ZADD', KEYS[3], now, ARGV[1])
   redis.call('HINCRBY', KEYS[5], 'released', 1)
 else
-  redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
-    'children_n', n)
+  redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2])
   if template ~= '' then
     redis.call('HSET', KEYS[1], 'template', template)
   end
