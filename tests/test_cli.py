@@ -456,7 +456,8 @@ def test_forget_deletes_every_key_of_a_finished_flow(
 
     out = echomq("forget", res.id)
     assert out.exit_code == 0, out.output
-    assert out.stdout.strip() == f"forgot flow {res.id}: 4 job(s), 7 key(s) deleted"
+    # 4 rows, the counter, the values, the index of children by position, the locator.
+    assert out.stdout.strip() == f"forgot flow {res.id}: 4 job(s), 8 key(s) deleted"
     assert [flow_keys(store, job_id) for job_id in ids] == [[], [], [], []]
     again = echomq("show", res.id)
     assert again.exit_code == 1 and f"no job '{res.id}' in Redis" in again.stderr
