@@ -67,7 +67,7 @@ def _stored_job(state: EchoMQ, queue: str, parent_id: str) -> Any:
 def _chunks(state: EchoMQ, queue: str, parent_id: str, chunk: int) -> Iterator[list[str]]:
     """The parent's children's ids, ``chunk`` at a time, from its index by position."""
     part: list[str] = []
-    for cid, _ in child_positions(state, queue, parent_id, 0, batch=chunk):
+    for cid, _ in child_positions(state, queue, parent_id, batch=chunk):
         part.append(cid)
         if len(part) == chunk:
             yield part

@@ -52,7 +52,7 @@ def _forget(state: EchoMQ, queue: str, parent_id: str, parent_state: str, done: 
         done.unfinished.append(parent_id)
     chunk = state.settings.chunk_size
     part: list[str] = []
-    for cid, _ in child_positions(state, queue, parent_id, 0, batch=chunk):
+    for cid, _ in child_positions(state, queue, parent_id, batch=chunk):
         part.append(cid)
         if len(part) == chunk:
             _forget_children(state, queue, part, done)

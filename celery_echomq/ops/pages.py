@@ -116,14 +116,15 @@ def iter_children(
 
 
 def child_positions(
-    state: EchoMQ, queue: str, job_id: str, total: int, *, batch: int = 1000
+    state: EchoMQ, queue: str, job_id: str, *, batch: int = 1000
 ) -> Iterator[tuple[str, int]]:
-    """``(child id, position)`` of every child of ``job_id`` (``total`` of them), read from
-    its index ``batch`` at a time (from its payload for a flow written before the index)."""
+    """``(child id, position)`` of every child of ``job_id``, read from its index ``batch``
+    at a time (from its payload for a flow written before the index)."""
     row: dict[str, Any] = {"children_n": None, "_listed": []}
+    total = 0
     indexed = state.client.llen(state.keys.children_key(queue, job_id))
     if indexed:
-        row["children_n"] = indexed
+        row["children_n"] = total = indexed
     else:
         (full,) = _stored_rows(state, queue, [job_id])
         full["payload"] = state.client.hget(state.keys.job_key(queue, job_id), "payload")

@@ -102,7 +102,7 @@ def _states(
 ) -> list[str]:
     """The state of each of a small flow's children (one HGET each, in one round trip)."""
     keys, client = state.keys, state.client
-    child_ids = [cid for cid, _ in child_positions(state, where, job_id, total)]
+    child_ids = [cid for cid, _ in child_positions(state, where, job_id)]
     cache = {} if child_queues is None else child_queues
     pipe = client.pipeline(transaction=False)
     for cid in child_ids:
