@@ -238,3 +238,61 @@ def test_the_dashboard_pages_a_flow_of_100000_children_in_chromium(
     assert 1 <= len(done) <= 20
     assert {e.get_attribute("data-state") for e in done} == {"done"}
     assert len(browser.page_source) < 200_000  # a page of children, never the tree
+
+
+def _script_args(store: redis.Redis) -> list[int]:
+    """How many arguments each script call SLOWLOG holds had (it keeps 32 and counts the rest)."""
+    sizes = []
+    for entry in store.slowlog_get(100_000):
+        words = entry["command"].split(b" ")
+        if words[0].upper() not in (b"EVALSHA", b"EVAL"):
+            continue
+        more = re.search(rb"\.\.\. \((\d+) more arguments\)", entry["command"])
+        sizes.append(31 + int(more.group(1)) if more else len(words))
+    return sizes
+
+
+@pytest.mark.timeout(600)
+def test_cancel_and_forget_a_large_flow_a_chunk_per_script_call(
+    proj: Any, env: Env, own_queue: Any, start_worker: Any, store: redis.Redis, gate: str
+) -> None:
+    from celery_echomq.errors import FlowCancelled
+
+    n = 5000  # five chunks: one script call with every child would take 5,000 keys and more
+    queue = own_queue("bigcancel")
+    sigs = [job(proj.gated.s(i, gate)) for i in range(n)]
+    res = flow(proj.tsum.s(), sigs).apply_async(queue=queue)
+    start_worker(queues=queue, concurrency=2, extra_env={"ECHOMQ_T_STALL": "3600"})
+    row = f"emq:{{{queue}}}:" + "{}"
+    wait_for(lambda: store.hget(row.format(jid(sigs[0])), "state") == b"active", timeout=60)
+
+    before = store.config_get("slowlog-*")
+    store.config_set("slowlog-log-slower-than", 0)
+    store.config_set("slowlog-max-len", 100_000)
+    store.slowlog_reset()
+    try:
+        out = echomq("cancel", res.id, "--json")
+        sizes = _script_args(store)
+    finally:
+        for name, value in before.items():
+            store.config_set(name, value)
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["state"] == "cancelled"
+    # The cancel's script calls: a chunk (1,000 children: a key and an id each) per call at
+    # most, five or more of them; one call for the whole flow would take 5,000 keys.
+    assert len(sizes) >= 5 and max(sizes) <= 2 * 1000 + 20
+    pipe = store.pipeline(transaction=False)
+    for sig in sigs:
+        pipe.hget(row.format(jid(sig)), "state")
+    assert set(pipe.execute()) == {b"cancelled"}  # the running ones too
+    with pytest.raises(FlowCancelled):
+        res.get(timeout=30)
+
+    store.set(gate, 1)  # the running children return; their rows say cancelled
+    forgot = echomq("forget", res.id, "--json")
+    assert forgot.exit_code == 0, forgot.output
+    report = json.loads(forgot.stdout)
+    assert report["jobs"] == [res.id, *(jid(s) for s in sigs)]
+    wait_for(lambda: not list(store.scan_iter(match=f"emq:{{{queue}}}:JOB*", count=10_000)))
+    for name in ("pending", "active", "recent"):
+        assert store.zcard(f"emq:{{{queue}}}:{name}") == 0

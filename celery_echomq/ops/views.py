@@ -1,10 +1,6 @@
-"""Reads of flows for people and scripts: the tree under a job, a flow's progress, per-queue counts.
-
-Everything here is a plain read (HMGET, GET, HGETALL, ZSCORE), never a write, so it is
-safe against a live system. A result is a snapshot, not a transaction: a child may finish
-between two reads, which a progress display tolerates and a transition never relies on.
-``celery -A proj echomq show|watch`` print what these functions return (``stats`` and
-``list``: listing.py).
+"""A job of a flow as a node, and the whole tree under it (what repairs read; what people
+read, a page at a time, is pages.py). Plain reads, never a write (HMGET, GET, HLEN, ZSCORE,
+a chunk per command), safe against a live system; a snapshot, not a transaction.
 """
 
 from __future__ import annotations
@@ -12,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Any
 
 from celery_echomq.errors import EchoMQError
@@ -59,9 +56,8 @@ _ROW_FIELDS = (
 )
 # Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
 _STORED = frozenset({"payload", "delta", "template"})
-# A nested flow is a child that is itself a parent; a cycle cannot be written (enqueue_flow
-# refuses an id that exists), and the depth a flow may have (echomq_max_depth) caps the walk,
-# so a corrupted store cannot hang the CLI either.
+# A cycle cannot be written (enqueue_flow refuses an id that exists) and echomq_max_depth
+# caps the walk, so a corrupted store cannot hang the CLI either.
 
 
 @dataclass(frozen=True)
@@ -298,19 +294,25 @@ def _build(
     deps_key, processed_key, ignored_key = keys.flow_keys(queue, job_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(deps_key)
-    pipe.hgetall(processed_key)
-    pipe.hgetall(ignored_key)
+    pipe.hlen(processed_key)
+    pipe.hlen(ignored_key)
+    # The children's values and errors by id, a chunk per HMGET: never a whole hash at once.
+    chunks = [child_ids[i : i + 1000] for i in range(0, len(child_ids), 1000)]
+    for part in chunks:
+        pipe.hmget(processed_key, part)
+        pipe.hmget(ignored_key, part)
     for cid in child_ids:
         pipe.hmget(keys.job_key(queue, cid), _ROW_FIELDS)
-    counter, processed, ignored, *child_rows = pipe.execute()
+    counter, n_values, n_ignored, *replies = pipe.execute()
     if counter is None and not child_ids and row["policy"] is None:
         return node  # not a flow parent: a plain child (or a job whose flow keys expired)
-    processed = {text(k): v for k, v in processed.items()}
-    ignored = {text(k): text(v) for k, v in ignored.items()}
+    found = zip(child_ids, chain(*replies[0 : 2 * len(chunks) : 2]), strict=True)
+    processed = {c: v for c, v in found if v is not None}
+    found = zip(child_ids, chain(*replies[1 : 2 * len(chunks) : 2]), strict=True)
+    ignored = {c: text(v) for c, v in found if v is not None}
+    child_rows = replies[2 * len(chunks) :]
     flow_policy = row["policy"] or "fail"
-    counts = counts_of(
-        counter, len(processed), len(ignored), row["credited_failed"], row["failed_children"]
-    )
+    counts = counts_of(counter, n_values, n_ignored, row["credited_failed"], row["failed_children"])
     info = FlowInfo(
         policy=flow_policy,
         outstanding=None if counter is None else counts.outstanding,
@@ -394,7 +396,4 @@ def tree_json(node: JobNode, *, indent: int | None = 2) -> str:
 
 def walk(node: JobNode) -> list[JobNode]:
     """``node`` and every job under it, parents before their children."""
-    out = [node]
-    for child in node.children:
-        out.extend(walk(child))
-    return out
+    return [node, *(job for child in node.children for job in walk(child))]
