@@ -132,6 +132,9 @@ def built_flow(app: Celery, n: int, chunk: int = 1000) -> str:
         ]  # fmt: skip
         scripts.add_children(QUEUE, ref, rows)
     scripts.seal_flow(QUEUE, parent_id)
+    # What start_flow writes beside the scripts: where the flow lives, and its queue.
+    state.client.set(state.keys.locator_key(parent_id), QUEUE)
+    state.client.sadd(state.keys.queues_key(), QUEUE)
     print(f"  built {n:,} children in {time.perf_counter() - started:.1f} s")
     for cid in ids[1 :: max(1, n // FAILED)][:FAILED]:
         token = uuid.uuid4().hex
@@ -218,9 +221,10 @@ def main() -> None:
                 print(f"{n:,} children:")
                 parent_id = built_flow(app, n) if n >= 1_000_000 else sent_flow(app, n)
                 row = state.keys.job_key(QUEUE, parent_id)
-                fields = state.client.hstrlen(row, "payload"), state.client.hlen(row)
-                print(f"  the parent's row: {state.client.memory_usage(row) or 0:,} bytes, "
-                      f"{fields[1]:,} fields, a payload of {fields[0]:,} bytes")  # fmt: skip
+                index = state.keys.children_key(QUEUE, parent_id)
+                print(f"  the parent's row: {state.client.hlen(row):,} fields, a payload of "
+                      f"{state.client.hstrlen(row, 'payload'):,} bytes; its index of children "
+                      f"{state.client.memory_usage(index, samples=0) or 0:,} bytes")  # fmt: skip
                 cursor = str(n // 2)  # a page in the middle
 
                 rows: list[list[str]] = []
