@@ -263,8 +263,11 @@ def test_cancel_and_forget_a_large_flow_a_chunk_per_script_call(
     sigs = [job(proj.gated.s(i, gate)) for i in range(n)]
     res = flow(proj.tsum.s(), sigs).apply_async(queue=queue)
     start_worker(queues=queue, concurrency=2, extra_env={"ECHOMQ_T_STALL": "3600"})
-    row = f"emq:{{{queue}}}:" + "{}"
-    wait_for(lambda: store.hget(row.format(jid(sigs[0])), "state") == b"active", timeout=60)
+
+    def row(job_id: str) -> str:
+        return f"emq:{{{queue}}}:{job_id}"
+
+    wait_for(lambda: store.hget(row(jid(sigs[0])), "state") == b"active", timeout=60)
 
     before = store.config_get("slowlog-*")
     store.config_set("slowlog-log-slower-than", 0)
@@ -283,7 +286,7 @@ def test_cancel_and_forget_a_large_flow_a_chunk_per_script_call(
     assert len(sizes) >= 5 and max(sizes) <= 2 * 1000 + 20
     pipe = store.pipeline(transaction=False)
     for sig in sigs:
-        pipe.hget(row.format(jid(sig)), "state")
+        pipe.hget(row(jid(sig)), "state")
     assert set(pipe.execute()) == {b"cancelled"}  # the running ones too
     with pytest.raises(FlowCancelled):
         res.get(timeout=30)
