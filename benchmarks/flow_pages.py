@@ -215,6 +215,8 @@ def main() -> None:
             time.sleep(0.05)
         runner = CliRunner()
         app.set_current()  # what the `echomq` group reads outside `celery`
+        print("the index of children, on enqueue:")
+        index_cost(app, slowlog)
         table: dict[int, list[list[str]]] = {}
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
             for n in args.sizes:
@@ -283,6 +285,36 @@ def cli(runner: CliRunner, *words: str) -> Callable[[], int]:
 
 def progress(state: EchoMQ, parent_id: str) -> Callable[[], int]:
     return lambda: len(repr(read_progress(state, parent_id)))
+
+
+def index_cost(app: Celery, slowlog: Slowlog, flows: int = 200) -> None:
+    """What the index adds to an enqueue: enqueue_flow's time (SLOWLOG, the server's own
+    clock) for flows of 10 and 1,000 children, beside one RPUSH of the same ids (the
+    index's own command, one per 500 children in the script), and its memory."""
+    leaf, merge = app.tasks["bench.leaf"], app.tasks["bench.merge"]
+    state = get_state(app)
+    for n in (10, 1000):
+        slowlog.reset()
+        last = ""
+        for _ in range(flows):
+            last = flow(merge.s(), [leaf.s(i) for i in range(n)]).apply_async().id
+        entries = [
+            e for e in state.client.slowlog_get(200_000) if e["command"].startswith(b"EVALSHA")
+        ]
+        enqueue = statistics.median(e["duration"] for e in entries if e["duration"] > 0)
+        index = state.keys.children_key(QUEUE, last)
+        ids = state.client.lrange(index, 0, -1)
+        slowlog.reset()
+        for _ in range(flows):
+            state.client.rpush("bench:index", *ids)
+            state.client.delete("bench:index")
+        pushes = [e["duration"] for e in state.client.slowlog_get(200_000)
+                  if e["command"].startswith(b"RPUSH")]  # fmt: skip
+        size = state.client.memory_usage(index, samples=0) or 0
+        push = statistics.median(pushes)
+        print(f"  enqueue_flow of {n:,} children: {enqueue:.0f} µs median, of which the "
+              f"index's RPUSH ~{push:.0f} µs; the index holds {size:,} bytes")  # fmt: skip
+    state.client.flushdb()
 
 
 def iter_all(state: EchoMQ, parent_id: str) -> Any:
