@@ -299,3 +299,32 @@ def test_cancel_and_forget_a_large_flow_a_chunk_per_script_call(
     wait_for(lambda: not list(store.scan_iter(match=f"emq:{{{queue}}}:JOB*", count=10_000)))
     for name in ("pending", "active", "recent"):
         assert store.zcard(f"emq:{{{queue}}}:{name}") == 0
+
+
+@pytest.mark.timeout(600)
+def test_retry_of_a_flow_of_1200_children_reads_its_index_not_its_payload(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    """A flow of more than echomq_chunk_size children (its parent keeps a ``head`` and its
+    index): one child fails it under ``fail``; ``retry`` finds that child, runs it again, and
+    the parent gets every value, in order."""
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    n = 1200
+    sigs = [job(proj.add.s(i, 0)) for i in range(n - 1)]
+    bad = job(proj.flaky.s(7, flag))
+    sigs.insert(600, bad)
+    res = flow(proj.tsum.s(), sigs).apply_async()
+    row = f"emq:{{celery}}:{res.id}"
+    wait_for(lambda: store.hget(row, "state") == b"failed", timeout=240)
+    assert store.hexists(row, "head")  # the chunked path's parent: read without its payload
+    failed = read_flow(get_state(proj.app), res.id, only="failed")
+    assert [c.id for c in failed.children] == [jid(bad)]
+
+    store.set(flag, 1)
+    out = echomq("retry", res.id)
+    assert out.exit_code == 0, out.output
+    assert (
+        out.stdout.splitlines()[0] == f"flow {res.id}: awaiting_children; re-published 1 child(ren)"
+    )
+    assert res.get(timeout=240) == sum(range(n - 1)) + 7
+    assert read_flow(get_state(proj.app), res.id, only="failed").children == ()

@@ -16,7 +16,7 @@ from celery_echomq.ops.listing import QueueStats, held_parents, queue_stats
 from celery_echomq.ops.timing import finish_times
 from celery_echomq.store.codec import Delta, load_job, stored_of
 from celery_echomq.store.connection import text
-from celery_echomq.store.reads import counts_of, locate, scan_queues
+from celery_echomq.store.reads import counts_of, indexed_children, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
 
 __all__ = [
@@ -216,17 +216,16 @@ def read_tree(
     each finished job ended (what ``show`` and the dashboard print; see timing.py).
     """
     where = locate(state, job_id, queue, verify=True)
-    client = state.client
-    root_row = _row(client.hmget(state.keys.job_key(where, job_id), _ROW_FIELDS))
+    key = state.keys.job_key(where, job_id)
+    # A huge parent's job without its children's ids, which its index holds: never its payload.
+    head = state.client.hget(key, "head")
+    fields = [f if f != "payload" or not head else "head" for f in _ROW_FIELDS]
+    root_row = {**_row(state.client.hmget(key, fields)), "_indexed": bool(head)}
     node = _build(state, where, job_id, root_row, facts={}, depth=0)
     if with_times:
         node = _timed(node, finish_times(state, walk(node)))
-    if not with_result or node.state != "done":
-        return node
-    has_value, value = _root_value(state, node)
-    if not has_value:
-        return node
-    return replace(node, has_value=True, value=value)
+    has_value, value = _root_value(state, node) if with_result and node.state == "done" else (False, None)
+    return replace(node, has_value=True, value=value) if has_value else node
 
 
 def _timed(node: JobNode, ends: dict[str, int]) -> JobNode:
@@ -290,6 +289,8 @@ def _build(
 ) -> JobNode:
     """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
     node, child_ids = node_of(state, queue, job_id, row, facts)
+    if row.get("_indexed"):
+        child_ids = indexed_children(state, queue, job_id) or child_ids
     keys, client = state.keys, state.client
     deps_key, processed_key, ignored_key = keys.flow_keys(queue, job_id)
     pipe = client.pipeline(transaction=False)
