@@ -217,14 +217,14 @@ def read_tree(
     """
     where = locate(state, job_id, queue, verify=True)
     key = state.keys.job_key(where, job_id)
-    # A huge parent's job without its children's ids, which its index holds: never its payload.
-    head = state.client.hget(key, "head")
+    head = state.client.hget(key, "head")  # a huge parent's job, without its children's ids
     fields = [f if f != "payload" or not head else "head" for f in _ROW_FIELDS]
     root_row = {**_row(state.client.hmget(key, fields)), "_indexed": bool(head)}
     node = _build(state, where, job_id, root_row, facts={}, depth=0)
     if with_times:
         node = _timed(node, finish_times(state, walk(node)))
-    has_value, value = _root_value(state, node) if with_result and node.state == "done" else (False, None)
+    wanted = with_result and node.state == "done"
+    has_value, value = _root_value(state, node) if wanted else (False, None)
     return replace(node, has_value=True, value=value) if has_value else node
 
 
