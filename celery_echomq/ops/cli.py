@@ -39,9 +39,10 @@ from celery_echomq.ops.cli_common import (
     set_timeout,
 )
 from celery_echomq.ops.listing import MAX_LIMIT, STATES, queue_stats, read_flows
+from celery_echomq.ops.pages import FILTERS, MAX_PAGE, PAGE, read_flow
 from celery_echomq.ops.progress import render_progress
-from celery_echomq.ops.rendering import render_rows, render_tree
-from celery_echomq.ops.views import node_dict, read_tree, tree_json
+from celery_echomq.ops.rendering import render_rows, render_tree, show_every
+from celery_echomq.ops.views import node_dict, tree_json
 from celery_echomq.store.connection import describe
 
 __all__ = ["echomq", "node_dict", "render_progress", "render_tree"]
@@ -65,17 +66,51 @@ def echomq(ctx: click.Context, timeout: float) -> None:
 
 @echomq.command()
 @click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True, help="Print the tree as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the flow as JSON.")
+@click.option(
+    "--state", "only", type=click.Choice(FILTERS), default=None,
+    help="Only the children in this state (failed: failed for good, under any policy).",
+)  # fmt: skip
+@click.option("--cursor", default=None, help="The next page: the cursor a page printed.")
+@click.option(
+    "--count", type=click.IntRange(1, MAX_PAGE), default=PAGE, show_default=True,
+    help="Children per page.",
+)  # fmt: skip
+@click.option(
+    "--all", "every", is_flag=True, help="Every child, read and printed a page at a time."
+)
 @click.pass_context
 @plain_errors
-def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
-    """Show the flow under JOB_ID as a tree: states, arguments, runtimes, values, errors."""
-    node = read_tree(cli_state(ctx), job_id, with_times=True)
+def show(
+    ctx: click.Context,
+    job_id: str,
+    as_json: bool,
+    only: str | None,
+    cursor: str | None,
+    count: int,
+    every: bool,
+) -> None:
+    """Show the flow under JOB_ID: its parent, its counts and a page of its children (states,
+    arguments, runtimes, values, errors). A nested flow is one line with its own counts:
+    show it by its id. --all prints every child, a page at a time."""
+    state = cli_state(ctx)
+    node = read_flow(state, job_id, cursor=cursor, count=count, only=only, with_times=True)
+    if every:
+        show_every(state, node, only, count, as_json)
+        return
     if as_json:
         click.echo(tree_json(node))
         return
     for line in render_tree(node, color=True):
         click.echo(line)
+    page = node.page
+    if page is not None and page.next_cursor is not None:
+        state_opt = f" --state {page.only}" if page.only else ""
+        click.echo(f"more: echomq show {job_id}{state_opt} --cursor {page.next_cursor}")
+    more = page is not None and page.next_cursor is not None
+    if more and node.flow and (node.flow.failed or node.flow.ignored) and only is None:
+        failed = node.flow.failed + node.flow.ignored
+        click.echo(f"{failed} failed: echomq show {job_id} --state failed")
 
 
 @echomq.command(name="list")

@@ -26,6 +26,16 @@ class FlowInfo:
 
 
 @dataclass(frozen=True)
+class ChildPage:
+    """Which of a flow's children a node holds: one page of them, and where the next begins."""
+
+    only: str | None  # the state filter ("failed", "pending", ...), None for every child
+    cursor: str | None  # the cursor this page was read from (None: the first page)
+    next_cursor: str | None  # the next page's; None after the last
+    count: int  # the page size asked for
+
+
+@dataclass(frozen=True)
 class JobNode:
     """One job of a flow tree: a parent, a child, or a child that is itself a flow."""
 
@@ -51,6 +61,7 @@ class JobNode:
     # A linked chain's last step (the child its flow counts): every step, in order, itself
     # last; the chain's own state is :attr:`chain_state`.
     steps: tuple[JobNode, ...] = field(default=())
+    page: ChildPage | None = None  # when ``children`` are one page of them (ops/pages.py)
 
     @property
     def finished(self) -> bool:

@@ -8,7 +8,9 @@ from typing import Any
 import click
 
 from celery_echomq.ops.listing import FlowRow
-from celery_echomq.ops.views import JobNode, json_default
+from celery_echomq.ops.pages import iter_children
+from celery_echomq.ops.views import JobNode, json_default, node_dict
+from celery_echomq.store.state import EchoMQ
 
 VALUE_WIDTH = 60
 
@@ -126,6 +128,37 @@ def render_tree(node: JobNode, *, color: bool = False) -> list[str]:
 
     children(node, "")
     return lines
+
+
+def show_every(state: EchoMQ, node: JobNode, only: str | None, count: int, as_json: bool) -> None:
+    """``show --all``: ``node``'s line, then every child's (those in state ``only``), read and
+    printed a page at a time, each nested flow's own children under it: memory and each read
+    stay a page, whatever the flow's size. ``as_json``: one JSON object per line (the root's
+    without children, then each job's with its ``parent``)."""
+
+    def line(job: JobNode, indent: str) -> None:
+        if as_json:
+            data = node_dict(job)
+            data.pop("children")
+            data.pop("page", None)
+            click.echo(json.dumps(data, default=json_default))
+        else:
+            click.echo(indent + job_line(job, True))
+
+    def under(job: JobNode, indent: str, depth: int) -> None:
+        if depth >= state.settings.max_depth:
+            return
+        for child in iter_children(state, job.id, count=count, only=only if depth == 0 else None):
+            line(child, indent + "├─ ")
+            if child.flow is not None:
+                under(child, indent + "│  ", depth + 1)
+
+    if as_json:
+        line(node, "")
+    else:
+        click.echo(job_line(node, True) + f"  queue={node.queue}")
+    if node.flow is not None:
+        under(node, "", 0)
 
 
 LIST_HEADER = ("flow", "task", "state", "done/total", "failed", "ignored", "age", "queue")

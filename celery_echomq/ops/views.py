@@ -1,10 +1,6 @@
-"""Reads of flows for people and scripts: the tree under a job, a flow's progress, per-queue counts.
-
-Everything here is a plain read (HMGET, GET, HGETALL, ZSCORE), never a write, so it is
-safe against a live system. A result is a snapshot, not a transaction: a child may finish
-between two reads, which a progress display tolerates and a transition never relies on.
-``celery -A proj echomq show|watch`` print what these functions return (``stats`` and
-``list``: listing.py).
+"""A job of a flow as a node, and the whole tree under it (what repairs read; what people
+read, a page at a time, is pages.py). Plain reads, never a write (HMGET, GET, HLEN, ZSCORE,
+a chunk per command), safe against a live system; a snapshot, not a transaction.
 """
 
 from __future__ import annotations
@@ -12,20 +8,22 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import replace
+from itertools import chain
 from typing import Any
 
 from celery_echomq.errors import EchoMQError
 from celery_echomq.ops.listing import QueueStats, held_parents, queue_stats
-from celery_echomq.ops.nodes import FINISHED, MISSING, FlowInfo, JobNode
+from celery_echomq.ops.nodes import FINISHED, MISSING, ChildPage, FlowInfo, JobNode
 from celery_echomq.ops.timing import finish_times
 from celery_echomq.store.codec import Delta, Step, load_job, stored_of
 from celery_echomq.store.connection import text
-from celery_echomq.store.reads import counts_of, locate, scan_queues
+from celery_echomq.store.reads import counts_of, indexed_children, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
 
 __all__ = [
     "FINISHED",
     "MISSING",
+    "ChildPage",
     "FlowInfo",
     "JobNode",
     "QueueStats",
@@ -159,17 +157,16 @@ def read_tree(
     each finished job ended (what ``show`` and the dashboard print; see timing.py).
     """
     where = locate(state, job_id, queue, verify=True)
-    client = state.client
-    root_row = _row(client.hmget(state.keys.job_key(where, job_id), _ROW_FIELDS))
+    key = state.keys.job_key(where, job_id)
+    head = state.client.hget(key, "head")  # a huge parent's job, without its children's ids
+    fields = [f if f != "payload" or not head else "head" for f in _ROW_FIELDS]
+    root_row = {**_row(state.client.hmget(key, fields)), "_indexed": bool(head)}
     node = _build(state, where, job_id, root_row, facts={}, depth=0)
     if with_times:
         node = _timed(node, finish_times(state, walk(node)))
-    if not with_result or node.state != "done":
-        return node
-    has_value, value = _root_value(state, node)
-    if not has_value:
-        return node
-    return replace(node, has_value=True, value=value)
+    wanted = with_result and node.state == "done"
+    has_value, value = _root_value(state, node) if wanted else (False, None)
+    return replace(node, has_value=True, value=value) if has_value else node
 
 
 def _timed(node: JobNode, ends: dict[str, int]) -> JobNode:
@@ -193,20 +190,14 @@ def _root_value(state: EchoMQ, node: JobNode) -> tuple[bool, Any]:
     return False, None
 
 
-def _build(
-    state: EchoMQ,
-    queue: str,
-    job_id: str,
-    row: dict[str, Any],
-    *,
-    facts: dict[str, Any],
-    depth: int,
-) -> JobNode:
-    """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
+def node_of(
+    state: EchoMQ, queue: str, job_id: str, row: dict[str, Any], facts: dict[str, Any]
+) -> tuple[JobNode, list[str]]:
+    """A node from its row, without children, and the children's ids its stored job names;
+    ``facts`` are what its parent knows of it (policy, value...)."""
     task, child_ids, (args, kwargs) = _task_and_children(
         state, queue, job_id, row, facts.get("template")
     )
-    keys, client = state.keys, state.client
     node = JobNode(
         id=job_id,
         queue=queue,
@@ -225,22 +216,45 @@ def _build(
         started_ms=_int(row["started"]),
         dispatched_ms=_int(row["dispatched"]),
     )
+    return node, child_ids
+
+
+def _build(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    row: dict[str, Any],
+    *,
+    facts: dict[str, Any],
+    depth: int,
+) -> JobNode:
+    """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
+    node, child_ids = node_of(state, queue, job_id, row, facts)
+    if row.get("_indexed"):
+        child_ids = indexed_children(state, queue, job_id) or child_ids
+    keys, client = state.keys, state.client
     deps_key, processed_key, ignored_key = keys.flow_keys(queue, job_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(deps_key)
-    pipe.hgetall(processed_key)
-    pipe.hgetall(ignored_key)
+    pipe.hlen(processed_key)
+    pipe.hlen(ignored_key)
+    # The children's values and errors by id, a chunk per HMGET: never a whole hash at once.
+    chunks = [child_ids[i : i + 1000] for i in range(0, len(child_ids), 1000)]
+    for part in chunks:
+        pipe.hmget(processed_key, part)
+        pipe.hmget(ignored_key, part)
     for cid in child_ids:
         pipe.hmget(keys.job_key(queue, cid), _ROW_FIELDS)
-    counter, processed, ignored, *child_rows = pipe.execute()
+    counter, n_values, n_ignored, *replies = pipe.execute()
     if counter is None and not child_ids and row["policy"] is None:
         return node  # not a flow parent: a plain child (or a job whose flow keys expired)
-    processed = {text(k): v for k, v in processed.items()}
-    ignored = {text(k): text(v) for k, v in ignored.items()}
+    found = zip(child_ids, chain(*replies[0 : 2 * len(chunks) : 2]), strict=True)
+    processed = {c: v for c, v in found if v is not None}
+    found = zip(child_ids, chain(*replies[1 : 2 * len(chunks) : 2]), strict=True)
+    ignored = {c: text(v) for c, v in found if v is not None}
+    child_rows = replies[2 * len(chunks) :]
     flow_policy = row["policy"] or "fail"
-    counts = counts_of(
-        counter, len(processed), len(ignored), row["credited_failed"], row["failed_children"]
-    )
+    counts = counts_of(counter, n_values, n_ignored, row["credited_failed"], row["failed_children"])
     info = FlowInfo(
         policy=flow_policy,
         outstanding=None if counter is None else counts.outstanding,
@@ -351,8 +365,11 @@ def json_default(value: Any) -> Any:
 def node_dict(node: JobNode) -> dict[str, Any]:
     """A node as plain data, with ``finished`` spelled out: what ``show --json`` prints and the
     dashboard's ``/api/flows/<id>`` serves."""
-    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name != "children"}
+    skip = ("children", "page")
+    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name not in skip}
     data["flow"] = dataclasses.asdict(node.flow) if node.flow else None
+    if node.page is not None:
+        data["page"] = dataclasses.asdict(node.page)
     data["finished"] = node.finished
     data["runtime_ms"] = node.runtime_ms
     data["children"] = [node_dict(child) for child in node.children]

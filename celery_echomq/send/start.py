@@ -246,7 +246,12 @@ def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
         if child_ids:
             pipe.zrem(keys.queue_key(queue, "pending"), *child_ids)
         if parent_id:
-            pipe.delete(keys.job_key(queue, parent_id), keys.flow_keys(queue, parent_id)[0])
+            pipe.delete(
+                keys.job_key(queue, parent_id),
+                keys.flow_keys(queue, parent_id)[0],
+                keys.children_key(queue, parent_id),
+                keys.failures_key(queue, parent_id),
+            )
             # Its locator, where its script wrote one (a key of another slot: on its own).
             pipe.delete(keys.locator_key(parent_id))
             pipe.zrem(keys.queue_key(queue, "open"), parent_id)
@@ -278,6 +283,7 @@ def _enqueue_chunked(
         template=encoded.template,
     )
     written.append((level.queue, level.parent_id, []))
+    index_children(state, level.queue, level.parent_id, level.parent, level.child_ids(), chunk)
     # Per queue, each child's rows with their kinds: one row, or a chain's steps, which one
     # add_children call writes together (a step names the next, which must be there).
     by_queue: dict[str, list[list[tuple[str, bytes, str, str]]]] = {}
@@ -323,6 +329,22 @@ def _chunks(groups: list[list[Any]], size: int) -> Iterator[list[Any]]:
         part.extend(group)
     if part:
         yield part
+
+
+def index_children(
+    state: EchoMQ, queue: str, parent_id: str, parent: dict[str, Any], ids: list[str], chunk: int
+) -> None:
+    """The parent's index of its children by position (what enqueue_flow writes in its
+    script), for the chunked path: its ``:children`` list, a chunk per RPUSH; and ``head`` on
+    its row, its stored job without its children's ids, so that a page of a huge flow never
+    reads the payload."""
+    head = {k: v for k, v in parent.items() if k != "children"}
+    index = state.keys.children_key(queue, parent_id)
+    pipe = state.client.pipeline(transaction=False)
+    pipe.hset(state.keys.job_key(queue, parent_id), "head", state.dumps(head))
+    for start in range(0, len(ids), chunk):
+        pipe.rpush(index, *ids[start : start + chunk])
+    pipe.execute()
 
 
 def resume_nested(state: EchoMQ, plan: Plan) -> None:

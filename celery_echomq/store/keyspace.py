@@ -88,6 +88,16 @@ class Keyspace:
         row = self.job_key(queue, job_id)
         return f"{row}:dependencies", f"{row}:processed", f"{row}:ignored"
 
+    def children_key(self, queue: str, job_id: str) -> str:
+        """A parent's ``:children``: its children's ids by position (a list), what a page of
+        them reads. Scripts derive it from the row's name (see ``includes/expire.lua``)."""
+        return f"{self.job_key(queue, job_id)}:children"
+
+    def failures_key(self, queue: str, job_id: str) -> str:
+        """A parent's ``:failures``: the ids of its children failed under fail, remove or
+        continue (id -> 1; their errors stay on its row), what a page of failed ones reads."""
+        return f"{self.job_key(queue, job_id)}:failures"
+
     def settled_key(self, queue: str, job_id: str) -> str:
         """A parent's ``:settled``: which children of other slots were credited (and how)."""
         return f"{self.job_key(queue, job_id)}:settled"

@@ -282,6 +282,21 @@ def _cut_children(state: EchoMQ, q: str, job_id: str) -> dict[str, str]:
     return found
 
 
+def indexed_children(
+    state: EchoMQ, queue: str, parent_id: str, batch: int = 1000
+) -> list[str] | None:
+    """A parent's children's ids from its index by position (``:children``), ``batch`` per
+    LRANGE; None for a flow that has none (written before it existed)."""
+    key = state.keys.children_key(queue, parent_id)
+    total = state.client.llen(key)
+    if not total:
+        return None
+    ids: list[str] = []
+    for start in range(0, total, batch):
+        ids += [text(c) for c in state.client.lrange(key, start, start + batch - 1)]
+    return ids
+
+
 def queues_of(state: EchoMQ, queues: Iterable[str] | None) -> list[str]:
     """The queues in ``emq:queues`` (those of them in ``queues``), well-formed ones only."""
     names = sorted(text(raw) for raw in state.client.smembers(state.keys.queues_key()))

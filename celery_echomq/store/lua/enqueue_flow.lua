@@ -137,6 +137,13 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local template = ARGV[7 + 2 * n] or ''
 local kinds = ARGV[8 + 2 * n] or ''
 local members = {}
+-- The parent's index of its children by position: the list '<its row>:children' (named
+-- from KEYS[1], on its slot; it expires with the flow's :dependencies, see 'expire'). What an
+-- operator's page of children reads (LRANGE of a page), never the payload's whole list. One
+-- RPUSH per slice. A linked chain is listed once, by its last step (the child its parent
+-- counts).
+local index_key = KEYS[1] .. ':children'
+local index = {}
 -- The children the parent counts: every child, but the steps of a chain before its last.
 local counted, head, head_at = 0, '', 0
 local function id_at(i)
@@ -147,13 +154,15 @@ for i = 1, n do
   local cid = ARGV[2 + 2 * i]
   local kind = string.byte(kinds, i)
   local pending = true
+  local listed = true
   if is_step(kind) then
     if kind == STEP_FIRST then
       head, head_at = cid, i
     end
     pending = write_step_row(child, ARGV[1], ARGV[3 + 2 * i], kind, head, ARGV[4 + 2 * i],
       kind == STEP_LAST and step_ids(head_at, i, id_at) or nil)
-    if kind == STEP_LAST then
+    listed = kind == STEP_LAST
+    if listed then
       counted = counted + 1
     end
   else
@@ -164,9 +173,16 @@ for i = 1, n do
     members[#members + 1] = now
     members[#members + 1] = cid
   end
+  if listed then
+    index[#index + 1] = cid
+  end
   if #members >= 2 * SLICE or (i == n and #members > 0) then
     redis.call('ZADD', KEYS[3], unpack(members))
     members = {}
+  end
+  if #index >= SLICE or (i == n and #index > 0) then
+    redis.call('RPUSH', index_key, unpack(index))
+    index = {}
   end
 end
 if placeholder[1] then

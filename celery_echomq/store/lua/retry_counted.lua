@@ -50,5 +50,6 @@ redis.call('HDEL', KEYS[4], ARGV[1])
 -- And it leaves the parent's record of failed children (see settle_child).
 if redis.call('HDEL', KEYS[2], 'failed:' .. ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'failed_children', -1)
+  redis.call('HDEL', KEYS[2] .. ':failures', ARGV[1]) -- see settle_child
 end
 return {'retried', c[4], c[5], c[6]}
