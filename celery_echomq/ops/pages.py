@@ -29,6 +29,7 @@ from celery_echomq.ops.views import (
     _load,
     _outcome,
     _root_value,
+    _with_steps,
     node_of,
 )
 from celery_echomq.store.connection import text
@@ -383,6 +384,10 @@ def _children(
         if ignored is not None:
             facts["ignored_error"] = text(ignored)
         node, listed = node_of(state, child_queue, cid, row, facts)
+        if row["steps"]:
+            # A linked chain: its last step, with every step of the chain.
+            failed = {cid: text(ignored)} if ignored is not None else {}
+            node = _with_steps(state, node, text(row["steps"]).split(), failed, info)
         nested = _info(row, listed)
         nodes.append(node if nested is None else replace(node, flow=nested))
     return nodes
