@@ -216,7 +216,3 @@ def same_but_id(options: dict[str, Any], other: dict[str, Any]) -> bool:
     if len(options) != len(other) or list(options) != list(other):
         return False
     return all(name == "task_id" or same(value, other[name]) for name, value in options.items())
-
-
-def _without(options: dict[str, Any], name: str) -> dict[str, Any]:
-    return {k: v for k, v in options.items() if k != name} if name in options else options
