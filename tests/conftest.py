@@ -266,13 +266,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    found: set[tuple[str, str]] = set()
-    modules: set[str] = set()
+    modules: dict[str, Any] = {}
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
         module = item.module.__name__.rpartition(".")[2] if item.module else ""
         function = getattr(item, "originalname", item.name)
-        modules.add(module)
+        modules[module] = item.module
         in_process = INPROCESS and module in INPROCESS_MODULES
         if names & SUBPROCESS_FIXTURES or ("worker" in names and not in_process):
             item.add_marker(pytest.mark.e2e)
@@ -286,9 +285,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.result_path)
         if (module, function) in SMOKE_TESTS:
             item.add_marker(pytest.mark.smoke)
-            found.add((module, function))
     # A smoke test renamed or removed would shrink the smoke unseen.
-    missing = sorted(f"{m}::{f}" for m, f in SMOKE_TESTS - found if m in modules)
+    missing = sorted(
+        f"{m}::{f}" for m, f in SMOKE_TESTS if m in modules and not hasattr(modules[m], f)
+    )
     if missing:
         raise pytest.UsageError(
             "tests/conftest.py SMOKE names tests that are not there: " + ", ".join(missing)
