@@ -24,7 +24,7 @@ class Encoded(NamedTuple):
     A level's children on its parent's slot are stored compactly: ``template`` (kept on the
     parent's row) and, per child, a delta against it where ``kinds`` has a ``d``; a whole
     payload where it has a ``p`` (a nested flow's entry, a child routed to another queue).
-    See :mod:`~celery_echomq.stored`. ``kinds`` empty: every child's is a whole payload.
+    See :mod:`~celery_echomq.store.codec`. ``kinds`` empty: every child's is a whole payload.
     """
 
     parent: bytes

@@ -232,4 +232,5 @@ def same_but_id(options: dict[str, Any], other: dict[str, Any]) -> bool:
 
 
 def _without(options: dict[str, Any], name: str) -> dict[str, Any]:
+    """``options`` less ``name``: a template's key leaves out what each message sets itself."""
     return {k: v for k, v in options.items() if k != name} if name in options else options

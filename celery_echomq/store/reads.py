@@ -79,7 +79,7 @@ def locate(state: EchoMQ, job_id: str, queue: str | None = None, *, verify: bool
     (a child has no locator).
 
     ``verify``: trust ``queue`` and the locator only where the job's row exists (what the CLI
-    and :mod:`~celery_echomq.views` read), and tell an expired flow from an unknown one.
+    and :mod:`~celery_echomq.ops.views` read), and tell an expired flow from an unknown one.
     Raises :class:`UnknownFlowError` when nothing is found.
     """
     check_id(job_id)

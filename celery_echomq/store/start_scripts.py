@@ -52,7 +52,7 @@ class StartScripts(ScriptsBase):
 
         ``template``: kept on the parent's row; ``kinds``: a character per child, ``d`` where
         its value is a delta against ``template``, ``p`` where it is a whole payload (empty:
-        every value is a payload). See :mod:`~celery_echomq.stored`. ``policy``: kept on the
+        every value is a payload). See :mod:`~celery_echomq.store.codec`. ``policy``: kept on the
         parent's row ('' writes none, which reads as ``fail``). ``locator_ttl``: also write the
         parent's locator (a key of another slot: not on a Redis Cluster), with this TTL in
         seconds; ``register``: queue names to add to the registry of queues (also a key of
@@ -107,7 +107,7 @@ class StartScripts(ScriptsBase):
         template: Value = b"",
     ) -> int:
         """Hold the parent for the chunked path; ``template``: kept on its row, for the
-        deltas add_children writes on its slot (see :mod:`~celery_echomq.stored`)."""
+        deltas add_children writes on its slot (see :mod:`~celery_echomq.store.codec`)."""
         row = self.keys.job_key(queue, parent_id)
         keys = [
             row,

@@ -68,7 +68,7 @@ def fire_all(state: EchoMQ, queues: Iterable[str], batch: int = BATCH) -> list[s
 
 def fire_steps(state: EchoMQ, queues: Iterable[str], batch: int = BATCH) -> list[Step]:
     """Fire every due deadline of ``queues`` (the scripts are what "on time" means); what
-    follows each is returned, for :func:`~.fire.finish`."""
+    follows each is returned, for :func:`~.deadlines.finish`."""
     steps = []
     for queue, parent_id, _ in due_entries(state, queues, batch):
         try:

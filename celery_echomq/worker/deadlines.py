@@ -55,13 +55,6 @@ class Step:
     local: list[str]
 
 
-def fire_due(state: EchoMQ, queue: str, parent_id: str) -> str | None:
-    """Fire ``parent_id``'s due deadline on ``queue`` and do what follows: one line for the
-    log when it acted, else None (early, moot, already handled by another worker)."""
-    step = fire_one(state, queue, parent_id)
-    return finish(state, [step])[0] if step is not None else None
-
-
 def finish(state: EchoMQ, steps: list[Step]) -> list[str]:
     """What follows the deadlines ``steps`` fired: each one's failure or dispatch, then one
     revoke of every child they cut, then their index entries ended."""
