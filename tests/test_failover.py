@@ -816,12 +816,22 @@ def crash_under(
     replica.config_set("masterauth", "partitioned")
     primary.client_kill_filter(_type="replica")
     time.sleep(cut_for)
+
+    def in_flight_now() -> int:
+        return sum(
+            1
+            for r in list(traffic.sent)
+            if r["error"] is None and not AsyncResult(r["id"], app=proj.app).ready()
+        )
+
+    # The kill must find flows in flight: on a loaded machine the traffic may lag, so the
+    # cut lasts (up to 5 s more) until one is.
+    waited_until = time.monotonic() + 5.0
+    in_flight = in_flight_now()
+    while not in_flight and time.monotonic() < waited_until:
+        time.sleep(0.05)
+        in_flight = in_flight_now()
     at_kill = len(traffic.sent)
-    in_flight = sum(
-        1
-        for r in list(traffic.sent)
-        if r["error"] is None and not AsyncResult(r["id"], app=proj.app).ready()
-    )
     behind = int(primary.info("replication")["master_repl_offset"]) - int(
         replica.info("replication")["slave_repl_offset"]
     )
