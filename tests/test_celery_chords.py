@@ -847,12 +847,11 @@ def test_chord__mutable_errback_called_by_chord_from_group(
         run(chord_sig, how_w).get(timeout=TIMEOUT)
     await_count(store, expected_redis_key, 1)
 
-    fail_sig = proj.fail.s().set(task_id=job_id())
+    fail_sig = proj.fail.s()
+    fail_sig_id = fail_sig.freeze().id
     chord_sig = flow(group(proj.identity.si(42), fail_sig), (proj.identity.si(42),))
     chord_sig.link_error(errback.s())
-    # A flow's link_error runs once, with the flow's id, whatever part of its parent failed
-    # (Celery links it to each task of a chain or group body: the failed task's id).
-    expected_redis_key = keys(chord_sig.freeze().id)
+    expected_redis_key = keys(fail_sig_id)
     with canvas_parent_failed():
         run(chord_sig, how_w).get(timeout=TIMEOUT)
     await_count(store, expected_redis_key, 1)
@@ -884,9 +883,8 @@ def test_chord__immutable_errback_called_by_chord_from_group_fail_multiple(
     chord_sig.link_error(proj.redis_count.si(redis_key=redis_key))
     with canvas_parent_failed():  # Error propagates from body group
         run(chord_sig, how_w).get(timeout=TIMEOUT)
-    # Once (Celery: once per failing task of the group body, as each carries the errback): a
-    # flow's link_error runs once whatever part of it failed.
-    await_count(store, redis_key, 1)
+    # Once per failing task in the flow's parent since it is a group
+    await_count(store, redis_key, fail_task_count)
 
 
 @pytest.mark.parametrize("errback_task", ["errback_old_style", "errback_new_style"])
@@ -914,18 +912,17 @@ def test_chord__mutable_errback_called_by_chord_from_group_fail_multiple_on_body
 ) -> None:
     """Ports test_chord::test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure."""  # noqa: E501
     fail_task_count = 42
-    fail_sigs = tuple(proj.fail.s().set(task_id=job_id()) for _ in range(fail_task_count))
-    fail_sig_ids = [keys(s.options["task_id"]) for s in fail_sigs]
+    fail_sigs = tuple(proj.fail.s() for _ in range(fail_task_count))
+    fail_sig_ids = tuple(keys(s.freeze().id) for s in fail_sigs)
     child_sig = group(*(proj.identity.si(42) for _ in range(8)), *fail_sigs)
     chord_sig = flow(child_sig, (proj.identity.si(42),))
     chord_sig.link_error(getattr(proj, errback_task).s())
-    expected_redis_key = keys(chord_sig.freeze().id)
     with canvas_parent_failed():
         run(chord_sig, how_w).get(timeout=TIMEOUT)
-    # Celery calls it once per failing task of the group body, each under its own id; a flow's
-    # link_error runs once, with the flow's id.
-    await_count(store, expected_redis_key, 1)
-    assert not any(store.exists(fail_sig_id) for fail_sig_id in fail_sig_ids)
+    # Once per failing task in the flow's parent since it is a group, each task having its
+    # own id
+    for i, fail_sig_id in enumerate(fail_sig_ids):
+        await_count(store, fail_sig_id, 1, timeout=TIMEOUT if i == 0 else 0)
 
 
 def test_chord__chord_header_task_replaced_with_chain(proj: Any, how: str) -> None:
