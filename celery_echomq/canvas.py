@@ -258,11 +258,17 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         shape, fan = self.shape()
         if task_id is not None and shape is not self and "_shape" not in self.__dict__:
             shape, fan = _shaped(self.clone(task_id=task_id))
+        # The callbacks it is sent with, and its own: a frozen shape was made before any
+        # linked since (chord.link_error after freeze() still reaches the body).
+        sent = {
+            name: merge_callbacks(self.options.get(name), options.get(name))
+            for name in CALLBACKS
+            if name in self.options or name in options
+        }
         merged = {**shape.options, **options}
-        for name in CALLBACKS:
-            if name in shape.options and name in options:
-                merged[name] = merge_callbacks(shape.options[name], options[name])
-        shape = with_errbacks(shape, options.get("link_error"))
+        for name, value in sent.items():
+            merged[name] = merge_callbacks(shape.options.get(name), value)
+        shape = with_errbacks(shape, sent.get("link_error"))
         if task_id is not None:
             merged["task_id"] = task_id
         for name in ("producer", "connection", "add_to_parent"):

@@ -141,7 +141,7 @@ def apply_flow(
                 k: merge_callbacks(own[k], merged[k]) for k in CALLBACKS if k in own and k in merged
             },
         }
-        sig = with_errbacks(sig, options.get("link_error"))
+        sig = with_errbacks(sig, merged.get("link_error"))
         partial = () if sig.immutable else (*tuple(args or ()), *sig.args)
         # The same ids, gates and policy checks as on a worker; the plan is then only read.
         plan = plan_flow(
