@@ -68,7 +68,10 @@ def check_id(job_id: object) -> str:
 def row_id(job_id: object) -> str:
     """The id that names ``job_id``'s keys, gated: a ``JOB`` id as it is, a Celery uuid ``u``
     as ``JOB`` + ``u`` (never the form of an id a flow makes itself, ``JOB`` + hex)."""
-    text = check_id(job_id)
+    return _row(check_id(job_id))
+
+
+def _row(text: str) -> str:
     return text if text.startswith(KIND) else KIND + text
 
 
@@ -98,11 +101,11 @@ def check_queue(queue: object) -> str:
 
 
 def check_unique(ids: Iterable[str]) -> None:
-    """Every id names a row of its own: the same id twice, or a uuid beside ``JOB`` + that
-    uuid (one row), is refused."""
+    """Every id (gated already) names a row of its own: the same id twice, or a uuid beside
+    ``JOB`` + that uuid (one row), is refused."""
     seen: dict[str, str] = {}
     for job_id in ids:
-        row = row_id(job_id)
+        row = _row(job_id)
         if row in seen:
             first = seen[row]
             if first == job_id:
