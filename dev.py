@@ -1,11 +1,24 @@
 #!/usr/bin/env python3
 """One entry point for a fresh machine with only Python 3: makes .venv, installs, runs.
 
-python3 dev.py quickstart   # a real flow on an embedded redis-server and a real worker
-python3 dev.py test [ARGS]  # the test suite (ARGS go to pytest)
-python3 dev.py test --fast  # the fast tier: no worker subprocess (canvas and policies on an
-                            # in-process worker), under two minutes
-python3 dev.py bench [ARGS] # the flow vs chord vs group benchmark
+python3 dev.py quickstart       # a real flow on an embedded redis-server and a real worker
+python3 dev.py test             # the fast tier, then a smoke of each concern on real workers
+python3 dev.py test --fast      # the fast tier alone: no worker subprocess, under a minute
+python3 dev.py test --all       # everything: the fast tier, then every test that runs real
+                                # worker subprocesses (what CI runs)
+python3 dev.py test ARGS        # one pytest run of what ARGS select, on real workers
+                                # (tests/test_cli.py, -k policies, -m faults, -m "not slow")
+python3 dev.py test --all ARGS  # ARGS added to each run of a tier (--fast ARGS too)
+python3 dev.py lint             # ruff check, ruff format --check, mypy --strict
+python3 dev.py bench [ARGS]     # the flow vs chord vs group benchmark
+
+The fast tier is every test not marked e2e, with the canvas and policy tests' worker on an
+in-process worker (ECHOMQ_TEST_WORKER=inprocess). The smoke is the tests marked smoke: a few
+per concern, each on real `celery worker` subprocesses. tests/conftest.py assigns the markers
+(e2e, smoke, slow, faults, browser, result_path). A tier's runs are spread over pytest-xdist
+processes, each with its own redis-server and workers (ECHOMQ_TEST_PROCESSES: how many);
+with ECHOMQ_TEST_REDIS_URL (one Redis for everything) they run in one process. A command that
+runs no test at all fails (pytest's exit status 5).
 """
 
 from __future__ import annotations
@@ -25,6 +38,14 @@ EXTRAS = {
     "test": "test,lint",
     "bench": "test",
     "lint": "test,lint,dashboard",
+}
+NO_TESTS = 5  # pytest's exit status when it collected or selected nothing
+# The tiers: (title, marker expression, the fast tier's in-process worker) for each run.
+FAST = ("the fast tier: no worker subprocess", "not e2e", True)
+TIERS = {
+    "": [FAST, ("a smoke of each concern on real workers", "e2e and smoke", False)],
+    "--fast": [FAST],
+    "--all": [FAST, ("every test on real workers", "e2e", False)],
 }
 
 
@@ -53,8 +74,62 @@ def ensure(extras: str) -> None:
     stamp.touch()
 
 
-def run(args: list[str]) -> int:
-    return subprocess.run(args, cwd=ROOT).returncode
+def run(args: list[str], env: dict[str, str] | None = None) -> int:
+    return subprocess.run(args, cwd=ROOT, env=env).returncode
+
+
+def processes(args: list[str]) -> list[str]:
+    """pytest-xdist's options for a tier's run: two processes per core (most of a
+    real-worker test is waiting), unless ARGS choose (-n, -p no:xdist) or every test shares
+    one Redis (ECHOMQ_TEST_REDIS_URL), where the processes would empty each other's
+    databases."""
+    chosen = any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in args)
+    if chosen or "no:xdist" in args or os.environ.get("ECHOMQ_TEST_REDIS_URL"):
+        return []
+    count = os.environ.get("ECHOMQ_TEST_PROCESSES") or str(2 * (os.cpu_count() or 1))
+    # Tests of one module stay in one process: a module's fixtures (a cluster, a Sentinel
+    # set-up, a pair of workers) start once.
+    return ["-n", count, "--dist", "loadscope"]
+
+
+def test(rest: list[str]) -> int:
+    tier = next((flag for flag in TIERS if flag and flag in rest), "" if not rest else None)
+    if tier is None:  # ARGS alone: one run of what they select, every tier
+        return verdict([run([str(PY), "-m", "pytest", *rest])])
+    args, own = marker_expression([a for a in rest if a not in TIERS])
+    codes = []
+    for title, marks, in_process in TIERS[tier]:
+        if own:  # the tier's selection, narrowed by ARGS' own -m
+            marks = f"({marks}) and ({own})"
+        print(f"== {' '.join(['dev.py test', tier]).strip()}: {title}: -m '{marks}'", flush=True)
+        env = dict(os.environ)
+        if in_process:
+            env["ECHOMQ_TEST_WORKER"] = "inprocess"
+        command = [str(PY), "-m", "pytest", "-m", marks, *processes(args), *args]
+        codes.append(run(command, env))
+    return verdict(codes)
+
+
+def marker_expression(args: list[str]) -> tuple[list[str], str]:
+    """ARGS without their ``-m EXPR``, and EXPR ('' when none)."""
+    rest, own = [], ""
+    items = iter(args)
+    for arg in items:
+        if arg == "-m":
+            own = next(items, "")
+        elif arg.startswith("-m") and not arg.startswith("--"):
+            own = arg[2:].lstrip("=")
+        else:
+            rest.append(arg)
+    return rest, own
+
+
+def verdict(codes: list[int]) -> int:
+    """The first failure; a run that selected nothing counts only when no run ran a test."""
+    if all(code == NO_TESTS for code in codes):
+        print("dev.py: no test ran (pytest exit status 5): that is a failure", flush=True)
+        return NO_TESTS
+    return next((code for code in codes if code not in (0, NO_TESTS)), 0)
 
 
 def main(argv: list[str]) -> int:
@@ -66,11 +141,7 @@ def main(argv: list[str]) -> int:
     if command == "quickstart":
         return run([str(PY), "examples/quickstart.py", *rest])
     if command == "test":
-        if "--fast" in rest:
-            rest = [arg for arg in rest if arg != "--fast"]
-            os.environ["ECHOMQ_TEST_WORKER"] = "inprocess"
-            return run([str(PY), "-m", "pytest", "-m", "not e2e", *rest])
-        return run([str(PY), "-m", "pytest", *rest])
+        return test(rest)
     if command == "bench":
         return run([str(PY), "benchmarks/bench.py", *rest])
     code = run([str(PY), "-m", "ruff", "check", "."])

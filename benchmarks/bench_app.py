@@ -26,7 +26,7 @@ ENV_READY = "ECHOMQ_BENCH_READY_FILE"
 # as benchmarks/tracing_cost.py's workers have them).
 ENV_OTEL = "ECHOMQ_BENCH_OTEL"
 # The flow store shares the result backend's database: then a flow job's completion writes its
-# result too (celery_echomq/results.py).
+# result too (celery_echomq/store/results.py).
 BROKER_DB, BACKEND_DB, STORE_DB = 0, 1, 1
 
 app = Celery("bench_app")

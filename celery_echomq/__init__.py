@@ -97,6 +97,7 @@ def install(app: Any) -> EchoMQ:
     """
     from celery_echomq.send.tasks import register_tasks
     from celery_echomq.worker import (
+        checks,  # noqa: F401 - registers the worker's echomq_clock
         signals,
         unrevoke,  # noqa: F401 - registers the worker's echomq_unrevoke
     )

@@ -14,8 +14,10 @@ from celery_echomq.result import FlowResult
 from celery_echomq.send.children import child_signatures
 from celery_echomq.send.errbacks import give_errbacks, with_errbacks
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
-from celery_echomq.send.plan import check_depth, check_policy, plan_flow, too_deep
-from celery_echomq.send.shapes import CALLBACKS, FLOW_TASK, merge_callbacks, normal_flow
+from celery_echomq.send.jobs import check_policy
+from celery_echomq.send.plan import check_depth, plan_flow, too_deep
+from celery_echomq.send.shapes import FLOW_TASK, normal_flow
+from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.start import start_flow
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec, stamp
 from celery_echomq.store.headers import H_QUEUE

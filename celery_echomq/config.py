@@ -151,6 +151,42 @@ def parse_sentinel_url(url: str, setting: str = "echomq_redis_url") -> SentinelU
     )
 
 
+def parse_cluster_url(
+    url: str, setting: str = "echomq_redis_url"
+) -> tuple[str, list[tuple[str, int]]]:
+    """A ``redis+cluster://[user:password@]host:port[,host:port...][?options]`` URL as the
+    ``redis://`` URL of its first seed node (credentials and options with it) and the
+    ``(host, port)`` of the others.
+
+    redis-py's ``RedisCluster`` asks its startup nodes, in turn, who serves what: with several
+    seeds, a client still finds the cluster when a seed is down (a master lost, not yet
+    replaced, or a node removed)."""
+    rest = url[len("redis+cluster://") :]
+    path = ""
+    for mark in "/?":
+        if mark in rest:
+            index = rest.index(mark)
+            rest, path = rest[:index], rest[index:] + path
+    userinfo, _, hosts = rest.rpartition("@")
+    names = [h.strip() for h in hosts.split(",") if h.strip()]
+    if not names:
+        raise ConfigError(f"{setting}={safe_url(url)!r} names no cluster node")
+    seeds: list[tuple[str, int]] = []
+    for name in names:
+        parts = urlsplit(f"redis://{name}")
+        try:
+            port = parts.port or 6379
+        except ValueError:
+            raise ConfigError(
+                f"{setting}={safe_url(url)!r}: the port of {name!r} is not a number"
+            ) from None
+        if not parts.hostname:
+            raise ConfigError(f"{setting}={safe_url(url)!r}: {name!r} names no host")
+        seeds.append((parts.hostname, port))
+    credentials = f"{userinfo}@" if userinfo else ""
+    return f"redis://{credentials}{names[0]}{path}", seeds[1:]
+
+
 def _transport_options(conf: Any, url_setting: str, url: str) -> dict[str, Any]:
     name = OPTIONS_OF[url_setting]
     raw = conf.get(name) or {}
@@ -164,6 +200,8 @@ def _transport_options(conf: Any, url_setting: str, url: str) -> dict[str, Any]:
                 + "; ".join(f"{k} ({v})" for k, v in TRANSPORT_OPTIONS.items())
             )
     options = {k: v for k, v in raw.items() if k in TRANSPORT_OPTIONS}
+    if url.startswith("redis+cluster://"):
+        parse_cluster_url(url, url_setting)
     if url.startswith("sentinel://"):
         parse_sentinel_url(url, url_setting)
         master = options.get("master_name")

@@ -17,7 +17,8 @@ while it runs. ``add_children`` works while the parent waits (from a child's bod
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,8 @@ from celery_echomq.send.plan import (
     plan_flow,
     too_deep,
 )
-from celery_echomq.send.shapes import CALLBACKS, expand, merge_callbacks
+from celery_echomq.send.shapes import expand, is_linked, nested_chain
+from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
 from celery_echomq.store import reads
 from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
@@ -68,7 +70,10 @@ class Growing:
             )
         added = Plan(queue=self.plan.queue, parent_id=self.plan.parent_id, parent={})
         # Added children take no partial arguments, as on a worker.
-        sigs = expand(list(sigs), self.app)
+        # A chain of tasks among them is held step by step, as on a worker (see grow.py).
+        sigs = [
+            nested_chain(s, self.app) if is_linked(s) else s for s in expand(list(sigs), self.app)
+        ]
         plan_children(self.app, added, sigs, shared={"queue": self.plan.queue})
         listed = {cid for _, cid, _, _, _ in self.entries}
         fresh: list[str] = []
@@ -192,17 +197,19 @@ def _run(
     }
     parent_res: Any = None
     silent = set(plan.silent)
+    root = str(plan.parent["options"].get("root_id") or plan.parent_id)
 
     def run_parent() -> Any:
         values = fanin.released_values([cid for cid in child_ids if cid not in silent])
         reads.EAGER[plan.parent_id] = fanin
         try:
-            return sig.parent.apply(
-                tuple(parent_args({"args": [], "single": plan.single}, values)),
-                task_id=plan.parent_id,
-                throw=False,
-                **parent_options,
-            )
+            with under_root(root):
+                return sig.parent.apply(
+                    tuple(parent_args({"args": [], "single": plan.single}, values)),
+                    task_id=plan.parent_id,
+                    throw=False,
+                    **parent_options,
+                )
         finally:
             reads.EAGER.pop(plan.parent_id, None)
 
@@ -248,13 +255,15 @@ def _run(
             i += 1
             token = CURRENT.set(plan.parent_id)
             try:
-                res = _run_child(app, child, job, c_args, c_kwargs, cid, seen)
+                res = _run_child(app, child, job, c_args, c_kwargs, cid, seen, root)
             finally:
                 CURRENT.reset(token)
             ok, data = _outcome(res)
+            # A chain's failure is its failed step's, named by its own id (as on a worker).
+            settled = cid if ok or "steps" not in job else str(res.id)
             # A child still running when the deadline passed finishes and is recorded.
             cut = passed([cid])
-            if fanin.settle(cid, ok, data, child.options.get("parent_policy")):
+            if fanin.settle(settled, ok, data, child.options.get("parent_policy")):
                 parent_res = run_parent()
             if cut:
                 break
@@ -285,14 +294,65 @@ def _run_child(
     kwargs: dict[str, Any],
     cid: str,
     seen: dict[str, FanIn],
+    root: str,
 ) -> Any:
+    if "steps" in job:
+        with under_root(root):
+            return _run_steps(child, job, partial, kwargs)
     if is_flow(child):
         inner_partial = () if child.immutable else (*partial, *child.args)
         inner = Plan.from_dict(job["nested"])
         inner_opts = {k: v for k, v in child.options.items() if k in ("link", "link_error")}
         return _run(app, child, inner, inner_partial, kwargs, inner_opts, seen)
     run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
-    return run.apply(task_id=cid, throw=False)
+    with under_root(root):
+        return run.apply(task_id=cid, throw=False)
+
+
+class _Lineage:
+    """What ``Task.apply`` reads of the task it runs under: its request's ids."""
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+
+
+@contextmanager
+def under_root(root: str) -> Iterator[None]:
+    """Run an eager job with its flow's root as its ``request.root_id``, as on a worker.
+
+    ``Task.apply`` takes ``root_id`` and ``parent_id`` from the task on top of Celery's task
+    stack, and has no option for them: a stand-in carrying the flow's root and the id of the
+    task beneath (the caller, if any: the job's ``parent_id`` stays what it was) is on top
+    while ``apply`` starts. It says it is eager, so ``current_worker_task`` passes over it.
+    """
+    from celery._state import _task_stack
+    from celery.app.task import Context
+
+    below = getattr(_task_stack.top, "request", None)
+    caller = getattr(below, "id", None)
+    _task_stack.push(_Lineage(Context(id=caller, root_id=root, is_eager=True)))
+    try:
+        yield
+    finally:
+        _task_stack.pop()
+
+
+def _run_steps(
+    chain: Any, job: dict[str, Any], partial: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """A linked chain's steps, one after another in a loop (no recursion, whatever its
+    length), each given the value of the one before: the last step's result, or the result
+    of the step that failed (the chain's failure, as on a worker)."""
+    res: Any = None
+    for i, (step, planned) in enumerate(zip(chain.tasks, job["steps"], strict=True)):
+        if i == 0:
+            run = step.clone(args=partial, kwargs=kwargs) if partial or kwargs else step
+        else:
+            run = step if step.immutable else step.clone(args=(res.result,))
+        res = run.apply(task_id=planned["options"]["task_id"], throw=False)
+        if res.state != states.SUCCESS:
+            break
+    return res
 
 
 def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None:

@@ -166,13 +166,17 @@ class ReplicationError(EchoMQError):
 
     The transition was applied on the primary (it is not taken back) but may not survive a
     failover; if a failover loses it, recovery repairs it as it repairs a crashed worker.
-    ``acked`` is how many replicas acknowledged it, ``wanted`` the setting.
+    ``acked`` is how many replicas acknowledged it, ``wanted`` the setting; ``reply`` the
+    script's own reply (what the primary did).
     """
 
-    def __init__(self, message: str = "", acked: int = 0, wanted: int = 0) -> None:
+    def __init__(
+        self, message: str = "", acked: int = 0, wanted: int = 0, reply: object = None
+    ) -> None:
         super().__init__(message, acked, wanted)
         self.acked = acked
         self.wanted = wanted
+        self.reply = reply
 
     def __str__(self) -> str:
         return str(self.args[0])

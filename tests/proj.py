@@ -33,6 +33,7 @@ app.conf.update(
     broker_connection_retry_on_startup=True,
     result_expires=3600,
     result_extended=os.environ.get("ECHOMQ_T_RESULT_EXTENDED") == "1",
+    worker_send_task_events=os.environ.get("ECHOMQ_T_EVENTS") == "1",
 )
 if os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess":
     # The fast tier's in-process worker shares this process: results still awaited when the
@@ -273,13 +274,14 @@ def sleep_then_boom(seconds: float, message: str = "boom") -> None:
     raise ValueError(message)
 
 
-# Crash points for tests/test_recovery.py: with ECHOMQ_T_DIE_AT=dispatch (parent_failed, credit)
-# a pool process SIGKILLs itself where a worker publishes the parent its child just released
-# (records the parent its child just failed, credits a child staged in its queue's outbox on
-# its parent's slot): a worker dying between two steps of the protocol.
+# Crash points for tests/test_recovery.py: with ECHOMQ_T_DIE_AT=dispatch (parent_failed, credit,
+# publish_step) a pool process SIGKILLs itself where a worker publishes the parent its child
+# just released (records the parent its child just failed, credits a child staged in its
+# queue's outbox on its parent's slot, publishes the chain's step its step just made
+# pending): a worker dying between two steps of the protocol.
 # The worker's main process, where recovery runs, goes through unharmed.
 _DIE_AT = os.environ.get("ECHOMQ_T_DIE_AT", "")
-if _DIE_AT in ("dispatch", "parent_failed", "credit"):
+if _DIE_AT in ("dispatch", "parent_failed", "credit", "publish_step"):
     import logging
     import signal as _signal
 
@@ -556,6 +558,18 @@ def flow_add_eager(x: int, y: int) -> Any:
     """Celery's ``chord_add``: apply a flow from inside a task; its value, read without
     ``get()`` (which a task may not call, on an eager result as on any)."""
     return celery_echomq.flow(tsum.s(), [add.s(x, x), add.s(y, y)]).apply_async().result
+
+
+# --- Tasks of tests/test_lineage.py -------------------------------------------------------------
+
+
+@app.task(bind=True)
+def flow_of_ids(self: Any, how: str) -> Any:
+    """Start ``flow(collect_ids(i=0), [ids(i=1), ids(i=2)])`` from inside this task (``how``:
+    ``apply``, eagerly, or ``apply_async``): its value (eager) or its id, and this task's own
+    root."""
+    res = getattr(celery_echomq.flow(collect_ids.s(i=0), [ids.si(i=1), ids.si(i=2)]), how)()
+    return (res.result if how == "apply" else res.id), self.request.root_id
 
 
 if os.environ.get("ECHOMQ_T_OTEL_FILE") or os.environ.get("ECHOMQ_T_OTEL_NULL"):

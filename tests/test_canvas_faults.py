@@ -92,6 +92,12 @@ def logged(worker: Any, text: str, timeout: float = 30) -> None:
     wait_for(lambda: text in worker.output(), timeout=timeout)
 
 
+def given(store: Any, queue: str, step: str) -> Any:
+    """The value a linked chain's step was given by the step before it (its row's input)."""
+    raw = store.hget(f"emq:{{{queue}}}:{step}", "input")
+    return None if raw is None else json.loads(raw)
+
+
 def fan_in(proj: Any, queue: str, step: str) -> tuple[Any, dict[str, Any]]:
     """What a step's own held row counted: its dependencies and the values it got."""
     return (
@@ -108,13 +114,20 @@ def echomq(*args: str) -> Result:
 
 
 def show_json(job_id: str) -> dict[str, Any]:
+    """``show --json`` of ``job_id``, each nested flow (one line with its counts in its outer
+    flow's page) opened with a ``show --json`` of its own, as a person would."""
     out = echomq("show", "--json", job_id)
     assert out.exit_code == 0, out.output
-    return dict(json.loads(out.stdout))
+    node = dict(json.loads(out.stdout))
+    node["children"] = [show_json(c["id"]) if c["flow"] else c for c in node["children"]]
+    return node
 
 
 def shape(node: dict[str, Any]) -> Any:
-    """``(id, state, [children...])`` of a shown tree: what it nests, and where each job is."""
+    """``(id, state, [children...])`` of a shown tree: what it nests, and where each job is; a
+    linked chain child is ``(id, [(step id, state), ...])``."""
+    if node.get("steps"):
+        return (node["id"], [(step["id"], step["state"]) for step in node["steps"]])
     return (node["id"], node["state"], [shape(c) for c in node["children"]])
 
 
@@ -127,7 +140,8 @@ def test_each_step_of_a_chain_child_is_counted_once_despite_duplicate_deliveries
 ) -> None:
     # Every step sends its own message again once (same id, same headers): the copy arrives
     # after the step completed ("after": a second later), or while it may still run
-    # ("racing"). The copy's body never runs, and the step's held row counts it once.
+    # ("racing"). The copy's body never runs, and the step's row makes the next one pending
+    # once.
     tag, (s1, s2, s3, other) = uuid.uuid4().hex, jobs(4)
     countdown = 1.0 if when == "after" else 0.0
     w = start_worker(queues=queue, concurrency=2 if when == "after" else 3)
@@ -150,11 +164,11 @@ def test_each_step_of_a_chain_child_is_counted_once_despite_duplicate_deliveries
     assert counters(store, queue).get("duplicates_skipped") == 3
     assert counters(store, queue).get("republished", 0) == 0
 
-    # The fan-ins: the flow counted its two children once, each step its one step once.
+    # The flow counted its two children once; each step was given its step's value once.
     assert res.dependencies() == (0, 2, 0, 0)
     assert res.children_values() == {s3: 1111, other: 2}
-    assert fan_in(proj, queue, s2) == ((0, 1, 0, 0), {s1: 11})
-    assert fan_in(proj, queue, s3) == ((0, 1, 0, 0), {s2: 111})
+    assert given(store, queue, s2) == 11
+    assert given(store, queue, s3) == 111
     assert runs(store, f"collect:{tag}") == 1
 
 
@@ -177,7 +191,7 @@ def test_a_chain_step_whose_pool_process_died_is_redelivered_and_counted_once(
     pid = int(store.get(f"test:pid:{s2}"))
     assert pid in w.pool_pids()
     assert state_of(store, queue, s2) == "active"
-    assert state_of(store, queue, s3) == "awaiting_children"  # held on the step that hangs
+    assert state_of(store, queue, s3) == "waiting"  # until the step that hangs completes
     first_token = row(store, queue, s2)["token"]
     os.kill(pid, signal.SIGKILL)
 
@@ -189,8 +203,7 @@ def test_a_chain_step_whose_pool_process_died_is_redelivered_and_counted_once(
     assert [row(store, queue, s)["attempts"] for s in (s1, s3)] == ["1", "1"]
     assert res.dependencies() == (0, 2, 0, 0)
     assert res.children_values() == {s3: 9, other: 1}
-    assert fan_in(proj, queue, s2) == ((0, 1, 0, 0), {s1: 3})
-    assert fan_in(proj, queue, s3) == ((0, 1, 0, 0), {s2: 3})
+    assert (given(store, queue, s2), given(store, queue, s3)) == (3, 3)
     assert runs(store, f"collect:{tag}") == 1
 
 
@@ -211,7 +224,7 @@ def test_worker_killed_mid_chain_step_the_step_is_republished(
     res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
     wait_for(lambda: store.exists(f"test:pid:{s2}"), timeout=60)
     assert state_of(store, queue, s2) == "active"
-    assert state_of(store, queue, s3) == "awaiting_children"
+    assert state_of(store, queue, s3) == "waiting"
     # SIGKILL the whole worker: the step's message was acked on receipt, so it is gone.
     first.kill()
 
@@ -220,9 +233,8 @@ def test_worker_killed_mid_chain_step_the_step_is_republished(
     logged(second, f"re-published {s2} (its holder's lease lapsed; result backend: PENDING)")
     assert deliveries(store, s2) == 2
     assert row(store, queue, s2)["attempts"] == "2"
-    # Re-published with its value: the first step's, rebuilt from the step's own fan-in.
-    assert fan_in(proj, queue, s2) == ((0, 1, 0, 0), {s1: 3})
-    assert fan_in(proj, queue, s3) == ((0, 1, 0, 0), {s2: 3})
+    # Re-published with its value: the first step's, kept on the step's row.
+    assert (given(store, queue, s2), given(store, queue, s3)) == (3, 3)
     assert [row(store, queue, s)["attempts"] for s in (s1, s3)] == ["1", "1"]
     assert res.dependencies() == (0, 2, 0, 0)
     assert runs(store, f"collect:{tag}") == 1
@@ -314,14 +326,14 @@ def test_a_lost_message_inside_a_chain_parent_is_republished(
     assert fan_in(proj, queue, p3) == ((0, 1, 0, 0), {p2: 36})
 
 
-def test_steps_released_by_a_pool_process_that_died_before_dispatching_them_are_dispatched(
+def test_steps_made_pending_by_a_pool_process_that_died_before_publishing_them_run(
     proj: Any, store: Any, queue: str, start_worker: Any
 ) -> None:
-    # ECHOMQ_T_DIE_AT=dispatch: each pool process that releases a step (and, last, the flow's
-    # parent) SIGKILLs itself before publishing it. The worker's recovery dispatches each
-    # released step from its row, with its value, once its stall timeout has passed.
+    # ECHOMQ_T_DIE_AT=publish_step: each pool process whose step completion made the next step
+    # pending SIGKILLs itself before publishing it. The worker's recovery re-publishes each
+    # such step from its row, with its input, once its message is seen gone.
     tag, (s1, s2, s3, other) = uuid.uuid4().hex, jobs(4)
-    w = start_worker(queues=queue, extra_env=fast_recovery(ECHOMQ_T_DIE_AT="dispatch"))
+    w = start_worker(queues=queue, extra_env=fast_recovery(ECHOMQ_T_DIE_AT="publish_step"))
     steps = chain(
         proj.add.s(1, 2).set(task_id=s1),
         proj.add.s(10).set(task_id=s2),
@@ -330,12 +342,11 @@ def test_steps_released_by_a_pool_process_that_died_before_dispatching_them_are_
     kids = [steps, proj.add.s(0, 1).set(task_id=other)]
     res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
     assert res.get(timeout=120) == {"values": [169, 1], "tag": tag}
-    logged(w, "killed itself at dispatch")
-    for step in (s2, s3, res.id):
-        logged(w, f"dispatched parent {step} (released")
+    logged(w, "killed itself at publish_step")
+    for step in (s2, s3):
+        logged(w, f"re-published {step} of parent {res.id}")
         assert row(store, queue, step)["attempts"] == "1"
-    assert fan_in(proj, queue, s2) == ((0, 1, 0, 0), {s1: 3})
-    assert fan_in(proj, queue, s3) == ((0, 1, 0, 0), {s2: 13})
+    assert (given(store, queue, s2), given(store, queue, s3)) == (3, 13)
     assert res.dependencies() == (0, 2, 0, 0)
     assert runs(store, f"collect:{tag}") == 1
 
@@ -399,13 +410,14 @@ def test_revoke_a_flow_with_unfinished_chain_children_cancels_every_step(
     proj: Any, store: Any, queue: str, side: str, start_worker: Any, layout: str
 ) -> None:
     # Two chain children: in the first, its first step runs (blocked on a gate) and the two
-    # after it are held; in the second, its first step is done, its second (a released step)
-    # runs, blocked on the gate, and the third is held. "steps_on_two_queues": each chain's
+    # after it wait; in the second, its first step is done, its second runs, blocked on the
+    # gate, and the third waits. "steps_on_two_queues": each chain's
     # second step is routed to another queue (as chains route their steps), its row on that
     # queue's slot.
     t, gate = uuid.uuid4().hex, f"test:gate:{uuid.uuid4().hex}"
     a1, a2, a3, b1, b2, b3 = jobs(6)
     second_queue = side if layout == "steps_on_two_queues" else queue
+    linked = layout == "one_queue"  # a chain of tasks on one queue's slot is linked
     w = start_worker(queues=f"{queue},{side}", concurrency=2)
     try:
         first = chain(
@@ -428,32 +440,50 @@ def test_revoke_a_flow_with_unfinished_chain_children_cancels_every_step(
 
         wait_for(lambda: states("a1", "b2") == {"a1": "active", "b2": "active"}, timeout=60)
 
-        # show: each chain child is a nest of its steps, the last step outermost.
         tree = show_json(res.id)
-        assert shape(tree) == (
-            res.id,
-            "awaiting_children",
-            [
-                (a3, "awaiting_children", [(a2, "awaiting_children", [(a1, "active", [])])]),
-                (b3, "awaiting_children", [(b2, "active", [(b1, "done", [])])]),
-            ],
-        )
-        b2_node = tree["children"][1]["children"][0]
-        assert b2_node["children"][0]["value"] == 4  # b2's own fan-in counted b1's value
-        text = echomq("show", a3)
-        assert text.exit_code == 0, text.output
-        lines = text.stdout.splitlines()
-        assert lines[0].startswith(f"flow {a3}  tests.proj.collect  awaiting_children")
-        assert f"parent={res.id}" in lines[0]
-        assert lines[1].startswith(f"└─ flow {a2}  tests.proj.collect  awaiting_children")
-        assert lines[2].startswith(f"   └─ {a1}  tests.proj.gated  active  attempts=1")
+        if linked:
+            # show: each chain child lists its steps, in order, and where each stands.
+            assert shape(tree) == (
+                res.id,
+                "awaiting_children",
+                [
+                    (a3, [(a1, "active"), (a2, "waiting"), (a3, "waiting")]),
+                    (b3, [(b1, "done"), (b2, "active"), (b3, "waiting")]),
+                ],
+            )
+            b_chain = tree["children"][1]
+            assert b_chain["running_step"] == 2 and b_chain["chain_state"] == "active"
+            assert b_chain["steps"][0]["value"] == 4  # b1's value, given to b2
+        else:
+            # Steps on two queues' slots: each chain child is a nest of its steps, the last
+            # step outermost.
+            assert shape(tree) == (
+                res.id,
+                "awaiting_children",
+                [
+                    (a3, "awaiting_children", [(a2, "awaiting_children", [(a1, "active", [])])]),
+                    (b3, "awaiting_children", [(b2, "active", [(b1, "done", [])])]),
+                ],
+            )
+            b2_node = tree["children"][1]["children"][0]
+            assert b2_node["children"][0]["value"] == 4  # b2's own fan-in counted b1's value
+            text = echomq("show", a3)
+            assert text.exit_code == 0, text.output
+            lines = text.stdout.splitlines()
+            assert lines[0].startswith(f"flow {a3}  tests.proj.collect  awaiting_children")
+            assert f"parent={res.id}" in lines[0]
+            assert lines[1].startswith(f"└─ flow {a2}  tests.proj.collect  awaiting_children")
+            assert len(lines) == 2  # a nested flow: one line with its counts until opened
+            every = echomq("show", a3, "--all").stdout.splitlines()
+            assert every[1].startswith(f"├─ flow {a2}  tests.proj.collect  awaiting_children")
+            assert every[2].startswith(f"│  ├─ {a1}  tests.proj.gated  active  attempts=1")
 
         res.revoke()
         with pytest.raises(FlowCancelled):
             res.get(timeout=30)
         steps = ("flow", "a1", "a2", "a3", "b2", "b3")
         assert states(*steps, "b1") == {**dict.fromkeys(steps, "cancelled"), "b1": "done"}
-        # A held step is a flow of its own: cancelled, its get() says so too.
+        # A step that will never run (held, or waiting): cancelled, its get() says so too.
         for step in (a3, a2, b3):
             with pytest.raises(FlowCancelled):
                 AsyncResult(step, app=proj.app).get(timeout=30)
@@ -466,13 +496,23 @@ def test_revoke_a_flow_with_unfinished_chain_children_cancels_every_step(
         for name in (t, f"{t}-a2", f"{t}-a3", f"{t}-b3"):
             assert runs(store, f"collect:{name}") == 0, name
         after = show_json(res.id)
-        assert shape(after) == (
-            res.id,
-            "cancelled",
-            [
-                (a3, "cancelled", [(a2, "cancelled", [(a1, "cancelled", [])])]),
-                (b3, "cancelled", [(b2, "cancelled", [(b1, "done", [])])]),
-            ],
-        )
+        if linked:
+            assert shape(after) == (
+                res.id,
+                "cancelled",
+                [
+                    (a3, [(a1, "cancelled"), (a2, "cancelled"), (a3, "cancelled")]),
+                    (b3, [(b1, "done"), (b2, "cancelled"), (b3, "cancelled")]),
+                ],
+            )
+        else:
+            assert shape(after) == (
+                res.id,
+                "cancelled",
+                [
+                    (a3, "cancelled", [(a2, "cancelled", [(a1, "cancelled", [])])]),
+                    (b3, "cancelled", [(b2, "cancelled", [(b1, "done", [])])]),
+                ],
+            )
     finally:
         store.set(gate, 1)

@@ -187,10 +187,13 @@ def test_show_lists_a_chain_childs_steps_inside_it(proj: Any, worker: Any) -> No
     res = sig.apply_async()
     assert res.get(timeout=60) == 8
     lines = wait_for(lambda: _show_done(res.id))
-    step = next(line for line in lines if second.options["task_id"] in line)
-    below = lines[lines.index(step) + 1]
-    assert "tests.proj.square  done" in step and "value=4" in step
-    assert f"{first.options['task_id']}  tests.proj.add  done" in below and "value=2" in below
+    head = next(line for line in lines if f"chain {second.options['task_id']}" in line)
+    one, two = lines[lines.index(head) + 1 : lines.index(head) + 3]
+    assert "2 steps  done" in head and "value=4" in head
+    assert f"step 1/2  {first.options['task_id']}  tests.proj.add  done" in one
+    assert "args=(1, 1)" in one and "value=2" in one
+    assert f"step 2/2  {second.options['task_id']}  tests.proj.square  done" in two
+    assert "args=(2,)" in two and "value=4" in two
 
 
 def _show_done(job_id: str) -> list[str] | None:

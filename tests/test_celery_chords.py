@@ -43,7 +43,7 @@ import redis
 from celery import chain, group, signature, states
 from celery.canvas import _chain
 
-from celery_echomq import DepthError, FlowExistsError, FlowFailed, flow
+from celery_echomq import FlowExistsError, FlowFailed, flow
 
 TIMEOUT = 30
 # What FlowFailed's message carries for a child that ran ``fail``: its ``ExcType: message``
@@ -1772,23 +1772,13 @@ def test_group__nested_group_chord_counting_simple(proj: Any, how: str) -> None:
     assert run(group((child_chord,)), how).get(timeout=TIMEOUT) == [[42]]
 
 
-def _max_depth(proj: Any) -> int:
-    """The most flow levels a tree may have (echomq_max_depth): each step of a chain after the
-    first is one, so a chain child of that many steps is the deepest a flow takes."""
-    return int(proj.app.conf.get("echomq_max_depth") or 32)
-
-
 def test_group__nested_group_chord_counting_chain(proj: Any, how: str) -> None:
     """Ports test_group::test_nested_group_chord_counting_chain."""
-    # Celery's chain has 42 steps: deeper than a flow tree may be (echomq_max_depth, 32 by
-    # default), refused before anything is sent. The deepest chain allowed is counted instead.
-    too_deep = flow(proj.identity.s(), (chain((proj.identity.si(1337),) * 42),))
-    with pytest.raises(DepthError):
-        run(group((too_deep,)), how)
-    gchild_count = _max_depth(proj)
+    gchild_count = 42
     gchild_sig = chain((proj.identity.si(1337),) * gchild_count)
     child_chord = flow(proj.identity.s(), (gchild_sig,))
-    assert run(group((child_chord,)), how).get(timeout=TIMEOUT) == [[1337]]
+    group_sig = group((child_chord,))
+    assert run(group_sig, how).get(timeout=TIMEOUT) == [[1337]]
 
 
 def test_group__nested_group_chord_counting_group(proj: Any, how: str) -> None:
@@ -1810,13 +1800,11 @@ def test_group__nested_group_chord_counting_chord(proj: Any, how: str) -> None:
 def test_group__nested_group_chord_counting_mixed(proj: Any, how: str) -> None:
     """Ports test_group::test_nested_group_chord_counting_mixed."""
     gchild_count = 42
-    # The chain child has as many steps as a flow tree may have levels (Celery's: 42; see
-    # test_group__nested_group_chord_counting_chain).
     child_chord = flow(
         proj.identity.s(),
         (
             proj.identity.si(42),
-            chain((proj.identity.si(42),) * _max_depth(proj)),
+            chain((proj.identity.si(42),) * gchild_count),
             group((proj.identity.si(42),) * gchild_count),
             flow(proj.identity.si(1337), (proj.identity.si(42),) * gchild_count),
         ),

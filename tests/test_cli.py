@@ -456,7 +456,8 @@ def test_forget_deletes_every_key_of_a_finished_flow(
 
     out = echomq("forget", res.id)
     assert out.exit_code == 0, out.output
-    assert out.stdout.strip() == f"forgot flow {res.id}: 4 job(s), 7 key(s) deleted"
+    # 4 rows, the counter, the values, the index of children by position, the locator.
+    assert out.stdout.strip() == f"forgot flow {res.id}: 4 job(s), 8 key(s) deleted"
     assert [flow_keys(store, job_id) for job_id in ids] == [[], [], [], []]
     again = echomq("show", res.id)
     assert again.exit_code == 1 and f"no job '{res.id}' in Redis" in again.stderr
@@ -634,13 +635,19 @@ def test_show_indents_a_nested_flow(
     res = flow(proj.tsum.s(), [inner, proj.add.s(10, 10)]).apply_async()
     assert settle(res) == 26
 
+    # A nested flow is one line with its own counts until it is opened.
     lines = echomq("show", res.id).stdout.splitlines()
-    assert len(lines) == 5
+    assert len(lines) == 3
     assert lines[1].startswith(f"├─ flow {jid(inner)}  tests.proj.tsum  done")
-    assert "value=6" in lines[1] and "done=2/2" in lines[1]
-    assert lines[2].startswith("│  ├─ JOB") and "value=2" in lines[2]
-    assert lines[3].startswith("│  └─ JOB") and "value=4" in lines[3]
-    assert lines[4].startswith("└─ JOB") and "value=20" in lines[4]
+    assert "value=6" in lines[1] and "done=2/2" in lines[1] and "outstanding=0" in lines[1]
+    assert lines[2].startswith("└─ JOB") and "value=20" in lines[2]
+    # --all opens it, its children under it, every level read a page at a time.
+    every = echomq("show", res.id, "--all").stdout.splitlines()
+    assert len(every) == 5
+    assert every[1].startswith(f"├─ flow {jid(inner)}  tests.proj.tsum  done")
+    assert every[2].startswith("│  ├─ JOB") and "value=2" in every[2]
+    assert every[3].startswith("│  ├─ JOB") and "value=4" in every[3]
+    assert every[4].startswith("├─ JOB") and "value=20" in every[4]
 
     # The nested flow on its own: its root line names the flow it belongs to.
     inner_lines = echomq("show", jid(inner)).stdout.splitlines()

@@ -143,6 +143,20 @@ def test_same_queue_flow_on_cluster(
     assert {node_of(cluster, key) for key in keys} == {tag_node(cluster, queues.parent)}
 
 
+def test_a_deadline_fires_on_cluster(
+    proj: Any, on_cluster: EchoMQ, cluster: RedisCluster, queues: Queues
+) -> None:
+    """The workers' deadline poller reads the cluster (TIME, then every queue's index): the
+    flow is released at its deadline with the values so far, long before its slow child."""
+    kids = [proj.add.s(1, 1), proj.sleep_then.s(5, 30)]
+    res = flow(proj.tsum.s(), kids, deadline=1.5, on_deadline="continue").apply_async(
+        queue=queues.parent
+    )
+    assert res.get(timeout=20) == 2
+    row = cluster.hgetall(f"emq:{{{queues.parent}}}:{res.id}")
+    assert row[b"released_by"] == b"deadline"
+
+
 def test_cross_queue_flow_on_cluster_credits_across_nodes(
     proj: Any, on_cluster: EchoMQ, cluster: RedisCluster, queues: Queues
 ) -> None:
@@ -276,6 +290,8 @@ def test_cli_show_stats_and_forget_on_cluster(
         (queues.a, "done", 2),
         (queues.parent, "done", 4),
     }
+    # A recovery pass reads the cluster (TIME on its own, not in a pipeline): nothing is due.
+    assert run("recover") == {"repairs": []}
     listed = {row["queue"] for row in run("stats")["queues"]}
     assert {queues.parent, queues.a} <= listed
     forgotten = run("forget", res.id)

@@ -673,3 +673,28 @@ def test_the_flow_page_is_rendered_on_the_server_with_only_the_allowed_buttons(
     assert buttons(done.id) == []
     unknown = httpx.get(f"{site.url}/flows/JOBnosuchflow")
     assert unknown.status_code == 404 and "never started, or expired" in unknown.text
+
+
+def test_the_live_tree_lists_a_chain_childs_steps_and_the_one_that_runs(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any
+) -> None:
+    from celery import chain
+
+    site = serve()
+    steps = chain(proj.add.s(1, 1), proj.gated.s(gate), proj.add.s(1))
+    sig = flow(proj.tsum.s(), [steps])
+    sig.freeze()
+    first, running, last = (str(t.options["task_id"]) for t in steps.tasks)
+    res = sig.apply_async()
+    wait_for(lambda: state_of(store, running) == "active", timeout=30)
+    page = httpx.get(f"{site.url}/flows/{res.id}/live")
+    assert page.status_code == 200
+    html = page.text
+    assert "chain of 3 steps, step 2 runs" in html
+    # The steps in order, each with its state.
+    at = [html.index(f'id="job-{sid}"') for sid in (first, running)]
+    assert at == sorted(at)
+    for sid, step_state in ((first, "done"), (running, "active"), (last, "waiting")):
+        assert f'id="job-{sid}" data-state="{step_state}"' in html
+    store.set(gate, 1)
+    assert res.get(timeout=60) == 3

@@ -446,3 +446,34 @@ def test_children_on_another_queue_are_cut_on_their_own_slot(
     assert store.zscore(f"emq:{{{other}}}:pending", far_id) is None
     assert res.failed_children()[far_id].startswith("FlowDeadlineExceeded: ")
     store.set(gate, 1)
+
+
+def test_a_deadline_cuts_a_chain_childs_step_not_started_and_a_retry_runs_the_chain(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    from celery import chain
+    from celery.bin.celery import celery as celery_main
+    from click.testing import CliRunner
+
+    t, gate = tag(), f"gate:{tag()}"
+    # The two gated children hold both pool slots: the chain's first step waits in the queue.
+    steps = chain(proj.add.s(10, 1), proj.add.s(10), proj.add.s(100))
+    f = flow(proj.collect.s(tag=t), [*_blocked(proj, gate, n_waiting=0), steps], deadline=1)
+    f.freeze()
+    first, second, last = (str(s.options["task_id"]) for s in steps.tasks)
+    res = f.apply_async()
+    with pytest.raises(FlowDeadlineExceeded) as info:
+        res.get(timeout=30)
+    assert first in info.value.outstanding
+    assert row(store, first)["state"] == "cancelled" and row(store, first)["cut"] == "deadline"
+    assert row(store, second)["state"] == "waiting" and row(store, last)["state"] == "waiting"
+    store.set(gate, 1)
+    wait_for(lambda: sorted(res.children_values().values()) == [1, 2])
+    out = CliRunner().invoke(
+        celery_main, ["-A", "tests.proj", "echomq", "retry", res.id, "--deadline", "30"]
+    )
+    assert out.exit_code == 0, out.output
+    # The cut step runs now, then the steps after it: the chain's value is its last step's.
+    fresh = type(res)(res.id, app=proj.app)
+    assert fresh.get(timeout=30) == {"values": [1, 2, 121], "tag": t}
+    assert [row(store, s)["attempts"] for s in (first, second, last)] == ["1", "1", "1"]

@@ -172,9 +172,18 @@ def test_a_flow_at_the_depth_limit_runs(proj: Any, worker: Any, how: str) -> Non
     assert res.get(timeout=60) == 2
 
 
-def test_a_chain_child_longer_than_the_depth_limit_is_refused(proj: Any, worker: Any) -> None:
+def test_a_chain_child_of_tasks_counts_as_no_level(proj: Any, worker: Any) -> None:
+    # echomq_max_depth counts flow nesting: a chain of tasks of any length is one child.
     steps = chain(proj.add.s(0, 1), *[proj.add.s(1) for _ in range(40)])
-    with pytest.raises(DepthError, match="a chain's steps count as levels"):
+    assert flow(proj.tsum.s(), [steps]).apply_async().get(timeout=60) == 41
+
+
+def test_a_chain_child_with_a_flow_among_its_steps_counts_each_step_as_a_level(
+    proj: Any, worker: Any
+) -> None:
+    inner = flow(proj.tsum.s(), [proj.add.s(1, 1)])
+    steps = chain(inner, *[proj.add.s(1) for _ in range(40)])
+    with pytest.raises(DepthError, match="each step of a chain with a group, chord or flow"):
         flow(proj.tsum.s(), [steps]).apply_async()
 
 
@@ -269,7 +278,6 @@ def test_an_id_names_one_job_across_queues(
     taken = job_id()
     first = flow(proj.tsum.s(), [proj.add.s(1, 1).set(task_id=taken)])
     assert first.apply_async().get(timeout=60) == 2
-    time.sleep(1.1)  # the store's queues, as the producer reads them at most once a second
     again = proj.add.s(2, 2).set(task_id=taken, queue=other)
     if how == "apply_async":
         parent = proj.tsum.s().set(task_id=job_id(), queue=other)
@@ -286,6 +294,60 @@ def test_an_id_names_one_job_across_queues(
         finally:
             store.set(gate, 1)
     assert not store.exists(f"emq:{{{other}}}:{taken}")
+
+
+@pytest.mark.parametrize("path", ["one_step", "chunked", "wide"])
+def test_two_flows_made_at_once_on_two_new_queues_never_share_an_id(
+    proj: Any, store: redis.Redis, own_queue: Any, path: str
+) -> None:
+    """Back to back, on two queues the store has never seen: the second flow naming a child
+    id of the first is refused, whichever path it takes (its enqueue script checks every
+    queue itself, or its ids are claimed first), and writes nothing."""
+    first_q, second_q = own_queue("new-a"), own_queue("new-b")
+    shared = job_id()
+    first = flow(proj.tsum.s(), [proj.add.s(1, 1).set(task_id=shared)]).apply_async(queue=first_q)
+    kids = [proj.add.s(2, 2).set(task_id=shared)]
+    if path == "chunked":  # a child on a third queue: open_flow, add_children, seal_flow
+        kids.append(proj.add.s(3, 3).set(task_id=job_id(), queue=own_queue("new-c")))
+    if path == "wide":  # too many ids x queues for its script to check: the host checks
+        kids += [proj.add.s(i, i) for i in range(999)]  # 1000 children, one enqueue_flow
+    parent = proj.tsum.s().set(task_id=job_id(), queue=second_q)
+    with pytest.raises(FlowExistsError, match=f"already exists in Redis, on queue '{first_q}'"):
+        flow(parent, kids).apply_async(queue=second_q)
+    assert store.keys(f"*{parent.options['task_id']}*") == []
+    assert not store.exists(f"emq:{{{second_q}}}:{shared}")
+    assert not store.exists(f"emq:id:{{{shared}}}")  # no claim left behind
+    # The first flow keeps its child.
+    assert store.hget(f"emq:{{{first_q}}}:{shared}", "parent") == first.id.encode()
+    # The same flow without the shared id lands, and leaves no claim behind.
+    again = flow(proj.tsum.s(), [*kids[1:], proj.add.s(5, 5)]).apply_async(queue=second_q)
+    assert store.hget(f"emq:{{{second_q}}}:{again.id}", "state") == b"awaiting_children"
+    landed = json.loads(store.hget(f"emq:{{{second_q}}}:{again.id}", "payload"))["children"]
+    assert len(landed) == len(kids)
+    assert not any(store.exists(f"emq:id:{{{i}}}") for i in [again.id, *landed])
+
+
+@pytest.mark.parametrize("path", ["one_step", "chunked"])
+def test_an_id_claimed_by_an_enqueue_in_flight_on_another_queue_is_refused(
+    proj: Any, store: redis.Redis, own_queue: Any, path: str
+) -> None:
+    """Another producer has claimed an id for its queue and not landed yet (its claim key,
+    as send/ids.py sets it): a flow on another queue naming that id is refused."""
+    elsewhere, queue = own_queue("inflight-a"), own_queue("inflight-b")
+    shared = job_id()
+    store.set(f"emq:id:{{{shared}}}", elsewhere, ex=60)
+    kids = [proj.add.s(2, 2).set(task_id=shared)]
+    if path == "chunked":
+        kids.append(proj.add.s(3, 3).set(task_id=job_id(), queue=own_queue("inflight-c")))
+    parent = proj.tsum.s().set(task_id=job_id(), queue=queue)
+    try:
+        with pytest.raises(FlowExistsError, match=f"on queue '{elsewhere}'"):
+            flow(parent, kids).apply_async(queue=queue)
+        assert store.keys(f"*{parent.options['task_id']}*") == []
+        assert not store.exists(f"emq:{{{queue}}}:{shared}")
+        assert store.get(f"emq:id:{{{shared}}}") == elsewhere.encode()  # not ours to drop
+    finally:
+        store.delete(f"emq:id:{{{shared}}}")
 
 
 def test_a_worker_reading_another_store_says_so(

@@ -8,6 +8,7 @@ at run time (a lazy import) still fails here.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "celery_echomq"
@@ -135,3 +136,111 @@ def test_no_lua_run_is_written_twice() -> None:
     assert repeated == [], "Lua runs written twice (move them to lua/includes/): " + "; ".join(
         repeated[:5]
     )
+
+
+# --- Names in the prose: every module a docstring, a comment or a doc names exists ----------
+
+REPO = PACKAGE.parent
+# Where the package's modules are named: its own source, the docs, and the code around it
+# (but this file, which names missing ones on purpose).
+PROSE = sorted(
+    path
+    for path in [
+        *PACKAGE.rglob("*.py"),
+        *(REPO / "docs").glob("*.md"),
+        REPO / "README.md",
+        *(REPO / "tests").glob("*.py"),
+        *(REPO / "examples").glob("*.py"),
+        *(REPO / "benchmarks").glob("*.py"),
+        REPO / "dev.py",
+    ]
+    if path != Path(__file__).resolve()
+)
+DOTTED = re.compile(r"(?<![\w.])celery_echomq(?:\.\w+)+")
+ROLE = re.compile(r":(?:mod|func|class|meth|attr|data|exc|obj):`~?(\.?[\w.]+)`")
+PATH = re.compile(r"(?<![\w/])celery_echomq/[\w/]+\.(?:py|lua)\b")
+
+
+def top_level_names(name: str) -> set[str]:
+    """What ``import`` of module ``name`` would define: its functions, classes, assigned names
+    and imported names (a package's also its submodules)."""
+    found = {sub.rpartition(".")[2] for sub in MODULES if sub.rpartition(".")[0] == name}
+    for node in ast.parse(MODULES[name].read_text(encoding="utf-8")).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            found.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update((a.asname or a.name).split(".")[0] for a in node.names)
+    return found
+
+
+def string_names() -> set[str]:
+    """Dotted names the package gives that are not modules: its tasks' and loggers' names,
+    each a string constant of its own in its source (``SPREAD_TASK = "celery_echomq.spread"``;
+    a docstring that mentions one is not such a constant)."""
+    return {
+        node.value
+        for path in MODULES.values()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Constant)
+        and isinstance(node.value, str)
+        and DOTTED.fullmatch(node.value)
+    }
+
+
+STRING_NAMES = string_names()
+
+
+def unresolved(ref: str) -> str | None:
+    """Why ``ref`` (``celery_echomq.x.y``) names nothing, or None: its longest prefix that is a
+    module must define the next part, if any."""
+    parts = ref.split(".")
+    for end in range(len(parts), 0, -1):
+        module = ".".join(parts[:end])
+        if module in MODULES:
+            rest = parts[end:]
+            if not rest or rest[0] in top_level_names(module):
+                return None
+            return f"{module} has no {rest[0]!r}"
+    return "no such module"
+
+
+def references(path: Path) -> list[tuple[str, str]]:
+    """``(name, where)`` for each module reference in ``path``: dotted names, Sphinx roles
+    (a relative ``:func:`~.sweep.run_pass``` read from the module's own package) and paths."""
+    text = path.read_text(encoding="utf-8")
+    where = str(path.relative_to(REPO))
+    found = [(ref.rstrip("."), where) for ref in DOTTED.findall(text)]
+    if path.suffix == ".py" and PACKAGE in path.parents:
+        name = module_name(path)
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found += [(package + ref, where) for ref in ROLE.findall(text) if ref.startswith(".")]
+    found += [(ref, where) for ref in PATH.findall(text)]
+    return found
+
+
+def test_the_reference_reader_finds_and_resolves_names() -> None:
+    # Guards the reader: a module, a name in one, a task name and a relative role resolve; a
+    # module that is gone and a missing name do not.
+    refs = {ref for path in PROSE for ref, _ in references(path)}
+    assert "celery_echomq.ops.views" in refs
+    assert "celery_echomq.worker.recovery.sweep.run_pass" in refs
+    assert unresolved("celery_echomq.ops.listing.read_flows") is None
+    assert unresolved("celery_echomq.add_children") is None
+    assert "celery_echomq.spread" in STRING_NAMES
+    assert unresolved("celery_echomq.views") == "celery_echomq has no 'views'"
+    assert unresolved("celery_echomq.ops.views.no_such_read") is not None
+
+
+def test_every_module_a_docstring_or_doc_names_exists() -> None:
+    stale = []
+    for path in PROSE:
+        for ref, where in references(path):
+            if "/" in ref:
+                if not (REPO / ref).exists():
+                    stale.append(f"{where}: {ref} (no such file)")
+            elif ref not in STRING_NAMES and (why := unresolved(ref)):
+                stale.append(f"{where}: {ref} ({why})")
+    assert stale == [], "names of modules that do not exist:\n" + "\n".join(sorted(set(stale)))

@@ -78,8 +78,9 @@ class RedisClusterServer(ServerBase):
         return [node.port for node in self.nodes]
 
     def url(self) -> str:
-        """The ``echomq_redis_url`` for this cluster (any one node; the client finds the rest)."""
-        return f"redis+cluster://127.0.0.1:{self.nodes[0].port}"
+        """The ``echomq_redis_url`` for this cluster: every node a seed, so that a client
+        finds it whichever node is down."""
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{port}" for port in self.ports)
 
     def start(self) -> RedisClusterServer:
         import redis

@@ -11,10 +11,12 @@ its ``parent_policy``, as a failure (``FlowCancelled``). A parent already releas
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 from celery_echomq import tracing
 from celery_echomq.errors import FlowCancelled
+from celery_echomq.ops.pages import child_positions
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
 from celery_echomq.store.replies import Status
@@ -54,6 +56,60 @@ def where_children(state: EchoMQ, queue: str, children: list[str]) -> dict[str, 
     return found
 
 
+def with_steps(
+    state: EchoMQ, children: list[str], where: dict[str, str]
+) -> tuple[list[str], list[str]]:
+    """``children`` with the steps of each linked chain among them before it (its last
+    step's ``steps``), each step found where its chain is: cancel reaches the one that runs
+    and those that wait. And the ids of every chain's steps, its last included."""
+    found = [cid for cid in children if cid in where]
+    pipe = state.client.pipeline(transaction=False)
+    for cid in found:
+        pipe.hget(state.keys.job_key(where[cid], cid), "steps")
+    listed = dict(zip(found, pipe.execute(), strict=True))
+    out: list[str] = []
+    every: list[str] = []
+    for cid in children:
+        steps = text(listed.get(cid) or "").split()
+        every += steps
+        for step in steps[:-1]:
+            where[step] = where[cid]
+            out.append(step)
+        out.append(cid)
+    return out, every
+
+
+def _never_started(state: EchoMQ, where: dict[str, str], ids: list[str]) -> list[str]:
+    """Of the cancelled steps ``ids``, those no delivery ever claimed: they will never run, so
+    their results say so (REVOKED), as a cancelled held parent's do."""
+    if not ids:
+        return []
+    pipe = state.client.pipeline(transaction=False)
+    for sid in ids:
+        pipe.hget(state.keys.job_key(where[sid], sid), "attempts")
+    return [sid for sid, n in zip(ids, pipe.execute(), strict=True) if n == b"0"]
+
+
+def _stored_job(state: EchoMQ, queue: str, parent_id: str) -> Any:
+    """The parent's stored job, without its children's ids where its row keeps a ``head``
+    (what the chunked path writes: a huge flow's payload is not read whole)."""
+    row = state.keys.job_key(queue, parent_id)
+    raw = state.client.hget(row, "head") or state.client.hget(row, "payload")
+    return state.loads(raw) if raw else None
+
+
+def _chunks(state: EchoMQ, queue: str, parent_id: str, chunk: int) -> Iterator[list[str]]:
+    """The parent's children's ids, ``chunk`` at a time, from its index by position."""
+    part: list[str] = []
+    for cid, _ in child_positions(state, queue, parent_id, batch=chunk):
+        part.append(cid)
+        if len(part) == chunk:
+            yield part
+            part = []
+    if part:
+        yield part
+
+
 def _by_queue(where: dict[str, str], ids: Iterable[str]) -> dict[str, list[str]]:
     groups: dict[str, list[str]] = {}
     for cid in ids:
@@ -70,46 +126,83 @@ def cancel_flow(
     ``settle``: a nested flow cancelled on its own (not as part of its outer flow's cancel)
     counts as a failed child of its outer flow. Returns what was revoked (empty when nothing
     was outstanding).
+
+    The children are read from the parent's index and cancelled a chunk
+    (``echomq_chunk_size``) per script call, whatever the flow's size: the parent with the
+    first chunk of its slot's children (``cancel``), then the rest (``cancel_elsewhere``). A
+    child that completes between two chunks is credited to a parent that no longer waits;
+    a crash between two leaves the parent cancelled and the rest outstanding, which a cancel
+    run again (the parent no longer waits: every outstanding child) finishes.
     """
-    client, ttl = state.client, state.settings.result_ttl
-    payload = client.hget(state.keys.job_key(queue, parent_id), "payload")
-    job = state.loads(payload) if payload else None
-    children: list[str] = list(job["children"]) if job else []
-    where = where_children(state, queue, children)
-    # Nested flows first, inner before outer: each is a flow of its own to cancel.
-    pipe = client.pipeline(transaction=False)
-    for cid in children:
-        if cid in where:
-            pipe.hget(state.keys.job_key(where[cid], cid), "state")
-            pipe.exists(state.keys.flow_keys(where[cid], cid)[0])
-    answers = iter(pipe.execute())
+    client, ttl, chunk = state.client, state.settings.result_ttl, state.settings.chunk_size
+    job = _stored_job(state, queue, parent_id)
     revoked: list[str] = []
     running: set[str] = set()
-    for cid in [c for c in children if c in where]:
-        child_state, nested = next(answers), next(answers)
-        if child_state == b"active":
-            running.add(cid)
-        if nested and child_state in (b"awaiting_children", b"pending"):
-            revoked += cancel_flow(state, where[cid], cid, terminate, settle=False)
-    local = [cid for cid in children if where.get(cid) == queue]
-    status, was, outstanding = state.scripts.cancel(queue, parent_id, local, ttl=ttl)
-    if status is Status.MISSING:
-        return revoked
-    cancelled = status is Status.CANCELLED
-    # Other slots' children; and, for a parent already released, its outstanding children
-    # on its own slot too (the cancel script stops none of them then).
-    rest = children if not cancelled else [cid for cid in children if where.get(cid) != queue]
-    for other, ids in _by_queue(where, rest).items():
-        outstanding += state.scripts.cancel_elsewhere(other, parent_id, ids, ttl=ttl, started=True)
+    # Nested flows first, inner before outer: each is a flow of its own to cancel.
+    for part in _chunks(state, queue, parent_id, chunk):
+        where = where_children(state, queue, part)
+        pipe = client.pipeline(transaction=False)
+        for cid in part:
+            if cid in where:
+                pipe.hget(state.keys.job_key(where[cid], cid), "state")
+                pipe.exists(state.keys.flow_keys(where[cid], cid)[0])
+        answers = iter(pipe.execute())
+        for cid in [c for c in part if c in where]:
+            child_state, nested = next(answers), next(answers)
+            if child_state == b"active":
+                running.add(cid)
+            if nested and child_state in (b"awaiting_children", b"pending"):
+                revoked += cancel_flow(state, where[cid], cid, terminate, settle=False)
+    status, was, outstanding, cancelled = Status.MISSING, Status.MISSING, [], False
+    opened = False
+    steps: list[tuple[str, str]] = []  # every linked chain's step, with where its row is
+    for n, part in enumerate(_chunks(state, queue, parent_id, chunk)):
+        opened = True
+        where = where_children(state, queue, part)
+        part, chain_steps = with_steps(state, part, where)
+        steps += [(sid, where[sid]) for sid in chain_steps if sid in where]
+        local = [cid for cid in part if where.get(cid) == queue]
+        if n == 0:
+            status, was, first = state.scripts.cancel(queue, parent_id, local, ttl=ttl)
+            if status is Status.MISSING:
+                return revoked
+            cancelled = status is Status.CANCELLED
+            outstanding += first
+            # Other slots' children; and, for a parent already released, its outstanding
+            # children on its own slot too (the cancel script stops none of them then).
+            rest = part if not cancelled else [cid for cid in part if where.get(cid) != queue]
+        else:
+            rest = part
+        for other, ids in _by_queue(where, rest).items():
+            outstanding += state.scripts.cancel_elsewhere(
+                other, parent_id, ids, ttl=ttl, started=True
+            )
+    if not opened:
+        # A flow of no children: the parent alone.
+        status, was, outstanding = state.scripts.cancel(queue, parent_id, [], ttl=ttl)
+        if status is Status.MISSING:
+            return revoked
+        cancelled = status is Status.CANCELLED
     # Without terminate a running child cannot be stopped, and its cancelled row already
     # turns any later delivery away: its id is not broadcast, since Celery's workers (5.6
     # and later) that do not run it would store REVOKED over the result it is about to store.
     to_revoke = [cid for cid in outstanding if terminate or cid not in running]
+    # A chain's step no delivery ever claimed gets its result here (REVOKED, FlowCancelled):
+    # its id is not broadcast either (a worker would store TaskRevokedError over it), and its
+    # cancelled row turns away any message of it still on its way.
+    cut = set(outstanding)
+    unstarted = _never_started(state, dict(steps), [sid for sid, _ in steps if sid in cut])
+    if unstarted:
+        quiet = set(unstarted)
+        to_revoke = [cid for cid in to_revoke if cid not in quiet]
     # A released parent's message is on its way: revoke it too, so it never runs.
     if cancelled and was is Status.PENDING:
         to_revoke.append(parent_id)
-    if to_revoke:
-        state.app.control.revoke(to_revoke, terminate=terminate)
+    for start in range(0, len(to_revoke), chunk):  # one broadcast per chunk of ids
+        state.app.control.revoke(to_revoke[start : start + chunk], terminate=terminate)
+    for sid in unstarted:
+        gone = FlowCancelled(f"flow {parent_id} was cancelled; its step {sid} will not run")
+        record_failure(state, sid, gone, None, call_errbacks=False, status="REVOKED")
     if not cancelled:
         if outstanding:
             logger.info(

@@ -11,6 +11,9 @@ status 1 and one line on stderr; an unreachable store is given up after ``--time
                     cancelled, 124 timed out)
     recover         one recovery pass (what the worker step runs periodically)
     stats           per queue: pending, active, held parents, failed
+    doctor          the deployment checked: memory policy, persistence, version, replicas,
+                    ACL, Cluster or Sentinel, the result backend's fast path, clocks (exit 1
+                    when any is wrong)
     forget JOBID    delete a finished flow's keys (--force for an unfinished one)
     cancel JOBID    cancel a flow: its parent will never run (revoke JOBID: the same)
     retry JOBID     run a flow failed under policy fail again (--child JOBID: one child)
@@ -26,7 +29,7 @@ import os
 
 import click
 
-from celery_echomq.ops import cli_repair, progress
+from celery_echomq.ops import cli_repair, doctor, progress
 from celery_echomq.ops.cli_common import (
     DEFAULT_TIMEOUT,
     cli_app,
@@ -36,9 +39,11 @@ from celery_echomq.ops.cli_common import (
     set_timeout,
 )
 from celery_echomq.ops.listing import MAX_LIMIT, STATES, queue_stats, read_flows
+from celery_echomq.ops.pages import FILTERS, MAX_PAGE, PAGE, read_flow
 from celery_echomq.ops.progress import render_progress
-from celery_echomq.ops.rendering import render_rows, render_tree
-from celery_echomq.ops.views import node_dict, read_tree, tree_json
+from celery_echomq.ops.rendering import render_rows, render_tree, show_every
+from celery_echomq.ops.views import node_dict, tree_json
+from celery_echomq.store.connection import describe
 
 __all__ = ["echomq", "node_dict", "render_progress", "render_tree"]
 
@@ -61,17 +66,51 @@ def echomq(ctx: click.Context, timeout: float) -> None:
 
 @echomq.command()
 @click.argument("job_id")
-@click.option("--json", "as_json", is_flag=True, help="Print the tree as JSON.")
+@click.option("--json", "as_json", is_flag=True, help="Print the flow as JSON.")
+@click.option(
+    "--state", "only", type=click.Choice(FILTERS), default=None,
+    help="Only the children in this state (failed: failed for good, under any policy).",
+)  # fmt: skip
+@click.option("--cursor", default=None, help="The next page: the cursor a page printed.")
+@click.option(
+    "--count", type=click.IntRange(1, MAX_PAGE), default=PAGE, show_default=True,
+    help="Children per page.",
+)  # fmt: skip
+@click.option(
+    "--all", "every", is_flag=True, help="Every child, read and printed a page at a time."
+)
 @click.pass_context
 @plain_errors
-def show(ctx: click.Context, job_id: str, as_json: bool) -> None:
-    """Show the flow under JOB_ID as a tree: states, arguments, runtimes, values, errors."""
-    node = read_tree(cli_state(ctx), job_id, with_times=True)
+def show(
+    ctx: click.Context,
+    job_id: str,
+    as_json: bool,
+    only: str | None,
+    cursor: str | None,
+    count: int,
+    every: bool,
+) -> None:
+    """Show the flow under JOB_ID: its parent, its counts and a page of its children (states,
+    arguments, runtimes, values, errors). A nested flow is one line with its own counts:
+    show it by its id. --all prints every child, a page at a time."""
+    state = cli_state(ctx)
+    node = read_flow(state, job_id, cursor=cursor, count=count, only=only, with_times=True)
+    if every:
+        show_every(state, node, only, count, as_json)
+        return
     if as_json:
         click.echo(tree_json(node))
         return
     for line in render_tree(node, color=True):
         click.echo(line)
+    page = node.page
+    if page is not None and page.next_cursor is not None:
+        state_opt = f" --state {page.only}" if page.only else ""
+        click.echo(f"more: echomq show {job_id}{state_opt} --cursor {page.next_cursor}")
+    more = page is not None and page.next_cursor is not None
+    if more and node.flow and (node.flow.failed or node.flow.ignored) and only is None:
+        failed = node.flow.failed + node.flow.ignored
+        click.echo(f"{failed} failed: echomq show {job_id} --state failed")
 
 
 @echomq.command(name="list")
@@ -177,6 +216,31 @@ def stats(ctx: click.Context, as_json: bool) -> None:
             f"{row.queue:<{width}}  {row.pending:>7}  {row.active:>6}  {row.held:>6}  "
             f"{row.failed:>6}  {row.republished:>11}  {row.skipped:>7}  {row.forged:>6}"
         )
+
+
+@echomq.command(name="doctor")
+@click.option("--json", "as_json", is_flag=True, help="Print the findings as JSON.")
+@click.pass_context
+@plain_errors
+def doctor_command(ctx: click.Context, as_json: bool) -> None:
+    """Check the deployment: one line per check, each wrong one with what to change.
+
+    The store's memory policy, persistence, server version, replicas against
+    echomq_min_replicas, the ACL user's rights, Cluster or Sentinel, whether the result
+    backend takes the fast path, and the clocks of this host and of every live worker against
+    the store's. Reads only. Exit status 1 when any check is wrong (a note is not).
+    """
+    state = cli_state(ctx)
+    findings = doctor.diagnose(doctor.read_facts(state))
+    report = doctor.as_json(describe(state.settings), findings)
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(f"flow store {report['store']}")
+        for finding in findings:
+            click.echo(finding.line())
+    if not report["ok"]:
+        ctx.exit(1)
 
 
 @echomq.command()

@@ -15,8 +15,9 @@ import click
 from celery_echomq.ops.cancel import cancel_flow
 from celery_echomq.ops.cli_common import cli_state, emit_json, plain_errors
 from celery_echomq.ops.forget import forget_flow
+from celery_echomq.ops.pages import MAX_PAGE, read_flow
 from celery_echomq.ops.rendering import render_tree
-from celery_echomq.ops.views import FINISHED, node_dict, read_tree, walk
+from celery_echomq.ops.views import FINISHED, node_dict
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
@@ -39,7 +40,7 @@ def forget(ctx: click.Context, job_id: str, force: bool, as_json: bool) -> None:
     released.
     """
     state = cli_state(ctx)
-    node = read_tree(state, job_id, with_result=False)
+    node = read_flow(state, job_id, count=1, with_result=False)
     if node.flow is None:
         hint = f"; forget its flow instead: echomq forget {node.parent}" if node.parent else ""
         raise click.ClickException(f"{job_id} is not a flow parent{hint}")
@@ -48,30 +49,32 @@ def forget(ctx: click.Context, job_id: str, force: bool, as_json: bool) -> None:
             f"flow {job_id} is nested in flow {node.parent}; forget {node.parent} instead "
             "(or pass --force)"
         )
-    running = [job.id for job in walk(node) if job.state not in FINISHED]
     if node.state not in FINISHED and not force:
+        left = node.flow.outstanding or 0
         raise click.ClickException(
-            f"flow {job_id} has not finished (parent {node.state}, {len(running)} job(s) "
-            "not finished); pass --force to forget it anyway"
+            f"flow {job_id} has not finished (parent {node.state}, {left} child(ren) "
+            "outstanding); pass --force to forget it anyway"
         )
-    deleted = forget_flow(state, node)
-    jobs = [job.id for job in walk(node)]
+    done = forget_flow(state, node)
     # An audit line: deleting a flow's keys by hand is worth a trace wherever logs are kept.
     logger.info(
         "echomq: flow %s forgotten (%d jobs, %d keys, %d unfinished)",
-        job_id, len(jobs), len(deleted), len(running),
+        job_id, len(done.jobs), len(done.keys), len(done.unfinished),
     )  # fmt: skip
     if as_json:
-        emit_json({"forgotten": job_id, "jobs": jobs, "unfinished": running, "keys": deleted})
+        emit_json(
+            {"forgotten": job_id, "jobs": done.jobs, "unfinished": done.unfinished,
+             "keys": done.keys}
+        )  # fmt: skip
         return
-    click.echo(f"forgot flow {job_id}: {len(jobs)} job(s), {len(deleted)} key(s) deleted")
-    if running:
-        click.echo(f"warning: {len(running)} job(s) had not finished", err=True)
+    click.echo(f"forgot flow {job_id}: {len(done.jobs)} job(s), {len(done.keys)} key(s) deleted")
+    if done.unfinished:
+        click.echo(f"warning: {len(done.unfinished)} job(s) had not finished", err=True)
 
 
 def _cancel(ctx: click.Context, job_id: str, terminate: bool, as_json: bool) -> None:
     state = cli_state(ctx)
-    before = read_tree(state, job_id, with_result=False)
+    before = read_flow(state, job_id, count=1, with_result=False)
     if before.flow is None:
         raise click.ClickException(f"{job_id} is not a flow parent")
     if before.finished:
@@ -79,12 +82,14 @@ def _cancel(ctx: click.Context, job_id: str, terminate: bool, as_json: bool) -> 
             f"flow {job_id} already finished ({before.state}); nothing to cancel"
         )
     cancel_flow(state, before.queue, job_id, terminate=terminate)
-    after = read_tree(state, job_id, with_result=False)
+    after = read_flow(state, job_id, with_result=False)
     if after.state != "cancelled":
         # The parent had already started: the flow is past cancelling; the parent is revoked
         # like any running task (--terminate: its process is signalled).
         state.app.control.revoke(job_id, terminate=terminate)
-    unfinished = [job.id for job in walk(after) if job.state not in FINISHED]
+    # The jobs still running (a page of them, and the parent if it had started).
+    running = read_flow(state, job_id, count=MAX_PAGE, only="active", with_result=False)
+    unfinished = ([] if after.finished else [job_id]) + [c.id for c in running.children]
     if as_json:
         emit_json({"cancelled": job_id, "state": after.state, "unfinished": unfinished})
         return
@@ -130,7 +135,7 @@ def revoke(ctx: click.Context, job_id: str, terminate: bool, as_json: bool) -> N
 
 def _report_repair(state: EchoMQ, job_id: str, outcome: Any, as_json: bool, summary: str) -> None:
     """What retry and release print: the outcome and the flow's tree as it now stands."""
-    after = read_tree(state, job_id, with_result=False)
+    after = read_flow(state, job_id, with_result=False)
     if as_json:
         emit_json({**dataclasses.asdict(outcome), "tree": node_dict(after)})
         return

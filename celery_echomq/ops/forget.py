@@ -1,8 +1,19 @@
-"""Forgetting a finished flow: deleting its keys before they expire (``echomq forget``)."""
+"""Forgetting a finished flow: deleting its keys before they expire (``echomq forget``).
+
+A flow of any size is deleted a chunk of children (``echomq_chunk_size``) at a time, read
+from its parent's index, each nested flow before the chunk that lists it, and its parent's
+own keys last: a forget cut short leaves the parent and what is left of its index, so the
+same forget run again finishes it. Big keys go with UNLINK (freed off Redis's main thread).
+"""
 
 from __future__ import annotations
 
-from celery_echomq.ops.views import JobNode, walk
+from dataclasses import dataclass, field
+
+from celery_echomq.ops.cancel import where_children
+from celery_echomq.ops.pages import child_positions
+from celery_echomq.ops.views import FINISHED, JobNode
+from celery_echomq.store.connection import text
 from celery_echomq.store.state import EchoMQ
 
 # The per-queue sorted sets that hold job ids: a forgotten job leaves every one of them.
@@ -12,42 +23,95 @@ from celery_echomq.store.state import EchoMQ
 JOB_SETS = ("pending", "active", "failed", "outbox", "open", "recent", "adding")
 
 
-def forget_flow(state: EchoMQ, node: JobNode) -> list[str]:
-    """Delete every key of the flow ``node`` heads; return the deleted keys.
+@dataclass
+class Forgotten:
+    """What a forget deleted: every job of the tree (parents before their children), those
+    not finished, and the keys that were there."""
 
-    Each queue's keys go in one MULTI (they share a slot); the locators live on other slots
-    (``emq:loc:{id}``), so they go after, one command each, which also works on a cluster.
+    jobs: list[str] = field(default_factory=list)
+    unfinished: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+
+
+def forget_flow(state: EchoMQ, node: JobNode) -> Forgotten:
+    """Delete every key of the flow ``node`` heads (nested flows too) and its locators.
+
+    Each chunk's keys on one queue go in one MULTI (they share a slot); the locators live on
+    other slots (``emq:loc:{id}``), so they go one command each, which works on a cluster.
     Ids leave the queue's state sets too, so ``stats`` and recovery stop seeing them.
     """
+    done = Forgotten()
+    _forget(state, node.queue, node.id, node.state, done)
+    return done
+
+
+def _forget(state: EchoMQ, queue: str, parent_id: str, parent_state: str, done: Forgotten) -> None:
     keys, client = state.keys, state.client
-    by_queue: dict[str, list[JobNode]] = {}
-    for job in walk(node):
-        by_queue.setdefault(job.queue, []).append(job)
-    deleted: list[str] = []
-    for queue, jobs in by_queue.items():
-        names: list[str] = []
-        for job in jobs:
-            names.append(keys.job_key(queue, job.id))
-            if job.flow is not None:
-                names.extend(keys.flow_keys(queue, job.id))
-                names.append(keys.settled_key(queue, job.id))
-                names.append(keys.adding_key(queue, job.id))
-        pipe = client.pipeline(transaction=True)
-        for name in names:
-            pipe.exists(name)  # to report only the keys that were there
-        pipe.delete(*names)
-        ids = [job.id for job in jobs]
-        for set_name in JOB_SETS:
-            pipe.zrem(keys.queue_key(queue, set_name), *ids)
-        held = sum(1 for job in jobs if job.flow is not None and job.state == "awaiting_children")
-        if held:
-            # A held parent forgotten (--force) leaves the queue's count of held parents.
-            pipe.hincrby(keys.queue_key(queue, "counters"), "held", -held)
-        existed = pipe.execute()[: len(names)]
-        deleted.extend(name for name, there in zip(names, existed, strict=True) if there)
-    for job in walk(node):
-        if job.flow is not None:
-            locator = keys.locator_key(job.id)
-            if client.delete(locator):
-                deleted.append(locator)
-    return deleted
+    done.jobs.append(parent_id)
+    if parent_state not in FINISHED:
+        done.unfinished.append(parent_id)
+    chunk = state.settings.chunk_size
+    part: list[str] = []
+    for cid, _ in child_positions(state, queue, parent_id, batch=chunk):
+        part.append(cid)
+        if len(part) == chunk:
+            _forget_children(state, queue, part, done)
+            part = []
+    if part:
+        _forget_children(state, queue, part, done)
+    names = [
+        keys.job_key(queue, parent_id),
+        *keys.flow_keys(queue, parent_id),
+        keys.settled_key(queue, parent_id),
+        keys.adding_key(queue, parent_id),
+        keys.children_key(queue, parent_id),
+        keys.failures_key(queue, parent_id),
+    ]
+    held = parent_state == "awaiting_children"
+    _delete(state, queue, names, [parent_id], held, done)
+    locator = keys.locator_key(parent_id)
+    if client.delete(locator):
+        done.keys.append(locator)
+
+
+def _forget_children(state: EchoMQ, queue: str, ids: list[str], done: Forgotten) -> None:
+    """One chunk of a parent's children: nested flows first (each a flow to forget), then
+    the plain children's rows, per queue."""
+    keys, client = state.keys, state.client
+    where = where_children(state, queue, ids)
+    pipe = client.pipeline(transaction=False)
+    found = [cid for cid in ids if cid in where]
+    for cid in found:
+        pipe.hget(keys.job_key(where[cid], cid), "state")
+        pipe.exists(keys.flow_keys(where[cid], cid)[0], keys.children_key(where[cid], cid))
+    answers = iter(pipe.execute())
+    plain: dict[str, list[str]] = {}
+    for cid in found:
+        child_state, nested = text(next(answers)) or "missing", next(answers)
+        if nested:
+            _forget(state, where[cid], cid, child_state, done)
+            continue
+        done.jobs.append(cid)
+        if child_state not in FINISHED:
+            done.unfinished.append(cid)
+        plain.setdefault(where[cid], []).append(cid)
+    for child_queue, cids in plain.items():
+        names = [keys.job_key(child_queue, cid) for cid in cids]
+        _delete(state, child_queue, names, cids, False, done)
+
+
+def _delete(
+    state: EchoMQ, queue: str, names: list[str], ids: list[str], held: bool, done: Forgotten
+) -> None:
+    keys = state.keys
+    pipe = state.client.pipeline(transaction=True)
+    for name in names:
+        pipe.exists(name)  # to report only the keys that were there
+    pipe.unlink(*names)
+    for set_name in JOB_SETS:
+        pipe.zrem(keys.queue_key(queue, set_name), *ids)
+    if held:
+        # A held parent forgotten (--force) leaves the queue's count of held parents.
+        pipe.hincrby(keys.queue_key(queue, "counters"), "held", -1)
+    existed = pipe.execute()[: len(names)]
+    done.keys.extend(name for name, there in zip(names, existed, strict=True) if there)

@@ -1,7 +1,7 @@
 """``celery echomq watch``: a flow's progress, read cheaply and often.
 
-:func:`read_progress` reads the states of a flow's direct children and its counter, without
-their values or payloads, so it can poll every half second; the command draws it as a bar.
+:func:`read_progress` reads a flow's counts (and a small flow's children's states), never its
+values or payloads, so it can poll every half second; the command draws it as a bar.
 """
 
 from __future__ import annotations
@@ -15,15 +15,8 @@ from dataclasses import dataclass
 import click
 
 from celery_echomq.ops.cli_common import cli_state, plain_errors
-from celery_echomq.ops.views import (
-    _ROW_FIELDS,
-    FINISHED,
-    MISSING,
-    _int,
-    _row,
-    _task_and_children,
-    json_default,
-)
+from celery_echomq.ops.pages import child_positions, read_flow
+from celery_echomq.ops.views import FINISHED, MISSING, json_default
 from celery_echomq.store.connection import text
 from celery_echomq.store.reads import locate, scan_queues
 from celery_echomq.store.state import EchoMQ
@@ -31,6 +24,8 @@ from celery_echomq.store.state import EchoMQ
 EXIT_FAILED = 1
 EXIT_TIMEOUT = 124  # what timeout(1) returns, so shell scripts can tell "still running"
 BAR_WIDTH = 30
+# The largest flow whose children's states watch reads one by one (one round trip).
+STATES_MAX = 1000
 
 
 @dataclass(frozen=True)
@@ -42,8 +37,8 @@ class Progress:
     total: int
     done: int
     failed: int
-    cancelled: int
-    active: int
+    cancelled: int | None  # None: not counted (a flow of more than STATES_MAX children)
+    active: int | None
     pending: int
     outstanding: int | None
     finished: bool  # the parent itself finished (done, failed or cancelled)
@@ -56,47 +51,75 @@ def read_progress(
     queue: str | None = None,
     child_queues: dict[str, str] | None = None,
 ) -> Progress:
-    """:func:`progress` without reading values or payloads of the children: for polling.
+    """Where ``job_id``'s children stand, read cheaply enough to poll: the counts of
+    :func:`~celery_echomq.ops.pages.read_flow` (one page's worth of commands, whatever the
+    flow's size) and, for a flow of at most :data:`STATES_MAX` children, each child's state
+    (how many are active, pending, cancelled); a larger flow leaves ``active`` and
+    ``cancelled`` unknown (None) and counts every outstanding child as ``pending``.
 
     ``child_queues`` (child id -> queue) is filled in and reused across calls, so a child that
     lives on another queue is searched for once, not on every poll.
     """
+    node = read_flow(state, job_id, queue=queue, count=1, with_result=False)
+    info = node.flow
+    parent_state = node.state
+    finished = parent_state in FINISHED
+    if info is None:
+        return Progress(job_id, parent_state, 0, 0, 0, 0, 0, 0, None, finished, node.error)
+    outstanding = info.outstanding
+    if info.total > STATES_MAX:
+        return Progress(
+            flow_id=job_id,
+            parent_state=parent_state,
+            total=info.total,
+            done=info.done,
+            failed=info.failed + info.ignored,
+            cancelled=None,
+            active=None,
+            pending=outstanding or 0,
+            outstanding=outstanding,
+            finished=finished,
+            error=node.error,
+        )
+    states = _states(state, node.queue, job_id, info.total, child_queues)
+    return Progress(
+        flow_id=job_id,
+        parent_state=parent_state,
+        total=info.total,
+        done=states.count("done"),
+        failed=states.count("failed"),
+        cancelled=states.count("cancelled"),
+        active=states.count("active"),
+        pending=states.count("pending") + states.count("awaiting_children"),
+        outstanding=outstanding,
+        finished=finished,
+        error=node.error,
+    )
+
+
+def _states(
+    state: EchoMQ, where: str, job_id: str, total: int, child_queues: dict[str, str] | None
+) -> list[str]:
+    """The state of each of a small flow's children (one HGET each, in one round trip)."""
     keys, client = state.keys, state.client
-    where = locate(state, job_id, queue, verify=True)
-    row = _row(client.hmget(keys.job_key(where, job_id), _ROW_FIELDS))
-    _, child_ids, _ = _task_and_children(state, where, job_id, row)
+    child_ids = [cid for cid, _ in child_positions(state, where, job_id)]
     cache = {} if child_queues is None else child_queues
     pipe = client.pipeline(transaction=False)
-    pipe.get(keys.flow_keys(where, job_id)[0])
     for cid in child_ids:
         pipe.hget(keys.job_key(cache.get(cid, where), cid), "state")
-    counter, *raw_states = pipe.execute()
     states: list[str] = []
-    for cid, raw in zip(child_ids, raw_states, strict=True):
+    for cid, raw in zip(child_ids, pipe.execute(), strict=True):
         if raw is None and cid not in cache:
             found = scan_queues(state, cid)
             cache[cid] = found or where
             if found is not None:
                 raw = client.hget(keys.job_key(found, cid), "state")
         states.append(text(raw) or MISSING)
-    parent_state = row["state"] or MISSING
-    return Progress(
-        flow_id=job_id,
-        parent_state=parent_state,
-        total=len(child_ids),
-        done=states.count("done"),
-        failed=states.count("failed"),
-        cancelled=states.count("cancelled"),
-        active=states.count("active"),
-        pending=states.count("pending") + states.count("awaiting_children"),
-        outstanding=_int(counter),
-        finished=parent_state in FINISHED,
-        error=row["error"],
-    )
+    return states
 
 
 def render_progress(p: Progress) -> str:
-    settled = p.done + p.failed + p.cancelled
+    settled = p.done + p.failed + (p.cancelled or 0)
     filled = BAR_WIDTH if p.total == 0 and p.finished else 0
     if p.total:
         filled = BAR_WIDTH * settled // p.total

@@ -8,7 +8,9 @@ from typing import Any
 import click
 
 from celery_echomq.ops.listing import FlowRow
-from celery_echomq.ops.views import JobNode, json_default
+from celery_echomq.ops.pages import iter_children
+from celery_echomq.ops.views import JobNode, json_default, node_dict
+from celery_echomq.store.state import EchoMQ
 
 VALUE_WIDTH = 60
 
@@ -80,6 +82,25 @@ def job_line(node: JobNode, color: bool) -> str:
     return "  ".join(parts)
 
 
+def _child_line(node: JobNode, color: bool) -> str:
+    """A child's line; a linked chain's says so, with its state and the step that runs (its
+    steps follow, one line each)."""
+    if not node.steps:
+        return job_line(node, color)
+    running = node.running_step
+    where = f", step {running} runs" if running else ""
+    colour = _STATE_COLOURS.get(node.chain_state) if color else None
+    state = click.style(node.chain_state, fg=colour) if colour else node.chain_state
+    parts = [f"chain {node.id}", f"{len(node.steps)} steps{where}", state]
+    if node.policy is not None and not node.policy_is_default:
+        parts.append(f"policy={node.policy}")
+    if node.has_value:
+        parts.append(f"value={short(node.value)}")
+    if node.outcome not in (None, "credited"):
+        parts.append(f"[{node.outcome}]")
+    return "  ".join(parts)
+
+
 def render_tree(node: JobNode, *, color: bool = False) -> list[str]:
     """The tree as text lines: the root, then each child under ├─/└─, nested flows indented.
 
@@ -93,11 +114,51 @@ def render_tree(node: JobNode, *, color: bool = False) -> list[str]:
     def children(parent: JobNode, indent: str) -> None:
         for i, child in enumerate(parent.children):
             last = i == len(parent.children) - 1
-            lines.append(indent + ("└─ " if last else "├─ ") + job_line(child, color))
+            lines.append(indent + ("└─ " if last else "├─ ") + _child_line(child, color))
+            steps(child, indent + ("   " if last else "│  "))
             children(child, indent + ("   " if last else "│  "))
+
+    def steps(chain: JobNode, indent: str) -> None:
+        for number, step in enumerate(chain.steps, 1):
+            last = number == len(chain.steps)
+            line = f"step {number}/{len(chain.steps)}  " + job_line(step, color)
+            if number == chain.running_step:
+                line += "  <- runs"
+            lines.append(indent + ("└─ " if last else "├─ ") + line)
 
     children(node, "")
     return lines
+
+
+def show_every(state: EchoMQ, node: JobNode, only: str | None, count: int, as_json: bool) -> None:
+    """``show --all``: ``node``'s line, then every child's (those in state ``only``), read and
+    printed a page at a time, each nested flow's own children under it: memory and each read
+    stay a page, whatever the flow's size. ``as_json``: one JSON object per line (the root's
+    without children, then each job's with its ``parent``)."""
+
+    def line(job: JobNode, indent: str) -> None:
+        if as_json:
+            data = node_dict(job)
+            data.pop("children")
+            data.pop("page", None)
+            click.echo(json.dumps(data, default=json_default))
+        else:
+            click.echo(indent + job_line(job, True))
+
+    def under(job: JobNode, indent: str, depth: int) -> None:
+        if depth >= state.settings.max_depth:
+            return
+        for child in iter_children(state, job.id, count=count, only=only if depth == 0 else None):
+            line(child, indent + "├─ ")
+            if child.flow is not None:
+                under(child, indent + "│  ", depth + 1)
+
+    if as_json:
+        line(node, "")
+    else:
+        click.echo(job_line(node, True) + f"  queue={node.queue}")
+    if node.flow is not None:
+        under(node, "", 0)
 
 
 LIST_HEADER = ("flow", "task", "state", "done/total", "failed", "ignored", "age", "queue")

@@ -38,13 +38,19 @@ RETRY_ALLOWS = (
 RELEASE_ALLOWS = "release applies to a held parent (awaiting_children)"
 
 
+def _settling(node: JobNode) -> list[JobNode]:
+    """The jobs whose outcome settles one of ``node``'s children: each child, or each step of
+    a linked chain (the step that failed is the one to run again, with its input)."""
+    return [job for c in node.children for job in (c.steps or (c,))]
+
+
 def _retryable(node: JobNode) -> list[JobNode]:
     """The children whose failure failed (or would fail) ``node``: failed under policy fail.
 
     Such a child was never counted (settle_child returns before the DECR), so retrying it
     leaves the counter right; a child counted under ignore/remove/continue is left alone.
     """
-    return [c for c in node.children if c.state == "failed" and c.policy == "fail"]
+    return [c for c in _settling(node) if c.state == "failed" and c.policy == "fail"]
 
 
 def _own_failure(node: JobNode) -> bool:
@@ -227,7 +233,7 @@ def retry_flow(
         raise by_deadline.refuse(job_id, node.state)
     failed = _retryable(node)
     if child is not None:
-        match = [c for c in node.children if c.id == child]
+        match = [c for c in _settling(node) if c.id == child]
         if not match:
             raise NotRepairableError(f"{child} is not a child of flow {job_id}", node.state, job_id)
         if match[0].state == "failed" and match[0].policy != "fail":
@@ -335,9 +341,14 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
         for c in outstanding:
             if c.flow is not None:
                 revoked += cancel_flow(state, c.queue, c.id, settle=False)
-    local = [c.id for c in outstanding if c.queue == node.queue]
+    # With revoke, its slot's children a chunk per script call: the release with the first
+    # (the script reads them only then), cancel_elsewhere with the others once it is released.
+    chunk, ttl = state.settings.chunk_size, state.settings.result_ttl
+    local = (
+        [c.id for c in outstanding if c.queue == node.queue and c.flow is None] if revoke else []
+    )
     status, cancelled = state.scripts.release(
-        node.queue, node.id, local, revoke=revoke, ttl=state.settings.result_ttl
+        node.queue, node.id, local[:chunk], revoke=revoke, ttl=ttl
     )
     if status is not Status.RELEASED:
         raise NotRepairableError(
@@ -348,17 +359,18 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
     if revoke:
         # Children of other slots alike: those not started are cancelled there; running
         # ones, on every slot, finish and are recorded.
-        remote: dict[str, list[str]] = {}
+        remote: dict[str, list[str]] = {node.queue: local[chunk:]}
         for c in outstanding:
             if c.queue != node.queue and c.flow is None:
                 remote.setdefault(c.queue, []).append(c.id)
         for queue, ids in remote.items():
-            cancelled += state.scripts.cancel_elsewhere(
-                queue, node.id, ids, ttl=state.settings.result_ttl, started=False
-            )
+            for start in range(0, len(ids), chunk):
+                cancelled += state.scripts.cancel_elsewhere(
+                    queue, node.id, ids[start : start + chunk], ttl=ttl, started=False
+                )
         revoked += cancelled
-        if cancelled:
-            state.app.control.revoke(cancelled)
+        for start in range(0, len(cancelled), chunk):  # one broadcast per chunk of ids
+            state.app.control.revoke(cancelled[start : start + chunk])
     dispatch_parent(state, node.queue, node.id)
     values = sum(1 for c in node.children if c.outcome == "credited")
     after = read_tree(state, job_id, with_result=False)

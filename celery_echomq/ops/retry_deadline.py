@@ -61,7 +61,8 @@ def retry_with_deadline(state: EchoMQ, node: Any, deadline: Any) -> RetryOutcome
             node.state,
         )
     kind, ms = spec_ms(spec)
-    local = [c.id for c in node.children if c.queue == queue]
+    # A linked chain's cut step is among its steps (the ones after it still wait).
+    local = [s.id for c in node.children if c.queue == queue for s in (c.steps or (c,))]
     status, at, pairs = store.retry(state, queue, node.id, local, kind, ms)
     if status not in ("retried", "released"):
         raise NotRepairableError(

@@ -1,29 +1,29 @@
-"""Reads of flows for people and scripts: the tree under a job, a flow's progress, per-queue counts.
-
-Everything here is a plain read (HMGET, GET, HGETALL, ZSCORE), never a write, so it is
-safe against a live system. A result is a snapshot, not a transaction: a child may finish
-between two reads, which a progress display tolerates and a transition never relies on.
-``celery -A proj echomq show|watch`` print what these functions return (``stats`` and
-``list``: listing.py).
+"""A job of a flow as a node, and the whole tree under it (what repairs read; what people
+read, a page at a time, is pages.py). Plain reads, never a write (HMGET, GET, HLEN, ZSCORE,
+a chunk per command), safe against a live system; a snapshot, not a transaction.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from itertools import chain
 from typing import Any
 
 from celery_echomq.errors import EchoMQError
 from celery_echomq.ops.listing import QueueStats, held_parents, queue_stats
+from celery_echomq.ops.nodes import FINISHED, MISSING, ChildPage, FlowInfo, JobNode
 from celery_echomq.ops.timing import finish_times
-from celery_echomq.store.codec import Delta, load_job, stored_of
+from celery_echomq.store.codec import Delta, Step, load_job, stored_of
 from celery_echomq.store.connection import text
-from celery_echomq.store.reads import counts_of, locate, scan_queues
+from celery_echomq.store.reads import counts_of, indexed_children, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
 
 __all__ = [
     "FINISHED",
+    "MISSING",
+    "ChildPage",
     "FlowInfo",
     "JobNode",
     "QueueStats",
@@ -34,11 +34,6 @@ __all__ = [
     "tree_json",
     "walk",
 ]
-
-# A job in one of these states will not change again (until its keys expire).
-FINISHED = frozenset({"done", "failed", "cancelled"})
-# What a job row's state reads as when the row is gone (expired, forgotten, never written).
-MISSING = "missing"
 
 _ROW_FIELDS = (
     "state",
@@ -56,61 +51,14 @@ _ROW_FIELDS = (
     "template",
     "failed_children",
     "cut",  # "deadline": cut by its flow's deadline before it started
+    "steps",  # a linked chain's last step: every step's id, in order
+    "input",  # a chain's step: the value of the step before it, its first argument
 )
 # Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
-_STORED = frozenset({"payload", "delta", "template"})
+_STORED = frozenset({"payload", "delta", "template", "input"})
 # A nested flow is a child that is itself a parent; a cycle cannot be written (enqueue_flow
 # refuses an id that exists), and the depth a flow may have (echomq_max_depth) caps the walk,
 # so a corrupted store cannot hang the CLI either.
-
-
-@dataclass(frozen=True)
-class FlowInfo:
-    """What only a flow parent has: where its children stand (``Dependencies``'s counts)."""
-
-    policy: str  # the default parent_policy of children that set none
-    outstanding: int | None  # children not settled yet; None once the counter expired
-    done: int  # children whose values count
-    failed: int  # children failed under fail, remove or continue
-    ignored: int  # children failed under ignore
-    total: int  # children of the flow (those added while it ran included)
-    failed_child: str | None  # the child whose failure under policy "fail" failed the flow
-
-
-@dataclass(frozen=True)
-class JobNode:
-    """One job of a flow tree: a parent, a child, or a child that is itself a flow."""
-
-    id: str
-    queue: str
-    state: str  # the row's state, or "missing" when the row is gone
-    task: str | None
-    attempts: int
-    parent: str | None = None  # the parent's job id, for a child
-    policy: str | None = None  # as a child: the parent_policy that applies to it
-    policy_is_default: bool = False  # True when that policy is the flow's default
-    outcome: str | None = None  # as a child: what its parent made of it (see _outcome)
-    has_value: bool = False  # False means "no value yet", so that a None value still shows
-    value: Any = None
-    error: str | None = None  # "ExcType: message" for a failed job
-    args: str | None = None  # its arguments as Celery shows them (argsrepr)
-    kwargs: str | None = None  # and its keyword arguments (kwargsrepr)
-    started_ms: int | None = None  # server time of its latest claim
-    finished_ms: int | None = None  # when it finished (see timing.py), if known
-    dispatched_ms: int | None = None  # a parent: when its release was published
-    flow: FlowInfo | None = None  # set when this job is a flow parent
-    children: tuple[JobNode, ...] = field(default=())
-
-    @property
-    def finished(self) -> bool:
-        return self.state in FINISHED
-
-    @property
-    def runtime_ms(self) -> int | None:
-        """From its latest start to its end, when both are known."""
-        if self.started_ms is None or self.finished_ms is None:
-            return None
-        return max(0, self.finished_ms - self.started_ms)
 
 
 def _int(value: Any) -> int | None:
@@ -140,13 +88,13 @@ def _task_and_children(
 
     ``template``: the encoded template on the parent's row, when the caller has it (a
     child's delta is joined with it; else it is read)."""
-    stored = stored_of(row["payload"], row["delta"], row["parent"])
+    stored = stored_of(row["payload"], row["delta"], row["parent"], row["input"])
     if stored is None:
         return None, [], (None, None)
-    if isinstance(stored, Delta):
+    if isinstance(stored, (Delta, Step)):
         try:
             known: dict[str, bytes | None] | None = None
-            if template is not None:
+            if template is not None and isinstance(stored, Delta):
                 known = {stored.parent: template}
             job = load_job(state, queue, job_id, stored, known)
         except Exception:
@@ -209,17 +157,16 @@ def read_tree(
     each finished job ended (what ``show`` and the dashboard print; see timing.py).
     """
     where = locate(state, job_id, queue, verify=True)
-    client = state.client
-    root_row = _row(client.hmget(state.keys.job_key(where, job_id), _ROW_FIELDS))
+    key = state.keys.job_key(where, job_id)
+    head = state.client.hget(key, "head")  # a huge parent's job, without its children's ids
+    fields = [f if f != "payload" or not head else "head" for f in _ROW_FIELDS]
+    root_row = {**_row(state.client.hmget(key, fields)), "_indexed": bool(head)}
     node = _build(state, where, job_id, root_row, facts={}, depth=0)
     if with_times:
         node = _timed(node, finish_times(state, walk(node)))
-    if not with_result or node.state != "done":
-        return node
-    has_value, value = _root_value(state, node)
-    if not has_value:
-        return node
-    return replace(node, has_value=True, value=value)
+    wanted = with_result and node.state == "done"
+    has_value, value = _root_value(state, node) if wanted else (False, None)
+    return replace(node, has_value=True, value=value) if has_value else node
 
 
 def _timed(node: JobNode, ends: dict[str, int]) -> JobNode:
@@ -243,20 +190,14 @@ def _root_value(state: EchoMQ, node: JobNode) -> tuple[bool, Any]:
     return False, None
 
 
-def _build(
-    state: EchoMQ,
-    queue: str,
-    job_id: str,
-    row: dict[str, Any],
-    *,
-    facts: dict[str, Any],
-    depth: int,
-) -> JobNode:
-    """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
+def node_of(
+    state: EchoMQ, queue: str, job_id: str, row: dict[str, Any], facts: dict[str, Any]
+) -> tuple[JobNode, list[str]]:
+    """A node from its row, without children, and the children's ids its stored job names;
+    ``facts`` are what its parent knows of it (policy, value...)."""
     task, child_ids, (args, kwargs) = _task_and_children(
         state, queue, job_id, row, facts.get("template")
     )
-    keys, client = state.keys, state.client
     node = JobNode(
         id=job_id,
         queue=queue,
@@ -275,22 +216,45 @@ def _build(
         started_ms=_int(row["started"]),
         dispatched_ms=_int(row["dispatched"]),
     )
+    return node, child_ids
+
+
+def _build(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    row: dict[str, Any],
+    *,
+    facts: dict[str, Any],
+    depth: int,
+) -> JobNode:
+    """A node from its row; ``facts`` are what its parent knows of it (policy, value...)."""
+    node, child_ids = node_of(state, queue, job_id, row, facts)
+    if row.get("_indexed"):
+        child_ids = indexed_children(state, queue, job_id) or child_ids
+    keys, client = state.keys, state.client
     deps_key, processed_key, ignored_key = keys.flow_keys(queue, job_id)
     pipe = client.pipeline(transaction=False)
     pipe.get(deps_key)
-    pipe.hgetall(processed_key)
-    pipe.hgetall(ignored_key)
+    pipe.hlen(processed_key)
+    pipe.hlen(ignored_key)
+    # The children's values and errors by id, a chunk per HMGET: never a whole hash at once.
+    chunks = [child_ids[i : i + 1000] for i in range(0, len(child_ids), 1000)]
+    for part in chunks:
+        pipe.hmget(processed_key, part)
+        pipe.hmget(ignored_key, part)
     for cid in child_ids:
         pipe.hmget(keys.job_key(queue, cid), _ROW_FIELDS)
-    counter, processed, ignored, *child_rows = pipe.execute()
+    counter, n_values, n_ignored, *replies = pipe.execute()
     if counter is None and not child_ids and row["policy"] is None:
         return node  # not a flow parent: a plain child (or a job whose flow keys expired)
-    processed = {text(k): v for k, v in processed.items()}
-    ignored = {text(k): text(v) for k, v in ignored.items()}
+    found = zip(child_ids, chain(*replies[0 : 2 * len(chunks) : 2]), strict=True)
+    processed = {c: v for c, v in found if v is not None}
+    found = zip(child_ids, chain(*replies[1 : 2 * len(chunks) : 2]), strict=True)
+    ignored = {c: text(v) for c, v in found if v is not None}
+    child_rows = replies[2 * len(chunks) :]
     flow_policy = row["policy"] or "fail"
-    counts = counts_of(
-        counter, len(processed), len(ignored), row["credited_failed"], row["failed_children"]
-    )
+    counts = counts_of(counter, n_values, n_ignored, row["credited_failed"], row["failed_children"])
     info = FlowInfo(
         policy=flow_policy,
         outstanding=None if counter is None else counts.outstanding,
@@ -338,10 +302,55 @@ def _build(
                 f"flow tree under {job_id!r} is deeper than {state.settings.max_depth} levels "
                 "(the echomq_max_depth setting)"
             )
-        children.append(
-            _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
-        )
+        child = _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
+        if child_row["steps"]:
+            child = _with_steps(state, child, child_row["steps"].split(), ignored, info)
+        children.append(child)
     return replace(node, flow=info, children=tuple(children))
+
+
+def _with_steps(
+    state: EchoMQ, last: JobNode, ids: list[str], ignored: dict[str, str], info: FlowInfo
+) -> JobNode:
+    """A linked chain's last step with every step of the chain (one pipelined read): what
+    each ran with, its state, and what its failure made of the flow."""
+    pipe = state.client.pipeline(transaction=False)
+    earlier = ids[:-1]
+    for sid in earlier:
+        pipe.hmget(state.keys.job_key(last.queue, sid), _ROW_FIELDS)
+    steps = []
+    policy = last.policy or info.policy
+    rows = [_row(fields) for fields in pipe.execute()]
+    # A step's value is the input of the step after it, once that one was made pending.
+    inputs = [row["input"] for row in rows[1:]] + [last_input(state, last)]
+    for sid, row, value in zip(earlier, rows, inputs, strict=True):
+        task, _, (args, kwargs) = _task_and_children(state, last.queue, sid, row)
+        step_state = row["state"] or MISSING
+        steps.append(
+            JobNode(
+                id=sid,
+                queue=last.queue,
+                state=step_state,
+                task=task,
+                attempts=_int(row["attempts"]) or 0,
+                parent=row["parent"],
+                policy=policy,
+                policy_is_default=last.policy_is_default,
+                outcome=_outcome(step_state, policy, False, sid in ignored, info.failed_child, sid),
+                error=row["error"] or ignored.get(sid),
+                has_value=value is not None,
+                value=None if value is None else _load(state, value),
+                args=args,
+                kwargs=kwargs,
+                started_ms=_int(row["started"]),
+            )
+        )
+    return replace(last, steps=(*steps, last))
+
+
+def last_input(state: EchoMQ, last: JobNode) -> Any:
+    """The input a chain's last step was given (the value of the step before it)."""
+    return state.client.hget(state.keys.job_key(last.queue, last.id), "input")
 
 
 def json_default(value: Any) -> Any:
@@ -356,11 +365,18 @@ def json_default(value: Any) -> Any:
 def node_dict(node: JobNode) -> dict[str, Any]:
     """A node as plain data, with ``finished`` spelled out: what ``show --json`` prints and the
     dashboard's ``/api/flows/<id>`` serves."""
-    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name != "children"}
+    skip = ("children", "page")
+    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name not in skip}
     data["flow"] = dataclasses.asdict(node.flow) if node.flow else None
+    if node.page is not None:
+        data["page"] = dataclasses.asdict(node.page)
     data["finished"] = node.finished
     data["runtime_ms"] = node.runtime_ms
     data["children"] = [node_dict(child) for child in node.children]
+    data["steps"] = [node_dict(step) for step in node.steps]
+    if node.steps:
+        data["chain_state"] = node.chain_state
+        data["running_step"] = node.running_step
     return data
 
 
@@ -372,6 +388,7 @@ def tree_json(node: JobNode, *, indent: int | None = 2) -> str:
 def walk(node: JobNode) -> list[JobNode]:
     """``node`` and every job under it, parents before their children."""
     out = [node]
+    out.extend(node.steps[:-1])  # a linked chain's steps before its last (the node itself)
     for child in node.children:
         out.extend(walk(child))
     return out

@@ -13,7 +13,9 @@ import logging
 from celery_echomq import tracing
 from celery_echomq.send.plan import parent_args, valued
 from celery_echomq.send.publish import send_jobs
+from celery_echomq.store.codec import with_input
 from celery_echomq.store.flow_scripts import Handed
+from celery_echomq.store.headers import H_SINCE
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
@@ -37,6 +39,28 @@ def dispatch_parent(
         return False
     publish_handed(state, parent_id, claimed, released_by)
     return True
+
+
+def publish_step(
+    state: EchoMQ,
+    step_id: str,
+    payload: bytes,
+    value: bytes,
+    previous: str = "",
+    since: int | None = None,
+) -> None:
+    """Publish a chain's step that the completion of the step before it made pending: its
+    stored message with that step's value first among its arguments; ``since``, its pending
+    score, in its headers (:data:`H_SINCE`: its claim need not read it)."""
+    job = with_input(state.loads(payload), state.loads(value))
+    if previous:
+        job["options"]["parent_id"] = previous  # the lineage a Celery chain gives its step
+    if since is not None:
+        options = job["options"]
+        options["headers"] = {**(options.get("headers") or {}), H_SINCE: since}
+    with tracing.job_context(job):
+        send_jobs(state.app, [job])
+    logger.debug("echomq: chain step %s published after %s", step_id, previous)
 
 
 def publish_handed(state: EchoMQ, parent_id: str, handed: Handed, released_by: str = "") -> None:

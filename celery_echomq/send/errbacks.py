@@ -19,7 +19,8 @@ from typing import Any
 from celery.canvas import Signature
 from celery.utils.functional import maybe_list
 
-from celery_echomq.send.shapes import COLLECT_TASK, _plain, merge_callbacks
+from celery_echomq.send.shapes import COLLECT_TASK, _plain
+from celery_echomq.send.signatures import merge_callbacks
 
 
 def _is_flow(node: Any) -> bool:

@@ -31,8 +31,15 @@ from celery import current_app
 
 from celery_echomq.errors import EchoMQError, FlowClosedError, FlowExistsError
 from celery_echomq.send.children import child_signatures
-from celery_echomq.send.ids import refuse_taken
-from celery_echomq.send.plan import Plan, check_depth, child_id, child_queue, plan_children
+from celery_echomq.send.ids import claim_ids, release_claims
+from celery_echomq.send.plan import (
+    Plan,
+    check_depth,
+    child_id,
+    child_queue,
+    plan_children,
+    set_root,
+)
 from celery_echomq.send.start import publish, start_flow
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
@@ -132,10 +139,20 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
         shared={"queue": parent.queue},
         child_results=state.settings.child_results,
         store_results=writes_results(state),
+        linked=False,
     )
     check_unique([parent.id, *(cid for level in plan.levels() for cid in level.child_ids())])
     if any("nested" in j for j in plan.children):
         check_depth(plan, state.settings.max_depth, _levels_above(state, parent))
+    claims: list[str] = []
+    try:
+        return _grow(state, parent, plan, claims)
+    finally:
+        # Landed or refused: the rows stand for their ids from now on.
+        release_claims(state, claims)
+
+
+def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> list[str]:
     keys, client, scripts = state.keys, state.client, state.scripts
     row_key = keys.job_key(parent.queue, parent.id)
     for _ in range(MAX_STALE):
@@ -147,6 +164,10 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
         fresh = [j for j in plan.children if child_id(j) not in listed]
         if not fresh:
             return []
+        root = (job.get("options") or {}).get("root_id")
+        if root:
+            # The flow's own root, whoever adds them: one tree in every monitor.
+            set_root(fresh, str(root))
         local: list[tuple[str, bytes, str]] = []
         remote: list[tuple[str, bytes, str]] = []
         for j in fresh:
@@ -154,7 +175,7 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
             row = (cid, state.dumps(j), plan.child_policies.get(cid, ""))
             (local if child_queue(j) == parent.queue else remote).append(row)
         _refuse_taken(state, [j for j in fresh if child_queue(j) != parent.queue])
-        refuse_taken(state, {child_id(j): child_queue(j) for j in fresh})
+        claims += claim_ids(state, {child_id(j): child_queue(j) for j in fresh})
         queues = {parent.queue, *(child_queue(j) for j in fresh)}
         queues.update(lv.queue for j in fresh if "nested" in j for lv in _levels(j))
         queues.update(

@@ -1,10 +1,18 @@
 """An id names one job in the whole store, on whichever queue its row lives.
 
-A script refuses an id whose row exists on its own slot; a row of another queue lives on
-another slot, where the script cannot look. So before a flow (or children added to one)
-lands, the host looks for each of its ids on every other queue that holds flows: one
-pipelined EXISTS per id and other queue, nothing at all on a store with one queue. The
-queues are read at most once a second (``EchoMQ.known_queues``).
+A script refuses an id whose row exists on its own slot. The rows of every queue, with the
+registry of queues that hold flows (``emq:queues``), are the index of ids, and a flow's ids
+are checked against all of it with no window between the check and the rows' landing:
+
+- On a store of one server, where a script may read every key, the enqueue script checks
+  its ids itself (``includes/taken.lua``), in the same atomic step that writes them and
+  registers their queues: nothing more is sent, and a store of one queue reads one SMEMBERS.
+- Elsewhere (a Redis Cluster, whose scripts see one slot; a flow written in chunks; children
+  added to a running flow), :func:`claim_ids` first claims each id for its queue
+  (``emq:id:{JOB...}``, SET NX, on the id's own slot) and then looks for its rows on every
+  registered queue: two enqueues of one id on two queues cannot both pass, as one of them
+  finds the other's claim, and a claim lives only until its enqueue has landed or been
+  refused (:func:`release_claims`), its rows then standing for it.
 
 And the ids a flow assigns before anything is sent: ``freeze`` gives every task of a canvas
 one (``assign_ids``), and every id of a shaped tree, those its spreads will add included, is
@@ -13,37 +21,71 @@ gated and unique (``check_tree``).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 
-from celery_echomq.errors import FlowExistsError
 from celery_echomq.send.shapes import SPREAD_TASK
+from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import check_id, check_unique, new_job_id
+from celery_echomq.store.replies import exists_error
 from celery_echomq.store.state import EchoMQ
 
+# A claim outlives any enqueue: a producer that dies holding one leaves it for this long.
+CLAIM_TTL_MIN = 60
 
-def refuse_taken(state: EchoMQ, placed: Mapping[str, str]) -> None:
-    """Raise :class:`FlowExistsError` when an id of ``placed`` (id -> the queue it will live
-    on) has a row on another queue."""
-    queues = sorted(state.known_queues())
-    if len(queues) < 2 and set(placed.values()) <= set(queues):
-        return
+
+def claim_ids(state: EchoMQ, placed: Mapping[str, str]) -> list[str]:
+    """Claim each id of ``placed`` (id -> the queue it will live on), then raise
+    :class:`FlowExistsError` when one is claimed for, or has a row on, another queue.
+
+    Returns the claim keys this call set, for :func:`release_claims` once the flow landed
+    or was refused (a refusal here releases them itself)."""
     keys, chunk = state.keys, state.settings.chunk_size
-    checks = [(job_id, q) for job_id, own in placed.items() for q in queues if q != own]
-    for start in range(0, len(checks), chunk):
-        part = checks[start : start + chunk]
-        pipe = state.client.pipeline(transaction=False)
-        for job_id, queue in part:
-            pipe.exists(keys.job_key(queue, job_id))
-        for (job_id, queue), there in zip(part, pipe.execute(), strict=True):
-            if there:
-                raise FlowExistsError(
-                    f"job id {job_id!r} already exists in Redis, on queue {queue!r}; an id "
-                    "names one job in the whole store, and a flow never overwrites a job "
-                    "(nothing was written or published)"
-                )
+    ttl = max(CLAIM_TTL_MIN, round(3 * state.settings.store_retry_timeout))
+    items = list(placed.items())
+    mine: list[str] = []
+    try:
+        for start in range(0, len(items), chunk):
+            part = items[start : start + chunk]
+            pipe = state.client.pipeline(transaction=False)
+            for job_id, queue in part:
+                pipe.set(keys.claim_key(job_id), queue, nx=True, ex=ttl)
+                pipe.get(keys.claim_key(job_id))
+            replies = pipe.execute()
+            for (job_id, queue), was_set, held in zip(
+                part, replies[0::2], replies[1::2], strict=True
+            ):
+                if was_set:
+                    mine.append(keys.claim_key(job_id))
+                elif held is not None and text(held) != queue:
+                    raise exists_error(job_id, text(held))
+        # Read after the claims: an enqueue whose claim is gone registered its queues first.
+        queues = sorted(text(q) for q in state.client.smembers(keys.queues_key()))
+        checks = [(job_id, q) for job_id, own in items for q in queues if q != own]
+        for start in range(0, len(checks), chunk):
+            part = checks[start : start + chunk]
+            pipe = state.client.pipeline(transaction=False)
+            for job_id, queue in part:
+                pipe.exists(keys.job_key(queue, job_id))
+            for (job_id, queue), there in zip(part, pipe.execute(), strict=True):
+                if there:
+                    raise exists_error(job_id, queue)
+    except BaseException:
+        release_claims(state, mine)
+        raise
+    return mine
+
+
+def release_claims(state: EchoMQ, claims: Sequence[str]) -> None:
+    """Delete the claims an enqueue set (one DEL per key: they span slots)."""
+    if not claims:
+        return
+    pipe = state.client.pipeline(transaction=False)
+    for key in claims:
+        pipe.delete(key)
+    pipe.execute()
 
 
 def ids(node: Signature) -> Iterator[str]:

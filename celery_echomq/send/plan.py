@@ -7,63 +7,34 @@ headers it writes on each job are named in ``store/headers.py``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from celery import current_task
 from celery.canvas import Signature
 
-from celery_echomq.errors import DepthError, PolicyError
-from celery_echomq.send.shapes import CALLBACKS, expand, merge_callbacks
+from celery_echomq.errors import DepthError
+from celery_echomq.send.jobs import (
+    CHILD_ONLY,
+    PARENT_ONLY,
+    check_policy,
+    child_job_id,
+    job_dict,
+    job_id_of,
+    mark_for_store,
+    route_queue,
+)
+from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import (
     H_FLOW,
+    H_NEXT,
     H_PARENT,
     H_PARENT_QUEUE,
     H_QUEUE,
-    H_RESULT,
-    RESERVED,
 )
-from celery_echomq.store.keyspace import check_id, check_queue, check_unique, new_job_id
-
-POLICIES = ("fail", "ignore", "remove", "continue")
-
-
-# Options that belong to the flow's parent alone: the rest reach every child too.
-PARENT_ONLY = frozenset(
-    {"task_id", "link", "link_error", "chain", "chord", "group_id", "group_index", "reply_to"}
-)
-# Options that delay or expire the children's messages; the parent is sent when released.
-CHILD_ONLY = frozenset({"task_id", "countdown", "eta", "expires"})
-# Options a stored payload must not carry: they are per-send, not per-job.
-NOT_STORED = frozenset({"producer", "connection", "router", "add_to_parent", "publisher"})
-
-
-def job_id_of(options: dict[str, Any], fallback: str | None = None) -> str:
-    """The signature's own ``task_id`` (gated: an empty one is an error, not a default)."""
-    given = options.get("task_id")
-    if given is None:
-        given = fallback if fallback is not None else new_job_id()
-    return check_id(given)
-
-
-def _child_id(options: dict[str, Any], position: int) -> str:
-    """A child's id, gated; a refusal names the child's place among its siblings."""
-    try:
-        return job_id_of(options)
-    except ValueError as exc:
-        raise type(exc)(
-            f"flow child {position}: {exc}; allowed: a signature without task_id, a frozen "
-            "one (freeze(), task_id=celery.utils.uuid()), or task_id='JOB' + uuid.uuid4().hex"
-        ) from exc
-
-
-def check_policy(policy: object, where: str) -> str:
-    if policy not in POLICIES:
-        raise PolicyError(
-            f"{where}: unknown parent_policy {policy!r}; allowed: " + ", ".join(POLICIES)
-        )
-    return str(policy)
+from celery_echomq.store.keyspace import check_unique
 
 
 @dataclass
@@ -71,7 +42,8 @@ class Plan:
     """A flow with every id assigned and every message built, before anything is sent.
 
     A nested flow's entry in ``children`` is ``{"nested": <its Plan as a dict>}``; its
-    ``outer`` is the id of the flow it is a child of.
+    ``outer`` is the id of the flow it is a child of. A linked chain's is ``{"steps": [<each
+    step's job>]}``: one child, whose id is its last step's.
     """
 
     queue: str
@@ -106,6 +78,10 @@ class Plan:
     def child_ids(self) -> list[str]:
         return [child_id(job) for job in self.children]
 
+    def row_ids(self) -> list[str]:
+        """The ids of every row this level writes for its children: each step of a chain."""
+        return [cid for job in self.children for cid in row_ids(job)]
+
     def valued_ids(self) -> list[str]:
         """The children whose values the parent gets, in order."""
         silent = set(self.silent)
@@ -119,43 +95,32 @@ class Plan:
 
 
 def child_queue(job: dict[str, Any]) -> str:
-    return str(job["nested"]["queue"] if "nested" in job else job["options"]["headers"][H_QUEUE])
+    if "nested" in job:
+        return str(job["nested"]["queue"])
+    if "steps" in job:
+        job = job["steps"][0]
+    return str(job["options"]["headers"][H_QUEUE])
 
 
 def child_id(job: dict[str, Any]) -> str:
-    return str(job["nested"]["parent_id"] if "nested" in job else job["options"]["task_id"])
+    """A child's id: a nested flow's parent's, a linked chain's last step's."""
+    if "nested" in job:
+        return str(job["nested"]["parent_id"])
+    if "steps" in job:
+        job = job["steps"][-1]
+    return str(job["options"]["task_id"])
 
 
-def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
-    """The Celery queue a signature is sent to: its ``queue`` option, else the app's router."""
-    queue = sig.options.get("queue") or options.get("queue")
-    if queue is None:
-        route = app.amqp.router.route({}, sig.task, sig.args, sig.kwargs)
-        queue = route.get("queue")
-    name = getattr(queue, "name", queue) or app.conf.task_default_queue
-    return check_queue(str(name))
+def row_ids(job: dict[str, Any]) -> list[str]:
+    """The rows a child entry writes on its level: one, or one per step of a chain."""
+    if "steps" in job:
+        return [str(step["options"]["task_id"]) for step in job["steps"]]
+    return [child_id(job)]
 
 
-def _job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
-    opts = {k: v for k, v in {**options, **sig.options}.items() if k not in NOT_STORED}
-    for name in CALLBACKS:
-        if name in options and name in sig.options:
-            # Both run, as a chord runs its body's own callbacks and those it was sent with.
-            opts[name] = merge_callbacks(sig.options[name], options[name])
-    given = opts.get("headers") or {}
-    if any(str(name).startswith(RESERVED) for name in given):
-        # The flow's own headers are the plan's alone: one a signature brings (copied from a
-        # request, or from untrusted JSON) must not name another flow's job.
-        given = {k: v for k, v in given.items() if not str(k).startswith(RESERVED)}
-    opts["headers"] = {**given, **headers}
-    return {
-        "task": sig.task,
-        "args": list(sig.args),
-        "kwargs": dict(sig.kwargs),
-        "options": opts,
-        "subtask_type": None,
-        "immutable": sig.immutable,
-    }
+def first_job(job: dict[str, Any]) -> dict[str, Any]:
+    """The message a child entry publishes first: its own, or its chain's first step's."""
+    return job["steps"][0] if "steps" in job else job
 
 
 def is_flow(sig: Any) -> bool:
@@ -172,7 +137,8 @@ def check_depth(plan: Plan, limit: int, above: int = 0) -> None:
         stack.extend((job["nested"]["children"], depth + 1) for job in children if "nested" in job)
     if deepest > limit:
         raise DepthError(
-            f"flow {plan.parent_id} is {deepest} levels deep (a chain's steps count as levels); "
+            f"flow {plan.parent_id} is {deepest} levels deep (each step of a chain with a group, "
+            "chord or flow among its steps counts as a level; a chain of tasks as none); "
             f"allowed: at most {limit} (the echomq_max_depth setting); nothing was sent"
         )
 
@@ -255,7 +221,7 @@ def plan_flow(
         headers[H_PARENT] = outer
         if outer_queue != queue:
             headers[H_PARENT_QUEUE] = outer_queue
-    plan.parent = _job_dict(parent, parent_opts, headers)
+    plan.parent = job_dict(parent, parent_opts, headers)
     plan.parent["options"]["task_id"] = parent_id
     if store_results:
         mark_for_store(plan.parent)
@@ -266,8 +232,39 @@ def plan_flow(
         plan.parent["silent"] = list(plan.silent)
     if not outer:
         # Every id of the tree once: a nested parent is listed as its outer flow's child.
-        check_unique([parent_id, *(cid for level in plan.levels() for cid in level.child_ids())])
+        check_unique([parent_id, *(cid for level in plan.levels() for cid in level.row_ids())])
+        root = flow_root(options, parent_id)
+        plan.parent["options"]["root_id"] = root
+        set_root(plan.children, root)
     return plan
+
+
+def flow_root(options: dict[str, Any], flow_id: str) -> str:
+    """The Celery ``root_id`` every job of a flow carries: the one it was sent with (a chain,
+    a chord or ``Task.replace`` hands it down), else that of the task starting the flow (as
+    ``send_task`` gives a task's messages), else the flow's own id: the job its tree grows
+    from, whose value is the flow's."""
+    given = options.get("root_id")
+    if given:
+        return str(given)
+    request = getattr(current_task, "request", None)
+    caller = getattr(request, "root_id", None) or getattr(request, "id", None)
+    return str(caller) if caller else flow_id
+
+
+def set_root(jobs: Iterable[dict[str, Any]], root: str) -> None:
+    """Give every job of ``jobs`` (child tasks, and every parent and child of nested flows)
+    ``root`` as its Celery ``root_id``: monitors (Flower, ``celery events``) then draw the
+    flow as one tree, as they draw a chord's tasks under the task that started it. A job's
+    own ``root_id`` gives way: the outermost flow's root is the one its tree can have."""
+    for job in jobs:
+        if "nested" in job:
+            job["nested"]["parent"]["options"]["root_id"] = root
+            set_root(job["nested"]["children"], root)
+        elif "steps" in job:
+            set_root(job["steps"], root)
+        else:
+            job["options"]["root_id"] = root
 
 
 def plan_children(
@@ -280,9 +277,12 @@ def plan_children(
     shared: dict[str, Any] | None = None,
     child_results: bool = True,
     store_results: bool = False,
+    linked: bool = True,
 ) -> None:
     """Plan ``children`` as children of ``plan``'s parent: append them (ids assigned and
     gated, messages built) to ``plan.children`` and their policies to ``plan.child_policies``.
+    ``linked`` False: a chain of tasks is planned as nested flows (what children added to a
+    running flow are: grow_flow writes no chain's steps).
 
     What a flow does for its children at start, and what ``add_children`` does for children
     added while it runs. Pure.
@@ -291,6 +291,21 @@ def plan_children(
     parent_id, queue = plan.parent_id, plan.queue
     for position, child in enumerate(expand(list(children), app), len(plan.children) + 1):
         child_policy = child.options.get("parent_policy")
+        if is_linked(child):
+            steps = None
+            if linked:
+                steps = _steps(app, plan, child, args, kwargs, shared, child_results, store_results)
+            if steps is not None:
+                plan.children.append({"steps": steps})
+                if child_policy is not None:
+                    for step in steps:
+                        cid = step["options"]["task_id"]
+                        plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
+                continue
+            policy_of = child.options.get("parent_policy")
+            child = nested_chain(child, app)
+            if policy_of is not None:
+                child.options["parent_policy"] = policy_of
         if is_flow(child):
             inner_opts = {**shared, **child.options}
             inner_opts.pop("parent_policy", None)
@@ -316,14 +331,14 @@ def plan_children(
                 plan.silent.append(cid)
             plan.children.append({"nested": inner.to_dict()})
         else:
-            cid = _child_id(child.options, position)
+            cid = child_job_id(child.options, position)
             if args or kwargs:
                 child = child.clone(args=args, kwargs=kwargs)
             child_queue = route_queue(app, child, shared)
             headers = {H_QUEUE: child_queue, H_PARENT: parent_id}
             if child_queue != queue:
                 headers[H_PARENT_QUEUE] = queue
-            job = _job_dict(child, shared, headers)
+            job = job_dict(child, shared, headers)
             job["options"].pop("parent_policy", None)
             job["options"]["task_id"] = cid
             if not child_results:
@@ -335,16 +350,41 @@ def plan_children(
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
 
 
-def mark_for_store(job: dict[str, Any]) -> None:
-    """Send ``job`` with ``ignore_result`` and the :data:`H_RESULT` header: the store writes
-    its result when it completes, in the same script call (see store/results.py).
-
-    Not for a job whose options decide ``ignore_result`` themselves, nor for one that is part
-    of a chord (a flow in a chord's header): Celery's ``mark_as_done`` must store its result
-    before ``on_chord_part_return`` counts it.
-    """
-    options = job["options"]
-    if "ignore_result" in options or options.get("chord"):
-        return
-    options["ignore_result"] = True
-    options["headers"][H_RESULT] = "1"
+def _steps(
+    app: Any,
+    plan: Plan,
+    chain: Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    shared: dict[str, Any],
+    child_results: bool,
+    store_results: bool,
+) -> list[dict[str, Any]] | None:
+    """A linked chain's steps as jobs, each naming the flow's parent and the step after it
+    (:data:`H_NEXT`); None when its steps live on more than one queue's slot (one script
+    cannot make the next step pending there: the chain is then planned as nested flows).
+    The first step takes the flow's partial arguments, as a chain's first task does."""
+    tasks = list(chain.tasks)
+    if args or kwargs:
+        tasks[0] = tasks[0].clone(args=args, kwargs=kwargs)
+    queues = [route_queue(app, task, shared) for task in tasks]
+    if len(set(queues)) > 1:
+        return None
+    step_queue = queues[0]
+    ids = [job_id_of(task.options) for task in tasks]
+    jobs = []
+    for i, task in enumerate(tasks):
+        headers = {H_QUEUE: step_queue, H_PARENT: plan.parent_id}
+        if step_queue != plan.queue:
+            headers[H_PARENT_QUEUE] = plan.queue
+        if i + 1 < len(tasks):
+            headers[H_NEXT] = ids[i + 1]
+        job = job_dict(task, shared, headers)
+        job["options"].pop("parent_policy", None)
+        job["options"]["task_id"] = ids[i]
+        if not child_results:
+            job["options"].setdefault("ignore_result", True)
+        elif store_results:
+            mark_for_store(job)
+        jobs.append(job)
+    return jobs

@@ -35,7 +35,6 @@ class Prepared:
     def of(
         cls,
         message: dict[str, Any],
-        own_root: bool,
         own_reprs: bool,
         varying: tuple[str, ...],
         sent: Any,
@@ -54,8 +53,7 @@ class Prepared:
         marked = dict(message)
         cut(marked, "body", "body")
         cut(headers, "id", "id")
-        if own_root:
-            cut(headers, "root_id", "id")
+        cut(headers, "root_id", "root")
         if own_reprs:
             cut(headers, "argsrepr", "argsrepr")
             cut(headers, "kwargsrepr", "kwargsrepr")

@@ -112,7 +112,9 @@ def _send(
         ):
             reprs = fast_repr(args, kwargs) if last.template.own_reprs else None
             task_id = job["options"]["task_id"]
-            if templates.push(producer, last.template, task_id, args, kwargs, reprs, last.headers):
+            if templates.push(
+                producer, last.template, task_id, last.root, args, kwargs, reprs, last.headers
+            ):
                 continue
             last = None
         options = dict(job["options"])
@@ -146,17 +148,25 @@ def _send(
         key: tuple[Any, ...] = ()
         varying: tuple[str, ...] = ()
         if templates is not None:
-            # Everything the message is built from but the id, the arguments and the values
-            # of the job's own plain headers.
+            # Everything the message is built from but the id, the root id (each flow has its
+            # own), the arguments and the values of the job's own plain headers.
             keyed, varying = key_routing(routed)
-            key = (name, ignore_result, link, link_error, named, keyed)
+            root = named.get("root_id")
+            key = (name, ignore_result, link, link_error, _without(named, "root_id"), keyed)
             template = templates.find(key)
             given = routed.get("headers")
             if template is not None and templates.push(
-                producer, template, task_id, args, kwargs, reprs if own_reprs else None, given
+                producer,
+                template,
+                task_id,
+                root,
+                args,
+                kwargs,
+                reprs if own_reprs else None,
+                given,
             ):
                 if reusable:
-                    last = _Last(name, job["options"], template, given)
+                    last = _Last(name, job["options"], template, given, root)
                 continue
             if templates_only:
                 return False
@@ -208,6 +218,9 @@ class _Last(NamedTuple):
     options: dict[str, Any]
     template: Template
     headers: dict[str, Any] | None
+    # The root id its message took (None: its own id): a job alike but for its id takes it
+    # too, as its options (or the task sending it) give the same.
+    root: str | None
 
 
 def same_but_id(options: dict[str, Any], other: dict[str, Any]) -> bool:
@@ -219,4 +232,5 @@ def same_but_id(options: dict[str, Any], other: dict[str, Any]) -> bool:
 
 
 def _without(options: dict[str, Any], name: str) -> dict[str, Any]:
+    """``options`` less ``name``: a template's key leaves out what each message sets itself."""
     return {k: v for k, v in options.items() if k != name} if name in options else options

@@ -3,8 +3,11 @@ chord takes a canvas, in the only shape the store holds (a held row per parent).
 
 - a group among the children is unrolled into its tasks (nested groups flattened), as a
   chord's header is;
-- a chain ``a | b | c`` is a nested flow whose parent is ``c``, held on a one-child flow
-  whose parent is ``b``, held on ``a``: each step is a held row, and takes its single
+- a chain ``a | b | c`` of single tasks is *linked*: one child of the flow whose steps are
+  plain job rows, run in order (``a`` pending, ``b`` and ``c`` waiting until the step before
+  them completes; see ``linked``); its value is its last step's. A chain with a group, chord
+  or flow among its steps is a nested flow whose parent is ``c``, held on a one-child flow
+  whose parent is ``b``, held on ``a``: each such step is a held row, and takes its single
   child's value as is (``single``), not as a list;
 - a chord child ``chord(header, body)`` is ``flow(body, header)``;
 - a parent that fans out (a group, a chord or a flow) is held as the *spread* task: once
@@ -24,54 +27,20 @@ from typing import Any
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 from celery.utils.functional import maybe_list
 
+from celery_echomq.send.signatures import (
+    CALLBACKS,
+    LINKED,
+    is_task,
+    merge_callbacks,
+    options_of,
+    task_copy,
+)
 from celery_echomq.store.keyspace import new_job_id
 
 FLOW_TASK = "celery_echomq.flow"
 # The tasks a flow whose parent is a canvas runs (send/tasks.py registers them).
 SPREAD_TASK = "celery_echomq.spread"
 COLLECT_TASK = "celery_echomq.collect"
-
-CALLBACKS = ("link", "link_error")
-
-
-def merge_callbacks(own: Any, given: Any) -> list[Any]:
-    """A signature's own callbacks, then those it was sent with, each once."""
-    merged: list[Any] = []
-    for callback in [*(maybe_list(own) or ()), *(maybe_list(given) or ())]:
-        if callback not in merged:
-            merged.append(callback)
-    return merged
-
-
-# Options of a chain, group or chord that are its own, not handed down to its tasks.
-_OWN = frozenset(
-    "task_id group_id group_index chord parent_policy subtask_type link link_error chain "  # noqa: SIM905
-    "reply_to root_id parent_id echomq_silent".split()
-)
-
-
-def is_task(sig: Any) -> bool:
-    """A single task's signature (not a chain, group, chord or flow)."""
-    return type(sig) is Signature or (
-        isinstance(sig, Signature)
-        and not isinstance(sig, (_chain, _chord, group))
-        and getattr(sig, "subtask_type", None) != "flow"
-    )
-
-
-def _options_of(sig: Signature) -> dict[str, Any]:
-    return {k: v for k, v in sig.options.items() if k not in _OWN}
-
-
-def _task(sig: Signature, inherited: dict[str, Any], task_id: Any = None) -> Signature:
-    """A copy of a task with an id of its own and the options of the canvases around it."""
-    copy = sig.clone()
-    for key, value in inherited.items():
-        copy.options.setdefault(key, value)
-    if task_id is not None:
-        copy.options.setdefault("task_id", task_id)
-    copy.options.setdefault("task_id", new_job_id())
-    return copy
 
 
 def _flow(
@@ -105,10 +74,34 @@ def _flow(
     return node
 
 
+def is_linked(sig: Any) -> bool:
+    """A linked chain: made by :func:`linked`, planned as steps."""
+    return isinstance(sig, _chain) and bool(sig.options.get(LINKED))
+
+
+def linked(sig: _chain, steps: list[Any], app: Any, inherited: dict[str, Any]) -> Signature:
+    """A chain of single tasks as one child whose steps run in order: each step a copy with
+    its own id (the last takes the chain's), the chain's options handed down to each."""
+    own_id = _own(sig)
+    last = len(steps) - 1
+    tasks = [task_copy(s, inherited, own_id if i == last else None) for i, s in enumerate(steps)]
+    node = _chain(tasks, app=app)
+    node.options[LINKED] = True
+    node.options["task_id"] = tasks[-1].options["task_id"]
+    return node
+
+
+def nested_chain(sig: Signature, app: Any) -> Signature:
+    """A linked chain as nested flows (each step held on the one before it): for a chain
+    whose steps live on different queues' slots, which one script cannot link."""
+    steps = list(sig.tasks)
+    return _chain_on(steps[1:], [steps[0]], False, app, {}, _own(steps[-1]))[0]
+
+
 def is_normal(sig: Any) -> bool:
-    """A task, or a flow whose parent is a task and whose children are normal: planned as
-    it is (what this module makes, and the common case)."""
-    if is_task(sig):
+    """A task, a linked chain, or a flow whose parent is a task and whose children are
+    normal: planned as it is (what this module makes, and the common case)."""
+    if is_task(sig) or is_linked(sig):
         return True
     return (
         getattr(sig, "subtask_type", None) == "flow"
@@ -172,14 +165,14 @@ def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature
     sig = maybe_signature(sig, app=app)
     policy = sig.options.get("parent_policy")
     if isinstance(sig, group):
-        mine = {**inherited, **_options_of(sig)}
+        mine = {**inherited, **options_of(sig)}
         nodes = [node for task in _group_tasks(sig) for node in as_children(task, app, mine)]
     elif is_task(sig):
-        return [_task(sig, inherited)]
+        return [task_copy(sig, inherited)]
     elif isinstance(sig, _chain) and not sig.tasks:
         return []  # an empty chain is nothing to wait for, as in a chord's header
     elif isinstance(sig, _chain) and len(sig.tasks) == 1:
-        nodes = as_children(sig.tasks[0], app, {**inherited, **_options_of(sig)})
+        nodes = as_children(sig.tasks[0], app, {**inherited, **options_of(sig)})
     else:
         nodes = [as_node(sig, app, inherited)]
     if policy is not None:
@@ -190,11 +183,15 @@ def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature
 
 def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
     """A chain, chord or flow as one flow whose parent is a single task."""
-    mine = {**inherited, **_options_of(sig)}
+    mine = {**inherited, **options_of(sig)}
+    if is_linked(sig):
+        return sig
     if isinstance(sig, _chain):
         steps = [maybe_signature(s, app=app) for s in sig.tasks]
         if not steps:
             raise ValueError("a chain among a flow's children has no tasks")
+        if len(steps) > 1 and all(map(is_task, steps)):
+            return linked(sig, steps, app, mine)
         first = as_children(steps[0], app, mine)
         if len(steps) == 1 and len(first) == 1:
             return first[0]
@@ -278,10 +275,10 @@ def _held(
     """
     parent = maybe_signature(parent, app=app)
     if is_task(parent):
-        task = _task(parent, inherited, own_id)
+        task = task_copy(parent, inherited, own_id)
         node = _flow(task, children, inherited, policy=policy, single=single, timing=timing)
         return node, str(task.options["task_id"])
-    mine = {**inherited, **_options_of(parent)}
+    mine = {**inherited, **options_of(parent)}
     own_id = own_id if own_id is not None else _own(parent)
     if isinstance(parent, _chain):
         steps = [maybe_signature(s, app=app) for s in parent.tasks]

@@ -7,98 +7,30 @@ process dies in between.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
-from collections.abc import Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import redis
-from kombu.exceptions import EncodeError
 from redis.cluster import RedisCluster
 
 from celery_echomq.config import safe_url
 from celery_echomq.errors import EchoMQError, FlowExistsError, StoreUnavailableError
 from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.send.encoding import Encoded, encode_plan
 from celery_echomq.send.fused import SINCE_MARK, prepare
-from celery_echomq.send.ids import refuse_taken
-from celery_echomq.send.plan import Plan, child_id, child_queue
+from celery_echomq.send.ids import claim_ids, release_claims
+from celery_echomq.send.plan import Plan, child_queue, first_job, row_ids
 from celery_echomq.send.publish import send_jobs
-from celery_echomq.store.codec import child_template, job_delta
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
+from celery_echomq.store.replies import WideCheck
 from celery_echomq.store.script_base import BrokerPushes
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")
-
-
-class Encoded(NamedTuple):
-    """A level's stored messages, encoded before anything is written.
-
-    A level's children on its parent's slot are stored compactly: ``template`` (kept on the
-    parent's row) and, per child, a delta against it where ``kinds`` has a ``d``; a whole
-    payload where it has a ``p`` (a nested flow's entry, a child routed to another queue).
-    See :mod:`~celery_echomq.stored`. ``kinds`` empty: every child's is a whole payload.
-    """
-
-    parent: bytes
-    children: list[tuple[str, bytes]]
-    template: bytes = b""
-    kinds: str = ""
-
-
-def _encode(state: EchoMQ, job: dict[str, Any], where: str) -> bytes:
-    try:
-        return state.dumps(job)
-    except Exception as exc:
-        raise _refused(state, where, exc) from exc
-
-
-def _refused(state: EchoMQ, where: str, exc: Exception) -> EncodeError:
-    name = state.settings.serializer
-    return EncodeError(
-        f"{where} cannot be encoded with the {name!r} serializer (task_serializer): "
-        f"{type(exc).__name__}: {exc}; the flow was not started: nothing was written or "
-        "published"
-    )
-
-
-def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
-    """Every level's messages, by parent id; refuses (``EncodeError``) an argument the
-    serializer cannot encode, naming its job, before any Redis command or publish."""
-    encoded: dict[str, Encoded] = {}
-    # Inner levels first: a bad argument is named where it is, not by the nested flow's
-    # entry that carries it.
-    for level in reversed(list(plan.levels())):
-        # The template lives on the parent's row: only a child on the same slot (routed to
-        # the parent's queue) can be stored against it.
-        template = child_template(j for j in level.children if child_queue(j) == level.queue)
-        children = []
-        kinds = []
-        dumps = state.dumps
-        for position, job in enumerate(level.children, 1):
-            cid = child_id(job)
-            delta = None
-            if template is not None and child_queue(job) == level.queue:
-                delta = job_delta(template, job)
-            kinds.append("p" if delta is None else "d")
-            try:
-                children.append((cid, dumps(job if delta is None else delta)))
-            except Exception as exc:
-                # Named only when it fails: a flow encodes thousands of children.
-                what = "a nested flow" if "nested" in job else job["task"]
-                where = f"flow {level.parent_id}: child {position} ({what}, {cid})"
-                raise _refused(state, where, exc) from exc
-        where = f"flow {level.parent_id}: the parent ({level.parent['task']})"
-        parent = _encode(state, level.parent, where)
-        if template is None:
-            encoded[level.parent_id] = Encoded(parent, children)
-            continue
-        where = f"flow {level.parent_id}: its children's template ({template['task']})"
-        encoded[level.parent_id] = Encoded(
-            parent, children, _encode(state, template, where), "".join(kinds)
-        )
-    return encoded
 
 
 def declare_reply_queue(app: Any, parent_id: str) -> None:
@@ -143,19 +75,18 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     since: dict[str, int | None] = {}
     store = safe_url(state.settings.redis_url or "")
     fused: BrokerPushes | None = None
+    claims: list[str] = []
     try:
         # Before the flow lands, not after: a producer killed right after the EVAL must still
         # leave its queues where recovery looks (SADD is idempotent).
         queues = {level.queue for level in levels}
         queues.update(child_queue(job) for level in levels for job in level.children)
         register: list[str] = sorted(queues)
-        refuse_taken(
-            state,
-            {
-                **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
-                **{child_id(j): child_queue(j) for lv in levels for j in lv.children},
-            },
-        )
+        # An id names one job in the whole store (send/ids.py): on one server, each level's
+        # enqueue script checks its ids across queues itself; else they are claimed first.
+        in_script = not (cluster or any(chunked))
+        if not in_script:
+            claims = claim_ids(state, placed(levels))
         clock = None
         if cluster:
             state.client.sadd(keys.queues_key(), *register)
@@ -176,7 +107,9 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
         fused = None
         one = levels[0]
         if len(levels) == 1 and one.children and not (cluster or chunked[0] or one.child_policies):
-            fused = prepare(state, [_with_since(j, SINCE_MARK, store) for j in one.children])
+            fused = prepare(
+                state, [_with_since(first_job(j), SINCE_MARK, store) for j in one.children]
+            )
         armed = arm_levels(state, levels)  # first: a flow that lands has its deadline
         try:
             for level, is_chunked in zip(levels, chunked, strict=True):
@@ -185,7 +118,8 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                     since[level.parent_id] = clock
                     continue
                 step = encoded[level.parent_id]
-                _, since[level.parent_id] = scripts.enqueue_flow_at(
+                enqueue = functools.partial(
+                    scripts.enqueue_flow_at,
                     level.queue,
                     level.parent_id,
                     step.parent,
@@ -202,8 +136,14 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
                     register=register,
                     publish=fused,
                 )
+                try:
+                    _, since[level.parent_id] = enqueue(check=in_script)
+                except WideCheck:
+                    # Too many ids and queues for one script to check: claimed here instead.
+                    claims += claim_ids(state, placed([level]))
+                    _, since[level.parent_id] = enqueue(check=False)
                 register = []
-                written.append((level.queue, level.parent_id, level.child_ids()))
+                written.append((level.queue, level.parent_id, level.row_ids()))
                 whole.append(level)
         except EchoMQError:
             # A refusal after an earlier level or chunk landed: take back exactly what this
@@ -244,6 +184,10 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             f"{where} became unavailable ({exc}) after flow {plan.parent_id} was enqueued; "
             "nothing was published: recovery publishes its children once Redis is back"
         ) from exc
+    finally:
+        # Landed or refused: its rows, or nothing, stand for its ids from now on.
+        with contextlib.suppress(redis.RedisError):
+            release_claims(state, claims)
     if logger.isEnabledFor(logging.INFO):
         logger.info(
             "echomq: flow %s enqueued on %s with %d children%s",
@@ -255,7 +199,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     if fused is not None:
         return  # its children's messages were pushed by its enqueue
     leaves = [
-        _with_since(job, since[level.parent_id], store)
+        _with_since(first_job(job), since[level.parent_id], store)
         for level in levels
         for job in level.children
         if "nested" not in job
@@ -265,6 +209,15 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     for level in levels:
         if not level.children:
             dispatch_parent(state, level.queue, level.parent_id)
+
+
+def placed(levels: list[Plan]) -> dict[str, str]:
+    """Every id these levels write (a nested level's parent is its outer level's child) ->
+    the queue its row lives on."""
+    return {
+        **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
+        **{cid: child_queue(j) for lv in levels for j in lv.children for cid in row_ids(j)},
+    }
 
 
 def _with_since(job: dict[str, Any], since: int | None, store: str) -> dict[str, Any]:
@@ -293,7 +246,12 @@ def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
         if child_ids:
             pipe.zrem(keys.queue_key(queue, "pending"), *child_ids)
         if parent_id:
-            pipe.delete(keys.job_key(queue, parent_id), keys.flow_keys(queue, parent_id)[0])
+            pipe.delete(
+                keys.job_key(queue, parent_id),
+                keys.flow_keys(queue, parent_id)[0],
+                keys.children_key(queue, parent_id),
+                keys.failures_key(queue, parent_id),
+            )
             # Its locator, where its script wrote one (a key of another slot: on its own).
             pipe.delete(keys.locator_key(parent_id))
             pipe.zrem(keys.queue_key(queue, "open"), parent_id)
@@ -325,22 +283,26 @@ def _enqueue_chunked(
         template=encoded.template,
     )
     written.append((level.queue, level.parent_id, []))
-    by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
-    kinds_by_queue: dict[str, list[str]] = {}  # a kind per row: a delta or a whole payload
-    kinds = encoded.kinds or "p" * len(level.children)
-    for job, (cid, payload), kind in zip(level.children, encoded.children, kinds, strict=True):
-        by_queue.setdefault(child_queue(job), []).append(
-            (cid, payload, level.child_policies.get(cid, ""))
-        )
-        kinds_by_queue.setdefault(child_queue(job), []).append(kind)
+    index_children(state, level.queue, level.parent_id, level.parent, level.child_ids(), chunk)
+    # Per queue, each child's rows with their kinds: one row, or a chain's steps, which one
+    # add_children call writes together (a step names the next, which must be there).
+    by_queue: dict[str, list[list[tuple[str, bytes, str, str]]]] = {}
+    kinds = encoded.kinds or "p" * len(encoded.children)
+    rows = iter(zip(encoded.children, kinds, strict=True))
+    for job in level.children:
+        group = []
+        for _ in row_ids(job):
+            (cid, payload), kind = next(rows)
+            group.append((cid, payload, level.child_policies.get(cid, ""), kind))
+        by_queue.setdefault(child_queue(job), []).append(group)
     parent = ParentRef(level.parent_id, level.queue)
     open_key = state.keys.queue_key(level.queue, "open")
-    for queue, rows in by_queue.items():
-        for start in range(0, len(rows), chunk):
-            rows_chunk = rows[start : start + chunk]
-            rows_kinds = "".join(kinds_by_queue[queue][start : start + chunk])
+    for queue, groups in by_queue.items():
+        for part in _chunks(groups, chunk):
+            rows_chunk = [(cid, payload, policy) for cid, payload, policy, _ in part]
+            rows_kinds = "".join(kind for *_, kind in part)
             scripts.add_children(
-                queue, parent, rows_chunk, "" if "d" not in rows_kinds else rows_kinds
+                queue, parent, rows_chunk, "" if set(rows_kinds) == {"p"} else rows_kinds
             )
             written.append((queue, "", [cid for cid, _, _ in rows_chunk]))
             # A producer still writing is alive: recovery takes an open flow for abandoned a
@@ -354,6 +316,35 @@ def _enqueue_chunked(
         len(level.children),
         len(by_queue),
     )
+
+
+def _chunks(groups: list[list[Any]], size: int) -> Iterator[list[Any]]:
+    """The rows of ``groups`` in chunks of about ``size``, a group never split (a long chain
+    makes one chunk of its own, however many steps it has)."""
+    part: list[Any] = []
+    for group in groups:
+        if part and len(part) + len(group) > size:
+            yield part
+            part = []
+        part.extend(group)
+    if part:
+        yield part
+
+
+def index_children(
+    state: EchoMQ, queue: str, parent_id: str, parent: dict[str, Any], ids: list[str], chunk: int
+) -> None:
+    """The parent's index of its children by position (what enqueue_flow writes in its
+    script), for the chunked path: its ``:children`` list, a chunk per RPUSH; and ``head`` on
+    its row, its stored job without its children's ids, so that a page of a huge flow never
+    reads the payload."""
+    head = {k: v for k, v in parent.items() if k != "children"}
+    index = state.keys.children_key(queue, parent_id)
+    pipe = state.client.pipeline(transaction=False)
+    pipe.hset(state.keys.job_key(queue, parent_id), "head", state.dumps(head))
+    for start in range(0, len(ids), chunk):
+        pipe.rpush(index, *ids[start : start + chunk])
+    pipe.execute()
 
 
 def resume_nested(state: EchoMQ, plan: Plan) -> None:

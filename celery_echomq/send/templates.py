@@ -36,7 +36,7 @@ class Template:
     """A message Celery and kombu built for one job, reused for the jobs of its group: the
     same task, options and routing, differing only in id, arguments and the values of their
     own plain headers. Each further job's message is the template's with its own ``id`` (and
-    ``correlation_id``, and ``root_id`` where that defaulted to the id),
+    ``correlation_id``), ``root_id`` (its flow's root, or the id where it has none),
     ``argsrepr``/``kwargsrepr``, those headers, body and ``delivery_tag``, in the template's
     key order: the JSON ``as_task_v2`` and ``Producer.publish`` would give.
     """
@@ -48,7 +48,6 @@ class Template:
         serializer: str,
         list_key: Any,
         embed: dict[str, Any],
-        own_root: bool,
         own_reprs: bool,
         varying: tuple[str, ...],
         queue: str,
@@ -60,7 +59,6 @@ class Template:
         self.serializer = serializer
         self.list_key = list_key
         self.embed = embed
-        self.own_root = own_root
         self.own_reprs = own_reprs
         self.varying = varying
         self.queue = queue
@@ -74,7 +72,7 @@ class Template:
         self.prepared: Prepared | None = None
         self.defaults: dict[str, str] = {}
         try:
-            self.prepared = Prepared.of(message, own_root, own_reprs, varying, sent)
+            self.prepared = Prepared.of(message, own_reprs, varying, sent)
             self.defaults = {f"h:{name}": token(message["headers"][name]) for name in varying}
         except (KeyError, TypeError, ValueError):  # an unusual message: encoded whole
             self.prepared = None
@@ -150,8 +148,7 @@ class Templates:
         headers, properties = message["headers"], message["properties"]
         if headers.get("id") != task_id or properties.get("correlation_id") != task_id:
             return
-        own_root = not (named.get("root_id") or routed.get("root_id"))
-        if own_root and headers.get("root_id") != task_id:
+        if routed.get("root_id") or headers.get("root_id") != (named.get("root_id") or task_id):
             return
         if not all(name in headers for name in varying):
             return
@@ -169,7 +166,6 @@ class Templates:
             serializer,
             commands[0][1][0],
             embed,
-            own_root,
             own_reprs,
             varying,
             queue_of(routed),
@@ -196,13 +192,15 @@ class Templates:
         pushes: RedisPushes,
         template: Template,
         task_id: str,
+        root_id: str | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         reprs: tuple[str, str] | None,
         headers_given: dict[str, Any] | None,
     ) -> bool:
-        """Push the job's message built from ``template``; False where it cannot be (the
-        template no longer stands for what a publish would give: it is dropped)."""
+        """Push the job's message built from ``template`` (``root_id``: the job's, None where
+        it is its own root); False where it cannot be (the template no longer stands for what
+        a publish would give: it is dropped)."""
         channel = pushes.channel
         if template.checked != self.batch:
             # Learnt in an earlier batch: still what a publish would give? (Once per batch:
@@ -230,9 +228,10 @@ class Templates:
         prepared = template.prepared
         if prepared is not None:
             values = dict(template.defaults)
-            values["body"], values["id"], values["tag"] = (
+            values["body"], values["id"], values["root"], values["tag"] = (
                 quoted(encoded),
                 quoted(task_id),
+                quoted(root_id or task_id),
                 quoted(tag),
             )
             if reprs is not None and template.own_reprs:
@@ -245,8 +244,7 @@ class Templates:
             return True
         headers = dict(base["headers"])
         headers["id"] = task_id
-        if template.own_root:
-            headers["root_id"] = task_id
+        headers["root_id"] = root_id or task_id
         if reprs is not None and template.own_reprs:
             headers["argsrepr"], headers["kwargsrepr"] = reprs
         if template.varying and headers_given:

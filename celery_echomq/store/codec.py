@@ -31,22 +31,47 @@ def join_job(template: dict[str, Any], delta: dict[str, Any], job_id: str) -> di
     return job
 
 
-# What a row keeps of its job: the encoded job dict, or a delta.
-Stored = bytes | Delta
+class Step(NamedTuple):
+    """A chain's step made pending by the completion of the step before it: its payload, and
+    that step's value (its row's ``input``), which goes first among its arguments."""
+
+    payload: bytes
+    input: bytes
+
+
+# What a row keeps of its job: the encoded job dict, a delta, or a step with its input.
+Stored = bytes | Delta | Step
 
 # The row fields :func:`stored_of` takes, in order.
-STORED_FIELDS = ("payload", "delta", "parent")
+STORED_FIELDS = ("payload", "delta", "parent", "input")
+
+
+def with_input(job: Any, value: Any) -> Any:
+    """A chain's step as it runs: the value of the step before it first among its arguments
+    (none for an immutable step, as in a Celery chain)."""
+    if isinstance(job, dict) and not job.get("immutable"):
+        job["args"] = [value, *(job.get("args") or ())]
+    return job
 
 
 class TemplateMissingError(LookupError):
     """A child's delta whose flow's template is gone (its parent's row expired or deleted)."""
 
 
-def stored_of(payload: Any, delta: Any = None, parent: Any = None) -> Stored | None:
-    """The stored job from a row's ``payload``, ``delta`` and ``parent`` fields (as Redis
-    replies them; a script's missing field may come as False or ''); None when it keeps none."""
+def _bytes(value: Any) -> bytes:
+    return value if isinstance(value, bytes) else str(value).encode()
+
+
+def stored_of(
+    payload: Any, delta: Any = None, parent: Any = None, step_input: Any = None
+) -> Stored | None:
+    """The stored job from a row's ``payload``, ``delta``, ``parent`` and ``input`` fields (as
+    Redis replies them; a script's missing field may come as False or ''); None when it keeps
+    none."""
+    if payload and step_input:
+        return Step(_bytes(payload), _bytes(step_input))
     if payload:
-        return payload if isinstance(payload, bytes) else str(payload).encode()
+        return _bytes(payload)
     if delta and parent:
         data = delta if isinstance(delta, bytes) else str(delta).encode()
         return Delta(data, text(parent))
@@ -79,6 +104,8 @@ def load_job(
     accept, :class:`TemplateMissingError` when the template is gone, and ``ValueError`` for a
     template or delta that is not a dict.
     """
+    if isinstance(stored, Step):
+        return with_input(state.loads(stored.payload), state.loads(stored.input))
     if not isinstance(stored, Delta):
         return state.loads(stored)
     if templates is not None and stored.parent in templates:

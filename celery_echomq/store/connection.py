@@ -1,7 +1,8 @@
 """Connecting to the flow store, and riding through a failover.
 
 ``make_client`` turns the settings into a redis-py client: ``redis://``, ``rediss://`` and
-``redis+socket://`` URLs as they are, ``redis+cluster://`` as a ``RedisCluster``, and Celery's
+``redis+socket://`` URLs as they are, ``redis+cluster://`` (one or more seed nodes, joined with
+``,``) as a ``RedisCluster``, and Celery's
 ``sentinel://`` form through ``redis.sentinel.Sentinel(...).master_for(...)``.
 
 Every client retries a command that meets a connection error, a timeout, a ``READONLY`` reply
@@ -23,11 +24,11 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, cast, overload
+from typing import Any, TypeVar, overload
 
 import redis
 from redis.backoff import NoBackoff
-from redis.cluster import RedisCluster
+from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
     AuthenticationError,
     AuthorizationError,
@@ -39,7 +40,13 @@ from redis.exceptions import (
 )
 from redis.retry import Retry
 
-from celery_echomq.config import Settings, missing_url_error, parse_sentinel_url, safe_url
+from celery_echomq.config import (
+    Settings,
+    missing_url_error,
+    parse_cluster_url,
+    parse_sentinel_url,
+    safe_url,
+)
 
 logger = logging.getLogger("celery_echomq.store")
 # A worker's logging shows the retry notice; where nothing is configured (a CLI command), it is
@@ -277,9 +284,11 @@ def make_client(settings: Settings | str) -> Any:
     if url.startswith("sentinel://"):
         return _sentinel_client(settings, kwargs)
     if url.startswith("redis+cluster://"):
-        cluster = cast(
-            RetryingCluster,
-            RetryingCluster.from_url("redis://" + url[len("redis+cluster://") :], **kwargs),
+        first, seeds = parse_cluster_url(url)
+        cluster = RetryingCluster(
+            url=first,
+            startup_nodes=[ClusterNode(host, port) for host, port in seeds],  # type: ignore[no-untyped-call]
+            **kwargs,
         )
         cluster.retry_timeout = settings.store_retry_timeout
         return cluster

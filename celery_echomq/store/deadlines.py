@@ -135,8 +135,8 @@ def retry(
         return status, 0, []
     found = []
     rest = reply[2:]
-    for i in range(0, len(rest), 3):
-        stored = stored_of(rest[i + 1], rest[i + 2], parent_id)
+    for i in range(0, len(rest), 4):
+        stored = stored_of(rest[i + 1], rest[i + 2], parent_id, rest[i + 3])
         if stored is not None:
             found.append((text(rest[i]) or "", stored))
     return status, int(reply[1]), found

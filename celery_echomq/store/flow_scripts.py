@@ -94,24 +94,31 @@ class FlowScripts(StartScripts):
         value: Value,
         result: ResultWrite | None = None,
         inline_max: int = 0,
+        next_step: str = "",
     ) -> tuple[Status, bool, Handed | None]:
         """Finish an active job (complete.lua) and credit its parent; returns the status,
         whether it wrote ``result``, the job's result for Celery's Redis backend (see
         results.py): only the job's real active -> done transition writes it, never a stale or
         repeated completion; and, with ``inline_max``, the parent this completion released
-        for the caller to publish (what :meth:`dispatch` would hand out), else None."""
-        remote = parent is not None and parent.queue != queue
+        for the caller to publish (what :meth:`dispatch` would hand out), else None.
+
+        ``next_step``: the job is a chain's step but its last; its value goes to that step,
+        made pending: the status is then ``advanced`` and the handed payload that step's
+        (``(payload, {"since": its pending score})``), for the caller to publish."""
+        remote = parent is not None and parent.queue != queue and not next_step
+        if next_step:
+            onward = [self.keys.job_key(queue, next_step), self.keys.queue_key(queue, "pending")]
+        elif remote:
+            onward = [self.keys.queue_key(queue, "outbox")]
+        else:
+            onward = self._parent_keys(
+                parent, "row", "dependencies", "processed", "pending", "counters"
+            )
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "active"),
             *self.keys.flow_keys(queue, job_id),
-            *(
-                [self.keys.queue_key(queue, "outbox")]
-                if remote
-                else self._parent_keys(
-                    parent, "row", "dependencies", "processed", "pending", "counters"
-                )
-            ),
+            *onward,
         ]
         argv: list[Value] = [
             job_id,
@@ -126,12 +133,16 @@ class FlowScripts(StartScripts):
             keys.append(result.key)
             expires = str(result.expires) if result.expires else ""
             argv += ["1", result.meta, expires]
-        if inline_max and not remote and parent is not None:
+        if next_step:
+            argv += [*([] if result is not None else ["", "", ""]), "", next_step]
+        elif inline_max and not remote and parent is not None:
             if result is None:
                 argv += ["", "", ""]
             argv.append(str(inline_max))
         reply = self._run("complete", keys, argv)
         status, written = status_of(reply[0]), len(reply) > 1 and text(reply[1]) == "1"
+        if status is Status.ADVANCED:
+            return status, written, (reply[2], {"since": reply[3]})
         handed = None
         if status is Status.RELEASED and len(reply) > 2 and parent is not None:
             handed = self._handed(parent, reply[2:], inline_max)

@@ -14,6 +14,9 @@ from celery_echomq.store.script_base import ParentRef
 H_QUEUE = "echomq_q"  # the queue whose slot holds this job's row
 H_PARENT = "echomq_p"  # the parent's job id, on a child
 H_PARENT_QUEUE = "echomq_pq"  # the queue whose slot holds the parent's keys
+# On a chain's step but its last: the step that follows it, which its completion makes pending
+# (the row's own ``next`` must name the same one).
+H_NEXT = "echomq_n"
 H_FLOW = "echomq_f"  # "1" on a flow parent: it has keys of its own to expire
 # On a child's first message only (not in its stored payload): the store's clock in ms, read
 # just before the flow was enqueued. The claim takes it for the job's pending time.

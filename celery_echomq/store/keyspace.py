@@ -134,6 +134,16 @@ class Keyspace:
         row = self.job_key(queue, job_id)
         return f"{row}:dependencies", f"{row}:processed", f"{row}:ignored"
 
+    def children_key(self, queue: str, job_id: str) -> str:
+        """A parent's ``:children``: its children's ids by position (a list), what a page of
+        them reads. Scripts derive it from the row's name (see ``includes/expire.lua``)."""
+        return f"{self.job_key(queue, job_id)}:children"
+
+    def failures_key(self, queue: str, job_id: str) -> str:
+        """A parent's ``:failures``: the ids of its children failed under fail, remove or
+        continue (id -> 1; their errors stay on its row), what a page of failed ones reads."""
+        return f"{self.job_key(queue, job_id)}:failures"
+
     def settled_key(self, queue: str, job_id: str) -> str:
         """A parent's ``:settled``: which children of other slots were credited (and how)."""
         return f"{self.job_key(queue, job_id)}:settled"
@@ -154,6 +164,18 @@ class Keyspace:
     def queues_key(self) -> str:
         """The set of queue names that hold flows: what recovery and ``stats`` scan."""
         return f"{self.prefix}:queues"
+
+    def claim_key(self, job_id: str) -> str:
+        """An id claimed by an enqueue in flight: ``{prefix}:id:{JOB...}`` holds the queue its
+        row will live on, for the moments between the host's check across queues and the
+        row's landing (see send/ids.py)."""
+        return f"{self.prefix}:id:{{{row_id(job_id)}}}"
+
+    def check_parts(self) -> list[str]:
+        """What a script of a store of one server joins its keys from, for the check across
+        queues (``includes/taken.lua``): a row is ``[0] + queue + [1] + id``, a claim
+        ``[2] + id + [3]``: the forms of :meth:`job_key` and :meth:`claim_key`."""
+        return [f"{self.prefix}:{{", "}:", f"{self.prefix}:id:{{", "}"]
 
     def lease_key(self, name: str) -> str:
         return f"{self.prefix}:lease:{_check_text(name, 'lease name')}"

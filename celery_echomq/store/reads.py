@@ -79,7 +79,7 @@ def locate(state: EchoMQ, job_id: str, queue: str | None = None, *, verify: bool
     (a child has no locator).
 
     ``verify``: trust ``queue`` and the locator only where the job's row exists (what the CLI
-    and :mod:`~celery_echomq.views` read), and tell an expired flow from an unknown one.
+    and :mod:`~celery_echomq.ops.views` read), and tell an expired flow from an unknown one.
     Raises :class:`UnknownFlowError` when nothing is found.
     """
     check_id(job_id)
@@ -286,6 +286,21 @@ def _cut_children(state: EchoMQ, q: str, job_id: str) -> dict[str, str]:
         if cut == b"deadline":
             found[cid] = text(error) or ""
     return found
+
+
+def indexed_children(
+    state: EchoMQ, queue: str, parent_id: str, batch: int = 1000
+) -> list[str] | None:
+    """A parent's children's ids from its index by position (``:children``), ``batch`` per
+    LRANGE; None for a flow that has none (written before it existed)."""
+    key = state.keys.children_key(queue, parent_id)
+    total = state.client.llen(key)
+    if not total:
+        return None
+    ids: list[str] = []
+    for start in range(0, total, batch):
+        ids += [text(c) for c in state.client.lrange(key, start, start + batch - 1)]
+    return ids
 
 
 def queues_of(state: EchoMQ, queues: Iterable[str] | None) -> list[str]:

@@ -39,6 +39,7 @@ class Status(StrEnum):
     FAILED = "failed"
     CANCELLED = "cancelled"
     AWAITING_CHILDREN = "awaiting_children"
+    WAITING = "waiting"  # a chain's step whose step before has not completed
     MISSING = "missing"  # no row
     # claim
     CLAIMED = "claimed"
@@ -49,6 +50,7 @@ class Status(StrEnum):
     RELEASED = "released"
     CREDITED = "credited"
     STAGED = "staged"
+    ADVANCED = "advanced"  # complete: a chain's step, the next one made pending
     PARENT_FAILED = "parent_failed"
     DUPLICATE = "duplicate"
     FINISHED = "finished"
@@ -72,7 +74,7 @@ class Status(StrEnum):
 # What a claim means for the delivery that made it.
 STARTED = frozenset({Status.CLAIMED, Status.TAKEN_OVER})
 DUPLICATE_DELIVERY = frozenset(
-    {Status.BUSY, Status.DONE, Status.FAILED, Status.CANCELLED, Status.HELD}
+    {Status.BUSY, Status.DONE, Status.FAILED, Status.CANCELLED, Status.HELD, Status.WAITING}
 )
 # What settling a finished job can answer when it changed nothing for the parent.
 UNSETTLED = frozenset(
@@ -85,10 +87,26 @@ def server_error(exc: redis.ResponseError) -> Exception:
     message = str(exc)
     if message.startswith("EMQKIND"):
         return KindError(message)
+    if message.startswith("EMQWIDE"):
+        return WideCheck(message)
     if message.startswith("EMQEXISTS"):
-        job_id = message.split(" ", 1)[1] if " " in message else "?"
-        return FlowExistsError(
-            f"job id {job_id!r} already exists in Redis; a flow never overwrites a job "
-            "(nothing was written or published)"
-        )
+        # "EMQEXISTS <id>": a row on the script's own slot; "EMQEXISTS <id> <queue>": the id
+        # is another queue's (includes/taken.lua).
+        _, job_id, queue = [*message.split(" ", 2), "?", ""][:3]
+        return exists_error(job_id, queue)
     return exc
+
+
+def exists_error(job_id: str, queue: str = "") -> FlowExistsError:
+    """The refusal of an id that names a job already (on ``queue``, when another's)."""
+    where = f", on queue {queue!r}; an id names one job in the whole store, and" if queue else ";"
+    return FlowExistsError(
+        f"job id {job_id!r} already exists in Redis{where} a flow never overwrites a job "
+        "(nothing was written or published)"
+    )
+
+
+class WideCheck(Exception):
+    """enqueue_flow's check across queues would take more lookups than one script should
+    make (``includes/taken.lua``): nothing was written; the host claims and checks the ids
+    itself (``send/ids.py``) and enqueues again without the check."""

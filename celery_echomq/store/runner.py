@@ -10,6 +10,7 @@ own first attempt, whose reply was lost, is recognised as the success it was.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ from celery_echomq.store.loader import TRANSITIONS, load_source
 from celery_echomq.store.replies import server_error
 
 Value = bytes | str
+
+logger = logging.getLogger("celery_echomq.store")
 
 
 def _demoted(client: Any, exc: Exception) -> Exception:
@@ -120,6 +123,7 @@ def run_replicated(
                 "the primary but may not survive a failover",
                 acked=int(acked),
                 wanted=replicas,
+                reply=reply,
             )
         return reply
 
@@ -186,6 +190,13 @@ class ScriptRunner:
         # a false stall alarm (a body run twice, never a double count), a lost release a
         # recovery pass that waits for the lease to expire. Every other script waits.
         self.unreplicated = frozenset({"extend", "lease_release"})
+        # A transition whose reply hands its caller a released parent to publish: the parent
+        # row is marked handed out on the primary, so a reply dropped for a replica's late
+        # acknowledgement (a new primary whose replica is still syncing) would leave it
+        # marked and never published. Its reply is followed, and the shortfall logged: if a
+        # failover does lose the write, the new primary has the parent still held, and the
+        # message the caller published is a duplicate that its claim turns away.
+        self.hands_out = frozenset({"complete", "dispatch", "credit"})
         self._scripts: dict[str, Script] = {
             name: client.register_script(load_source(name)) for name in TRANSITIONS
         }
@@ -215,6 +226,11 @@ class ScriptRunner:
                     name=name,
                 )
             return run_script(self.client, script, keys, args, self.retry_timeout)
+        except ReplicationError as exc:
+            if name not in self.hands_out:
+                raise
+            logger.warning("echomq: %s; its reply is followed", exc)
+            return exc.reply
         except store.CLUSTER_RETRYABLE as exc:
             raise StoreConnectionError(
                 f"the flow store is unavailable: {name} failed, retried for up to "

@@ -23,10 +23,11 @@ def status_of(value: Any) -> Status:
 
 
 def stored_children(reply: Sequence[Any], parent_id: str) -> list[tuple[str, Stored]]:
-    """``(id, stored job)`` from a retry script's flat reply ``id, payload, delta, ...``."""
+    """``(id, stored job)`` from a retry script's flat reply ``id, payload, delta, input, ...``
+    (includes/repend.lua)."""
     found = []
-    for i in range(0, len(reply), 3):
-        stored = stored_of(reply[i + 1], reply[i + 2], parent_id)
+    for i in range(0, len(reply), 4):
+        stored = stored_of(reply[i + 1], reply[i + 2], parent_id, reply[i + 3])
         if stored is not None:
             found.append((text(reply[i]), stored))
     return found

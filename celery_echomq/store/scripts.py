@@ -154,7 +154,7 @@ class Scripts(FlowScripts):
         ]
         reply = self._run("requeue", keys, [job_id, str(stall_ms), seen_state, token])
         status = status_of(reply[0])
-        return (status, stored_of(*reply[1:4])) if status is Status.REQUEUED else (status, None)
+        return (status, stored_of(*reply[1:5])) if status is Status.REQUEUED else (status, None)
 
     def extend(
         self,
@@ -184,7 +184,7 @@ class Scripts(FlowScripts):
         ]
         reply = self._run("drop", keys, [job_id, holder_prefix])
         status = status_of(reply[0])
-        return (status, stored_of(*reply[1:4])) if status is Status.REQUEUED else (status, None)
+        return (status, stored_of(*reply[1:5])) if status is Status.REQUEUED else (status, None)
 
     def hand_over(self, queue: str, job_id: str, token: str) -> Status:
         """The job was replaced (Task.replace): its outcome is the replacement's."""

@@ -41,6 +41,7 @@ class StartScripts(ScriptsBase):
         policy: str = "",
         locator_ttl: int = 0,
         register: Sequence[str] = (),
+        check: bool = False,
         publish: BrokerPushes | None = None,
     ) -> tuple[int, int | None]:
         """Hold the parent and write its children; ``recent_ttl_ms`` and ``recent_max`` bound
@@ -51,11 +52,13 @@ class StartScripts(ScriptsBase):
 
         ``template``: kept on the parent's row; ``kinds``: a character per child, ``d`` where
         its value is a delta against ``template``, ``p`` where it is a whole payload (empty:
-        every value is a payload). See :mod:`~celery_echomq.stored`. ``policy``: kept on the
+        every value is a payload). See :mod:`~celery_echomq.store.codec`. ``policy``: kept on the
         parent's row ('' writes none, which reads as ``fail``). ``locator_ttl``: also write the
         parent's locator (a key of another slot: not on a Redis Cluster), with this TTL in
         seconds; ``register``: queue names to add to the registry of queues (also a key of
-        another slot), in the same step. ``publish``: the children's messages, pushed into
+        another slot), in the same step. ``check``: the script checks every id against every
+        other queue itself (``includes/taken.lua``: a store of one server only, whose scripts may
+        read keys of any queue). ``publish``: the children's messages, pushed into
         the broker's database of this server by the same step (not on a Redis Cluster)."""
         parent_key = self.keys.job_key(queue, parent_id)
         keys = [
@@ -70,12 +73,13 @@ class StartScripts(ScriptsBase):
         for cid, payload in children:
             argv += [cid, payload]
         argv += [outer, str(recent_ttl_ms), str(recent_max)]
-        if policy or locator_ttl or register or publish:
+        if policy or locator_ttl or register or check or publish:
             argv += [template, kinds, policy, str(locator_ttl) if locator_ttl else "", queue]
             argv += [str(len(register)), *register]
+            argv += self.keys.check_parts() if check else ["", "", "", ""]
             if locator_ttl:
                 keys.append(self.keys.locator_key(parent_id))
-            if register:
+            if register or check:
                 keys.append(self.keys.queues_key())
             if publish:
                 keys += publish.lists
@@ -103,7 +107,7 @@ class StartScripts(ScriptsBase):
         template: Value = b"",
     ) -> int:
         """Hold the parent for the chunked path; ``template``: kept on its row, for the
-        deltas add_children writes on its slot (see :mod:`~celery_echomq.stored`)."""
+        deltas add_children writes on its slot (see :mod:`~celery_echomq.store.codec`)."""
         row = self.keys.job_key(queue, parent_id)
         keys = [
             row,

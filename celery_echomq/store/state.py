@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-import time
 from typing import Any, cast
 
 from kombu.serialization import dumps, loads, prepare_accept_content, registry
@@ -43,7 +42,6 @@ class EchoMQ:
         self._scripts: Scripts | None = None
         self._codec: tuple[str, str, Any] | None = None
         self._keys: Keyspace | None = None
-        self._queues: tuple[float, frozenset[str]] = (0.0, frozenset())
 
     @property
     def settings(self) -> Settings:
@@ -107,19 +105,6 @@ class EchoMQ:
     def scripts(self) -> Scripts:
         self._ensure()
         return cast(Scripts, self._scripts)
-
-    def known_queues(self, max_age: float = 1.0) -> frozenset[str]:
-        """The queues that hold flows (``emq:queues``), read at most once per ``max_age``
-        seconds: what the id check across queues looks at."""
-        read_at, names = self._queues
-        now = time.monotonic()
-        if now - read_at > max_age or self._pid != os.getpid():
-            raw = self.client.smembers(self.keys.queues_key())
-            names = frozenset(
-                filter(None, (m.decode() if isinstance(m, bytes) else str(m) for m in raw))
-            )
-            self._queues = (now, names)
-        return names
 
     @property
     def locator_ttl(self) -> int:

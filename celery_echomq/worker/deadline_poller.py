@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from celery import bootsteps
+from redis.cluster import RedisCluster
 
 from celery_echomq.errors import InvalidIdError
 from celery_echomq.store.connection import text
@@ -33,15 +34,19 @@ def due_entries(
     state: EchoMQ, queues: Iterable[str], batch: int = BATCH
 ) -> list[tuple[str, str, float]]:
     """``(queue, parent id, due ms)`` of the entries due now, on the store's clock: one
-    round trip (TIME and the head of every queue's index)."""
+    round trip (TIME and the head of every queue's index; on a Redis Cluster, whose pipelines
+    take no keyless command, TIME first, from any node)."""
     names = list(queues)
     if not names:
         return []
+    cluster = isinstance(state.client, RedisCluster)
     pipe = state.client.pipeline(transaction=False)
-    pipe.time()
+    if not cluster:
+        pipe.time()
     for queue in names:
         pipe.zrange(index_key(state, queue), 0, batch - 1, withscores=True)
-    (seconds, micros), *heads = pipe.execute()
+    heads = pipe.execute()
+    seconds, micros = state.client.time() if cluster else heads.pop(0)
     now = int(seconds) * 1000 + int(micros) // 1000
     due = []
     for queue, head in zip(names, heads, strict=True):
@@ -63,7 +68,7 @@ def fire_all(state: EchoMQ, queues: Iterable[str], batch: int = BATCH) -> list[s
 
 def fire_steps(state: EchoMQ, queues: Iterable[str], batch: int = BATCH) -> list[Step]:
     """Fire every due deadline of ``queues`` (the scripts are what "on time" means); what
-    follows each is returned, for :func:`~.fire.finish`."""
+    follows each is returned, for :func:`~.deadlines.finish`."""
     steps = []
     for queue, parent_id, _ in due_entries(state, queues, batch):
         try:
@@ -132,7 +137,7 @@ class DeadlinePoller:
                 if steps:
                     self._follow.put(steps)
             except Exception as exc:
-                logger.warning("echomq deadlines: poll failed: %r", exc)
+                logger.warning("echomq deadlines: poll failed: %s: %s", type(exc).__name__, exc)
             self._stop.wait(self.poll)
 
 

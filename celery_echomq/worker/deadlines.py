@@ -55,13 +55,6 @@ class Step:
     local: list[str]
 
 
-def fire_due(state: EchoMQ, queue: str, parent_id: str) -> str | None:
-    """Fire ``parent_id``'s due deadline on ``queue`` and do what follows: one line for the
-    log when it acted, else None (early, moot, already handled by another worker)."""
-    step = fire_one(state, queue, parent_id)
-    return finish(state, [step])[0] if step is not None else None
-
-
 def finish(state: EchoMQ, steps: list[Step]) -> list[str]:
     """What follows the deadlines ``steps`` fired: each one's failure or dispatch, then one
     revoke of every child they cut, then their index entries ended."""
@@ -94,10 +87,16 @@ def fire_one(state: EchoMQ, queue: str, parent_id: str) -> Step | None:
         on_deadline = str((job or {}).get("on_deadline", "fail"))
         pipe = client.pipeline(transaction=False)
         for cid in children:
-            pipe.exists(keys.job_key(queue, cid))
+            pipe.hmget(keys.job_key(queue, cid), "state", "steps")
         here = pipe.execute() if children else []
-        local = [c for c, there in zip(children, here, strict=True) if there]
-        remote = [c for c, there in zip(children, here, strict=True) if not there]
+        # A linked chain's steps stand for it: the one pending is cut, the one active runs.
+        local = [
+            step
+            for cid, (there, steps) in zip(children, here, strict=True)
+            if there is not None
+            for step in (text(steps).split() if steps else [cid])
+        ]
+        remote = [c for c, (there, _) in zip(children, here, strict=True) if there is None]
         sha = hashlib.sha1(payload or b"").hexdigest()
         fired = store.fire(state, queue, parent_id, sha, on_deadline, local, remote)
         if fired.status != "stale":

@@ -14,7 +14,7 @@ from typing import Any
 
 from celery_echomq import tracing
 from celery_echomq.errors import FlowFailed
-from celery_echomq.send.dispatch import dispatch_parent, publish_handed
+from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
 from celery_echomq.send.errbacks import ran_by_child
 from celery_echomq.store.flow_scripts import Handed
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
@@ -149,12 +149,18 @@ def settle_success(
     value: bytes,
     result: ResultWrite | None = None,
     unwritten: Callable[[], None] | None = None,
+    next_step: str = "",
+    since: int | None = None,
 ) -> Status:
     """A job succeeded: complete it and credit its parent (on whichever slot it lives).
 
     ``result``: its result for Celery's backend, written by the completion itself; where the
     completion was not the job's transition (a stale token, a job cancelled meanwhile) it
-    writes nothing and ``unwritten`` is called, to store it as Celery would."""
+    writes nothing and ``unwritten`` is called, to store it as Celery would. ``next_step``: the
+    job is a chain's step but its last (:data:`H_NEXT`): the completion makes that step
+    pending, and this publishes it with the value; ``since``: the pending time this step's
+    message carried (:data:`H_SINCE`), which the next step's carries on (an older time than
+    its own pending score, which only spares its claim the claim marks, see claim.lua)."""
     status, written, handed = state.scripts.complete_releasing(
         queue,
         job_id,
@@ -165,6 +171,7 @@ def settle_success(
         value=value,
         result=result,
         inline_max=state.settings.chunk_size,
+        next_step=next_step,
     )
     if status is Status.FORGED:
         logger.warning(
@@ -172,6 +179,11 @@ def settle_success(
         )
     if result is not None and not written and unwritten is not None:
         unwritten()
+    if status is Status.ADVANCED and handed is not None:
+        if since is None:
+            since = int(handed[1]["since"])
+        publish_step(state, next_step, handed[0], value, previous=job_id, since=since)
+        return status
     if status is Status.STAGED and parent is not None:
         status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")
     if parent is not None:

@@ -24,6 +24,7 @@ from celery_echomq import tracing
 from celery_echomq.config import safe_url
 from celery_echomq.store.headers import (
     H_FLOW,
+    H_NEXT,
     H_PARENT,
     H_QUEUE,
     H_SINCE,
@@ -41,6 +42,7 @@ from celery_echomq.store.results import (
     success_write,
 )
 from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.worker.checks import on_worker_ready
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
 from celery_echomq.worker.settle import error_text, settle_failure, settle_success
 
@@ -218,6 +220,8 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
         state.dumps(result),
         success_write(state, sender, request, result),
         lambda: store_success(sender, request, result),
+        str(getattr(request, H_NEXT, None) or ""),
+        since if isinstance(since := getattr(request, H_SINCE, None), int) else None,
     )
 
 
@@ -369,6 +373,7 @@ def connect() -> None:
     signals.task_rejected.connect(on_rejected, weak=False, dispatch_uid="echomq_rejected")
     signals.task_received.connect(on_received, weak=False, dispatch_uid="echomq_received")
     signals.task_postrun.connect(on_postrun, weak=False, dispatch_uid="echomq_postrun")
+    signals.worker_ready.connect(on_worker_ready, weak=False, dispatch_uid="echomq_ready")
     # On Celery's base class, so that tasks with a custom base get it too; Celery's tracer
     # calls an overridden before_start (see celery.app.trace.task_has_custom).
     if Task.before_start is not skip_duplicate:

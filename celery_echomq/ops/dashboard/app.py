@@ -1,9 +1,10 @@
 """``celery -A proj echomq dashboard``: a small Starlette app over the flow store.
 
     /                       queues with their counts; held, failed and recent flows
-    /flows/<JOBID>          a flow's tree, rendered here (readable without JavaScript)
-    /flows/<JOBID>/live     the same tree alone, what the page's script polls to redraw it
-    /api/flows/<JOBID>      the same JSON as ``celery echomq show --json JOBID``
+    /flows/<JOBID>          a flow: its row, counts and one page of children (readable
+                            without JavaScript); ?state=failed|done|...&cursor=...&count=...
+    /flows/<JOBID>/live     the same page alone, what the page's script polls to redraw it
+    /api/flows/<JOBID>      the same JSON as ``celery echomq show --json JOBID`` (same query)
     /metrics                Prometheus text (see metrics.py)
     POST /flows/<JOBID>/cancel|retry|release   only with --allow-actions (else 403)
 
@@ -41,8 +42,9 @@ from celery_echomq.ops.dashboard.guard import Exposure, Guard
 from celery_echomq.ops.dashboard.metrics import registry_for
 from celery_echomq.ops.dashboard.overview import read_overview
 from celery_echomq.ops.listing import STATES
+from celery_echomq.ops.pages import FILTERS, PAGE, read_flow
 from celery_echomq.ops.rendering import seconds, short
-from celery_echomq.ops.views import FINISHED, JobNode, read_tree, tree_json
+from celery_echomq.ops.views import FINISHED, JobNode, tree_json
 from celery_echomq.store.state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")
@@ -68,7 +70,8 @@ def allowed_actions(node: JobNode) -> list[str]:
     if node.flow is None:
         return []
     held = node.state == "awaiting_children"
-    failed_under_fail = any(c.state == "failed" and c.policy == "fail" for c in node.children)
+    # From the counts, not the children (a page of them): a held flow with failed children.
+    failed_under_fail = node.flow.failed > 0
     actions = []
     if node.state in ("awaiting_children", "pending"):
         actions.append("cancel")
@@ -123,22 +126,39 @@ class Dashboard:
             return RedirectResponse("/", status_code=303)
         return RedirectResponse(f"/flows/{quote(job_id)}", status_code=303)
 
-    def _tree(self, job_id: str) -> tuple[JobNode | None, str, int]:
-        try:
-            return read_tree(self.state, job_id, with_times=True), "", 200
-        except UnknownFlowError as exc:
-            return None, str(exc), 404
-        except EchoMQError as exc:  # an ill-formed id
-            return None, str(exc), 400
-
-    def flow_page(self, request: Request) -> Response:
+    def _tree(self, request: Request) -> tuple[JobNode | None, JobNode | None, str, int]:
+        """The flow of the request's page (``?state=&cursor=&count=``) and, on a first page
+        of every child of a flow with failed children, a page of those first."""
         job_id = request.path_params["job_id"]
-        node, problem, status = self._tree(job_id)
+        params = request.query_params
+        only, cursor = params.get("state") or None, params.get("cursor") or None
+        try:
+            count = int(params.get("count") or PAGE)
+            node = read_flow(
+                self.state, job_id, cursor=cursor, count=count, only=only, with_times=True
+            )
+            failed = None
+            if node.flow and (node.flow.failed or node.flow.ignored) and not (only or cursor):
+                failed = read_flow(
+                    self.state, job_id, count=10, only="failed", with_result=False,
+                    with_times=True,
+                )  # fmt: skip
+            return node, failed, "", 200
+        except UnknownFlowError as exc:
+            return None, None, str(exc), 404
+        except (EchoMQError, ValueError) as exc:  # an ill-formed id, cursor, state or count
+            return None, None, str(exc), 400
+
+    def _flow(self, request: Request, name: str) -> Response:
+        node, failed, problem, status = self._tree(request)
         response = self._page(
             request,
-            "flow.html",
-            job_id=job_id,
+            name,
+            job_id=request.path_params["job_id"],
             node=node,
+            failed=failed,
+            filters=FILTERS,
+            query=request.url.query,
             problem=problem,
             actions=allowed_actions(node) if node and self.allow_actions else [],
             note=request.query_params.get("note", ""),
@@ -147,27 +167,16 @@ class Dashboard:
         response.status_code = status
         return response
 
+    def flow_page(self, request: Request) -> Response:
+        return self._flow(request, "flow.html")
+
     def live(self, request: Request) -> Response:
-        job_id = request.path_params["job_id"]
-        node, problem, status = self._tree(job_id)
-        response = self._page(
-            request,
-            "live.html",
-            job_id=job_id,
-            node=node,
-            problem=problem,
-            actions=allowed_actions(node) if node and self.allow_actions else [],
-        )
-        response.status_code = status
-        return response
+        return self._flow(request, "live.html")
 
     def api_flow(self, request: Request) -> Response:
-        try:
-            node = read_tree(self.state, request.path_params["job_id"], with_times=True)
-        except UnknownFlowError as exc:
-            return _json_error(404, str(exc))
-        except EchoMQError as exc:  # an ill-formed id
-            return _json_error(400, str(exc))
+        node, _, problem, status = self._tree(request)
+        if node is None:
+            return _json_error(status, problem)
         return Response(tree_json(node, indent=None), media_type="application/json")
 
     def metrics(self, request: Request) -> Response:
@@ -215,20 +224,20 @@ class Dashboard:
         return {"cancel": self._cancel, "retry": self._retry, "release": self._release}
 
     def _cancel(self, job_id: str) -> str:
-        before = read_tree(self.state, job_id, with_result=False)
+        before = read_flow(self.state, job_id, count=1, with_result=False)
         if before.flow is None:
             raise EchoMQError(f"{job_id} is not a flow parent")
         if before.finished:
             raise EchoMQError(f"flow {job_id} already finished ({before.state}); nothing to cancel")
         cancel_flow(self.state, before.queue, job_id)
-        after = read_tree(self.state, job_id, with_result=False)
+        after = read_flow(self.state, job_id, count=PAGE, only="active", with_result=False)
         if after.state not in FINISHED:
             # The parent had started: revoked as any task, as FlowResult.revoke() does.
             self.state.app.control.revoke(job_id)
         if after.state != "cancelled":
             return f"the parent was already {after.state}; Celery's revoke was sent for it"
-        left = sum(1 for c in after.children if c.state not in FINISHED)
-        return f"flow {job_id} cancelled ({left} job(s) still running)"
+        more = "+" if after.page and after.page.next_cursor else ""
+        return f"flow {job_id} cancelled ({len(after.children)}{more} job(s) still running)"
 
     def _retry(self, job_id: str) -> str:
         # Lazily: the repair module is needed only when an operator presses the button.

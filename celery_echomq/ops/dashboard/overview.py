@@ -2,7 +2,7 @@
 
 Bounded by construction, whatever the keyspace holds: the counts are ZCARDs and one HMGET of
 the queue's counters hash (held parents are counted there by the scripts, not scanned for);
-the lists are pages of :func:`celery_echomq.listing.read_flows` (the recent-flow index, and
+the lists are pages of :func:`celery_echomq.ops.listing.read_flows` (the recent-flow index, and
 the failed set for failed flows), each of at most ``PAGE`` flows. Each list's caption counts
 the rows it shows, and says when a further page exists: the failed count beside the failed
 flows is theirs, while the counts table says "failed jobs" (children included).

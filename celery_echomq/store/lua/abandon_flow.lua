@@ -23,6 +23,7 @@
 --   "<state>"    open but no longer held (e.g. cancelled): only taken out of the open set
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
+--- @include "expire"
 --- @include "now_ms"
 local refused = gate_ids(1, 1)
 if refused then
@@ -46,7 +47,5 @@ local ttl = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'failed', 'abandoned', '1', 'error', ARGV[4])
 redis.call('ZADD', KEYS[7], now, ARGV[1])
 redis.call('HINCRBY', KEYS[8], 'held', -1)
-for i = 1, 5 do
-  redis.call('EXPIRE', KEYS[i], ttl)
-end
+expire_keys(ttl, {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
 return {'abandoned'}

@@ -13,7 +13,9 @@
 -- ARGV[4+3k]  optional: one character per child, 'd' where ARGV[2+3i] is a delta against the
 --             template open_flow kept on the parent's row (only on the parent's own slot; the
 --             row keeps it as 'delta', small enough to stay a listpack), 'p' where it is a
---             whole payload ('' or absent: every child's is a payload)
+--             whole payload ('' or absent: every child's is a payload); 's', 'w', 'l' for
+--             the first, a middle and the last step of a linked chain, in order, never split
+--             across two calls (includes/chain_step.lua)
 --
 -- Reply: the number of rows written. A row that already exists for this same parent is
 -- left as it is (a repeated add writes nothing twice).
@@ -21,6 +23,7 @@
 --- @include "gate"
 --- @include "now_ms"
 --- @include "child_row"
+--- @include "chain_step"
 local k = tonumber(ARGV[3])
 local refused = gate_ids(1, 1) or gate_ids(4, 1 + 3 * k, 3)
 if refused then
@@ -53,18 +56,37 @@ end
 local now = now_ms()
 local kinds = ARGV[4 + 3 * k] or ''
 local members = {}
+local heads, head, head_at = {}, '', 0
+local function id_at(i)
+  return ARGV[1 + 3 * i]
+end
+for i = 1, k do
+  if string.byte(kinds, i) == STEP_FIRST then
+    head, head_at = id_at(i), i
+  end
+  heads[i] = {head, head_at}
+end
 for n, i in ipairs(fresh) do
   local row = KEYS[1 + i]
-  write_child_row(row, ARGV[1], ARGV[2 + 3 * i], string.byte(kinds, i) == 100) -- 'd'
+  local kind = string.byte(kinds, i)
+  local pending = true
+  if is_step(kind) then
+    pending = write_step_row(row, ARGV[1], ARGV[2 + 3 * i], kind, heads[i][1], ARGV[4 + 3 * i],
+      kind == STEP_LAST and step_ids(heads[i][2], i, id_at) or nil)
+  else
+    write_child_row(row, ARGV[1], ARGV[2 + 3 * i], kind == 100) -- 'd'
+  end
   if ARGV[2] ~= '' then
     redis.call('HSET', row, 'pq', ARGV[2])
   end
   if ARGV[3 + 3 * i] ~= '' then
     redis.call('HSET', row, 'parent_policy', ARGV[3 + 3 * i])
   end
-  members[#members + 1] = now
-  members[#members + 1] = ARGV[1 + 3 * i]
-  if #members >= 2 * SLICE or n == #fresh then
+  if pending then
+    members[#members + 1] = now
+    members[#members + 1] = ARGV[1 + 3 * i]
+  end
+  if #members >= 2 * SLICE or (n == #fresh and #members > 0) then
     redis.call('ZADD', KEYS[1], unpack(members))
     members = {}
   end

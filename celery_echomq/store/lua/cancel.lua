@@ -21,6 +21,7 @@
 --   "<state>"    the parent is active, done, failed or already cancelled: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
+--- @include "expire"
 --- @include "cancel_children"
 local refused = gate_ids(1, 1)
 if refused then
@@ -37,8 +38,6 @@ redis.call('ZREM', KEYS[5], ARGV[1])
 if state == 'awaiting_children' then
   redis.call('HINCRBY', KEYS[7], 'held', -1)
 end
-for i = 1, 4 do
-  redis.call('EXPIRE', KEYS[i], ttl)
-end
+expire_keys(ttl, {KEYS[1], KEYS[2], KEYS[3], KEYS[4]})
 cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply, true, ARGV[1])
 return reply

@@ -10,6 +10,8 @@
 -- KEYS[8]  the parent's :processed      } passes none of these and never enters the
 -- KEYS[9]  the parent's pending set     } fan-in branch
 -- KEYS[10] the parent queue's counters   }
+-- KEYS[6]  with ARGV[12], instead of the above: the next step's row } a chain's step but
+-- KEYS[7]  the queue's pending set                                 } its last
 -- KEYS[#KEYS] the job's key in Celery's Redis result backend, last, only when ARGV[8] == '1'
 --          (after KEYS[2..5], KEYS[6] the outbox, or KEYS[6..10], whichever were passed)
 -- ARGV[1]  job id
@@ -28,6 +30,8 @@
 -- ARGV[11] optional: when this completion releases its parent (on this slot), hand the host
 --          the parent to publish, as dispatch.lua would, inlining at most this many values
 --          ('' or absent: the host calls dispatch itself)
+-- ARGV[12] optional: the next step's id, on a chain's step but its last (its row's 'next');
+--          then the value goes to that step, not to a parent ('' or absent: not a step)
 --
 -- Reply: {status} or, when ARGV[8] == '1', {status, written}: written '1' when this call
 -- wrote the result (the job's one active -> done transition), else '' (the host stores it the
@@ -38,10 +42,14 @@
 --                 value1, ...} or {"released", written, payload, "scan"}
 --   "credited"    credited; other children outstanding, or the parent no longer waits
 --   "staged"      finished and staged in the outbox (ARGV[7] == '1'): the host credits it
---   "done"        finished; no parent to credit
+--   "advanced"    a chain's step: finished, and the next step is now pending with this value
+--                 as its 'input'; the reply goes on with that step's payload, for the host to
+--                 publish: {"advanced", written, payload, now} (now: its pending score, the
+--                 server's ms, which its message carries so that its claim need not read it)
+--   "done"        finished; no parent to credit (or the next step no longer waits)
 --   "stale"       the token is not the current one: nothing changed
---   "forged"      ARGV[5] is not the row's own parent (a message's headers named another):
---                 nothing changed
+--   "forged"      ARGV[5] is not the row's own parent, or ARGV[12] its own next step (a
+--                 message's headers named another): nothing changed
 --   "<state>"     the job is not active (done, failed, pending, ...): nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
@@ -54,13 +62,22 @@ if refused then
   return refused
 end
 local is_parent = ARGV[4] == '1'
+local next_id = ARGV[12] or ''
 -- A parent's credited_failed, read with its holder: its :ignored exists only once a child
 -- failed under 'ignore', which counts credited_failed in the same script (settle_child).
+-- Any other job's 'next' (a chain's step), which must be the one the message names: a step
+-- is never taken for the chain's last, nor the last for a step.
 local failed_children
-refused, failed_children = not_holder(KEYS[1], ARGV[2], is_parent and 'credited_failed' or nil,
+refused, failed_children = not_holder(KEYS[1], ARGV[2], is_parent and 'credited_failed' or 'next',
   ARGV[5])
 if refused then
   return refused
+end
+if not is_parent then
+  if (failed_children or '') ~= next_id then
+    return {'forged'}
+  end
+  failed_children = nil
 end
 local ttl = tonumber(ARGV[3])
 -- ZREM gives was_active: exactly one completion per active->done transition gets 1.
@@ -86,6 +103,20 @@ if ARGV[8] == '1' and was_active == 1 then
   end
   redis.call('PUBLISH', result_key, ARGV[9])
   written = '1'
+end
+if next_id ~= '' then
+  -- A chain's step: its value goes to the next step, which becomes pending, and this worker
+  -- publishes it (recovery re-publishes it if that never happens). Once, inside was_active.
+  if was_active == 1 then
+    local after = redis.call('HMGET', KEYS[6], 'state', 'payload')
+    if after[1] == 'waiting' then
+      local now = now_ms()
+      redis.call('HSET', KEYS[6], 'state', 'pending', 'input', ARGV[6])
+      redis.call('ZADD', KEYS[7], now, next_id)
+      return {'advanced', written, after[2], now}
+    end
+  end
+  return {'done', written}
 end
 if ARGV[7] == '1' then
   if was_active == 1 then

@@ -37,8 +37,8 @@ if row[3] then
   redis.call('HINCRBY', KEYS[4], 'republished', 1)
   redis.call('ZREM', KEYS[2], ARGV[1])
   redis.call('ZADD', KEYS[3], now, ARGV[1])
-  local stored = redis.call('HMGET', KEYS[1], 'payload', 'delta', 'parent')
-  return {'requeued', stored[1], stored[2], stored[3]}
+  local stored = redis.call('HMGET', KEYS[1], 'payload', 'delta', 'parent', 'input')
+  return {'requeued', stored[1], stored[2], stored[3], stored[4]}
 end
 redis.call('ZADD', KEYS[2], now, ARGV[1])
 return {'lapsed'}

@@ -9,8 +9,8 @@
 -- KEYS[5]      the queue's counters            emq:{q}:counters
 -- KEYS[5+i]    child i's row, i = 1..N         emq:{q}:JOBc
 -- KEYS[6+N]    optional (with ARGV[10+2N]): the parent's locator   emq:loc:{JOBp}
--- KEYS[...]    optional (with ARGV[12+2N] > 0): the registry of queues that hold flows
---              emq:queues (after the locator when both are given)
+-- KEYS[...]    optional (with ARGV[12+2N] > 0 or ARGV[13+2N+R] given): the registry of
+--              queues that hold flows emq:queues (after the locator when both are given)
 -- KEYS[...]    optional (with ARGV[13+2N+R]): the broker's lists the children's messages go
 --              to, after the keys above
 --              (these live on other slots than the queue's: never passed on a Cluster)
@@ -26,7 +26,9 @@
 --              parent's row ('' or absent: none)
 -- ARGV[8+2N]   optional: one character per child, 'd' where ARGV[3+2i] is a delta (the row
 --              keeps it as 'delta' rather than 'payload': a small row stays a listpack),
---              'p' where it is a whole payload ('' or absent: every child's is a payload)
+--              'p' where it is a whole payload ('' or absent: every child's is a payload);
+--              's', 'w', 'l' for the first, a middle and the last step of a linked chain, in
+--              order (includes/chain_step.lua: only its last is counted, only its first pending)
 -- ARGV[9+2N]   optional: the flow's policy, kept on the parent's row ('' or absent: none,
 --              which reads as 'fail')
 -- ARGV[10+2N]  optional: the locator's TTL in seconds; KEYS[6+N] is set to ARGV[11+2N] (the
@@ -35,19 +37,26 @@
 -- ARGV[12+2N]  R, the number of queue names that follow ('' or absent: none)
 -- ARGV[13+2N..12+2N+R] queue names to add to the registry (every queue of the flow's tree,
 --              so that recovery looks there; they land with the flow)
--- ARGV[13+2N+R] optional: the broker's database, on this same server: the children's
+-- ARGV[13+2N+R..16+2N+R] optional: the key parts of the check across queues, on a store of
+--              one server (includes/taken.lua): a row's head and tail around its queue, a
+--              claim's head and tail around its id ('' or absent: no check, the host made it)
+-- ARGV[17+2N+R] optional: the broker's database, on this same server: the children's
 --              messages are pushed there in this step (absent: the host publishes them)
--- ARGV[14+2N+R..] with it, a triple per message: the 1-based index of its list among the
+-- ARGV[18+2N+R..] with it, a triple per message: the 1-based index of its list among the
 --              broker's KEYS, the message up to its enqueue time and the rest after it
 --              (the message is head .. now .. tail, so it carries the time this step read)
 --
--- Reply: {N (the counter), now}: now is the server time in ms this script read, the score of
+-- Reply: {the counter (N, less the steps of chains before their last), now}: now is the server time in ms this script read, the score of
 -- every child in the pending set (so recovery can tell how long a job has waited).
 -- A refusal returns before any write, and before any message is pushed.
--- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists.
+-- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists;
+-- "EMQEXISTS <id> <queue>" the id is another queue's (its row, or its enqueue in flight);
+-- "EMQWIDE ..." the check across queues is too wide for one script: the host makes it.
 --- @include "gate"
 --- @include "recent"
 --- @include "child_row"
+--- @include "taken"
+--- @include "chain_step"
 
 -- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
 -- write.
@@ -99,6 +108,27 @@ for first = 6, 5 + n, SLICE do
     end
   end
 end
+-- The same ids on every other queue, before any write (a store of one server only).
+local registered = tonumber(ARGV[12 + 2 * n] or '') or 0
+local check = 13 + 2 * n + registered
+local extra = 6 + n -- the first of the optional KEYS
+if (ARGV[10 + 2 * n] or '') ~= '' then
+  extra = extra + 1 -- after the locator
+end
+if (ARGV[check] or '') ~= '' then
+  local ids = {}
+  if outer == '' then
+    ids[1] = ARGV[1]
+  end
+  for i = 1, n do
+    ids[#ids + 1] = ARGV[2 + 2 * i]
+  end
+  local taken = taken_elsewhere(KEYS[extra],
+    {ARGV[check], ARGV[check + 1], ARGV[check + 2], ARGV[check + 3]}, ARGV[11 + 2 * n], ids)
+  if taken then
+    return taken
+  end
+end
 -- One TIME for the pending scores and the recent index.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -107,15 +137,52 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local template = ARGV[7 + 2 * n] or ''
 local kinds = ARGV[8 + 2 * n] or ''
 local members = {}
+-- The parent's index of its children by position: the list '<its row>:children' (named
+-- from KEYS[1], on its slot; it expires with the flow's :dependencies, see 'expire'). What an
+-- operator's page of children reads (LRANGE of a page), never the payload's whole list. One
+-- RPUSH per slice. A linked chain is listed once, by its last step (the child its parent
+-- counts).
+local index_key = KEYS[1] .. ':children'
+local index = {}
+-- The children the parent counts: every child, but the steps of a chain before its last.
+local counted, head, head_at = 0, '', 0
+local function id_at(i)
+  return ARGV[2 + 2 * i]
+end
 for i = 1, n do
   local child = KEYS[5 + i]
   local cid = ARGV[2 + 2 * i]
-  write_child_row(child, ARGV[1], ARGV[3 + 2 * i], string.byte(kinds, i) == 100) -- 'd'
-  members[#members + 1] = now
-  members[#members + 1] = cid
-  if #members >= 2 * SLICE or i == n then
+  local kind = string.byte(kinds, i)
+  local pending = true
+  local listed = true
+  if is_step(kind) then
+    if kind == STEP_FIRST then
+      head, head_at = cid, i
+    end
+    pending = write_step_row(child, ARGV[1], ARGV[3 + 2 * i], kind, head, ARGV[4 + 2 * i],
+      kind == STEP_LAST and step_ids(head_at, i, id_at) or nil)
+    listed = kind == STEP_LAST
+    if listed then
+      counted = counted + 1
+    end
+  else
+    write_child_row(child, ARGV[1], ARGV[3 + 2 * i], kind == 100) -- 'd'
+    counted = counted + 1
+  end
+  if pending then
+    members[#members + 1] = now
+    members[#members + 1] = cid
+  end
+  if listed then
+    index[#index + 1] = cid
+  end
+  if #members >= 2 * SLICE or (i == n and #members > 0) then
     redis.call('ZADD', KEYS[3], unpack(members))
     members = {}
+  end
+  if #index >= SLICE or (i == n and #index > 0) then
+    redis.call('RPUSH', index_key, unpack(index))
+    index = {}
   end
 end
 if placeholder[1] then
@@ -123,7 +190,7 @@ if placeholder[1] then
 end
 -- The parent: held out of pending (awaiting_children, in NO state set, so no claim reaches it)
 -- and the counter set to N. With no children there is nothing to wait for: release it now.
-if n == 0 then
+if counted == 0 then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2])
   redis.call('ZADD', KEYS[3], now, ARGV[1])
   redis.call('HINCRBY', KEYS[5], 'released', 1)
@@ -134,7 +201,7 @@ else
   end
   redis.call('HINCRBY', KEYS[5], 'held', 1)
 end
-redis.call('SET', KEYS[2], n)
+redis.call('SET', KEYS[2], counted)
 local policy = ARGV[9 + 2 * n] or ''
 if policy ~= '' then
   redis.call('HSET', KEYS[1], 'policy', policy)
@@ -142,25 +209,24 @@ end
 -- Where a bare id lives, and where recovery looks: written with the flow, so a producer that
 -- dies after this script leaves neither missing, and a refused flow leaves neither behind.
 local locator_ttl = ARGV[10 + 2 * n] or ''
-local extra = 6 + n -- the first of the optional KEYS
 if locator_ttl ~= '' then
-  redis.call('SET', KEYS[extra], ARGV[11 + 2 * n], 'EX', locator_ttl)
-  extra = extra + 1
+  redis.call('SET', KEYS[6 + n], ARGV[11 + 2 * n], 'EX', locator_ttl)
 end
-local registered = tonumber(ARGV[12 + 2 * n] or '') or 0
 if registered > 0 then
   redis.call('SADD', KEYS[extra], unpack(ARGV, 13 + 2 * n, 12 + 2 * n + registered))
-  extra = extra + 1
+end
+if registered > 0 or (ARGV[check] or '') ~= '' then
+  extra = extra + 1 -- after the registry
 end
 index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]), t)
 -- The children's messages, when the broker is a database of this server: the flow lands with
 -- its messages or not at all, in one round trip. Each list's messages in one LPUSH per slice,
 -- in the order given (what the host's own pipeline would push).
-local broker_db = ARGV[13 + 2 * n + registered] or ''
+local broker_db = ARGV[check + 4] or ''
 if broker_db ~= '' then
   local stamp = string.format('%d', now)
   local lists, order = {}, {}
-  for i = 14 + 2 * n + registered, #ARGV, 3 do
+  for i = check + 5, #ARGV, 3 do
     local key = KEYS[extra - 1 + tonumber(ARGV[i])]
     if not lists[key] then
       lists[key] = {}
@@ -177,4 +243,4 @@ if broker_db ~= '' then
     end
   end
 end
-return {n, now}
+return {counted, now}

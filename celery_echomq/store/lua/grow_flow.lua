@@ -67,4 +67,18 @@ if r > 0 then
   redis.call('ZADD', KEYS[5], now, ARGV[1])
 end
 redis.call('HSET', KEYS[1], 'payload', ARGV[3])
+-- The new children at the end of the parent's index by position, the list '<its row>:children'
+-- (see enqueue_flow; a flow written before the index existed has none: its pages read the
+-- payload, and it gets none now, which would list only the new ones).
+local index_key = KEYS[1] .. ':children'
+if redis.call('EXISTS', index_key) == 1 then
+  local index = {}
+  for i = 1, k + r do
+    index[#index + 1] = ARGV[3 + 3 * i]
+    if #index >= 500 or i == k + r then
+      redis.call('RPUSH', index_key, unpack(index))
+      index = {}
+    end
+  end
+end
 return {'added', redis.call('INCRBY', KEYS[2], k + r)}

@@ -78,5 +78,5 @@ redis.call('ZADD', KEYS[2], now, ARGV[1])
 redis.call('HDEL', KEYS[1], 'suspect')
 redis.call('HINCRBY', KEYS[1], 'requeued', 1)
 redis.call('HINCRBY', KEYS[5], 'republished', 1)
-local stored = redis.call('HMGET', KEYS[1], 'payload', 'delta', 'parent')
-return {'requeued', stored[1], stored[2], stored[3]}
+local stored = redis.call('HMGET', KEYS[1], 'payload', 'delta', 'parent', 'input')
+return {'requeued', stored[1], stored[2], stored[3], stored[4]}

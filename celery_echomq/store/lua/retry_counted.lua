@@ -26,7 +26,8 @@ local refused = gate_ids(1, 2)
 if refused then
   return refused
 end
-local c = redis.call('HMGET', KEYS[1], 'state', 'parent_policy', 'parent', 'payload', 'delta')
+local c = redis.call('HMGET', KEYS[1], 'state', 'parent_policy', 'parent', 'payload', 'delta',
+  'input')
 if c[3] ~= ARGV[2] then
   return {c[1] and 'forged' or 'missing'}
 end
@@ -49,5 +50,6 @@ redis.call('HDEL', KEYS[4], ARGV[1])
 -- And it leaves the parent's record of failed children (see settle_child).
 if redis.call('HDEL', KEYS[2], 'failed:' .. ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'failed_children', -1)
+  redis.call('HDEL', KEYS[2] .. ':failures', ARGV[1]) -- see settle_child
 end
-return {'retried', c[4], c[5]}
+return {'retried', c[4], c[5], c[6]}

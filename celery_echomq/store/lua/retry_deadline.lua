@@ -27,6 +27,7 @@
 --   "<state>"    refused, nothing changed: the parent is not failed by its deadline
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
+--- @include "expire"
 --- @include "now_ms"
 --- @include "release_parent"
 --- @include "repend"
@@ -60,9 +61,7 @@ redis.call('HDEL', KEYS[1], 'error', 'failed_by', 'deadline_fired', 'deadline_ou
   'propagated')
 redis.call('HINCRBY', KEYS[8], 'held', 1)
 redis.call('ZREM', KEYS[7], id)
-for k = 1, 5 do
-  redis.call('PERSIST', KEYS[k])
-end
+persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
 redis.call('ZADD', KEYS[9], at, id)
 if tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
   release_parent(KEYS[1], KEYS[6], id, KEYS[8])

@@ -38,6 +38,7 @@
 --                ("awaiting_children"), or it is pending, active, done, cancelled, missing
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
+--- @include "expire"
 --- @include "now_ms"
 --- @include "release_parent"
 --- @include "repend"
@@ -45,6 +46,7 @@
 local function unrecord(cid)
   if redis.call('HDEL', KEYS[1], 'failed:' .. cid) == 1 then
     redis.call('HINCRBY', KEYS[1], 'failed_children', -1)
+    redis.call('HDEL', KEYS[1] .. ':failures', cid) -- see settle_child
   end
 end
 -- ARGV[2] is a count, not an id: gate the ids on either side of it.
@@ -87,9 +89,7 @@ if state == 'failed' then
   redis.call('HINCRBY', KEYS[8], 'held', 1)
   redis.call('HDEL', KEYS[1], 'error', 'failed_child', 'propagated')
   redis.call('ZREM', KEYS[7], ARGV[1])
-  for k = 1, 5 do
-    redis.call('PERSIST', KEYS[k])
-  end
+  persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
 end
 if tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
   release_parent(KEYS[1], KEYS[6], ARGV[1], KEYS[8])

@@ -19,6 +19,7 @@
 --               that flow's children instead), or another flow's ("forged")
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
+--- @include "expire"
 --- @include "now_ms"
 local refused = gate_ids(1, 1)
 if refused then
@@ -38,7 +39,5 @@ redis.call('HSET', KEYS[1], 'state', 'pending')
 redis.call('HDEL', KEYS[1], 'error', 'token', 'dispatched', 'propagated', 'suspect')
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('ZADD', KEYS[5], now_ms(), ARGV[1])
-for k = 1, 4 do
-  redis.call('PERSIST', KEYS[k])
-end
+persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4]})
 return {'retried'}

@@ -14,7 +14,14 @@ from celery_echomq.errors import FlowFailed
 from celery_echomq.send.start import publish
 from celery_echomq.store.codec import STORED_FIELDS, Stored, stored_of
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import H_FLOW, H_PARENT, H_PARENT_QUEUE, Headers, parent_ref
+from celery_echomq.store.headers import (
+    H_FLOW,
+    H_NEXT,
+    H_PARENT,
+    H_PARENT_QUEUE,
+    Headers,
+    parent_ref,
+)
 from celery_echomq.store.replies import Status
 from celery_echomq.store.results import backend_readable
 from celery_echomq.store.scripts import ParentRef
@@ -128,7 +135,10 @@ def _repair_active(
         # The body finished and stored its result (or its replacement did); only the success
         # signal's transition was lost. The token makes this the very completion the signal
         # would have made.
-        done = settle_success(state, queue, job_id, token, is_parent, parent, state.dumps(result))
+        step = str(getattr(headers, H_NEXT, None) or "")
+        done = settle_success(
+            state, queue, job_id, token, is_parent, parent, state.dumps(result), next_step=step
+        )
         whose = "its replacement's" if replaced_by else "its"
         return f"{queue}: completed {job_id} from {whose} SUCCESS result ({done})"
     if status == states.FAILURE:

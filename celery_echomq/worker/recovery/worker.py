@@ -215,7 +215,7 @@ class RecoveryLoop:
                 try:
                     leased_pass(self.state, self.holder, self.queues())
                 except Exception as exc:
-                    logger.warning("echomq recovery: pass failed: %r", exc)
+                    logger.warning("echomq recovery: pass failed: %s: %s", type(exc).__name__, exc)
             self._stop.wait(self.tick)
 
 

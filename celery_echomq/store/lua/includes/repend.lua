@@ -1,7 +1,7 @@
 -- repend(child, cid, pending, failed, now, reply, ...): the row ``child`` (id ``cid``) runs
 -- again as a new attempt: pending, without its error, holder and token (and the further
 -- fields named in ``...``), no longer expiring, its id moved from ``failed`` to ``pending``,
--- and appended to ``reply`` with its stored payload and delta, for the host to re-publish.
+-- and appended to ``reply`` with its stored payload, delta and input (a chain's step), for the host to re-publish.
 -- retry_flow, retry_children and retry_deadline share it, so a retried child is alike
 -- whichever repair made it pending.
 local function repend(child, cid, pending, failed, now, reply, ...)
@@ -11,7 +11,8 @@ local function repend(child, cid, pending, failed, now, reply, ...)
   redis.call('ZREM', failed, cid)
   redis.call('ZADD', pending, now, cid)
   reply[#reply + 1] = cid
-  local stored = redis.call('HMGET', child, 'payload', 'delta')
+  local stored = redis.call('HMGET', child, 'payload', 'delta', 'input')
   reply[#reply + 1] = stored[1]
   reply[#reply + 1] = stored[2]
+  reply[#reply + 1] = stored[3]
 end

@@ -49,6 +49,10 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
     if found and policy ~= 'ignore'
         and redis.call('HSET', parent.row, 'failed:' .. child_id, data) == 1 then
       redis.call('HINCRBY', parent.row, 'failed_children', 1)
+      -- The same ids in a hash of their own, '<row>:failures' (id -> 1; named from the row,
+      -- on its slot, expiring with the flow: see 'expire'): a page of failed children is an
+      -- HSCAN of it, never of the row, whose payload a huge flow's scan would copy.
+      redis.call('HSET', parent.row .. ':failures', child_id, 1)
     end
     if policy == 'fail' then
       if found ~= 'awaiting_children' then

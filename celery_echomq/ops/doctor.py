@@ -1,0 +1,357 @@
+"""``celery echomq doctor``: the deployment checked, one finding per concern, each saying
+what to change.
+
+``read_facts`` reads what the store's servers, the Sentinels and the workers say (reads only,
+see store/server_info.py); each ``check_*`` is pure: facts in, one :class:`Finding` out. A
+finding is ``ok``, a ``note`` (works, and could be better) or ``wrong`` (a flow can be lost,
+stall or fail): the command exits 1 when any is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from celery_echomq.config import Settings, safe_url
+from celery_echomq.store import server_info
+from celery_echomq.store.connection import describe
+from celery_echomq.store.results import writes_results
+from celery_echomq.store.server_info import NodeFacts
+from celery_echomq.store.state import EchoMQ
+from celery_echomq.worker.checks import CLOCK_COMMAND
+
+# The oldest Redis this project is tested against.
+MIN_VERSION = (6, 2)
+# A host clock further than this from the store's moves what is timed by host clocks (an
+# aware-datetime deadline, a retry's countdown, Celery's eta and expires) by more than the
+# deadline poller's own period (worker/deadline_poller.py). Leases and deadlines in seconds
+# are timed by the store's clock alone.
+CLOCK_TOLERANCE_MS = 250.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    status: str  # "ok", "note" or "wrong"
+    detail: str
+    change: str = ""
+
+    def line(self) -> str:
+        mark = {"ok": "ok   ", "note": "note ", "wrong": "WRONG"}[self.status]
+        return f"{mark}  {self.check}: {self.detail}" + (
+            f" -> change: {self.change}" if self.change else ""
+        )
+
+
+@dataclass
+class Facts:
+    """What ``read_facts`` found; a part it could not read holds the reason instead."""
+
+    settings: Settings
+    where: str
+    nodes: list[NodeFacts] = field(default_factory=list)
+    user: str | None = None
+    refused: dict[str, str] | None = None
+    cluster: dict[str, str] | None = None
+    sentinels: tuple[str, list[tuple[str, dict[str, Any] | str]]] | None = None
+    fast_path: bool = False
+    backend: str = ""
+    local_clock: tuple[float, float] | None = None
+    workers: dict[str, dict[str, Any]] | str = field(default_factory=dict)
+
+
+def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
+    """Everything the checks judge; a Redis error reaching the store itself is raised (the
+    command turns it into one line)."""
+    settings, client = state.settings, state.client
+    facts = Facts(settings, describe(settings))
+    facts.nodes = server_info.node_facts(client)
+    facts.user = server_info.whoami(client)
+    probe = f"{settings.key_prefix}:{{doctor}}:probe"
+    facts.refused = server_info.refused_commands(
+        client, server_info.required_commands(), probe, "celery-task-meta-doctor"
+    )
+    if (settings.redis_url or "").startswith("redis+cluster://"):
+        facts.cluster = server_info.cluster_state(client)
+    facts.sentinels = server_info.sentinel_view(client)
+    facts.fast_path = writes_results(state)
+    facts.backend = safe_url(str(state.app.conf.result_backend or "none"))
+    facts.local_clock = server_info.clock_offset(client)
+    try:
+        facts.workers = ask_workers(state.app, workers_timeout)
+    except Exception as exc:  # the broker unreachable: the workers cannot be asked
+        facts.workers = f"{type(exc).__name__}: {exc}"
+    return facts
+
+
+def ask_workers(app: Any, timeout: float) -> dict[str, dict[str, Any]]:
+    """Every live worker's answer to ``echomq_clock``, by worker name."""
+    with app.connection_for_write() as connection:
+        # An unreachable broker: one try, not Celery's connection retries.
+        connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
+        replies = app.control.broadcast(
+            CLOCK_COMMAND, reply=True, timeout=timeout, connection=connection
+        )
+    return {name: answer for reply in replies or [] for name, answer in reply.items()}
+
+
+def _each(nodes: list[NodeFacts], bad: dict[str, str]) -> str:
+    """``bad`` (address -> what) as text: the node named only where there are several, and
+    nodes alike said once."""
+    if len(nodes) == 1:
+        return next(iter(bad.values()))
+    alike: dict[str, list[str]] = {}
+    for address, what in bad.items():
+        alike.setdefault(what, []).append(address)
+    if len(alike) == 1 and len(bad) == len(nodes):
+        return f"{next(iter(alike))} (all {len(nodes)} masters)"
+    return "; ".join(f"{what} on {', '.join(where)}" for what, where in alike.items())
+
+
+def check_memory_policy(nodes: list[NodeFacts]) -> Finding:
+    policies = {n.address: str(n.info.get("maxmemory_policy", "noeviction")) for n in nodes}
+    bad = {a: p for a, p in policies.items() if p != "noeviction"}
+    if not bad:
+        return Finding("memory policy", "ok", "noeviction: a full Redis refuses writes, never "
+                       "deletes a key")  # fmt: skip
+    return Finding(
+        "memory policy",
+        "wrong",
+        f"{_each(nodes, bad)}: when its memory is full, Redis deletes keys, held parents among "
+        "them, and their flows never finish",
+        "set maxmemory-policy noeviction (CONFIG SET maxmemory-policy noeviction, and in "
+        "redis.conf or the provider's parameter group)",
+    )
+
+
+def _persistence(node: NodeFacts) -> tuple[bool | None, str]:
+    """(persisted: True, False, or None where it cannot be told; what it is)."""
+    if node.info.get("aof_enabled") in (1, "1"):
+        fsync = (node.config or {}).get("appendfsync")
+        return True, "AOF" + (f" (appendfsync {fsync})" if fsync else "")
+    if node.config is None:
+        return None, "AOF off; snapshots unknown (CONFIG GET refused)"
+    save = (node.config.get("save") or "").strip()
+    if save:
+        return True, f"snapshots (save {save}; a crash loses the writes since the last one)"
+    return False, "none (no AOF, no snapshots): a restart loses every flow"
+
+
+def check_persistence(nodes: list[NodeFacts]) -> Finding:
+    seen = {n.address: _persistence(n) for n in nodes}
+    if all(ok for ok, _ in seen.values()):
+        return Finding("persistence", "ok", _each(nodes, {a: w for a, (_, w) in seen.items()}))
+    bad = {a: w for a, (ok, w) in seen.items() if not ok}
+    change = "appendonly yes (or a save schedule, e.g. save 60 1000), in redis.conf"
+    if all(ok is None for ok, _ in seen.values() if not ok):
+        return Finding("persistence", "note", _each(nodes, bad), "check " + change)
+    return Finding("persistence", "wrong", _each(nodes, bad), change)
+
+
+def _version(info: dict[str, Any]) -> tuple[tuple[int, ...], str]:
+    raw = str(info.get("redis_version", "0"))
+    name = f"Valkey {info['valkey_version']}" if "valkey_version" in info else f"Redis {raw}"
+    return tuple(int(p) for p in raw.split(".")[:2] if p.isdigit()), name
+
+
+def check_version(nodes: list[NodeFacts]) -> Finding:
+    found = {n.address: _version(n.info) for n in nodes}
+    bad = {a: name for a, (v, name) in found.items() if v < MIN_VERSION}
+    names = sorted({name for _, name in found.values()})
+    if not bad:
+        return Finding("server version", "ok", ", ".join(names))
+    oldest = ".".join(map(str, MIN_VERSION))
+    return Finding(
+        "server version",
+        "wrong",
+        f"{_each(nodes, bad)}: older than Redis {oldest}, the oldest this release is tested on",
+        f"upgrade to Redis {oldest} or newer",
+    )
+
+
+def _online(info: dict[str, Any]) -> int:
+    return sum(
+        1
+        for key, value in info.items()
+        if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online"
+    )
+
+
+def check_replicas(nodes: list[NodeFacts], wanted: int) -> Finding:
+    roles = {n.address: str(n.info.get("role", "master")) for n in nodes}
+    replica_of = {a: r for a, r in roles.items() if r != "master"}
+    if replica_of:
+        return Finding(
+            "replicas",
+            "wrong",
+            f"{_each(nodes, {a: f'a {r}' for a, r in replica_of.items()})}: the store's URL "
+            "names a replica, which refuses writes",
+            "point echomq_redis_url at the primary (sentinel:// follows it through failovers)",
+        )
+    online = {n.address: _online(n.info) for n in nodes}
+    fewest = min(online.values())
+    counts = _each(nodes, {a: f"{c} online" for a, c in online.items()})
+    if fewest < wanted:
+        return Finding(
+            "replicas",
+            "wrong",
+            f"{counts}, echomq_min_replicas={wanted}: every transition waits for {wanted} and "
+            "fails with ReplicationError",
+            f"add replicas (replicaof) until {wanted} are online, or lower echomq_min_replicas",
+        )
+    if wanted == 0 and fewest > 0:
+        return Finding(
+            "replicas",
+            "note",
+            f"{counts}, echomq_min_replicas=0: a failover may lose the last transitions",
+            "echomq_min_replicas = 1 waits for one replica after each transition",
+        )
+    return Finding("replicas", "ok", f"{counts}, echomq_min_replicas={wanted}")
+
+
+def check_acl(user: str | None, refused: dict[str, str] | None, prefix: str) -> Finding:
+    who = f"user {user!r}" if user else "the store's user"
+    if refused is None:
+        return Finding(
+            "ACL",
+            "note",
+            f"{who} may not run MULTI, so its rights could not be probed",
+            f"check with ACL DRYRUN {user or '<user>'} EVALSHA ... as an administrator",
+        )
+    if not refused:
+        return Finding("ACL", "ok", f"{who} may run every command the store sends")
+    # Redis says which right is missing: to run the command, or to touch a key or a channel.
+    commands = sorted(n for n, why in refused.items() if "command" in why)
+    keys = sorted(n for n, why in refused.items() if "command" not in why and "key" in why)
+    channels = sorted(n for n, why in refused.items() if "command" not in why and "channel" in why)
+    said, grant = [], [f"+{name.lower()}" for name in commands]
+    if commands:
+        said.append(f"may not run {', '.join(commands)}")
+    if keys:
+        said.append(f"may not touch the keys {prefix}:* ({', '.join(keys)} refused)")
+        grant.append(f"~{prefix}:*")
+    if channels:
+        said.append("may not publish on the channels celery-task-meta-*")
+        grant.append("&celery-task-meta-*")
+    return Finding(
+        "ACL",
+        "wrong",
+        f"{who} " + "; ".join(said),
+        f"ACL SETUSER {user or '<user>'} {' '.join(grant)}",
+    )
+
+
+def check_mode(facts: Facts) -> Finding:
+    url = facts.settings.redis_url or ""
+    if url.startswith("redis+cluster://"):
+        cluster = facts.cluster or {}
+        state, size = cluster.get("cluster_state", "?"), cluster.get("cluster_size", "?")
+        if state != "ok":
+            return Finding(
+                "mode",
+                "wrong",
+                f"Redis Cluster in state {state}",
+                "bring every slot's master back (CLUSTER INFO names what fails)",
+            )
+        return Finding("mode", "ok", f"Redis Cluster, {size} masters, state ok")
+    if facts.sentinels is not None:
+        name, views = facts.sentinels
+        answered = [v for _, v in views if isinstance(v, dict)]
+        quorum = max((int(v.get("quorum", 1)) for v in answered), default=1)
+        detail = f"Sentinel, master {name!r}: {len(answered)} of {len(views)} Sentinels answer"
+        if len(answered) < quorum:
+            silent = ", ".join(w for w, v in views if not isinstance(v, dict))
+            return Finding("mode", "wrong", f"{detail}, quorum {quorum}: no failover can be "
+                           f"agreed", f"bring back the Sentinels at {silent}")  # fmt: skip
+        return Finding("mode", "ok", f"{detail}, quorum {quorum}")
+    if any(n.info.get("cluster_enabled") in (1, "1") for n in facts.nodes):
+        return Finding(
+            "mode",
+            "wrong",
+            "the store's server is a Redis Cluster node reached as a single server: keys of "
+            "other slots answer MOVED",
+            "echomq_redis_url = 'redis+cluster://HOST:PORT'",
+        )
+    return Finding("mode", "ok", "a single server (no Sentinel, no Cluster)")
+
+
+def check_backend(facts: Facts) -> Finding:
+    if facts.fast_path:
+        return Finding("result backend", "ok", f"{facts.backend}: fast path (the store writes "
+                       "flow jobs' results in the script that completes them)")  # fmt: skip
+    if not facts.settings.child_results:
+        return Finding("result backend", "ok", "echomq_child_results=False: children store no "
+                       "result; values reach the parent through the store")  # fmt: skip
+    if facts.backend == "none":
+        return Finding("result backend", "ok", "none: no result to write")
+    if facts.cluster is not None or facts.sentinels is not None:
+        return Finding(
+            "result backend",
+            "note",
+            f"{facts.backend}: through Celery's backend (the fast path needs a store on a "
+            "plain redis:// URL, not a Cluster or Sentinel)",
+        )
+    return Finding(
+        "result backend",
+        "note",
+        f"{facts.backend}: not Celery's plain Redis backend on the store's server and database "
+        "(a round trip and five commands more per job)",
+        f"result_backend = {facts.where!r} (the store's own database) to take the fast path",
+    )
+
+
+def check_clock(facts: Facts) -> Finding:
+    tolerance = CLOCK_TOLERANCE_MS
+    offsets: dict[str, float] = {}
+    if facts.local_clock is not None:
+        offset, trip = facts.local_clock
+        offsets["this host"] = abs(offset) - trip / 2
+    asked = ""
+    if isinstance(facts.workers, str):
+        asked = f"; workers not asked ({facts.workers})"
+    else:
+        for name, answer in sorted(facts.workers.items()):
+            if "offset_ms" in answer:
+                offsets[name] = abs(float(answer["offset_ms"])) - float(answer["rtt_ms"]) / 2
+        failed = sorted(n for n, a in facts.workers.items() if "offset_ms" not in a)
+        answered = len(facts.workers) - len(failed)
+        asked = f"; {answered} worker(s) answered" + (
+            f", {', '.join(failed)} could not read the store's clock" if failed else ""
+        )
+    if not offsets:
+        return Finding("clock", "note", "no clock measured" + asked, "start a worker")
+    worst_name = max(offsets, key=lambda n: offsets[n])
+    worst = max(0.0, offsets[worst_name])
+    detail = f"largest offset from the store's clock {worst:.0f} ms ({worst_name}){asked}"
+    if worst <= tolerance:
+        return Finding("clock", "ok", f"{detail}; within {tolerance:.0f} ms")
+    return Finding(
+        "clock",
+        "wrong",
+        f"{detail}: beyond {tolerance:.0f} ms, aware-datetime deadlines, countdowns and eta "
+        "run that much early or late (leases use the store's clock)",
+        f"synchronise {worst_name}'s clock (NTP: chrony or systemd-timesyncd)",
+    )
+
+
+def diagnose(facts: Facts) -> list[Finding]:
+    """Every check, in the order the command prints them."""
+    return [
+        check_memory_policy(facts.nodes),
+        check_persistence(facts.nodes),
+        check_version(facts.nodes),
+        check_replicas(facts.nodes, facts.settings.min_replicas),
+        check_acl(facts.user, facts.refused, facts.settings.key_prefix),
+        check_mode(facts),
+        check_backend(facts),
+        check_clock(facts),
+    ]
+
+
+def as_json(where: str, findings: list[Finding]) -> dict[str, Any]:
+    return {
+        "store": where,
+        "ok": not any(f.status == "wrong" for f in findings),
+        "findings": [dataclasses.asdict(f) for f in findings],
+    }

@@ -1,0 +1,94 @@
+"""A flow tree's nodes as the views read them: a job, what a flow parent adds, a linked chain's
+steps. Plain data."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# A job in one of these states will not change again (until its keys expire).
+FINISHED = frozenset({"done", "failed", "cancelled"})
+# What a job row's state reads as when the row is gone (expired, forgotten, never written).
+MISSING = "missing"
+
+
+@dataclass(frozen=True)
+class FlowInfo:
+    """What only a flow parent has: where its children stand (``Dependencies``'s counts)."""
+
+    policy: str  # the default parent_policy of children that set none
+    outstanding: int | None  # children not settled yet; None once the counter expired
+    done: int  # children whose values count
+    failed: int  # children failed under fail, remove or continue
+    ignored: int  # children failed under ignore
+    total: int  # children of the flow (those added while it ran included)
+    failed_child: str | None  # the child whose failure under policy "fail" failed the flow
+
+
+@dataclass(frozen=True)
+class ChildPage:
+    """Which of a flow's children a node holds: one page of them, and where the next begins."""
+
+    only: str | None  # the state filter ("failed", "pending", ...), None for every child
+    cursor: str | None  # the cursor this page was read from (None: the first page)
+    next_cursor: str | None  # the next page's; None after the last
+    count: int  # the page size asked for
+
+
+@dataclass(frozen=True)
+class JobNode:
+    """One job of a flow tree: a parent, a child, or a child that is itself a flow."""
+
+    id: str
+    queue: str
+    state: str  # the row's state, or "missing" when the row is gone
+    task: str | None
+    attempts: int
+    parent: str | None = None  # the parent's job id, for a child
+    policy: str | None = None  # as a child: the parent_policy that applies to it
+    policy_is_default: bool = False  # True when that policy is the flow's default
+    outcome: str | None = None  # as a child: what its parent made of it (see _outcome)
+    has_value: bool = False  # False means "no value yet", so that a None value still shows
+    value: Any = None
+    error: str | None = None  # "ExcType: message" for a failed job
+    args: str | None = None  # its arguments as Celery shows them (argsrepr)
+    kwargs: str | None = None  # and its keyword arguments (kwargsrepr)
+    started_ms: int | None = None  # server time of its latest claim
+    finished_ms: int | None = None  # when it finished (see timing.py), if known
+    dispatched_ms: int | None = None  # a parent: when its release was published
+    flow: FlowInfo | None = None  # set when this job is a flow parent
+    children: tuple[JobNode, ...] = field(default=())
+    # A linked chain's last step (the child its flow counts): every step, in order, itself
+    # last; the chain's own state is :attr:`chain_state`.
+    steps: tuple[JobNode, ...] = field(default=())
+    page: ChildPage | None = None  # when ``children`` are one page of them (ops/pages.py)
+
+    @property
+    def finished(self) -> bool:
+        return self.state in FINISHED
+
+    @property
+    def running_step(self) -> int | None:
+        """A linked chain: the 1-based number of the step that runs or is due to (pending or
+        active), None when none is."""
+        for number, step in enumerate(self.steps, 1):
+            if step.state in ("pending", "active"):
+                return number
+        return None
+
+    @property
+    def chain_state(self) -> str:
+        """A linked chain's state as a child: its failed or cancelled step's, else that of
+        the step that runs, else its last step's."""
+        for step in self.steps:
+            if step.state in ("failed", "cancelled"):
+                return step.state
+        running = self.running_step
+        return self.steps[running - 1].state if running else self.state
+
+    @property
+    def runtime_ms(self) -> int | None:
+        """From its latest start to its end, when both are known."""
+        if self.started_ms is None or self.finished_ms is None:
+            return None
+        return max(0, self.finished_ms - self.started_ms)

@@ -1,0 +1,99 @@
+"""A flow job's message as the plan builds it: its id, the queue it is routed to, its options
+and the flow's headers, and whether the store writes its result. Pure."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery.canvas import Signature
+
+from celery_echomq.errors import PolicyError
+from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
+from celery_echomq.store.headers import H_RESULT, RESERVED
+from celery_echomq.store.keyspace import check_id, check_queue, new_job_id
+
+POLICIES = ("fail", "ignore", "remove", "continue")
+
+
+# Options that belong to the flow's parent alone: the rest reach every child too.
+PARENT_ONLY = frozenset(
+    {"task_id", "link", "link_error", "chain", "chord", "group_id", "group_index", "reply_to"}
+)
+# Options that delay or expire the children's messages; the parent is sent when released.
+CHILD_ONLY = frozenset({"task_id", "countdown", "eta", "expires"})
+# Options a stored payload must not carry: they are per-send, not per-job.
+NOT_STORED = frozenset({"producer", "connection", "router", "add_to_parent", "publisher"})
+
+
+def job_id_of(options: dict[str, Any], fallback: str | None = None) -> str:
+    """The signature's own ``task_id`` (gated: an empty one is an error, not a default)."""
+    given = options.get("task_id")
+    if given is None:
+        given = fallback if fallback is not None else new_job_id()
+    return check_id(given)
+
+
+def child_job_id(options: dict[str, Any], position: int) -> str:
+    """A child's id, gated; a refusal names the child's place among its siblings."""
+    try:
+        return job_id_of(options)
+    except ValueError as exc:
+        raise type(exc)(
+            f"flow child {position}: {exc}; allowed: a signature without task_id, a frozen "
+            "one (freeze(), task_id=celery.utils.uuid()), or task_id='JOB' + uuid.uuid4().hex"
+        ) from exc
+
+
+def check_policy(policy: object, where: str) -> str:
+    if policy not in POLICIES:
+        raise PolicyError(
+            f"{where}: unknown parent_policy {policy!r}; allowed: " + ", ".join(POLICIES)
+        )
+    return str(policy)
+
+
+def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
+    """The Celery queue a signature is sent to: its ``queue`` option, else the app's router."""
+    queue = sig.options.get("queue") or options.get("queue")
+    if queue is None:
+        route = app.amqp.router.route({}, sig.task, sig.args, sig.kwargs)
+        queue = route.get("queue")
+    name = getattr(queue, "name", queue) or app.conf.task_default_queue
+    return check_queue(str(name))
+
+
+def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+    opts = {k: v for k, v in {**options, **sig.options}.items() if k not in NOT_STORED}
+    for name in CALLBACKS:
+        if name in options and name in sig.options:
+            # Both run, as a chord runs its body's own callbacks and those it was sent with.
+            opts[name] = merge_callbacks(sig.options[name], options[name])
+    given = opts.get("headers") or {}
+    if any(str(name).startswith(RESERVED) for name in given):
+        # The flow's own headers are the plan's alone: one a signature brings (copied from a
+        # request, or from untrusted JSON) must not name another flow's job.
+        given = {k: v for k, v in given.items() if not str(k).startswith(RESERVED)}
+    opts["headers"] = {**given, **headers}
+    return {
+        "task": sig.task,
+        "args": list(sig.args),
+        "kwargs": dict(sig.kwargs),
+        "options": opts,
+        "subtask_type": None,
+        "immutable": sig.immutable,
+    }
+
+
+def mark_for_store(job: dict[str, Any]) -> None:
+    """Send ``job`` with ``ignore_result`` and the :data:`H_RESULT` header: the store writes
+    its result when it completes, in the same script call (see store/results.py).
+
+    Not for a job whose options decide ``ignore_result`` themselves, nor for one that is part
+    of a chord (a flow in a chord's header): Celery's ``mark_as_done`` must store its result
+    before ``on_chord_part_return`` counts it.
+    """
+    options = job["options"]
+    if "ignore_result" in options or options.get("chord"):
+        return
+    options["ignore_result"] = True
+    options["headers"][H_RESULT] = "1"

@@ -1,0 +1,240 @@
+"""Linked chains: a chain of tasks among a flow's children, its steps plain job rows run in
+order (send/shapes.py ``linked``, includes/chain_step.lua, complete.lua's ``advanced``), on
+a real worker and eagerly, of any length."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from celery import chain
+
+from celery_echomq import FlowCancelled, FlowFailed, flow
+from celery_echomq.store.keyspace import new_job_id as job_id
+
+from .conftest import wait_for
+from .test_cli import echomq
+from .test_exactly_once import counters, skipped
+from .test_recovery import fast_recovery, logged
+
+TIMEOUT = 60
+
+
+def run(sig: Any, how: str) -> Any:
+    return sig.apply() if how == "eager" else sig.apply_async()
+
+
+@pytest.fixture(params=["eager", "worker"])
+def how(request: pytest.FixtureRequest) -> str:
+    if request.param == "worker":
+        request.getfixturevalue("worker")
+    return str(request.param)
+
+
+def counting(proj: Any, steps: int) -> Any:
+    """add(0, 1) then ``steps - 1`` times add(1): its value is ``steps``."""
+    return chain(proj.add.s(0, 1), *(proj.add.s(1) for _ in range(steps - 1)))
+
+
+def test_a_chain_child_gives_its_last_value(proj: Any, how: str) -> None:
+    sig = flow(proj.tsum.s(), [counting(proj, 3), proj.add.s(10, 0)])
+    assert run(sig, how).get(timeout=TIMEOUT) == 13
+
+
+@pytest.mark.parametrize("steps", [42, 1000])
+def test_a_chain_child_of_any_length_runs(proj: Any, how: str, steps: int) -> None:
+    started = time.monotonic()
+    res = run(flow(proj.tsum.s(), [counting(proj, steps), proj.add.s(1, 1)]), how)
+    assert res.get(timeout=300) == steps + 2
+    print(f"{steps}-step chain child ({how}): {time.monotonic() - started:.2f}s")
+
+
+def test_a_failed_step_fails_the_flow_naming_it(proj: Any, how: str) -> None:
+    bad = proj.fail.s().set(task_id=job_id())
+    sig = flow(proj.tsum.s(), [chain(proj.add.s(1, 1), bad, proj.add.s(1))])
+    with pytest.raises(FlowFailed, match="Task expected to fail") as caught:
+        run(sig, how).get(timeout=TIMEOUT)
+    assert caught.value.child_id == bad.options["task_id"]
+
+
+@pytest.mark.parametrize("policy", ["ignore", "remove"])
+def test_a_failed_step_counts_the_chain_once_under_its_policy(
+    proj: Any, how: str, policy: str
+) -> None:
+    bad = chain(proj.add.s(1, 1), proj.fail.s(), proj.add.s(1)).set(parent_policy=policy)
+    res = run(flow(proj.tsum.s(), [bad, proj.add.s(2, 3)]), how)
+    assert res.get(timeout=TIMEOUT) == 5
+    assert res.dependencies().outstanding == 0
+    assert len(res.failed_children()) == 1
+
+
+# --- the guarantees, on a real worker -----------------------------------------------------
+
+
+def row(store: redis.Redis, jid: str, field: str, queue: str = "celery") -> str | None:
+    value = store.hget(f"emq:{{{queue}}}:{jid}", field)
+    return value.decode() if value is not None else None
+
+
+def frozen(proj: Any, steps: Any) -> tuple[Any, list[str]]:
+    """flow(tsum, [steps]) with every id assigned, and the ids of the chain's steps."""
+    sig = flow(proj.tsum.s(), [steps])
+    sig.freeze()
+    return sig, [str(task.options["task_id"]) for task in steps.tasks]
+
+
+def test_a_redelivered_step_is_counted_once(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    queue = own_queue("chain")
+    w = start_worker(queues=queue)
+    dup = job_id()
+    steps = chain(proj.add.s(1, 1), proj.redeliver.s(countdown=1.0).set(task_id=dup), proj.add.s(1))
+    sig, ids = frozen(proj, steps)
+    res = sig.apply_async(queue=queue)
+    # redeliver gets 2 and returns 21; the copy of its message it sends arrives once it
+    # completed, and is skipped: the step after it runs once, with 21.
+    assert res.get(timeout=TIMEOUT) == 22
+    wait_for(lambda: skipped(w, dup, "done"), timeout=60)
+    _, _, last = ids
+    assert int(store.get(f"test:delivery:{dup}") or 0) == 1  # the copy's body did not run
+    assert row(store, dup, "attempts", queue) == "1"
+    assert row(store, last, "attempts", queue) == "1"
+    assert counters(store, queue).get("duplicates_skipped") == 1
+    assert res.dependencies() == (0, 1, 0, 0)
+    assert res.children_values() == {last: 22}
+
+
+def test_a_step_whose_message_was_never_published_is_recovered(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    queue = own_queue("chain")
+    # Each pool process that completes a step SIGKILLs itself before publishing the next:
+    # recovery finds that step pending with no message, and re-publishes it with its input.
+    w = start_worker(queues=queue, extra_env=fast_recovery(ECHOMQ_T_DIE_AT="publish_step"))
+    steps = chain(proj.add.s(1, 1), proj.add.s(10), proj.add.s(100))
+    sig, ids = frozen(proj, steps)
+    res = sig.apply_async(queue=queue)
+    assert res.get(timeout=120) == 112
+    logged(w, "killed itself at publish_step")
+    first, second, third = ids
+    logged(w, f"re-published {second}")
+    logged(w, f"re-published {third}")
+    for step in (first, second, third):
+        assert row(store, step, "state", queue) == "done"
+    assert row(store, third, "attempts", queue) == "1"
+
+
+def test_cancel_reaches_the_running_step_and_those_waiting(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    steps = chain(proj.add.s(1, 1), proj.gated.s(gate), proj.add.s(1))
+    sig, ids = frozen(proj, steps)
+    first, running, waiting = ids
+    res = sig.apply_async()
+    wait_for(lambda: row(store, running, "state") == "active")
+    assert row(store, waiting, "state") == "waiting"
+    res.revoke()
+    assert row(store, running, "state") == "cancelled"
+    assert row(store, waiting, "state") == "cancelled"
+    store.set(gate, 1)  # the running step finishes: its completion goes nowhere
+    with pytest.raises(FlowCancelled):
+        res.get(timeout=TIMEOUT)
+    time.sleep(1.0)
+    assert row(store, waiting, "state") == "cancelled"
+    assert row(store, waiting, "attempts") == "0"
+    assert row(store, first, "state") == "done"
+
+
+def test_retry_runs_the_failed_step_again_with_its_input(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    steps = chain(proj.add.s(1, 1), proj.flaky.s(flag), proj.add.s(1))
+    sig, ids = frozen(proj, steps)
+    first, failing, last = ids
+    res = sig.apply_async()
+    with pytest.raises(FlowFailed) as caught:
+        res.get(timeout=TIMEOUT)
+    assert caught.value.child_id == failing
+    assert row(store, last, "state") == "waiting"
+    store.set(flag, 1)
+    out = echomq("retry", res.id)
+    assert out.exit_code == 0, out.output
+    # flaky gets 2 again (the first step's value, kept on its row), then the last step runs.
+    assert res.get(timeout=TIMEOUT) == 3
+    assert store.get(f"test:ran:flaky:{flag}") == b"2"
+    assert row(store, first, "attempts") == "1"
+    assert res.children_values() == {last: 3}
+
+
+def test_show_lists_the_steps_and_the_one_that_runs(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    steps = chain(proj.add.s(1, 1), proj.gated.s(gate), proj.add.s(1))
+    sig, ids = frozen(proj, steps)
+    first, running, last = ids
+    res = sig.apply_async()
+    try:
+        wait_for(lambda: row(store, running, "state") == "active")
+        out = echomq("show", res.id)
+        assert out.exit_code == 0, out.output
+        lines = out.output.splitlines()
+        head = next(line for line in lines if f"chain {last}" in line)
+        assert "3 steps, step 2 runs  active" in head
+        one, two, three = lines[lines.index(head) + 1 : lines.index(head) + 4]
+        assert f"step 1/3  {first}  tests.proj.add  done" in one and "value=2" in one
+        assert f"step 2/3  {running}  tests.proj.gated  active" in two and "<- runs" in two
+        assert "args=(2, " in two
+        assert f"step 3/3  {last}  tests.proj.add  waiting" in three
+    finally:
+        store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT) == 3
+
+
+def test_a_long_chain_child_inside_a_flow_that_is_a_step_of_a_chain(proj: Any, how: str) -> None:
+    # The value before the flow goes to each child: their first tasks are immutable here.
+    steps = chain(proj.add.si(0, 1), *(proj.add.s(1) for _ in range(199)))
+    inner = flow(proj.tsum.s(), [steps, proj.add.si(1, 1)])
+    sig = chain(proj.add.si(0, 1), inner, proj.add.s(1))
+    assert run(sig, how).get(timeout=TIMEOUT) == 203
+
+
+def test_a_chain_child_takes_the_values_a_chain_gives_its_flow(proj: Any, how: str) -> None:
+    # chain(task, flow): the previous value goes to every child; a chain child's first step.
+    sig = chain(proj.add.si(2, 3), flow(proj.tsum.s(), [chain(proj.add.s(1), proj.add.s(1))]))
+    assert run(sig, how).get(timeout=TIMEOUT) == 7
+
+
+def test_a_chain_child_on_another_queue_than_its_parent(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    # Its steps' rows live on the other queue's slot: the flow takes the chunked path, each step
+    # makes the next pending there, and the last one is credited on the parent's slot.
+    main, side = own_queue("chain"), own_queue("steps")
+    start_worker(queues=f"{main},{side}")
+    steps = chain(proj.add.s(1, 1).set(queue=side), proj.add.s(10).set(queue=side))
+    sig, ids = frozen(proj, steps)
+    res = sig.apply_async(queue=main)
+    assert res.get(timeout=TIMEOUT) == 12
+    assert [row(store, sid, "state", side) for sid in ids] == ["done", "done"]
+    assert res.children_values() == {ids[-1]: 12}
+
+    failing = chain(proj.add.s(1, 1).set(queue=side), proj.fail.s().set(queue=side))
+    bad, bad_ids = frozen(proj, failing)
+    with pytest.raises(FlowFailed) as caught:
+        bad.apply_async(queue=main).get(timeout=TIMEOUT)
+    assert caught.value.child_id == bad_ids[-1]
+
+
+def test_a_chain_child_of_a_flow_on_the_chunked_path(proj: Any, worker: Any) -> None:
+    # More children than echomq_chunk_size (1000): written in chunks, a chain's steps in one.
+    kids = [proj.add.s(i, 0) for i in range(1000)]
+    res = flow(proj.tsum.s(), [*kids[:500], counting(proj, 5), *kids[500:]]).apply_async()
+    assert res.get(timeout=120) == sum(range(1000)) + 5
+    assert res.dependencies() == (0, 1001, 0, 0)
