@@ -36,6 +36,10 @@ from celery_echomq.store.keyspace import check_id, id_of_row, row_id
 
 from .conftest import Env, wait_for
 
+# A fixed uuid for the parametrized ids: every pytest-xdist process must collect the same
+# tests, so their ids (and names) cannot be random.
+SAMPLE = uuid.UUID("3b241101-e2bb-4255-8caf-4136c566a962")
+
 TIMEOUT = 60
 
 
@@ -90,12 +94,12 @@ def test_a_celery_uuid_is_a_job_id_whose_row_is_job_plus_the_uuid() -> None:
 @pytest.mark.parametrize(
     "bad",
     [
-        uuid.uuid4().hex,  # a uuid, not in Celery's form
-        str(uuid.uuid4()).upper(),
-        "urn:uuid:" + str(uuid.uuid4()),
-        str(uuid.uuid4())[:-1],
+        SAMPLE.hex,  # a uuid, not in Celery's form
+        str(SAMPLE).upper(),
+        "urn:uuid:" + str(SAMPLE),
+        str(SAMPLE)[:-1],
         "task-42",
-        "job" + uuid.uuid4().hex,
+        "job" + SAMPLE.hex,
     ],
 )
 def test_any_other_id_outside_the_job_namespace_raises_kind_error(bad: str) -> None:
@@ -324,15 +328,15 @@ class Probe:
 @pytest.mark.parametrize(
     "bad, error",
     [
-        (uuid.uuid4().hex, KindError),
-        (str(uuid.uuid4()).upper(), KindError),
+        (SAMPLE.hex, KindError),
+        (str(SAMPLE).upper(), KindError),
         ("task-42", KindError),
         ("", InvalidIdError),
         (42, InvalidIdError),
-        (str(uuid.uuid4()) + "x" * 200, InvalidIdError),
-        (str(uuid.uuid4()) + "\n", InvalidIdError),
-        ("\u200b" + str(uuid.uuid4()), InvalidIdError),
-        (str(uuid.uuid4()) + "\u202e", InvalidIdError),
+        (str(SAMPLE) + "x" * 200, InvalidIdError),
+        (str(SAMPLE) + "\n", InvalidIdError),
+        ("\u200b" + str(SAMPLE), InvalidIdError),
+        (str(SAMPLE) + "\u202e", InvalidIdError),
     ],
 )
 @pytest.mark.parametrize("where", ["child", "parent", "task_id", "nested"])
