@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterable
 from copy import deepcopy
 from typing import Any
@@ -13,6 +12,7 @@ from celery.canvas import Signature, maybe_signature
 from celery_echomq import tracing
 from celery_echomq.result import FlowResult
 from celery_echomq.send.children import child_signatures
+from celery_echomq.send.errbacks import give_errbacks, with_errbacks
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
 from celery_echomq.send.jobs import check_policy
 from celery_echomq.send.plan import check_depth, plan_flow, too_deep
@@ -39,15 +39,14 @@ def _replaced_job(task_id: Any, options: dict[str, Any]) -> tuple[str, str] | No
     return (str(queue), str(task_id)) if queue and request.id == task_id else None
 
 
-def _job_namespaced(given: str | None) -> str | None:
-    """An id Celery hands ``freeze`` (a chord gives its body ``uuid()``) in the JOB namespace:
-    ``JOB`` + the uuid's hex. Any other id is kept as given (and gated as any other)."""
-    if given is None or given.startswith("JOB"):
-        return given
-    try:
-        return "JOB" + uuid.UUID(given).hex
-    except ValueError:
-        return given
+def _shaped(sig: Any) -> tuple[Any, str]:
+    """``normal_flow(sig)``, its group parents' errbacks given to their tasks and every id of
+    it gated."""
+    made = normal_flow(sig)
+    if made[0] is not sig:
+        give_errbacks(made[0])
+        check_tree(made[0])
+    return made
 
 
 @Signature.register_type(name="flow")
@@ -156,9 +155,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         (new ids, as a chord's)."""
         made = self.__dict__.get("_shape")
         if made is None:
-            made = normal_flow(self)
-            if made[0] is not self:
-                check_tree(made[0])
+            made = _shaped(self)
         return made
 
     def _get_app(self) -> Any:
@@ -190,7 +187,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         ):
             if value is not None:
                 self.options[name] = value
-        given = self.options.get("task_id", _job_namespaced(_id))
+        # An id Celery hands ``freeze`` (a chord gives its body ``uuid()``) is kept as given:
+        # the flow's id is the one Celery knows (its row is named by store/keyspace.row_id).
+        given = self.options.get("task_id", _id)
         top, parent = value_task(self), self.parent
         composite = top is not parent
         if composite or self.__dict__.get("_shape") is not None:
@@ -258,16 +257,20 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         task_id: str | None,
         options: dict[str, Any],
     ) -> FlowResult:
-        if task_id is not None:
-            task_id = _job_namespaced(task_id)
         shape, fan = self.shape()
         if task_id is not None and shape is not self and "_shape" not in self.__dict__:
-            shape, fan = normal_flow(self.clone(task_id=task_id))
-            check_tree(shape)
+            shape, fan = _shaped(self.clone(task_id=task_id))
+        # The callbacks it is sent with, and its own: a frozen shape was made before any
+        # linked since (chord.link_error after freeze() still reaches the body).
+        sent = {
+            name: merge_callbacks(self.options.get(name), options.get(name))
+            for name in CALLBACKS
+            if name in self.options or name in options
+        }
         merged = {**shape.options, **options}
-        for name in CALLBACKS:
-            if name in shape.options and name in options:
-                merged[name] = merge_callbacks(shape.options[name], options[name])
+        for name, value in sent.items():
+            merged[name] = merge_callbacks(shape.options.get(name), value)
+        shape = with_errbacks(shape, sent.get("link_error"))
         if task_id is not None:
             merged["task_id"] = task_id
         for name in ("producer", "connection", "add_to_parent"):
@@ -316,8 +319,6 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         (``children_values()`` and the rest) are held in memory."""
         from celery_echomq.eager import apply_flow
 
-        if options.get("task_id") is not None:
-            options["task_id"] = _job_namespaced(options["task_id"])
         return apply_flow(self, tuple(args or ()), kwargs, **options)
 
     def delay(self, *args: Any, **kwargs: Any) -> FlowResult:

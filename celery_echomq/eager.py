@@ -28,6 +28,7 @@ from celery import states
 from celery_echomq.config import Settings
 from celery_echomq.errors import FlowClosedError, FlowFailed
 from celery_echomq.result import EagerFlowResult, FanIn
+from celery_echomq.send.errbacks import ran_by_child, with_errbacks
 from celery_echomq.send.grow import CURRENT, GROWING
 from celery_echomq.send.plan import (
     Plan,
@@ -145,6 +146,7 @@ def apply_flow(
                 k: merge_callbacks(own[k], merged[k]) for k in CALLBACKS if k in own and k in merged
             },
         }
+        sig = with_errbacks(sig, merged.get("link_error"))
         partial = () if sig.immutable else (*tuple(args or ()), *sig.args)
         # The same ids, gates and policy checks as on a worker; the plan is then only read.
         plan = plan_flow(
@@ -360,10 +362,12 @@ def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None
     from celery.app.task import Context
     from celery.utils.functional import maybe_list
 
+    # A group parent's tasks ran its errbacks themselves (send/errbacks.py).
+    ran = ran_by_child(plan.parent, failure.child_id or "")
     request = Context(
         id=plan.parent_id,
         task=sig.parent.task,
-        errbacks=maybe_list(plan.parent["options"].get("link_error")),
+        errbacks=None if ran else maybe_list(plan.parent["options"].get("link_error")),
         args=plan.parent.get("args", []),
         kwargs=plan.parent.get("kwargs", {}),
         delivery_info={"is_eager": True},
@@ -374,5 +378,5 @@ def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None
         failure,
         request=request,
         store_result=bool(app.conf.task_store_eager_result),
-        call_errbacks=True,
+        call_errbacks=not ran,
     )

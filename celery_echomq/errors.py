@@ -13,7 +13,8 @@ from celery.exceptions import TaskRevokedError
 
 # What every flow error's message starts with: "flow JOB...: ...". A FlowFailed built by
 # code (or stored by a version) that did not name its flow still finds its id there.
-_FLOW_PREFIX = re.compile(r"^flow (JOB[^\s:]+)")
+# The id is a JOB id or a Celery uuid (see store/keyspace.py).
+_FLOW_PREFIX = re.compile(r"^flow (JOB[^\s:]+|[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12})")
 
 
 def _flow_of(message: str) -> str:

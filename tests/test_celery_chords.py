@@ -11,11 +11,14 @@ differs on purpose, which the test says where it does:
   task parent's own failure is its own exception, as a chord body's is; a chain parent that
   fails before its last task, and a group parent, raise FlowFailed too (each of their tasks
   is a flow job of its own), where a chord's chain or group body raises the task's error.
-- ``link_error`` on the flow runs once when a child fails it, whatever its parent is (a chord
-  calls it once for each task of a group body).
-- Job ids start with ``JOB``, and name rows in Redis: a frozen flow is applied once, and a
-  signature is never shared between two flows (Celery's tests reuse one signature in two
-  chords; here each run builds its own).
+- ``link_error`` on the flow whose parent is a group runs once per failing task of that
+  group, with that task's id, as a chord's does; when a child fails the flow before its
+  parent runs, it runs once, with the flow's id, whatever the parent is (a chord calls it
+  once for each task of a group body then).
+- A job id names a row in Redis (a Celery uuid from ``freeze()`` is kept as the job's id,
+  its keys are named ``JOB`` + the uuid): a frozen flow is applied once, and a signature is
+  never shared between two flows (Celery's tests reuse one signature in two chords; here
+  each run builds its own).
 - A flow reads a generator of children at once, when it is made (a chord consumes its header
   as it sends it).
 
@@ -77,10 +80,6 @@ def how_w(request: pytest.FixtureRequest) -> str:
 def run(sig: Any, how: str, args: tuple[Any, ...] = (), kwargs: Any = None, **options: Any) -> Any:
     """``sig.apply(...)`` or ``sig.apply_async(...)``: the result."""
     return getattr(sig, how)(args, kwargs, **options)
-
-
-def job_id() -> str:
-    return f"JOB{uuid.uuid4().hex}"
 
 
 class Keys:
@@ -359,13 +358,13 @@ def test_chord__nested_chord(proj: Any, how: str) -> None:
 
 def _ids_chain(proj: Any, tail: Callable[[Any], Any]) -> tuple[Any, str, str, str]:
     """``chain(ids(1), ids(2), *tail(collect_ids(i=50)))``, its root's, ids(2)'s and the
-    collect_ids task's ids (a JOB id: it may be a flow's parent)."""
+    collect_ids task's ids."""
     root = proj.ids.si(i=1)
     root_id = root.freeze().id
     second = proj.ids.si(i=2)
     second_id = second.freeze().id
-    collect_id = job_id()
-    collect = proj.collect_ids.s(i=50).set(task_id=collect_id)
+    collect = proj.collect_ids.s(i=50)
+    collect_id = collect.freeze().id
     return chain(root, second, *tail(collect)), root_id, second_id, collect_id
 
 
@@ -726,7 +725,8 @@ def test_chord__mutable_errback_called_by_chord_from_chain(
         run(chord_sig, how_w).get(timeout=TIMEOUT)
     await_count(store, expected_redis_key, 1)
 
-    fail_sig = proj.fail.s().set(task_id=job_id())
+    fail_sig = proj.fail.s()
+    fail_sig.freeze()
     chord_sig = flow(child_sig(fail_sig), (proj.identity.si(42),))
     chord_sig.link_error(errback.s())
     # A flow's link_error runs once, with the flow's id, whatever part of its parent failed
@@ -788,11 +788,12 @@ def test_chord__mutable_errback_called_by_chord_from_chain_tail(
         run(chord_sig, how_w).get(timeout=TIMEOUT)
     await_count(store, expected_redis_key, 1)
 
-    fail_sig = proj.fail.s().set(task_id=job_id())
+    fail_sig = proj.fail.s()
+    fail_sig_id = fail_sig.freeze().id
     chord_sig = flow(chain(proj.identity.si(42), fail_sig), (proj.identity.si(42),))
     chord_sig.link_error(errback.s())
-    # The chain's last task fails: its id is the flow's (Celery: fail_sig's).
-    expected_redis_key = keys(fail_sig.options["task_id"])
+    # The chain's last task fails: its id is the flow's.
+    expected_redis_key = keys(fail_sig_id)
     with pytest.raises(proj.ExpectedException):
         run(chord_sig, how_w).get(timeout=TIMEOUT)
     await_count(store, expected_redis_key, 1)
@@ -847,12 +848,11 @@ def test_chord__mutable_errback_called_by_chord_from_group(
         run(chord_sig, how_w).get(timeout=TIMEOUT)
     await_count(store, expected_redis_key, 1)
 
-    fail_sig = proj.fail.s().set(task_id=job_id())
+    fail_sig = proj.fail.s()
+    fail_sig_id = fail_sig.freeze().id
     chord_sig = flow(group(proj.identity.si(42), fail_sig), (proj.identity.si(42),))
     chord_sig.link_error(errback.s())
-    # A flow's link_error runs once, with the flow's id, whatever part of its parent failed
-    # (Celery links it to each task of a chain or group body: the failed task's id).
-    expected_redis_key = keys(chord_sig.freeze().id)
+    expected_redis_key = keys(fail_sig_id)
     with canvas_parent_failed():
         run(chord_sig, how_w).get(timeout=TIMEOUT)
     await_count(store, expected_redis_key, 1)
@@ -884,9 +884,8 @@ def test_chord__immutable_errback_called_by_chord_from_group_fail_multiple(
     chord_sig.link_error(proj.redis_count.si(redis_key=redis_key))
     with canvas_parent_failed():  # Error propagates from body group
         run(chord_sig, how_w).get(timeout=TIMEOUT)
-    # Once (Celery: once per failing task of the group body, as each carries the errback): a
-    # flow's link_error runs once whatever part of it failed.
-    await_count(store, redis_key, 1)
+    # Once per failing task in the flow's parent since it is a group
+    await_count(store, redis_key, fail_task_count)
 
 
 @pytest.mark.parametrize("errback_task", ["errback_old_style", "errback_new_style"])
@@ -914,18 +913,17 @@ def test_chord__mutable_errback_called_by_chord_from_group_fail_multiple_on_body
 ) -> None:
     """Ports test_chord::test_mutable_errback_called_by_chord_from_group_fail_multiple_on_body_failure."""  # noqa: E501
     fail_task_count = 42
-    fail_sigs = tuple(proj.fail.s().set(task_id=job_id()) for _ in range(fail_task_count))
-    fail_sig_ids = [keys(s.options["task_id"]) for s in fail_sigs]
+    fail_sigs = tuple(proj.fail.s() for _ in range(fail_task_count))
+    fail_sig_ids = tuple(keys(s.freeze().id) for s in fail_sigs)
     child_sig = group(*(proj.identity.si(42) for _ in range(8)), *fail_sigs)
     chord_sig = flow(child_sig, (proj.identity.si(42),))
     chord_sig.link_error(getattr(proj, errback_task).s())
-    expected_redis_key = keys(chord_sig.freeze().id)
     with canvas_parent_failed():
         run(chord_sig, how_w).get(timeout=TIMEOUT)
-    # Celery calls it once per failing task of the group body, each under its own id; a flow's
-    # link_error runs once, with the flow's id.
-    await_count(store, expected_redis_key, 1)
-    assert not any(store.exists(fail_sig_id) for fail_sig_id in fail_sig_ids)
+    # Once per failing task in the flow's parent since it is a group, each task having its
+    # own id
+    for i, fail_sig_id in enumerate(fail_sig_ids):
+        await_count(store, fail_sig_id, 1, timeout=TIMEOUT if i == 0 else 0)
 
 
 def test_chord__chord_header_task_replaced_with_chain(proj: Any, how: str) -> None:
@@ -1174,7 +1172,7 @@ def test_chord__chain_of_implicit_chords_as_body(
     callback_result = callback.freeze()
     steps[-1].link(callback)
     workflow: Any = flow(chain(*steps), [proj.add.si(1, 1), proj.add.si(2, 2)])
-    expected_id = job_id()  # a flow's id is a JOB id (Celery's test uses a uuid)
+    expected_id = str(uuid.uuid4())
     if frozen:
         assert workflow.freeze(expected_id).id == expected_id
     if serialized:
@@ -1755,7 +1753,7 @@ def test_chain__chord_with_chain_body_with_task_id(proj: Any, how: str) -> None:
         proj.add.si(1, 0),
         group(proj.add.si(1, 1), proj.add.si(1, 2)),
         proj.add.si(2, 2) | proj.add.si(3, 3),
-        task_id=job_id(),  # a JOB id: the chain is a flow's parent (Celery's test: a uuid)
+        task_id=str(uuid.uuid4()),
     )
     c = flow(body, [proj.add.si(1, 1), proj.add.si(1, 2)])
     c.freeze()

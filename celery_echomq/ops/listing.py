@@ -27,9 +27,9 @@ from typing import Any
 
 from celery import current_app
 
-from celery_echomq.errors import CursorError, ListingError
+from celery_echomq.errors import CursorError, InvalidIdError, ListingError
 from celery_echomq.store.connection import text
-from celery_echomq.store.keyspace import check_id, check_queue
+from celery_echomq.store.keyspace import check_id, check_queue, id_of_row
 from celery_echomq.store.reads import counts_of
 from celery_echomq.store.state import EchoMQ, get_state
 
@@ -48,7 +48,7 @@ MAX_LIMIT = 1000
 MAX_EXAMINED = 10_000
 BATCH_MAX = 1000  # index entries (and rows) one round trip reads, at most
 _ROW = ("state", "parent", "credited_failed", "failed_children", "error")
-_CURSOR = re.compile(r"^([rf]):(\d{1,20}):(JOB[^\s:{}]{1,200})$")
+_CURSOR = re.compile(r"^([rf]):(\d{1,20}):([^\s:{}]{1,200})$")
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,12 @@ def _parse_cursor(cursor: str | None, kind: str) -> tuple[int, str] | None:
         raise CursorError(f"not a list cursor: {str(cursor)[:80]!r} (pass the one a page gave)")
     if found.group(1) != kind:
         raise CursorError("that cursor is from a list of another state: pass the same --state")
-    check_id(found.group(3))
+    try:
+        check_id(found.group(3))
+    except InvalidIdError:
+        raise CursorError(
+            f"not a list cursor: {str(cursor)[:80]!r} (pass the one a page gave)"
+        ) from None
     return int(found.group(2)), found.group(3)
 
 
@@ -287,8 +292,9 @@ def held_parents(state: EchoMQ, queue: str) -> list[str]:
     keys, client = state.keys, state.client
     prefix = keys.queue_key(queue, "")
     pattern = re.sub(r"([*?\[\]\\])", r"\\\1", prefix) + "JOB*:dependencies"
+    # The keys are named by row ids: a Celery uuid's row gives the uuid back.
     ids = [
-        (text(key) or "")[len(prefix) : -len(":dependencies")]
+        id_of_row((text(key) or "")[len(prefix) : -len(":dependencies")])
         for key in client.scan_iter(match=pattern, count=1000)
     ]
     if not ids:

@@ -39,8 +39,8 @@ def child_job_id(options: dict[str, Any], position: int) -> str:
         return job_id_of(options)
     except ValueError as exc:
         raise type(exc)(
-            f"flow child {position}: {exc}; allowed: a signature without task_id, or "
-            "task_id='JOB' + uuid.uuid4().hex"
+            f"flow child {position}: {exc}; allowed: a signature without task_id, a frozen "
+            "one (freeze(), task_id=celery.utils.uuid()), or task_id='JOB' + uuid.uuid4().hex"
         ) from exc
 
 

@@ -3,6 +3,14 @@
 Every key of a queue carries the queue as a hash tag (``emq:{queue}:...``), so every
 key one script touches sits on one Redis Cluster slot. An id or queue name that could
 escape its tag or name another key raises here, before any Redis command.
+
+A job id is a Celery task id of one of two forms: a ``JOB`` id (what a flow gives a job
+itself, ``JOB`` + a uuid4's hex, or any id the user gives that starts with ``JOB``), or a
+uuid in Celery's own form (what ``freeze()`` and ``celery.utils.uuid()`` give). Messages,
+results, callbacks and every read keep the id as given; only the keys are named by the
+job's *row id* (:func:`row_id`): a ``JOB`` id as it is, a uuid ``u`` as ``JOB`` + ``u``.
+So every key the store writes is in the JOB namespace, and ``u`` and ``JOB`` + ``u`` name
+one row: a flow cannot hold both, and a store holds at most one of them at a time.
 """
 
 from __future__ import annotations
@@ -21,6 +29,12 @@ _ALLOWED = re.compile(r"[^\s{}:\x00-\x1f\x7f]+")
 ALLOWED_TEXT = (
     "1 to 200 printable characters without whitespace, control characters, '{', '}' or ':'"
 )
+# A uuid as Celery writes a task id (``str(uuid.uuid4())``): lower-case hex, 8-4-4-4-12.
+_CELERY_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+ALLOWED_KINDS = (
+    "an id that starts with 'JOB', or a Celery task id: a uuid as celery.utils.uuid() and "
+    "freeze() give it (36 lower-case characters, e.g. '3b241101-e2bb-4255-8caf-4136c566a962')"
+)
 
 
 def _check_text(value: object, what: str) -> str:
@@ -37,12 +51,35 @@ def _check_text(value: object, what: str) -> str:
     return value
 
 
+def is_celery_uuid(text: str) -> bool:
+    """Whether ``text`` is a uuid in Celery's own form (``celery.utils.uuid()``)."""
+    return _CELERY_UUID.fullmatch(text) is not None
+
+
 def check_id(job_id: object) -> str:
-    """Return ``job_id`` if it is a well-formed ``JOB`` id, else raise."""
+    """Return ``job_id`` if it is a well-formed job id (a ``JOB`` id or a Celery uuid), else
+    raise."""
     text = _check_text(job_id, "job id")
-    if not text.startswith(KIND):
-        raise KindError(f"job id {text!r} must be JOB-namespaced (start with 'JOB')")
+    if not text.startswith(KIND) and not is_celery_uuid(text):
+        raise KindError(f"job id {text!r} must be JOB-namespaced; allowed: {ALLOWED_KINDS}")
     return text
+
+
+def row_id(job_id: object) -> str:
+    """The id that names ``job_id``'s keys, gated: a ``JOB`` id as it is, a Celery uuid ``u``
+    as ``JOB`` + ``u`` (never the form of an id a flow makes itself, ``JOB`` + hex)."""
+    return _row(check_id(job_id))
+
+
+def _row(text: str) -> str:
+    return text if text.startswith(KIND) else KIND + text
+
+
+def id_of_row(row: str) -> str:
+    """The job id a row id was named from: ``JOB`` + a Celery uuid gives the uuid back (the id
+    Celery knows the job by), any other row id is its job's id."""
+    rest = row[len(KIND) :]
+    return rest if row.startswith(KIND) and is_celery_uuid(rest) else row
 
 
 def uuid4_hex() -> str:
@@ -64,11 +101,20 @@ def check_queue(queue: object) -> str:
 
 
 def check_unique(ids: Iterable[str]) -> None:
-    seen: set[str] = set()
+    """Every id (gated already) names a row of its own: the same id twice, or a uuid beside
+    ``JOB`` + that uuid (one row), is refused."""
+    seen: dict[str, str] = {}
     for job_id in ids:
-        if job_id in seen:
-            raise DuplicateIdError(f"job id {job_id!r} appears more than once in one flow")
-        seen.add(job_id)
+        row = _row(job_id)
+        if row in seen:
+            first = seen[row]
+            if first == job_id:
+                raise DuplicateIdError(f"job id {job_id!r} appears more than once in one flow")
+            raise DuplicateIdError(
+                f"job ids {first!r} and {job_id!r} name the same row ({row!r}: a Celery uuid's "
+                "row is 'JOB' + the uuid) and cannot both be in one flow"
+            )
+        seen[row] = job_id
 
 
 class Keyspace:
@@ -78,7 +124,7 @@ class Keyspace:
         self.prefix = _check_text(prefix, "key prefix")
 
     def job_key(self, queue: str, job_id: str) -> str:
-        return f"{self.prefix}:{{{check_queue(queue)}}}:{check_id(job_id)}"
+        return f"{self.prefix}:{{{check_queue(queue)}}}:{row_id(job_id)}"
 
     def queue_key(self, queue: str, name: str) -> str:
         return f"{self.prefix}:{{{check_queue(queue)}}}:{name}"
@@ -108,11 +154,12 @@ class Keyspace:
         return f"{self.job_key(queue, job_id)}:adding"
 
     def locator_key(self, job_id: str) -> str:
-        """Where a flow parent lives: ``{prefix}:loc:{JOB...}`` holds its queue name.
+        """Where a flow parent lives: ``{prefix}:loc:{JOB...}`` (its row id) holds its queue
+        name.
 
         Lets a bare job id (CLI, ``FlowResult(id)``) find its queue's slot.
         """
-        return f"{self.prefix}:loc:{{{check_id(job_id)}}}"
+        return f"{self.prefix}:loc:{{{row_id(job_id)}}}"
 
     def queues_key(self) -> str:
         """The set of queue names that hold flows: what recovery and ``stats`` scan."""
@@ -122,7 +169,7 @@ class Keyspace:
         """An id claimed by an enqueue in flight: ``{prefix}:id:{JOB...}`` holds the queue its
         row will live on, for the moments between the host's check across queues and the
         row's landing (see send/ids.py)."""
-        return f"{self.prefix}:id:{{{check_id(job_id)}}}"
+        return f"{self.prefix}:id:{{{row_id(job_id)}}}"
 
     def check_parts(self) -> list[str]:
         """What a script of a store of one server joins its keys from, for the check across

@@ -172,11 +172,17 @@ def _parse_cursor(cursor: str | None) -> tuple[int, str | None]:
     if cursor is None:
         return 0, None
     scan, _, last = str(cursor).partition(":")
-    if not scan.isdigit() or len(scan) > 20 or (last and not last.startswith("JOB")):
+    if not scan.isdigit() or len(scan) > 20 or (last and not _is_id(last)):
         raise CursorError(f"not a children_values cursor: {cursor!r} (pass the one a page gave)")
-    if last:
-        check_id(last)
     return int(scan), last or None
+
+
+def _is_id(text: str) -> bool:
+    try:
+        check_id(text)
+    except InvalidIdError:
+        return False
+    return True
 
 
 def _page(

@@ -15,6 +15,7 @@ from typing import Any
 from celery_echomq import tracing
 from celery_echomq.errors import FlowFailed
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
+from celery_echomq.send.errbacks import ran_by_child
 from celery_echomq.store.flow_scripts import Handed
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
 from celery_echomq.store.replies import UNSETTLED, Status
@@ -81,7 +82,8 @@ def parent_failed(
     payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
     job = state.loads(payload) if payload else {"task": None, "options": {}}
     exc = FlowFailed(f"flow {parent_id}: child {child_id} failed: {error}", child_id, error)
-    record_failure(state, parent_id, exc, job)
+    # A group parent's tasks ran its errbacks themselves (send/errbacks.py).
+    record_failure(state, parent_id, exc, job, call_errbacks=not ran_by_child(job, child_id))
     logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
     headers = job["options"].get("headers") or {}
     outer = headers.get(H_PARENT)

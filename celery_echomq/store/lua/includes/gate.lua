@@ -1,12 +1,27 @@
 -- gate_ids(first, last, step): the id gate, run before any write. Every ARGV[i] for
--- i = first, first + step, ... last must be a JOB id; returns the EMQKIND error reply for the
--- first that is not, else nil. The host's keyspace gate already refused such ids: this keeps
--- a script called by any other client from writing outside the JOB namespace.
+-- i = first, first + step, ... last must be a job id: a JOB id, or a uuid in Celery's own
+-- form (lower-case hex, 8-4-4-4-12), whose row the host names 'JOB' .. uuid; returns the
+-- EMQKIND error reply for the first that is neither, else nil. The host's keyspace gate
+-- already refused such ids: this keeps a script called by any other client from writing
+-- outside the JOB namespace.
+local CELERY_UUID = '^' .. string.rep('[0-9a-f]', 8) .. '%-' .. string.rep('[0-9a-f]', 4)
+  .. '%-' .. string.rep('[0-9a-f]', 4) .. '%-' .. string.rep('[0-9a-f]', 4) .. '%-'
+  .. string.rep('[0-9a-f]', 12) .. '$'
 local function gate_ids(first, last, step)
   for i = first, last, step or 1 do
-    if string.sub(ARGV[i], 1, 3) ~= 'JOB' then
-      return redis.error_reply('EMQKIND job id must be JOB-namespaced')
+    local id = ARGV[i]
+    if string.sub(id, 1, 3) ~= 'JOB' and not string.find(id, CELERY_UUID) then
+      return redis.error_reply('EMQKIND job id must be JOB-namespaced or a Celery uuid')
     end
   end
   return nil
+end
+
+-- row_of(id): the row id that names a gated job id's keys, as store/keyspace.py's row_id: a
+-- JOB id as it is, a Celery uuid as 'JOB' .. uuid. Only for ids gate_ids let through.
+local function row_of(id)
+  if string.sub(id, 1, 3) == 'JOB' then
+    return id
+  end
+  return 'JOB' .. id
 end

@@ -42,7 +42,7 @@ local function taken_elsewhere(registry, parts, own, ids)
   end
   local claims = {}
   for i = 1, #ids do
-    claims[i] = parts[3] .. ids[i] .. parts[4]
+    claims[i] = parts[3] .. row_of(ids[i]) .. parts[4]
   end
   local hit, queue = _first_taken(claims, own)
   if hit then
@@ -52,7 +52,7 @@ local function taken_elsewhere(registry, parts, own, ids)
     if other ~= own then
       local rows = {}
       for i = 1, #ids do
-        rows[i] = parts[1] .. other .. parts[2] .. ids[i]
+        rows[i] = parts[1] .. other .. parts[2] .. row_of(ids[i])
       end
       hit = _first_taken(rows, nil)
       if hit then
