@@ -180,6 +180,8 @@ RESULT_PATH_MODULES = frozenset(
         "test_canvases",
         "test_celery_chords",
         "test_chains",
+        "test_celery_ids",
+        "test_group_errbacks",
         "test_policies",
         "test_replace",
         "test_cli",
@@ -198,6 +200,8 @@ SMOKE = {
         ("test_canvas", "test_flow_in_the_middle_of_a_chain"),
         ("test_canvases", "test_a_chain_child_under_ignore_is_left_out"),
         ("test_chains", "test_a_redelivered_step_is_counted_once"),
+        ("test_celery_ids", "test_a_frozen_child_keeps_its_celery_id"),
+        ("test_group_errbacks", "test_each_failing_task_of_a_group_parent_runs_the_errbacks_once"),
         ("test_chains", "test_a_step_whose_message_was_never_published_is_recovered"),
         ("test_celery_chords", "test_chord__error_propagates_from_chord"),
         (
