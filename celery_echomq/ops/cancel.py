@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from celery_echomq import tracing
@@ -118,6 +119,21 @@ def _by_queue(where: dict[str, str], ids: Iterable[str]) -> dict[str, list[str]]
     return groups
 
 
+@dataclass
+class _Cut:
+    """What cancelling a flow's parent and children did: the cancel script's answer for the
+    parent, the children it stopped, and the linked chains' steps among them."""
+
+    status: Status = Status.MISSING
+    was: Status = Status.MISSING
+    outstanding: list[str] = field(default_factory=list)
+    steps: dict[str, str] = field(default_factory=dict)  # a chain's step -> its row's queue
+
+    @property
+    def cancelled(self) -> bool:
+        return self.status is Status.CANCELLED
+
+
 def cancel_flow(
     state: EchoMQ, queue: str, parent_id: str, terminate: bool = False, *, settle: bool = True
 ) -> list[str]:
@@ -134,14 +150,35 @@ def cancel_flow(
     a crash between two leaves the parent cancelled and the rest outstanding, which a cancel
     run again (the parent no longer waits: every outstanding child) finishes.
     """
-    client, ttl, chunk = state.client, state.settings.result_ttl, state.settings.chunk_size
     job = _stored_job(state, queue, parent_id)
+    revoked, running = _cancel_nested(state, queue, parent_id, terminate)
+    cut = _cut(state, queue, parent_id)
+    if cut.status is Status.MISSING:
+        return revoked
+    _revoke(state, parent_id, cut, running, terminate)
+    if not cut.cancelled:
+        if cut.outstanding:
+            logger.info(
+                "echomq: flow %s (%s): revoked %d outstanding children",
+                parent_id,
+                cut.status,
+                len(cut.outstanding),
+            )
+        return revoked + cut.outstanding
+    _record_cancelled(state, queue, parent_id, job, len(cut.outstanding), settle)
+    return revoked + cut.outstanding
+
+
+def _cancel_nested(
+    state: EchoMQ, queue: str, parent_id: str, terminate: bool
+) -> tuple[list[str], set[str]]:
+    """The nested flows among the children, each cancelled as a flow of its own (inner before
+    outer); and which children run now."""
     revoked: list[str] = []
     running: set[str] = set()
-    # Nested flows first, inner before outer: each is a flow of its own to cancel.
-    for part in _chunks(state, queue, parent_id, chunk):
+    for part in _chunks(state, queue, parent_id, state.settings.chunk_size):
         where = where_children(state, queue, part)
-        pipe = client.pipeline(transaction=False)
+        pipe = state.client.pipeline(transaction=False)
         for cid in part:
             if cid in where:
                 pipe.hget(state.keys.job_key(where[cid], cid), "state")
@@ -153,76 +190,77 @@ def cancel_flow(
                 running.add(cid)
             if nested and child_state in (b"awaiting_children", b"pending"):
                 revoked += cancel_flow(state, where[cid], cid, terminate, settle=False)
-    status, was, outstanding, cancelled = Status.MISSING, Status.MISSING, [], False
-    opened = False
-    steps: list[tuple[str, str]] = []  # every linked chain's step, with where its row is
-    for n, part in enumerate(_chunks(state, queue, parent_id, chunk)):
-        opened = True
+    return revoked, running
+
+
+def _cut(state: EchoMQ, queue: str, parent_id: str) -> _Cut:
+    """The parent and its children cancelled, a chunk per script call: the first chunk with
+    the parent (``cancel``), every other one, and the children of other slots, after it."""
+    ttl = state.settings.result_ttl
+    cut = _Cut()
+    for n, part in enumerate(_chunks(state, queue, parent_id, state.settings.chunk_size)):
         where = where_children(state, queue, part)
         part, chain_steps = with_steps(state, part, where)
-        steps += [(sid, where[sid]) for sid in chain_steps if sid in where]
-        local = [cid for cid in part if where.get(cid) == queue]
+        cut.steps.update((sid, where[sid]) for sid in chain_steps if sid in where)
+        rest = part
         if n == 0:
-            status, was, first = state.scripts.cancel(queue, parent_id, local, ttl=ttl)
-            if status is Status.MISSING:
-                return revoked
-            cancelled = status is Status.CANCELLED
-            outstanding += first
-            # Other slots' children; and, for a parent already released, its outstanding
-            # children on its own slot too (the cancel script stops none of them then).
-            rest = part if not cancelled else [cid for cid in part if where.get(cid) != queue]
-        else:
-            rest = part
+            local = [cid for cid in part if where.get(cid) == queue]
+            cut.status, cut.was, first = state.scripts.cancel(queue, parent_id, local, ttl=ttl)
+            if cut.status is Status.MISSING:
+                return cut
+            cut.outstanding += first
+            # For a parent already released, its outstanding children on its own slot too
+            # (the cancel script stops none of them then).
+            if cut.cancelled:
+                rest = [cid for cid in part if where.get(cid) != queue]
         for other, ids in _by_queue(where, rest).items():
-            outstanding += state.scripts.cancel_elsewhere(
+            cut.outstanding += state.scripts.cancel_elsewhere(
                 other, parent_id, ids, ttl=ttl, started=True
             )
-    if not opened:
+    if cut.status is Status.MISSING:
         # A flow of no children: the parent alone.
-        status, was, outstanding = state.scripts.cancel(queue, parent_id, [], ttl=ttl)
-        if status is Status.MISSING:
-            return revoked
-        cancelled = status is Status.CANCELLED
+        cut.status, cut.was, cut.outstanding = state.scripts.cancel(queue, parent_id, [], ttl=ttl)
+    return cut
+
+
+def _revoke(state: EchoMQ, parent_id: str, cut: _Cut, running: set[str], terminate: bool) -> None:
+    """Tell the workers (and the result backend) what will not run."""
     # Without terminate a running child cannot be stopped, and its cancelled row already
     # turns any later delivery away: its id is not broadcast, since Celery's workers (5.6
     # and later) that do not run it would store REVOKED over the result it is about to store.
-    to_revoke = [cid for cid in outstanding if terminate or cid not in running]
+    to_revoke = [cid for cid in cut.outstanding if terminate or cid not in running]
     # A chain's step no delivery ever claimed gets its result here (REVOKED, FlowCancelled):
     # its id is not broadcast either (a worker would store TaskRevokedError over it), and its
     # cancelled row turns away any message of it still on its way.
-    cut = set(outstanding)
-    unstarted = _never_started(state, dict(steps), [sid for sid, _ in steps if sid in cut])
+    stopped = set(cut.outstanding)
+    unstarted = _never_started(state, cut.steps, [sid for sid in cut.steps if sid in stopped])
     if unstarted:
         quiet = set(unstarted)
         to_revoke = [cid for cid in to_revoke if cid not in quiet]
     # A released parent's message is on its way: revoke it too, so it never runs.
-    if cancelled and was is Status.PENDING:
+    if cut.cancelled and cut.was is Status.PENDING:
         to_revoke.append(parent_id)
+    chunk = state.settings.chunk_size
     for start in range(0, len(to_revoke), chunk):  # one broadcast per chunk of ids
         state.app.control.revoke(to_revoke[start : start + chunk], terminate=terminate)
     for sid in unstarted:
         gone = FlowCancelled(f"flow {parent_id} was cancelled; its step {sid} will not run")
         record_failure(state, sid, gone, None, call_errbacks=False, status="REVOKED")
-    if not cancelled:
-        if outstanding:
-            logger.info(
-                "echomq: flow %s (%s): revoked %d outstanding children",
-                parent_id,
-                status,
-                len(outstanding),
-            )
-        return revoked + outstanding
+
+
+def _record_cancelled(
+    state: EchoMQ, queue: str, parent_id: str, job: Any, stopped: int, settle: bool
+) -> None:
+    """The cancelled parent's result, its trace, and (cancelled on its own) its outer flow's
+    failed child."""
     exc = FlowCancelled(f"flow {parent_id} was cancelled; it will not run", parent_id)
     # REVOKED: Celery's state for a revoked task (get() raises FlowCancelled).
     record_failure(state, parent_id, exc, job, call_errbacks=False, status="REVOKED")
-    logger.info(
-        "echomq: flow %s cancelled; revoked %d outstanding children", parent_id, len(outstanding)
-    )
-    tracing.cancelled(job, parent_id, len(outstanding))
+    logger.info("echomq: flow %s cancelled; revoked %d outstanding children", parent_id, stopped)
+    tracing.cancelled(job, parent_id, stopped)
     headers = ((job or {}).get("options") or {}).get("headers") or {}
     outer = headers.get(H_PARENT)
     if settle and outer:
         # Cancelled on its own: to the flow it belongs to, a child that failed.
         ref = ParentRef(str(outer), str(headers.get(H_PARENT_QUEUE) or queue))
         settle_failure(state, queue, parent_id, "", f"FlowCancelled: {exc}", True, ref, carry=True)
-    return revoked + outstanding
