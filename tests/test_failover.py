@@ -809,13 +809,6 @@ def crash_under(
     """Cut replication, SIGKILL the primary ``cut_for`` s later, wait for its replacement,
     bring it back ``rejoin_after`` s later (meanwhile the new primary has no replica)."""
     time.sleep(2.5)
-    primary, replica = crash.pair()
-    # The replication link breaks just before the crash, as in a network partition
-    # (the replica cannot authenticate to reconnect): what the primary acknowledges
-    # from now on is on it alone.
-    replica.config_set("masterauth", "partitioned")
-    primary.client_kill_filter(_type="replica")
-    time.sleep(cut_for)
 
     def in_flight_now() -> int:
         return sum(
@@ -824,13 +817,21 @@ def crash_under(
             if r["error"] is None and not AsyncResult(r["id"], app=proj.app).ready()
         )
 
-    # The kill must find flows in flight: on a loaded machine the traffic may lag, so the
-    # cut lasts (up to 5 s more) until one is.
+    # The fault must meet flows in flight: their completions are what the cut and the kill
+    # put at risk. On a loaded machine the traffic may lag, so the cut waits (up to 5 s more)
+    # until one is.
     waited_until = time.monotonic() + 5.0
     in_flight = in_flight_now()
     while not in_flight and time.monotonic() < waited_until:
         time.sleep(0.05)
         in_flight = in_flight_now()
+    primary, replica = crash.pair()
+    # The replication link breaks just before the crash, as in a network partition
+    # (the replica cannot authenticate to reconnect): what the primary acknowledges
+    # from now on is on it alone.
+    replica.config_set("masterauth", "partitioned")
+    primary.client_kill_filter(_type="replica")
+    time.sleep(cut_for)
     at_kill = len(traffic.sent)
     behind = int(primary.info("replication")["master_repl_offset"]) - int(
         replica.info("replication")["slave_repl_offset"]
@@ -845,7 +846,7 @@ def crash_under(
     time.sleep(2.0)
     return {
         "sent_before_kill": at_kill,
-        "in_flight_at_kill": in_flight,
+        "in_flight_at_cut": in_flight,
         "replica_behind_bytes_at_kill": behind,
         "failover_s": round(failover_s, 1),
         "new_primary_differs": new != old,
@@ -877,7 +878,7 @@ def test_failover_sentinel_with_min_replicas_loses_nothing(
 ) -> None:
     summary = sentinel_failover_under_load(env, proj, ha, min_replicas=1, settle_for=60)
     assert summary["new_primary_differs"]
-    assert summary["in_flight_at_kill"] > 0, summary
+    assert summary["in_flight_at_cut"] > 0, summary
     assert summary["accepted"] > summary["sent_before_kill"] > 0, summary
     # Every accepted flow completed, with every child counted once (the parent's sum).
     assert summary["lost"] == 0, summary
@@ -893,7 +894,7 @@ def test_failover_sentinel_without_min_replicas_reports_what_was_lost(
 ) -> None:
     summary = sentinel_failover_under_load(env, proj, ha, min_replicas=0, settle_for=30)
     assert summary["new_primary_differs"]
-    assert summary["in_flight_at_kill"] > 0, summary
+    assert summary["in_flight_at_cut"] > 0, summary
     # The report adds up: every flow sent is accepted or refused, every accepted one
     # completed, ended with a wrong value or is counted lost.
     assert summary["accepted"] + summary["refused"] == summary["flows_sent"]
@@ -932,7 +933,7 @@ def test_failover_cluster_master_killed_mid_flow(env: Env, proj: Any, min_replic
             traffic_shape={"children": 3, "rate": 2.0, "work": 0.4},
         )
     assert summary["new_primary_differs"]
-    assert summary["in_flight_at_kill"] > 0, summary
+    assert summary["in_flight_at_cut"] > 0, summary
     assert summary["accepted"] > summary["sent_before_kill"] > 0, summary
     assert summary["completed"] + summary["wrong_value"] + summary["lost"] == summary["accepted"], (
         summary
