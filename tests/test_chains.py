@@ -238,3 +238,51 @@ def test_a_chain_child_of_a_flow_on_the_chunked_path(proj: Any, worker: Any) -> 
     res = flow(proj.tsum.s(), [*kids[:500], counting(proj, 5), *kids[500:]]).apply_async()
     assert res.get(timeout=120) == sum(range(1000)) + 5
     assert res.dependencies() == (0, 1001, 0, 0)
+
+
+# --- a chain as a flow's parent, and chains with a group or flow among their steps ----------
+
+
+def test_a_long_chain_as_the_parent_takes_the_childrens_values_first(proj: Any, how: str) -> None:
+    # flow(p1 | p2 | ... | p120, kids): p1 gets the list of the children's values, as a chord's
+    # body chain does; each step after it the value before. 120 steps: past echomq_max_depth.
+    parent = chain(proj.tsum.s(), *(proj.add.s(1) for _ in range(119)))
+    res = run(flow(parent, [proj.add.s(1, 2), proj.add.s(3, 4)]), how)
+    assert res.get(timeout=300) == 10 + 119
+
+
+def test_a_chain_parent_in_a_flow_gives_its_last_value_to_the_outer_parent(
+    proj: Any, how: str
+) -> None:
+    inner = flow(chain(proj.tsum.s(), *(proj.add.s(1) for _ in range(59))), [proj.add.s(1, 1)])
+    res = run(flow(proj.tsum.s(), [inner, proj.add.s(100, 0)]), how)
+    assert res.get(timeout=300) == 2 + 59 + 100
+
+
+def test_a_chain_parent_whose_children_fail_fails_the_flow(proj: Any, how: str) -> None:
+    parent = chain(proj.tsum.s(), *(proj.add.s(1) for _ in range(40)))
+    with pytest.raises(FlowFailed, match="Task expected to fail"):
+        run(flow(parent, [proj.fail.s(), proj.add.s(1, 1)]), how).get(timeout=TIMEOUT)
+
+
+def test_a_failed_step_of_a_chain_parent_fails_the_flow_naming_it(proj: Any, how: str) -> None:
+    bad = proj.fail.s().set(task_id=job_id())
+    parent = chain(proj.tsum.s(), *(proj.add.s(1) for _ in range(40)), bad, proj.add.s(1))
+    with pytest.raises(Exception, match="Task expected to fail"):
+        run(flow(parent, [proj.add.s(1, 1)]), how).get(timeout=TIMEOUT)
+
+
+def test_a_long_chain_with_a_group_step_is_not_too_deep(proj: Any, how: str) -> None:
+    # 40 tasks, a group, 60 tasks: a flow level for the group and the run after it, none per
+    # task step (echomq_max_depth is 32).
+    from celery import group
+
+    sig = chain(
+        proj.add.s(0, 1),
+        *(proj.add.s(1) for _ in range(39)),
+        group(proj.add.s(1), proj.add.s(2)),
+        proj.tsum.s(),
+        *(proj.add.s(1) for _ in range(59)),
+    )
+    res = run(flow(proj.tsum.s(), [sig, proj.add.s(1, 1)]), how)
+    assert res.get(timeout=300) == (41 + 42) + 59 + 2
