@@ -286,3 +286,30 @@ def test_a_long_chain_with_a_group_step_is_not_too_deep(proj: Any, how: str) -> 
     )
     res = run(flow(proj.tsum.s(), [sig, proj.add.s(1, 1)]), how)
     assert res.get(timeout=300) == (41 + 42) + 59 + 2
+
+
+def test_cancel_reaches_a_chain_parent_held_on_its_children_and_the_steps_behind_it(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    kid, head, middle, last = job_id(), job_id(), job_id(), job_id()
+    parent = chain(
+        proj.tsum.s().set(task_id=head), proj.add.s(1).set(task_id=middle), proj.add.s(1)
+    )
+    sig = flow(parent, [proj.gated.s(1, gate).set(task_id=kid)]).set(task_id=last)
+    res = sig.apply_async()
+    assert res.id == last  # the flow's id is its value task's: the chain's last
+    try:
+        wait_for(lambda: row(store, kid, "state") == "active")
+        assert row(store, head, "state") == "awaiting_children"
+        assert row(store, head, "next") == middle
+        assert row(store, middle, "state") == "waiting"
+        res.revoke()
+        assert row(store, head, "state") == "cancelled"
+        assert row(store, middle, "state") == "cancelled"
+    finally:
+        store.set(gate, 1)
+    with pytest.raises(FlowCancelled):
+        res.get(timeout=TIMEOUT)
+    time.sleep(1.0)
+    assert row(store, middle, "attempts") == "0"
