@@ -313,3 +313,23 @@ def test_cancel_reaches_a_chain_parent_held_on_its_children_and_the_steps_behind
         res.get(timeout=TIMEOUT)
     time.sleep(1.0)
     assert row(store, middle, "attempts") == "0"
+
+
+def test_a_long_chain_across_two_queues_is_a_level_per_run_not_per_step(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    # 40 steps on one queue, then 40 on another: two linked runs, the second's first step held
+    # on the first run (echomq_max_depth is 32: a level per step would be refused).
+    main, side = own_queue("chain"), own_queue("steps")
+    start_worker(queues=f"{main},{side}")
+    steps = chain(
+        proj.add.s(0, 1),
+        *(proj.add.s(1) for _ in range(39)),
+        *(proj.add.s(1).set(queue=side) for _ in range(40)),
+    )
+    sig, ids = frozen(proj, steps)
+    res = sig.apply_async(queue=main)
+    assert res.get(timeout=120) == 80
+    assert row(store, ids[0], "next", main) == ids[1]  # linked on its run's queue
+    assert row(store, ids[41], "next", side) == ids[42]
+    assert row(store, ids[-1], "state", side) == "done"

@@ -121,3 +121,22 @@ def header_tasks(sig: _chord, app: Any) -> list[Any]:
 def fans_out(sig: Any) -> bool:
     """Whether a step's value is the list of a group's values, not a single value."""
     return isinstance(maybe_signature(sig), group)
+
+
+def queue_runs(chain: Signature, queues: list[str], app: Any) -> Signature:
+    """A linked chain whose steps live on several queues' slots (``queues``: each step's), as
+    runs of steps on one queue: each run linked (one script makes its next step pending on its
+    slot), its first step held on the run before it. A flow level per run, none per step."""
+    tasks = list(chain.tasks)
+    node: Signature | None = None
+    start = 0
+    while start < len(tasks):
+        end = start + 1
+        while end < len(tasks) and queues[end] == queues[start]:
+            end += 1
+        head = tasks[start] if node is None else flow_node(tasks[start], [node], {}, single=True)
+        rest = tasks[start + 1 : end]
+        node = linked_after(head, rest, app, {}, None) if rest else head
+        start = end
+    assert node is not None
+    return node

@@ -32,6 +32,7 @@ from celery_echomq.send.jobs import (
     mark_for_store,
     route_queue,
 )
+from celery_echomq.send.links import queue_runs
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import (
@@ -236,6 +237,7 @@ def plan_children(
     child_results: bool = True,
     store_results: bool = False,
     linked: bool = True,
+    split: bool = True,
 ) -> None:
     """Plan ``children`` as children of ``plan``'s parent: append them (ids assigned and
     gated, messages built) to ``plan.children`` and their policies to ``plan.child_policies``.
@@ -251,6 +253,18 @@ def plan_children(
         child_policy = child.options.get("parent_policy")
         if is_linked(child):
             steps = None
+            queues = _step_queues(app, child, shared) if linked else []
+            if len(set(queues)) > 1 and split:
+                # Steps on several queues' slots: one linked run per queue, each held on the
+                # run before it (a flow level per run, not per step).
+                runs = queue_runs(child, queues, app)
+                if child_policy is not None:
+                    runs.options["parent_policy"] = child_policy
+                again = {"child_results": child_results, "store_results": store_results}
+                plan_children(
+                    app, plan, [runs], args=args, kwargs=kwargs, shared=shared, split=False, **again
+                )
+                continue
             if linked:
                 steps = _steps(app, plan, child, args, kwargs, shared, child_results, store_results)
             if steps is not None:
@@ -324,6 +338,16 @@ def _nested(
     return inner
 
 
+def _step_queues(app: Any, chain: Signature, shared: dict[str, Any]) -> list[str]:
+    """The queue each step of a linked chain is routed to (a flow step: its parent's)."""
+    return [
+        route_queue(app, t.kwargs["parent"], {**shared, **t.options})
+        if is_flow(t)
+        else route_queue(app, t, shared)
+        for t in chain.tasks
+    ]
+
+
 def _steps(
     app: Any,
     plan: Plan,
@@ -342,9 +366,7 @@ def _steps(
     head = tasks[0] if is_flow(tasks[0]) else None
     if head is None and (args or kwargs):
         tasks[0] = tasks[0].clone(args=args, kwargs=kwargs)
-    queues = [route_queue(app, task, shared) for task in tasks[head is not None :]]
-    if head is not None:
-        queues.append(route_queue(app, head.kwargs["parent"], {**shared, **head.options}))
+    queues = _step_queues(app, chain, shared)
     if len(set(queues)) > 1:
         return None
     step_queue = queues[0]
