@@ -333,3 +333,24 @@ def test_a_long_chain_across_two_queues_is_a_level_per_run_not_per_step(
     assert row(store, ids[0], "next", main) == ids[1]  # linked on its run's queue
     assert row(store, ids[41], "next", side) == ids[42]
     assert row(store, ids[-1], "state", side) == "done"
+
+
+def test_show_lists_a_chain_parents_children_under_its_first_step(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    kid, head = job_id(), job_id()
+    parent = chain(proj.tsum.s().set(task_id=head), proj.add.s(1), proj.add.s(1))
+    res = flow(parent, [proj.gated.s(1, gate).set(task_id=kid), proj.add.s(2, 2)]).apply_async()
+    try:
+        wait_for(lambda: row(store, kid, "state") == "active")
+        out = echomq("show", res.id)
+        assert out.exit_code == 0, out.output
+        lines = out.output.splitlines()
+        at = next(i for i, line in enumerate(lines) if f"step 1/2  flow {head}" in line)
+        assert "awaiting_children" in lines[at]
+        below = "\n".join(lines[at + 1 : at + 3])
+        assert kid in below and "active" in below  # the flow's own children, under its step
+    finally:
+        store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT) == 7
