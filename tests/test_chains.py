@@ -354,3 +354,34 @@ def test_show_lists_a_chain_parents_children_under_its_first_step(
     finally:
         store.set(gate, 1)
     assert res.get(timeout=TIMEOUT) == 7
+
+
+def test_a_chain_parent_that_starts_with_a_group(proj: Any, how: str) -> None:
+    # flow(chain(group(a, b), tsum, add(1) x 50), kids): each of the group's tasks gets the
+    # children's values, tsum the list of theirs, each step after it the value before.
+    from celery import group
+
+    parent = chain(
+        group(proj.tsum.s(), proj.tsum.s()), proj.tsum.s(), *(proj.add.s(1) for _ in range(50))
+    )
+    res = run(flow(parent, [proj.add.s(1, 2), proj.add.s(3, 4)]), how)
+    assert res.get(timeout=300) == 2 * 10 + 50
+
+
+def test_retry_runs_a_chain_parents_failed_step_and_those_after_it(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    failing = job_id()
+    parent = chain(
+        proj.tsum.s(), proj.flaky.s(flag).set(task_id=failing), *(proj.add.s(1) for _ in range(40))
+    )
+    res = flow(parent, [proj.add.s(1, 1)]).apply_async()
+    with pytest.raises(FlowFailed):
+        res.get(timeout=TIMEOUT)
+    assert row(store, failing, "state") == "failed"
+    store.set(flag, 1)
+    out = echomq("retry", res.id)
+    assert out.exit_code == 0, out.output
+    assert res.get(timeout=TIMEOUT) == 2 + 40
+    assert store.get(f"test:ran:flaky:{flag}") == b"2"
