@@ -33,6 +33,7 @@ from celery_echomq.send.grow import CURRENT, GROWING
 from celery_echomq.send.plan import (
     Plan,
     check_depth,
+    child_id,
     is_flow,
     parent_args,
     plan_children,
@@ -297,8 +298,7 @@ def _run_child(
     root: str,
 ) -> Any:
     if "steps" in job:
-        with under_root(root):
-            return _run_steps(child, job, partial, kwargs)
+        return _run_steps(app, child, job, partial, kwargs, seen, root)
     if is_flow(child):
         inner_partial = () if child.immutable else (*partial, *child.args)
         inner = Plan.from_dict(job["nested"])
@@ -338,18 +338,26 @@ def under_root(root: str) -> Iterator[None]:
 
 
 def _run_steps(
-    chain: Any, job: dict[str, Any], partial: tuple[Any, ...], kwargs: dict[str, Any]
+    app: Any,
+    chain: Any,
+    job: dict[str, Any],
+    partial: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    seen: dict[str, FanIn],
+    root: str,
 ) -> Any:
     """A linked chain's steps, one after another in a loop (no recursion, whatever its
     length), each given the value of the one before: the last step's result, or the result
-    of the step that failed (the chain's failure, as on a worker)."""
+    of the step that failed (the chain's failure, as on a worker). A first step that is a
+    flow runs as one, its children given the partial arguments."""
     res: Any = None
     for i, (step, planned) in enumerate(zip(chain.tasks, job["steps"], strict=True)):
         if i == 0:
-            run = step.clone(args=partial, kwargs=kwargs) if partial or kwargs else step
+            res = _run_child(app, step, planned, partial, kwargs, child_id(planned), seen, root)
         else:
             run = step if step.immutable else step.clone(args=(res.result,))
-        res = run.apply(task_id=planned["options"]["task_id"], throw=False)
+            with under_root(root):
+                res = run.apply(task_id=planned["options"]["task_id"], throw=False)
         if res.state != states.SUCCESS:
             break
     return res

@@ -60,7 +60,8 @@ class FlowExistsError(EchoMQError, ValueError):
 
 
 class DepthError(EchoMQError, ValueError):
-    """A flow tree deeper than ``echomq_max_depth`` levels (a chain's steps count as levels)."""
+    """A flow tree deeper than ``echomq_max_depth`` levels (flows nested in flows; a run of a
+    chain's tasks counts as none)."""
 
 
 class PolicyError(EchoMQError, ValueError):

@@ -238,3 +238,150 @@ def test_a_chain_child_of_a_flow_on_the_chunked_path(proj: Any, worker: Any) -> 
     res = flow(proj.tsum.s(), [*kids[:500], counting(proj, 5), *kids[500:]]).apply_async()
     assert res.get(timeout=120) == sum(range(1000)) + 5
     assert res.dependencies() == (0, 1001, 0, 0)
+
+
+# --- a chain as a flow's parent, and chains with a group or flow among their steps ----------
+
+
+def test_a_long_chain_as_the_parent_takes_the_childrens_values_first(proj: Any, how: str) -> None:
+    # flow(p1 | p2 | ... | p120, kids): p1 gets the list of the children's values, as a chord's
+    # body chain does; each step after it the value before. 120 steps: past echomq_max_depth.
+    parent = chain(proj.tsum.s(), *(proj.add.s(1) for _ in range(119)))
+    res = run(flow(parent, [proj.add.s(1, 2), proj.add.s(3, 4)]), how)
+    assert res.get(timeout=300) == 10 + 119
+
+
+def test_a_chain_parent_in_a_flow_gives_its_last_value_to_the_outer_parent(
+    proj: Any, how: str
+) -> None:
+    inner = flow(chain(proj.tsum.s(), *(proj.add.s(1) for _ in range(59))), [proj.add.s(1, 1)])
+    res = run(flow(proj.tsum.s(), [inner, proj.add.s(100, 0)]), how)
+    assert res.get(timeout=300) == 2 + 59 + 100
+
+
+def test_a_chain_parent_whose_children_fail_fails_the_flow(proj: Any, how: str) -> None:
+    parent = chain(proj.tsum.s(), *(proj.add.s(1) for _ in range(40)))
+    with pytest.raises(FlowFailed, match="Task expected to fail"):
+        run(flow(parent, [proj.fail.s(), proj.add.s(1, 1)]), how).get(timeout=TIMEOUT)
+
+
+def test_a_failed_step_of_a_chain_parent_fails_the_flow_naming_it(proj: Any, how: str) -> None:
+    bad = proj.fail.s().set(task_id=job_id())
+    parent = chain(proj.tsum.s(), *(proj.add.s(1) for _ in range(40)), bad, proj.add.s(1))
+    with pytest.raises(Exception, match="Task expected to fail"):
+        run(flow(parent, [proj.add.s(1, 1)]), how).get(timeout=TIMEOUT)
+
+
+def test_a_long_chain_with_a_group_step_is_not_too_deep(proj: Any, how: str) -> None:
+    # 40 tasks, a group, 60 tasks: a flow level for the group and the run after it, none per
+    # task step (echomq_max_depth is 32).
+    from celery import group
+
+    sig = chain(
+        proj.add.s(0, 1),
+        *(proj.add.s(1) for _ in range(39)),
+        group(proj.add.s(1), proj.add.s(2)),
+        proj.tsum.s(),
+        *(proj.add.s(1) for _ in range(59)),
+    )
+    res = run(flow(proj.tsum.s(), [sig, proj.add.s(1, 1)]), how)
+    assert res.get(timeout=300) == (41 + 42) + 59 + 2
+
+
+def test_cancel_reaches_a_chain_parent_held_on_its_children_and_the_steps_behind_it(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    kid, head, middle, last = job_id(), job_id(), job_id(), job_id()
+    parent = chain(
+        proj.tsum.s().set(task_id=head), proj.add.s(1).set(task_id=middle), proj.add.s(1)
+    )
+    sig = flow(parent, [proj.gated.s(1, gate).set(task_id=kid)]).set(task_id=last)
+    res = sig.apply_async()
+    assert res.id == last  # the flow's id is its value task's: the chain's last
+    try:
+        wait_for(lambda: row(store, kid, "state") == "active")
+        assert row(store, head, "state") == "awaiting_children"
+        assert row(store, head, "next") == middle
+        assert row(store, middle, "state") == "waiting"
+        res.revoke()
+        assert row(store, head, "state") == "cancelled"
+        assert row(store, middle, "state") == "cancelled"
+    finally:
+        store.set(gate, 1)
+    with pytest.raises(FlowCancelled):
+        res.get(timeout=TIMEOUT)
+    time.sleep(1.0)
+    assert row(store, middle, "attempts") == "0"
+
+
+def test_a_long_chain_across_two_queues_is_a_level_per_run_not_per_step(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    # 40 steps on one queue, then 40 on another: two linked runs, the second's first step held
+    # on the first run (echomq_max_depth is 32: a level per step would be refused).
+    main, side = own_queue("chain"), own_queue("steps")
+    start_worker(queues=f"{main},{side}")
+    steps = chain(
+        proj.add.s(0, 1),
+        *(proj.add.s(1) for _ in range(39)),
+        *(proj.add.s(1).set(queue=side) for _ in range(40)),
+    )
+    sig, ids = frozen(proj, steps)
+    res = sig.apply_async(queue=main)
+    assert res.get(timeout=120) == 80
+    assert row(store, ids[0], "next", main) == ids[1]  # linked on its run's queue
+    assert row(store, ids[41], "next", side) == ids[42]
+    assert row(store, ids[-1], "state", side) == "done"
+
+
+def test_show_lists_a_chain_parents_children_under_its_first_step(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    kid, head = job_id(), job_id()
+    parent = chain(proj.tsum.s().set(task_id=head), proj.add.s(1), proj.add.s(1))
+    res = flow(parent, [proj.gated.s(1, gate).set(task_id=kid), proj.add.s(2, 2)]).apply_async()
+    try:
+        wait_for(lambda: row(store, kid, "state") == "active")
+        out = echomq("show", res.id)
+        assert out.exit_code == 0, out.output
+        lines = out.output.splitlines()
+        at = next(i for i, line in enumerate(lines) if f"step 1/2  flow {head}" in line)
+        assert "awaiting_children" in lines[at]
+        below = "\n".join(lines[at + 1 : at + 3])
+        assert kid in below and "active" in below  # the flow's own children, under its step
+    finally:
+        store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT) == 7
+
+
+def test_a_chain_parent_that_starts_with_a_group(proj: Any, how: str) -> None:
+    # flow(chain(group(a, b), tsum, add(1) x 50), kids): each of the group's tasks gets the
+    # children's values, tsum the list of theirs, each step after it the value before.
+    from celery import group
+
+    parent = chain(
+        group(proj.tsum.s(), proj.tsum.s()), proj.tsum.s(), *(proj.add.s(1) for _ in range(50))
+    )
+    res = run(flow(parent, [proj.add.s(1, 2), proj.add.s(3, 4)]), how)
+    assert res.get(timeout=300) == 2 * 10 + 50
+
+
+def test_retry_runs_a_chain_parents_failed_step_and_those_after_it(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    failing = job_id()
+    parent = chain(
+        proj.tsum.s(), proj.flaky.s(flag).set(task_id=failing), *(proj.add.s(1) for _ in range(40))
+    )
+    res = flow(parent, [proj.add.s(1, 1)]).apply_async()
+    with pytest.raises(FlowFailed):
+        res.get(timeout=TIMEOUT)
+    assert row(store, failing, "state") == "failed"
+    store.set(flag, 1)
+    out = echomq("retry", res.id)
+    assert out.exit_code == 0, out.output
+    assert res.get(timeout=TIMEOUT) == 2 + 40
+    assert store.get(f"test:ran:flaky:{flag}") == b"2"

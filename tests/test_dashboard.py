@@ -696,5 +696,6 @@ def test_the_live_tree_lists_a_chain_childs_steps_and_the_one_that_runs(
     assert at == sorted(at)
     for sid, step_state in ((first, "done"), (running, "active"), (last, "waiting")):
         assert f'id="job-{sid}" data-state="{step_state}"' in html
+        assert html.count(f'id="job-{sid}"') == 1  # each step once, the last too
     store.set(gate, 1)
     assert res.get(timeout=60) == 3

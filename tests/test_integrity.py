@@ -178,13 +178,19 @@ def test_a_chain_child_of_tasks_counts_as_no_level(proj: Any, worker: Any) -> No
     assert flow(proj.tsum.s(), [steps]).apply_async().get(timeout=60) == 41
 
 
-def test_a_chain_child_with_a_flow_among_its_steps_counts_each_step_as_a_level(
+def test_a_chain_child_with_a_flow_among_its_steps_counts_flow_levels_not_steps(
     proj: Any, worker: Any
 ) -> None:
+    # A flow then 40 tasks: the flow is a level, the tasks linked behind it none.
     inner = flow(proj.tsum.s(), [proj.add.s(1, 1)])
     steps = chain(inner, *[proj.add.s(1) for _ in range(40)])
-    with pytest.raises(DepthError, match="each step of a chain with a group, chord or flow"):
-        flow(proj.tsum.s(), [steps]).apply_async()
+    assert flow(proj.tsum.s(), [steps]).apply_async().get(timeout=60) == 42
+    # Flows nested in flows still count, one level each, however they are chained.
+    deep: Any = proj.add.s(1, 1)
+    for _ in range(33):
+        deep = chain(flow(proj.tsum.s(), [deep]), proj.add.s(1))
+    with pytest.raises(DepthError, match="levels deep"):
+        flow(proj.tsum.s(), [deep]).apply_async()
 
 
 @pytest.mark.parametrize("policy", ["ignore", "remove", "continue"])

@@ -125,6 +125,8 @@ def render_tree(node: JobNode, *, color: bool = False) -> list[str]:
             if number == chain.running_step:
                 line += "  <- runs"
             lines.append(indent + ("└─ " if last else "├─ ") + line)
+            if step is not chain:
+                children(step, indent + ("   " if last else "│  "))  # a step held on its own
 
     children(node, "")
     return lines

@@ -304,16 +304,23 @@ def _build(
             )
         child = _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
         if child_row["steps"]:
-            child = _with_steps(state, child, child_row["steps"].split(), ignored, info)
+            child = _with_steps(state, child, child_row["steps"].split(), ignored, info, depth)
         children.append(child)
     return replace(node, flow=info, children=tuple(children))
 
 
 def _with_steps(
-    state: EchoMQ, last: JobNode, ids: list[str], ignored: dict[str, str], info: FlowInfo
+    state: EchoMQ,
+    last: JobNode,
+    ids: list[str],
+    ignored: dict[str, str],
+    info: FlowInfo,
+    depth: int = 0,
 ) -> JobNode:
     """A linked chain's last step with every step of the chain (one pipelined read): what
-    each ran with, its state, and what its failure made of the flow."""
+    each ran with, its state, and what its failure made of the flow. A first step held on
+    children of its own (a chain parent's, or the step after a group, chord or flow) is shown
+    with them, as any flow parent is."""
     pipe = state.client.pipeline(transaction=False)
     earlier = ids[:-1]
     for sid in earlier:
@@ -324,27 +331,29 @@ def _with_steps(
     # A step's value is the input of the step after it, once that one was made pending.
     inputs = [row["input"] for row in rows[1:]] + [last_input(state, last)]
     for sid, row, value in zip(earlier, rows, inputs, strict=True):
-        task, _, (args, kwargs) = _task_and_children(state, last.queue, sid, row)
+        task, held, (args, kwargs) = _task_and_children(state, last.queue, sid, row)
         step_state = row["state"] or MISSING
-        steps.append(
-            JobNode(
-                id=sid,
-                queue=last.queue,
-                state=step_state,
-                task=task,
-                attempts=_int(row["attempts"]) or 0,
-                parent=row["parent"],
-                policy=policy,
-                policy_is_default=last.policy_is_default,
-                outcome=_outcome(step_state, policy, False, sid in ignored, info.failed_child, sid),
-                error=row["error"] or ignored.get(sid),
-                has_value=value is not None,
-                value=None if value is None else _load(state, value),
-                args=args,
-                kwargs=kwargs,
-                started_ms=_int(row["started"]),
-            )
+        step = JobNode(
+            id=sid,
+            queue=last.queue,
+            state=step_state,
+            task=task,
+            attempts=_int(row["attempts"]) or 0,
+            parent=row["parent"],
+            policy=policy,
+            policy_is_default=last.policy_is_default,
+            outcome=_outcome(step_state, policy, False, sid in ignored, info.failed_child, sid),
+            error=row["error"] or ignored.get(sid),
+            has_value=value is not None,
+            value=None if value is None else _load(state, value),
+            args=args,
+            kwargs=kwargs,
+            started_ms=_int(row["started"]),
         )
+        if held:
+            own = _build(state, last.queue, sid, row, facts={}, depth=depth + 1)
+            step = replace(step, flow=own.flow, children=own.children)
+        steps.append(step)
     return replace(last, steps=(*steps, last))
 
 

@@ -69,7 +69,7 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
                 steps = job["steps"]
                 for i, step in enumerate(steps):
                     where = f"flow {level.parent_id}: child {position}, step {i + 1}"
-                    children.append((step["options"]["task_id"], _encode(state, step, where)))
+                    children.append((child_id(step), _encode(state, step, where)))
                 kinds.append(STEP_FIRST + STEP_WAITING * (len(steps) - 2) + STEP_LAST)
                 continue
             cid = child_id(job)

@@ -26,7 +26,7 @@ from typing import Any
 
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 
-from celery_echomq.send.shapes import SPREAD_TASK
+from celery_echomq.send.shapes import SPREAD_TASK, is_linked
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import check_id, check_unique, new_job_id
 from celery_echomq.store.replies import exists_error
@@ -103,7 +103,10 @@ def _added(parent: Signature, app: Any) -> Iterator[str]:
 
 
 def _ids_of(sig: Signature) -> Iterator[str]:
-    if getattr(sig, "subtask_type", None) == "flow":
+    if is_linked(sig):
+        for step in sig.tasks:  # its first may be a flow
+            yield from _ids_of(step)
+    elif getattr(sig, "subtask_type", None) == "flow":
         yield from ids(sig)
     elif "task_id" in sig.options:
         yield str(sig.options["task_id"])

@@ -14,7 +14,14 @@ from typing import Any
 from celery import current_task
 from celery.canvas import Signature
 
-from celery_echomq.errors import DepthError
+from celery_echomq.send.entries import (
+    check_depth,
+    child_id,
+    child_queue,
+    first_job,
+    row_ids,
+    too_deep,
+)
 from celery_echomq.send.jobs import (
     CHILD_ONLY,
     PARENT_ONLY,
@@ -25,6 +32,7 @@ from celery_echomq.send.jobs import (
     mark_for_store,
     route_queue,
 )
+from celery_echomq.send.links import queue_runs
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import (
@@ -36,6 +44,8 @@ from celery_echomq.store.headers import (
 )
 from celery_echomq.store.keyspace import check_unique
 
+__all__ = ["Plan", "check_depth", "child_id", "child_queue", "first_job", "row_ids", "too_deep"]
+
 
 @dataclass
 class Plan:
@@ -43,7 +53,8 @@ class Plan:
 
     A nested flow's entry in ``children`` is ``{"nested": <its Plan as a dict>}``; its
     ``outer`` is the id of the flow it is a child of. A linked chain's is ``{"steps": [<each
-    step's job>]}``: one child, whose id is its last step's.
+    step's job>]}``: one child, whose id is its last step's; its first step may be a nested
+    flow's entry (the step held on that flow's children, the tasks after it waiting rows).
     """
 
     queue: str
@@ -72,6 +83,7 @@ class Plan:
         """This flow, then every nested flow, outer before inner."""
         yield self
         for job in self.children:
+            job = first_job(job)
             if "nested" in job:
                 yield from Plan.from_dict(job["nested"]).levels()
 
@@ -94,61 +106,8 @@ class Plan:
         )
 
 
-def child_queue(job: dict[str, Any]) -> str:
-    if "nested" in job:
-        return str(job["nested"]["queue"])
-    if "steps" in job:
-        job = job["steps"][0]
-    return str(job["options"]["headers"][H_QUEUE])
-
-
-def child_id(job: dict[str, Any]) -> str:
-    """A child's id: a nested flow's parent's, a linked chain's last step's."""
-    if "nested" in job:
-        return str(job["nested"]["parent_id"])
-    if "steps" in job:
-        job = job["steps"][-1]
-    return str(job["options"]["task_id"])
-
-
-def row_ids(job: dict[str, Any]) -> list[str]:
-    """The rows a child entry writes on its level: one, or one per step of a chain."""
-    if "steps" in job:
-        return [str(step["options"]["task_id"]) for step in job["steps"]]
-    return [child_id(job)]
-
-
-def first_job(job: dict[str, Any]) -> dict[str, Any]:
-    """The message a child entry publishes first: its own, or its chain's first step's."""
-    return job["steps"][0] if "steps" in job else job
-
-
 def is_flow(sig: Any) -> bool:
     return getattr(sig, "subtask_type", None) == "flow"
-
-
-def check_depth(plan: Plan, limit: int, above: int = 0) -> None:
-    """Refuse a tree whose deepest path has more than ``limit`` flow levels (``above``: the
-    levels over ``plan``'s parent, for children added to a nested flow)."""
-    deepest, stack = 0, [(plan.children, above + 1)]
-    while stack:
-        children, depth = stack.pop()
-        deepest = max(deepest, depth)
-        stack.extend((job["nested"]["children"], depth + 1) for job in children if "nested" in job)
-    if deepest > limit:
-        raise DepthError(
-            f"flow {plan.parent_id} is {deepest} levels deep (each step of a chain with a group, "
-            "chord or flow among its steps counts as a level; a chain of tasks as none); "
-            f"allowed: at most {limit} (the echomq_max_depth setting); nothing was sent"
-        )
-
-
-def too_deep(limit: int) -> DepthError:
-    """What a tree too deep for Python to plan raises (its depth was never counted)."""
-    return DepthError(
-        f"flow tree too deep to plan; allowed: at most {limit} levels (the echomq_max_depth "
-        "setting); nothing was sent"
-    )
 
 
 def parent_args(job: dict[str, Any], values: list[Any]) -> list[Any]:
@@ -262,7 +221,7 @@ def set_root(jobs: Iterable[dict[str, Any]], root: str) -> None:
             job["nested"]["parent"]["options"]["root_id"] = root
             set_root(job["nested"]["children"], root)
         elif "steps" in job:
-            set_root(job["steps"], root)
+            set_root(job["steps"], root)  # its first may be a nested flow's entry
         else:
             job["options"]["root_id"] = root
 
@@ -278,6 +237,7 @@ def plan_children(
     child_results: bool = True,
     store_results: bool = False,
     linked: bool = True,
+    split: bool = True,
 ) -> None:
     """Plan ``children`` as children of ``plan``'s parent: append them (ids assigned and
     gated, messages built) to ``plan.children`` and their policies to ``plan.child_policies``.
@@ -293,13 +253,25 @@ def plan_children(
         child_policy = child.options.get("parent_policy")
         if is_linked(child):
             steps = None
+            queues = _step_queues(app, child, shared) if linked else []
+            if len(set(queues)) > 1 and split:
+                # Steps on several queues' slots: one linked run per queue, each held on the
+                # run before it (a flow level per run, not per step).
+                runs = queue_runs(child, queues, app)
+                if child_policy is not None:
+                    runs.options["parent_policy"] = child_policy
+                again = {"child_results": child_results, "store_results": store_results}
+                plan_children(
+                    app, plan, [runs], args=args, kwargs=kwargs, shared=shared, split=False, **again
+                )
+                continue
             if linked:
                 steps = _steps(app, plan, child, args, kwargs, shared, child_results, store_results)
             if steps is not None:
                 plan.children.append({"steps": steps})
                 if child_policy is not None:
                     for step in steps:
-                        cid = step["options"]["task_id"]
+                        cid = child_id(step)
                         plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
                 continue
             policy_of = child.options.get("parent_policy")
@@ -307,25 +279,8 @@ def plan_children(
             if policy_of is not None:
                 child.options["parent_policy"] = policy_of
         if is_flow(child):
-            inner_opts = {**shared, **child.options}
-            inner_opts.pop("parent_policy", None)
-            silent = inner_opts.pop("echomq_silent", False)
-            inner_args = () if child.immutable else (*args, *child.args)
-            inner = plan_flow(
-                app,
-                child.kwargs["parent"],
-                child.kwargs["children"],
-                policy=child.kwargs["policy"],
-                args=inner_args,
-                kwargs=kwargs,
-                options=inner_opts,
-                outer=parent_id,
-                outer_queue=queue,
-                child_results=child_results,
-                store_results=store_results,
-                single=child.single,
-            )
-            stamp(inner, child.kwargs)  # its own deadline, if it has one
+            silent = child.options.get("echomq_silent", False)
+            inner = _nested(app, plan, child, args, kwargs, shared, child_results, store_results)
             cid = inner.parent_id
             if silent:
                 plan.silent.append(cid)
@@ -350,6 +305,49 @@ def plan_children(
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
 
 
+def _nested(
+    app: Any,
+    plan: Plan,
+    child: Signature,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None,
+    shared: dict[str, Any],
+    child_results: bool,
+    store_results: bool,
+) -> Plan:
+    """A flow among ``plan``'s children (or a chain's first step), planned as a nested level."""
+    inner_opts = {**shared, **child.options}
+    inner_opts.pop("parent_policy", None)
+    inner_opts.pop("echomq_silent", None)
+    inner_args = () if child.immutable else (*args, *child.args)
+    inner = plan_flow(
+        app,
+        child.kwargs["parent"],
+        child.kwargs["children"],
+        policy=child.kwargs["policy"],
+        args=inner_args,
+        kwargs=kwargs,
+        options=inner_opts,
+        outer=plan.parent_id,
+        outer_queue=plan.queue,
+        child_results=child_results,
+        store_results=store_results,
+        single=child.single,
+    )
+    stamp(inner, child.kwargs)  # its own deadline, if it has one
+    return inner
+
+
+def _step_queues(app: Any, chain: Signature, shared: dict[str, Any]) -> list[str]:
+    """The queue each step of a linked chain is routed to (a flow step: its parent's)."""
+    return [
+        route_queue(app, t.kwargs["parent"], {**shared, **t.options})
+        if is_flow(t)
+        else route_queue(app, t, shared)
+        for t in chain.tasks
+    ]
+
+
 def _steps(
     app: Any,
     plan: Plan,
@@ -365,15 +363,23 @@ def _steps(
     cannot make the next step pending there: the chain is then planned as nested flows).
     The first step takes the flow's partial arguments, as a chain's first task does."""
     tasks = list(chain.tasks)
-    if args or kwargs:
+    head = tasks[0] if is_flow(tasks[0]) else None
+    if head is None and (args or kwargs):
         tasks[0] = tasks[0].clone(args=args, kwargs=kwargs)
-    queues = [route_queue(app, task, shared) for task in tasks]
+    queues = _step_queues(app, chain, shared)
     if len(set(queues)) > 1:
         return None
     step_queue = queues[0]
-    ids = [job_id_of(task.options) for task in tasks]
-    jobs = []
+    ids = [job_id_of(task.options) for task in tasks[head is not None :]]
+    jobs: list[dict[str, Any]] = []
+    if head is not None:
+        nested = _nested(app, plan, head, args, kwargs, shared, child_results, store_results)
+        nested.parent["options"]["headers"][H_NEXT] = ids[0]
+        ids.insert(0, nested.parent_id)
+        jobs.append({"nested": nested.to_dict()})
     for i, task in enumerate(tasks):
+        if i == 0 and head is not None:
+            continue
         headers = {H_QUEUE: step_queue, H_PARENT: plan.parent_id}
         if step_queue != plan.queue:
             headers[H_PARENT_QUEUE] = plan.queue

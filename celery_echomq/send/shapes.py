@@ -5,10 +5,12 @@ chord takes a canvas, in the only shape the store holds (a held row per parent).
   chord's header is;
 - a chain ``a | b | c`` of single tasks is *linked*: one child of the flow whose steps are
   plain job rows, run in order (``a`` pending, ``b`` and ``c`` waiting until the step before
-  them completes; see ``linked``); its value is its last step's. A chain with a group, chord
-  or flow among its steps is a nested flow whose parent is ``c``, held on a one-child flow
-  whose parent is ``b``, held on ``a``: each such step is a held row, and takes its single
-  child's value as is (``single``), not as a list;
+  them completes; see ``linked``); its value is its last step's. A run of tasks after a
+  group, chord or flow step (or after the tasks a flow's parent chain holds first) is linked
+  too, its first step a nested flow (``x`` held on what comes before it, the tasks after it
+  waiting rows behind it; see ``_linked_on``): a chain costs a flow level per such step and
+  per run, never one per task step. A step held on the one before it takes that single
+  value as is (``single``), not as a list;
 - a chord child ``chord(header, body)`` is ``flow(body, header)``;
 - a parent that fans out (a group, a chord or a flow) is held as the *spread* task: once
   released, it adds that canvas's children, each given the values, to the flow whose
@@ -27,9 +29,22 @@ from typing import Any
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 from celery.utils.functional import maybe_list
 
+from celery_echomq.send.links import (
+    COLLECT_TASK,
+    FLOW_TASK,
+    SPREAD_TASK,
+    as_flow_node,
+    fans_out,
+    flow_node,
+    group_tasks,
+    header_tasks,
+    is_linked,
+    linked,
+    linked_after,
+    task_run,
+)
 from celery_echomq.send.signatures import (
     CALLBACKS,
-    LINKED,
     is_task,
     merge_callbacks,
     options_of,
@@ -37,58 +52,7 @@ from celery_echomq.send.signatures import (
 )
 from celery_echomq.store.keyspace import new_job_id
 
-FLOW_TASK = "celery_echomq.flow"
-# The tasks a flow whose parent is a canvas runs (send/tasks.py registers them).
-SPREAD_TASK = "celery_echomq.spread"
-COLLECT_TASK = "celery_echomq.collect"
-
-
-def _flow(
-    parent: Signature,
-    children: list[Signature],
-    inherited: dict[str, Any],
-    *,
-    policy: str = "fail",
-    single: bool = False,
-    timing: dict[str, Any] | None = None,
-) -> Signature:
-    # Made from its registered type (canvas.flow), as its JSON would be: this module comes
-    # before the signature class in the package's imports.
-    node = Signature.from_dict(
-        {
-            "task": FLOW_TASK,
-            "subtask_type": "flow",
-            "args": (),
-            "kwargs": {
-                "parent": parent,
-                "children": children,
-                "policy": policy,
-                "single": single,
-                **(timing or {}),
-            },
-            "options": {**inherited, "task_id": parent.options["task_id"]},
-            "immutable": False,
-        },
-        app=parent._app,
-    )
-    return node
-
-
-def is_linked(sig: Any) -> bool:
-    """A linked chain: made by :func:`linked`, planned as steps."""
-    return isinstance(sig, _chain) and bool(sig.options.get(LINKED))
-
-
-def linked(sig: _chain, steps: list[Any], app: Any, inherited: dict[str, Any]) -> Signature:
-    """A chain of single tasks as one child whose steps run in order: each step a copy with
-    its own id (the last takes the chain's), the chain's options handed down to each."""
-    own_id = _own(sig)
-    last = len(steps) - 1
-    tasks = [task_copy(s, inherited, own_id if i == last else None) for i, s in enumerate(steps)]
-    node = _chain(tasks, app=app)
-    node.options[LINKED] = True
-    node.options["task_id"] = tasks[-1].options["task_id"]
-    return node
+__all__ = ["COLLECT_TASK", "FLOW_TASK", "SPREAD_TASK", "is_linked"]
 
 
 def nested_chain(sig: Signature, app: Any) -> Signature:
@@ -129,6 +93,7 @@ def normal_flow(sig: Any) -> tuple[Any, str]:
         return sig, ""
     kids = [n for c in sig.children for n in as_children(c, app, {})]
     node, fan = _held(sig.parent, kids, app, {}, **_as_flow(sig))
+    node = as_flow_node(node, app)
     node.args = tuple(sig.args)
     node.immutable = sig.immutable
     for key, value in sig.options.items():
@@ -166,7 +131,7 @@ def as_children(sig: Any, app: Any, inherited: dict[str, Any]) -> list[Signature
     policy = sig.options.get("parent_policy")
     if isinstance(sig, group):
         mine = {**inherited, **options_of(sig)}
-        nodes = [node for task in _group_tasks(sig) for node in as_children(task, app, mine)]
+        nodes = [node for task in group_tasks(sig) for node in as_children(task, app, mine)]
     elif is_task(sig):
         return [task_copy(sig, inherited)]
     elif isinstance(sig, _chain) and not sig.tasks:
@@ -192,14 +157,19 @@ def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
             raise ValueError("a chain among a flow's children has no tasks")
         if len(steps) > 1 and all(map(is_task, steps)):
             return linked(sig, steps, app, mine)
+        run = task_run(steps, 0)
+        if run > 1:
+            # Its leading tasks, one linked child: what the rest is held on.
+            head = linked(sig, steps[:run], app, mine, own=False)
+            return _linked_on(steps[run:], [head], False, app, mine, _own(sig))[0]
         first = as_children(steps[0], app, mine)
         if len(steps) == 1 and len(first) == 1:
             return first[0]
-        return _chain_on(steps[1:], first, _fans(steps[0]), app, mine, _own(sig))[0]
+        return _linked_on(steps[1:], first, fans_out(steps[0]), app, mine, _own(sig))[0]
     if isinstance(sig, _chord):
         if sig.body is None:
             raise ValueError("a chord among a flow's children has no body")
-        header = [n for t in _header(sig, app) for n in as_children(t, app, mine)]
+        header = [n for t in header_tasks(sig, app) for n in as_children(t, app, mine)]
         return _held(sig.body, header, app, mine, own_id=_own(sig))[0]
     if getattr(sig, "subtask_type", None) == "flow":
         kids = [n for c in sig.children for n in as_children(c, app, mine)]
@@ -208,22 +178,6 @@ def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
             node.options["echomq_silent"] = True
         return node
     raise TypeError(f"{sig!r:.80} is not a task, a chain, a group, a chord or a flow")
-
-
-def _group_tasks(sig: group) -> list[Any]:
-    return [maybe_signature(t, app=sig._app) for t in sig.tasks]
-
-
-def _header(sig: _chord, app: Any) -> list[Any]:
-    tasks = sig.tasks
-    if isinstance(tasks, group):
-        return _group_tasks(tasks)
-    return [maybe_signature(t, app=app) for t in tasks]
-
-
-def _fans(sig: Any) -> bool:
-    """Whether a step's value is the list of a group's values, not a single value."""
-    return isinstance(maybe_signature(sig), group)
 
 
 def _chain_on(
@@ -251,9 +205,50 @@ def _chain_on(
             [node],
             app,
             inherited,
-            single=not _fans(steps[i - 2]),
+            single=not fans_out(steps[i - 2]),
             own_id=own_id if i == len(steps) else None,
         )
+    return node, fan
+
+
+def _linked_on(
+    steps: list[Any],
+    children: list[Signature],
+    fans: bool,
+    app: Any,
+    inherited: dict[str, Any],
+    own_id: Any,
+    *,
+    head: Signature | None = None,
+) -> tuple[Signature, str]:
+    """Each of ``steps`` after the one before it, the first given ``children``'s values (a
+    group's list when ``fans``, else the one value as is), in a loop: a run of tasks is linked
+    behind the node before it (``head``, when given, for the first run: it is already held on
+    ``children``), any other step is held on the node before it. One flow level per group,
+    chord or flow step and per run of tasks after it, none per task step. Returns the last
+    node and the id of the first step's fan-in ('' with ``head``)."""
+    node, fan, i = head, "", 0
+    while i < len(steps):
+        run = task_run(steps, i)
+        if node is not None and run:
+            last = i + run == len(steps)
+            node = linked_after(node, steps[i : i + run], app, inherited, own_id if last else None)
+            i += run
+        else:
+            below = children if i == 0 or node is None else [node]
+            last = i + 1 == len(steps)
+            node, held_fan = _held(
+                steps[i],
+                below,
+                app,
+                inherited,
+                single=not fans,
+                own_id=own_id if last else None,
+            )
+            fan = fan or held_fan
+            i += 1
+        fans = fans_out(steps[i - 1])
+    assert node is not None
     return node, fan
 
 
@@ -276,7 +271,7 @@ def _held(
     parent = maybe_signature(parent, app=app)
     if is_task(parent):
         task = task_copy(parent, inherited, own_id)
-        node = _flow(task, children, inherited, policy=policy, single=single, timing=timing)
+        node = flow_node(task, children, inherited, policy=policy, single=single, timing=timing)
         return node, str(task.options["task_id"])
     mine = {**inherited, **options_of(parent)}
     own_id = own_id if own_id is not None else _own(parent)
@@ -294,12 +289,16 @@ def _held(
         )
         if len(steps) == 1:
             return _with_callbacks(parent, (node, fan))
-        top = _chain_on(steps[1:], [node], _fans(steps[0]), app, mine, own_id)[0]
-        return _with_callbacks(parent, (top, fan))
+        if any(key in parent.options for key in CALLBACKS):
+            # Its callbacks go on the flow that stands for it: held step by step.
+            top = _chain_on(steps[1:], [node], fans_out(steps[0]), app, mine, own_id)[0]
+            return _with_callbacks(parent, (top, fan))
+        rest = steps[1:]
+        return _linked_on(rest, [node], fans_out(steps[0]), app, mine, own_id, head=node)[0], fan
     if isinstance(parent, group):
         collect = app.signature(COLLECT_TASK)
         collect.options["task_id"] = own_id or new_job_id()
-        fanned = _group_tasks(parent)
+        fanned = group_tasks(parent)
         return _with_callbacks(
             parent,
             _spread(collect, fanned, "fail", children, app, mine, policy, single, timing=timing),
@@ -308,7 +307,7 @@ def _held(
         if parent.body is None:
             raise ValueError("a chord as a flow's parent has no body")
         body = maybe_signature(parent.body, app=app)
-        fanned = _header(parent, app)
+        fanned = header_tasks(parent, app)
         held = _spread(
             body, fanned, "fail", children, app, mine, policy, single, own_id=own_id, timing=timing
         )
@@ -370,7 +369,7 @@ def _spread(
     ]
     if errbacks:
         spread.options["link_error"] = merge_callbacks(None, errbacks)
-    spreader = _flow(spread, children, inherited, policy=policy, single=single, timing=timing)
+    spreader = flow_node(spread, children, inherited, policy=policy, single=single, timing=timing)
     # The spread's own value is not among the values ``own_parent`` gets (echomq_silent),
     # and a failure of the fan-in fails the whole canvas, whatever ``fanned_policy`` says.
     spreader.options["parent_policy"] = "fail"

@@ -202,7 +202,7 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
         _with_since(first_job(job), since[level.parent_id], store)
         for level in levels
         for job in level.children
-        if "nested" not in job
+        if "nested" not in first_job(job)
     ]
     if leaves:
         publish(state.app, leaves)

@@ -31,7 +31,8 @@
 --          the parent to publish, as dispatch.lua would, inlining at most this many values
 --          ('' or absent: the host calls dispatch itself)
 -- ARGV[12] optional: the next step's id, on a chain's step but its last (its row's 'next');
---          then the value goes to that step, not to a parent ('' or absent: not a step)
+--          then the value goes to that step, not to a parent ('' or absent: not a step). A
+--          flow parent may be one (ARGV[4] == '1'): a chain's step held on its children
 --
 -- Reply: {status} or, when ARGV[8] == '1', {status, written}: written '1' when this call
 -- wrote the result (the job's one active -> done transition), else '' (the host stores it the
@@ -67,17 +68,20 @@ local next_id = ARGV[12] or ''
 -- failed under 'ignore', which counts credited_failed in the same script (settle_child).
 -- Any other job's 'next' (a chain's step), which must be the one the message names: a step
 -- is never taken for the chain's last, nor the last for a step.
+-- A flow parent that is a chain's step (the step held on its children, the tasks after it
+-- waiting) is read for its 'next' as any step is, and all its own keys expired.
+local stepping = not is_parent or next_id ~= ''
 local failed_children
-refused, failed_children = not_holder(KEYS[1], ARGV[2], is_parent and 'credited_failed' or 'next',
+refused, failed_children = not_holder(KEYS[1], ARGV[2], stepping and 'next' or 'credited_failed',
   ARGV[5])
 if refused then
   return refused
 end
-if not is_parent then
+if stepping then
   if (failed_children or '') ~= next_id then
     return {'forged'}
   end
-  failed_children = nil
+  failed_children = is_parent or nil
 end
 local ttl = tonumber(ARGV[3])
 -- ZREM gives was_active: exactly one completion per active->done transition gets 1.

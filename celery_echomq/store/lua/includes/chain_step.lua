@@ -15,13 +15,13 @@ end
 
 local function write_step_row(row, parent_id, stored, kind, head, next_id, steps)
   local state = kind == STEP_FIRST and 'pending' or 'waiting'
-  redis.call('HSET', row, 'state', state, 'attempts', '0', 'payload', stored,
-    'parent', parent_id, 'chain', head)
-  if kind ~= STEP_LAST then
-    redis.call('HSET', row, 'next', next_id)
-  else
-    redis.call('HSET', row, 'steps', steps)
+  -- One HSET a row: its link is 'next', or on the last step 'steps'.
+  local link, linked = 'next', next_id
+  if kind == STEP_LAST then
+    link, linked = 'steps', steps
   end
+  redis.call('HSET', row, 'state', state, 'attempts', '0', 'payload', stored,
+    'parent', parent_id, 'chain', head, link, linked)
   return kind == STEP_FIRST
 end
 
