@@ -25,7 +25,7 @@ import redis
 from kombu.exceptions import OperationalError
 
 from celery_echomq.errors import EchoMQError
-from celery_echomq.ops.views import json_default
+from celery_echomq.ops.nodes import json_default
 from celery_echomq.store.state import EchoMQ, get_state
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -1,8 +1,10 @@
 """A flow tree's nodes as the views read them: a job, what a flow parent adds, a linked chain's
-steps. Plain data."""
+steps. Plain data, and its JSON form (what ``show --json`` prints and the dashboard serves)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,3 +94,35 @@ class JobNode:
         if self.started_ms is None or self.finished_ms is None:
             return None
         return max(0, self.finished_ms - self.started_ms)
+
+
+def json_default(value: Any) -> Any:
+    """What ``json.dumps`` makes of a task value JSON cannot hold (sets, bytes, objects)."""
+    if isinstance(value, (set, frozenset, tuple)):
+        return list(value)
+    if isinstance(value, bytes):
+        return value.decode(errors="replace")
+    return repr(value)
+
+
+def node_dict(node: JobNode) -> dict[str, Any]:
+    """A node as plain data, with ``finished`` spelled out: what ``show --json`` prints and the
+    dashboard's ``/api/flows/<id>`` serves."""
+    skip = ("children", "page")
+    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name not in skip}
+    data["flow"] = dataclasses.asdict(node.flow) if node.flow else None
+    if node.page is not None:
+        data["page"] = dataclasses.asdict(node.page)
+    data["finished"] = node.finished
+    data["runtime_ms"] = node.runtime_ms
+    data["children"] = [node_dict(child) for child in node.children]
+    data["steps"] = [node_dict(step) for step in node.steps]
+    if node.steps:
+        data["chain_state"] = node.chain_state
+        data["running_step"] = node.running_step
+    return data
+
+
+def tree_json(node: JobNode, *, indent: int | None = 2) -> str:
+    """``node`` and its children as JSON text (values JSON cannot hold via :func:`json_default`)."""
+    return json.dumps(node_dict(node), indent=indent, default=json_default)

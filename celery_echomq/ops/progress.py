@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import click
 
 from celery_echomq.ops.cli_common import cli_state, plain_errors
+from celery_echomq.ops.nodes import FINISHED, MISSING, json_default
 from celery_echomq.ops.pages import child_positions, read_flow
-from celery_echomq.ops.views import FINISHED, MISSING, json_default
 from celery_echomq.store.connection import text
 from celery_echomq.store.reads import locate, scan_queues
 from celery_echomq.store.state import EchoMQ

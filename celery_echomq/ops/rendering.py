@@ -8,8 +8,8 @@ from typing import Any
 import click
 
 from celery_echomq.ops.listing import FlowRow
+from celery_echomq.ops.nodes import JobNode, json_default, node_dict
 from celery_echomq.ops.pages import iter_children
-from celery_echomq.ops.views import JobNode, json_default, node_dict
 from celery_echomq.store.state import EchoMQ
 
 VALUE_WIDTH = 60

@@ -5,15 +5,21 @@ a chunk per command), safe against a live system; a snapshot, not a transaction.
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from dataclasses import replace
 from itertools import chain
 from typing import Any
 
 from celery_echomq.errors import EchoMQError
 from celery_echomq.ops.listing import QueueStats, held_parents, queue_stats
-from celery_echomq.ops.nodes import FINISHED, MISSING, ChildPage, FlowInfo, JobNode
+from celery_echomq.ops.nodes import (
+    FINISHED,
+    MISSING,
+    ChildPage,
+    FlowInfo,
+    JobNode,
+    node_dict,
+    tree_json,
+)
 from celery_echomq.ops.timing import finish_times
 from celery_echomq.store.codec import Delta, Step, load_job, stored_of
 from celery_echomq.store.connection import text
@@ -360,38 +366,6 @@ def _with_steps(
 def last_input(state: EchoMQ, last: JobNode) -> Any:
     """The input a chain's last step was given (the value of the step before it)."""
     return state.client.hget(state.keys.job_key(last.queue, last.id), "input")
-
-
-def json_default(value: Any) -> Any:
-    """What ``json.dumps`` makes of a task value JSON cannot hold (sets, bytes, objects)."""
-    if isinstance(value, (set, frozenset, tuple)):
-        return list(value)
-    if isinstance(value, bytes):
-        return value.decode(errors="replace")
-    return repr(value)
-
-
-def node_dict(node: JobNode) -> dict[str, Any]:
-    """A node as plain data, with ``finished`` spelled out: what ``show --json`` prints and the
-    dashboard's ``/api/flows/<id>`` serves."""
-    skip = ("children", "page")
-    data = {f.name: getattr(node, f.name) for f in dataclasses.fields(node) if f.name not in skip}
-    data["flow"] = dataclasses.asdict(node.flow) if node.flow else None
-    if node.page is not None:
-        data["page"] = dataclasses.asdict(node.page)
-    data["finished"] = node.finished
-    data["runtime_ms"] = node.runtime_ms
-    data["children"] = [node_dict(child) for child in node.children]
-    data["steps"] = [node_dict(step) for step in node.steps]
-    if node.steps:
-        data["chain_state"] = node.chain_state
-        data["running_step"] = node.running_step
-    return data
-
-
-def tree_json(node: JobNode, *, indent: int | None = 2) -> str:
-    """``node`` and its children as JSON text (values JSON cannot hold via :func:`json_default`)."""
-    return json.dumps(node_dict(node), indent=indent, default=json_default)
 
 
 def walk(node: JobNode) -> list[JobNode]:
