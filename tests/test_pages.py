@@ -296,7 +296,9 @@ def test_cancel_and_forget_a_large_flow_a_chunk_per_script_call(
     assert forgot.exit_code == 0, forgot.output
     report = json.loads(forgot.stdout)
     assert report["jobs"] == [res.id, *(jid(s) for s in sigs)]
-    wait_for(lambda: not list(store.scan_iter(match=f"emq:{{{queue}}}:JOB*", count=10_000)))
+    wait_for(
+        lambda: not list(store.scan_iter(match=f"emq:{{{queue}}}:JOB*", count=10_000)), timeout=120
+    )
     for name in ("pending", "active", "recent"):
         assert store.zcard(f"emq:{{{queue}}}:{name}") == 0
 
