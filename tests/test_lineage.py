@@ -31,7 +31,18 @@ def how(request: pytest.FixtureRequest) -> str:
     """``apply`` (eager, in this process) or ``apply_async`` (on the worker)."""
     if request.param == "apply_async":
         request.getfixturevalue("worker")
+    elif _eager_tasks_have_no_root(request.getfixturevalue("proj")):
+        pytest.skip(
+            "this Celery's Task.apply gives an eager task no root_id at all (Celery 5.3: a "
+            "chord's eager tasks have none either), so there is no root for a flow to keep"
+        )
     return str(request.param)
+
+
+def _eager_tasks_have_no_root(proj: Any) -> bool:
+    """Whether Celery itself leaves ``request.root_id`` unset in a plain ``Task.apply``."""
+    root_id, _parent, _i = proj.ids.apply(kwargs={"i": 0}).get(timeout=TIMEOUT)
+    return root_id is None
 
 
 def _roots(value: Any) -> dict[int, str]:
