@@ -7,7 +7,7 @@ python3 dev.py test --fast      # the fast tier alone: no worker subprocess, und
 python3 dev.py test --all       # everything: the fast tier, then every test that runs real
                                 # worker subprocesses (what CI runs)
 python3 dev.py test ARGS        # one pytest run of what ARGS select, on real workers
-                                # (tests/test_cli.py, -k policies, -m faults, -m "not slow")
+                                # (tests/ops/test_cli.py, -k policies, -m faults, -m "not slow")
 python3 dev.py test --all ARGS  # ARGS added to each run of a tier (--fast ARGS too)
 python3 dev.py lint             # ruff check, ruff format --check, mypy --strict
 python3 dev.py bench [ARGS]     # the flow vs chord vs group benchmark

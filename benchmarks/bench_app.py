@@ -13,9 +13,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from app_setup import announce_ready, configure_app
 from celery import Celery, signals
-
-import celery_echomq
 
 ENV_URL = "ECHOMQ_BENCH_REDIS"
 ENV_INSTALL = "ECHOMQ_BENCH_INSTALL"
@@ -34,17 +33,15 @@ app = Celery("bench_app")
 
 def configure(url: str, *, install: bool = True) -> Celery:
     """Point the app at ``url``; ``install=False`` is the control for the plain-task ratio."""
-    app.conf.update(
-        broker_url=f"{url}/{BROKER_DB}",
-        result_backend=f"{url}/{BACKEND_DB}",
-        echomq_redis_url=f"{url}/{STORE_DB}",
-        broker_connection_retry_on_startup=True,
+    return configure_app(
+        app,
+        broker=f"{url}/{BROKER_DB}",
+        backend=f"{url}/{BACKEND_DB}",
+        store=f"{url}/{STORE_DB}",
+        install=install,
         # A held flow may wait a long time in the memory phase; recovery must not re-publish it.
         echomq_stall_timeout=3600,
     )
-    if install:
-        celery_echomq.install(app)
-    return app
 
 
 # Without the variable the module is being imported by bench.py, which calls configure itself.
@@ -66,13 +63,7 @@ def tsum(values: list[int]) -> int:
     return sum(values)
 
 
-# The worker runs at log level WARNING (per-task INFO lines would be measured too), where its
-# "ready." line is not logged; a file tells bench.py instead.
-@signals.worker_ready.connect
-def _announce_ready(**_: Any) -> None:
-    path = os.environ.get(ENV_READY)
-    if path:
-        Path(path).write_text(str(os.getpid()))
+announce_ready(ENV_READY)
 
 
 # Worker-side profile: each pool process profiles itself from fork to shutdown, so the numbers

@@ -61,7 +61,7 @@ def worker(queue: str, logdir: Path, **env: str) -> WorkerProcess:
 
 
 def backlog(proj: Any, store: Any, logdir: Path, broker: str, app: Any = None) -> dict[str, Any]:
-    from tests.test_backlog import send_flows
+    from tests.helpers import send_flows
 
     queue = f"ev-backlog-{uuid.uuid4().hex[:8]}"
     stall = 1.0

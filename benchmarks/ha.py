@@ -52,14 +52,15 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from celery import Celery, signals
+from celery import Celery
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import celery_echomq  # noqa: E402 - needs the path above
+from app_setup import announce_ready, configure_app  # noqa: E402 - needs the path above
+
 from celery_echomq import flow  # noqa: E402
 from celery_echomq.embedded import RedisServer, WorkerProcess, wait_replicated  # noqa: E402
 from celery_echomq.store.keyspace import Keyspace  # noqa: E402
@@ -76,17 +77,15 @@ app = Celery("ha")
 
 
 def configure(store: str, broker: str, min_replicas: int) -> Celery:
-    app.conf.update(
-        broker_url=f"{broker}/0",
-        result_backend=f"{broker}/1",
-        echomq_redis_url=store,
+    return configure_app(
+        app,
+        broker=f"{broker}/0",
+        backend=f"{broker}/1",
+        store=store,
         echomq_min_replicas=min_replicas,
         echomq_stall_timeout=float(os.environ.get(ENV_STALL, "3600")),
         echomq_recovery_interval=1.0,
-        broker_connection_retry_on_startup=True,
     )
-    celery_echomq.install(app)
-    return app
 
 
 if os.environ.get(ENV_STORE):
@@ -109,11 +108,7 @@ def sleep_then(value: int, seconds: float) -> int:
     return value
 
 
-@signals.worker_ready.connect  # type: ignore[untyped-decorator]
-def _announce_ready(**_: Any) -> None:
-    path = os.environ.get(ENV_READY)
-    if path:
-        Path(path).write_text(str(os.getpid()))
+announce_ready(ENV_READY)
 
 
 # --- part 1: WAIT per child ----------------------------------------------------------------

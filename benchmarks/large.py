@@ -34,14 +34,15 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from celery import Celery, signals
+from celery import Celery
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import celery_echomq  # noqa: E402 - needs the path above
+from app_setup import announce_ready, configure_app  # noqa: E402 - needs the path above
+
 from celery_echomq import flow  # noqa: E402
 from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
 from celery_echomq.store.loader import TRANSITIONS, load_source  # noqa: E402
@@ -57,19 +58,17 @@ app = Celery("large")
 
 
 def configure(store: str, broker: str, backend: str, chunk_size: int) -> Celery:
-    app.conf.update(
-        broker_url=broker,
-        result_backend=backend,
-        echomq_redis_url=store,
+    return configure_app(
+        app,
+        broker=broker,
+        backend=backend,
+        store=store,
         echomq_chunk_size=chunk_size,
         # Children wait their turn in the queue for minutes: not lost, so recovery must not
         # re-publish them (it would cost duplicate work, never a wrong count).
         echomq_stall_timeout=3600,
-        broker_connection_retry_on_startup=True,
         task_default_queue=QUEUE,
     )
-    celery_echomq.install(app)
-    return app
 
 
 # The worker imports this module as ``large`` with the driver's environment.
@@ -92,13 +91,7 @@ def parent(values: list[int]) -> list[int]:
     return [len(values), sum(values)]
 
 
-# The worker runs at log level WARNING (200,000 INFO lines would be measured too), where its
-# "ready." line is not logged: a file tells the driver instead.
-@signals.worker_ready.connect  # type: ignore[untyped-decorator]
-def _announce_ready(**_: Any) -> None:
-    path = os.environ.get(ENV_READY)
-    if path:
-        Path(path).write_text(str(os.getpid()))
+announce_ready(ENV_READY)
 
 
 # --- measuring ---------------------------------------------------------------------------

@@ -27,23 +27,24 @@ from celery_echomq.errors import (
     ListingError,
     NoResultBackendError,
     NotRepairableError,
+    OnExistsError,
     PolicyError,
     ReplicationError,
     StoreUnavailableError,
 )
 from celery_echomq.ops.listing import FlowRow, list_flows
 from celery_echomq.ops.outcomes import ReleaseOutcome, RetryOutcome
-from celery_echomq.ops.repair import release_flow, retry_flow
+from celery_echomq.ops.release import release_flow
+from celery_echomq.ops.repair import retry_flow
 from celery_echomq.result import FlowResult
-from celery_echomq.send.grow import add_children
-from celery_echomq.store.reads import (
-    Dependencies,
-    UnknownFlowError,
+from celery_echomq.send.fanin import (
+    add_children,
     children_values,
     dependencies,
     failed_children,
     ignored_failures,
 )
+from celery_echomq.store.reads import Dependencies, UnknownFlowError
 from celery_echomq.store.state import EchoMQ, get_state, install_state
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "ListingError",
     "NoResultBackendError",
     "NotRepairableError",
+    "OnExistsError",
     "PolicyError",
     "ReleaseOutcome",
     "ReplicationError",

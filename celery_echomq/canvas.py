@@ -15,15 +15,25 @@ from celery_echomq.send.children import child_signatures
 from celery_echomq.send.errbacks import give_errbacks, with_errbacks
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
 from celery_echomq.send.jobs import check_policy
+from celery_echomq.send.join import (
+    check_joinable,
+    check_on_exists,
+    existing_flow,
+    joined_children,
+    shared_in_canvas,
+)
 from celery_echomq.send.plan import check_depth, plan_flow, too_deep
 from celery_echomq.send.shapes import FLOW_TASK, normal_flow
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.start import start_flow
+from celery_echomq.send.window import check_max_active, window_of
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec, stamp
 from celery_echomq.store.headers import H_QUEUE
 from celery_echomq.store.keyspace import new_job_id
 from celery_echomq.store.results import writes_results
+from celery_echomq.store.script_values import ParentRef
 from celery_echomq.store.state import get_state
+from celery_echomq.worker.settle import follow
 
 __all__ = ["FLOW_TASK", "FlowResult", "flow"]
 
@@ -39,13 +49,13 @@ def _replaced_job(task_id: Any, options: dict[str, Any]) -> tuple[str, str] | No
     return (str(queue), str(task_id)) if queue and request.id == task_id else None
 
 
-def _shaped(sig: Any) -> tuple[Any, str]:
+def _shaped(sig: Any, shared: bool = False) -> tuple[Any, str]:
     """``normal_flow(sig)``, its group parents' errbacks given to their tasks and every id of
-    it gated."""
+    it gated (``shared``: a task listed twice is one job, see send/shared.py)."""
     made = normal_flow(sig)
     if made[0] is not sig:
         give_errbacks(made[0])
-        check_tree(made[0])
+        check_tree(made[0], shared)
     return made
 
 
@@ -55,6 +65,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
 
     ``policy`` is what a child's final failure means for the parent unless the child sets its
     own with ``sig.set(parent_policy=...)``: ``fail``, ``ignore``, ``remove`` or ``continue``.
+    ``max_active``: at most that many children published or running at once, the others
+    published in order as earlier ones finish (see docs/flows.md).
     """
 
     def __init__(
@@ -66,6 +78,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         single: bool = False,
         deadline: Any = None,
         on_deadline: str = "fail",
+        max_active: int | None = None,
         args: Iterable[Any] | None = None,
         app: Any = None,
         task: str = FLOW_TASK,
@@ -82,6 +95,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         check_policy(policy, "flow(policy=...)")
         spec = deadline_spec(deadline)
         check_on_deadline(on_deadline)
+        check_max_active(max_active)
         for child in child_sigs:
             if "parent_policy" in child.options:
                 check_policy(child.options["parent_policy"], f"child {child.task!r}")
@@ -97,6 +111,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             # Kept by the job that holds these children (see store/deadlines.py): JSON-safe.
             own["deadline"] = spec
             own["on_deadline"] = on_deadline
+        if max_active is not None:
+            # At most this many children out at once (send/window.py).
+            own["max_active"] = max_active
         super().__init__(
             task,
             tuple(args or ()),
@@ -117,6 +134,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             single=bool(kwargs.get("single", False)),
             deadline=kwargs.get("deadline"),
             on_deadline=kwargs.get("on_deadline", "fail"),
+            max_active=kwargs.get("max_active"),
             args=d.get("args"),
             app=app,
             options=dict(d.get("options") or {}),
@@ -148,14 +166,19 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
     def on_deadline(self) -> str:
         return str(self.kwargs.get("on_deadline", "fail"))
 
-    def shape(self) -> tuple[flow, str]:
+    @property
+    def max_active(self) -> int | None:
+        """The most children published or running at once; None when it has no window."""
+        return self.kwargs.get("max_active")  # type: ignore[no-any-return]
+
+    def shape(self, shared: bool = False) -> tuple[flow, str]:
         """This flow as one whose parents are single tasks (see send/shapes.py), and the id of the
         job that holds its own children ("" when that is its parent). What ``freeze`` made
         is kept, and what ``apply_async`` then sends; unfrozen, each send makes it anew
         (new ids, as a chord's)."""
         made = self.__dict__.get("_shape")
         if made is None:
-            made = _shaped(self)
+            made = _shaped(self, shared)
         return made
 
     def _get_app(self) -> Any:
@@ -225,6 +248,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             single=self.single,
             deadline=self.deadline,
             on_deadline=self.on_deadline,
+            max_active=self.max_active,
             args=(*tuple(args or ()), *self.args),
             app=self._app,
             options={**deepcopy(self.options), **opts},
@@ -239,12 +263,14 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         **options: Any,
     ) -> FlowResult:
         app = self._get_app()
+        # What a flow whose ids name jobs in the store does (send/join.py): checked first.
+        on_exists = check_on_exists(options.pop("on_exists", "raise"))
         if app.conf.task_always_eager:
             # As chord.apply_async does: run in this process, send nothing.
-            return self.apply(args, kwargs, task_id=task_id, **options)
+            return self.apply(args, kwargs, task_id=task_id, on_exists=on_exists, **options)
         state = get_state(app)
         try:
-            return self._send(app, state, args, kwargs, task_id, options)
+            return self._send(app, state, args, kwargs, task_id, options, on_exists)
         except RecursionError:
             raise too_deep(state.settings.max_depth) from None
 
@@ -256,8 +282,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         kwargs: dict[str, Any] | None,
         task_id: str | None,
         options: dict[str, Any],
+        on_exists: str = "raise",
     ) -> FlowResult:
-        shape, fan = self.shape()
+        shape, fan = self.shape(shared=on_exists == "join")
         if task_id is not None and shape is not self and "_shape" not in self.__dict__:
             shape, fan = _shaped(self.clone(task_id=task_id))
         # The callbacks it is sent with, and its own: a frozen shape was made before any
@@ -295,17 +322,30 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             options=merged,
             child_results=state.settings.child_results,
             store_results=writes_results(state),
+            shared_jobs=on_exists == "join",
         )
         check_depth(plan, state.settings.max_depth)
         stamp(plan, shape.kwargs)  # its deadline, kept by the job that holds its children
+        window_of(plan, shape.kwargs)  # its window, kept there too
         if fan and fan != plan.parent_id:
             # What operators' repairs follow from the flow's id to its children (release).
             plan.parent["fan_in"] = fan
+        joined = {}
+        if on_exists == "join":
+            if existing_flow(state, plan):
+                # The same flow, sent before: its result, and nothing sent again.
+                return FlowResult(plan.parent_id, app=app, queue=plan.queue, fan_in=fan)
+            joined = joined_children(state, plan)
+            check_joinable(state, joined)
+            joined.update(shared_in_canvas(plan, joined))
         if replaced is not None:
             queue, job_id = replaced
             state.client.hset(state.keys.job_key(queue, job_id), "replaced_by", plan.parent_id)
         with tracing.flow_span(app, plan, fan):
-            start_flow(state, plan)
+            settled = start_flow(state, plan, joined=joined)
+        for status, child, error in settled:
+            # A joined job that had failed, settled under the new parent's policy for it.
+            follow(state, status, child, ParentRef(plan.parent_id, plan.queue), error)
         return FlowResult(plan.parent_id, app=app, queue=plan.queue, fan_in=fan)
 
     def apply(

@@ -9,9 +9,9 @@ a deadline applies as deadline.lua does, and the result holds what the reads giv
 What differs from a worker: children run one after another, in the order given, so under
 ``continue`` the parent runs (at once, as on release) with the values of the children before
 the failed one, then the remaining children run and are recorded; no store, lease, recovery or
-exactly-once bookkeeping exists; the reads work on the result, and inside the parent's body
-while it runs. ``add_children`` works while the parent waits (from a child's body, or with
-``parent_id=``); once the parent has run it raises ``FlowClosedError``, as on a worker.
+exactly-once bookkeeping exists; the reads work on the result and in the parent's body.
+``add_children`` works while the parent waits (from a child's body, or with ``parent_id=``);
+once the parent has run it raises ``FlowClosedError``, as on a worker.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from celery import states
 from celery_echomq.config import Settings
 from celery_echomq.errors import FlowClosedError, FlowFailed
 from celery_echomq.result import EagerFlowResult, FanIn
-from celery_echomq.send.errbacks import ran_by_child, with_errbacks
-from celery_echomq.send.grow import CURRENT, GROWING
+from celery_echomq.send.errbacks import errbacks_left, with_errbacks
+from celery_echomq.send.fanin import IN_PROCESS
+from celery_echomq.send.join import EAGER_JOIN, check_on_exists, eager_joined, eager_ran
 from celery_echomq.send.plan import (
     Plan,
     check_depth,
@@ -43,7 +44,7 @@ from celery_echomq.send.plan import (
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
-from celery_echomq.store import reads
+from celery_echomq.send.window import window_of
 from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
 from celery_echomq.store.state import find_state
 from celery_echomq.worker.settle import error_text
@@ -129,6 +130,7 @@ def apply_flow(
     as for ``Task.apply``): raise the parent's error instead of returning a failed result."""
     app = sig._get_app()
     register_tasks(app)  # a canvas parent runs the spread task, installed or not
+    joins = check_on_exists(options.pop("on_exists", "raise")) == "join"
     merged = {k: v for k, v in {**sig.options, **options}.items() if v is not None}
     for name in ("producer", "connection", "add_to_parent", "publisher", "router"):
         merged.pop(name, None)
@@ -138,7 +140,7 @@ def apply_flow(
     limit = state.settings.max_depth if state is not None else Settings.max_depth
     try:
         # The same shape as on a worker: chains, groups and chords as flows of single tasks.
-        sig, fan = sig.shape()
+        sig, fan = sig.shape(shared=joins)
         own = {k: v for k, v in sig.options.items() if v is not None}
         merged = {
             **own,
@@ -149,7 +151,6 @@ def apply_flow(
         }
         sig = with_errbacks(sig, merged.get("link_error"))
         partial = () if sig.immutable else (*tuple(args or ()), *sig.args)
-        # The same ids, gates and policy checks as on a worker; the plan is then only read.
         plan = plan_flow(
             app,
             sig.parent,
@@ -159,21 +160,27 @@ def apply_flow(
             kwargs=kwargs,
             options=merged,
             single=sig.single,
+            shared_jobs=joins,  # one job listed by several flows of it: send/shared.py
         )
     except RecursionError:
         raise too_deep(limit) from None
     check_depth(plan, limit)
     stamp(plan, sig.kwargs)
+    window_of(plan, sig.kwargs)  # refused as on a worker; run in order, one child at a time
     seen: dict[str, FanIn] = {}
     started = STARTED.set((time.monotonic(), time.time()))
+    joining = EAGER_JOIN.set(joins)
     try:
-        result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged, seen)
+        result: EagerFlowResult = eager_joined(plan.parent_id, plan.parent)  # joined: ran before
+        if result is None:
+            result = _run(app, sig, plan, tuple(partial), kwargs or {}, merged, seen)
+            eager_ran(plan.parent_id, plan.parent, result)
     finally:
+        EAGER_JOIN.reset(joining)
         STARTED.reset(started)
-    if fan and fan in seen:
+    if fan and fan in seen:  # a joined run's own fan-in stays
         result.fanin = seen[fan]
-    if throw is None:
-        throw = bool(app.conf.task_eager_propagates)
+    throw = bool(app.conf.task_eager_propagates) if throw is None else throw
     if throw and result.state in states.PROPAGATE_STATES:
         exc = result.result
         raise exc if isinstance(exc, BaseException) else Exception(exc)
@@ -189,102 +196,137 @@ def _run(
     options: dict[str, Any],
     seen: dict[str, FanIn],
 ) -> EagerFlowResult:
-    child_ids = plan.child_ids()
-    fanin = seen[plan.parent_id] = FanIn(plan.parent_id, len(child_ids), plan.policy)
-    parent_options = {
-        k: merge_callbacks(sig.parent.options[k], v) if k in sig.parent.options else v
-        for k, v in options.items()
-        if k in CALLBACKS
-    }
-    parent_res: Any = None
-    silent = set(plan.silent)
-    root = str(plan.parent["options"].get("root_id") or plan.parent_id)
+    return _Level(app, sig, plan, partial, kwargs, options, seen).run()
 
-    def run_parent() -> Any:
-        values = fanin.released_values([cid for cid in child_ids if cid not in silent])
-        reads.EAGER[plan.parent_id] = fanin
+
+class _Level:
+    """One level of a flow run eagerly: its fan-in, the children it still has to run (added
+    ones too), its deadline, and its parent's result once the parent ran."""
+
+    def __init__(
+        self,
+        app: Any,
+        sig: Any,
+        plan: Plan,
+        partial: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: dict[str, Any],
+        seen: dict[str, FanIn],
+    ) -> None:
+        self.app, self.sig, self.plan, self.seen = app, sig, plan, seen
+        # Children added while this runs are appended to the entries, and to child_ids (the
+        # order the parent gets their values in).
+        self.child_ids = plan.child_ids()
+        self.fanin = seen[plan.parent_id] = FanIn(plan.parent_id, len(self.child_ids), plan.policy)
+        self.parent_options = {
+            k: merge_callbacks(sig.parent.options[k], v) if k in sig.parent.options else v
+            for k, v in options.items()
+            if k in CALLBACKS
+        }
+        self.parent_res: Any = None
+        self.silent = set(plan.silent)
+        self.root = str(plan.parent["options"].get("root_id") or plan.parent_id)
+        self.growing = Growing(
+            app,
+            plan,
+            self.fanin,
+            [
+                (child, cid, job, partial, kwargs)
+                for child, cid, job in zip(sig.children, self.child_ids, plan.children, strict=True)
+            ],
+        )
+        self.deadline = _deadline_of(plan)
+
+    def run(self) -> EagerFlowResult:
+        """The children in order, the parent once released; the flow's result."""
+        if not self.child_ids:
+            self.fanin.waiting = False
+            self.run_parent()
+        IN_PROCESS.growing[self.plan.parent_id] = self.growing
         try:
-            with under_root(root):
-                return sig.parent.apply(
+            self.run_children()
+        finally:
+            IN_PROCESS.growing.pop(self.plan.parent_id, None)
+        return self.result()
+
+    def run_parent(self) -> None:
+        plan, sig = self.plan, self.sig
+        values = self.fanin.released_values(
+            [cid for cid in self.child_ids if cid not in self.silent]
+        )
+        IN_PROCESS.readable[plan.parent_id] = self.fanin
+        try:
+            with under_root(self.root):
+                self.parent_res = sig.parent.apply(
                     tuple(parent_args({"args": [], "single": plan.single}, values)),
                     task_id=plan.parent_id,
                     throw=False,
-                    **parent_options,
+                    **self.parent_options,
                 )
         finally:
-            reads.EAGER.pop(plan.parent_id, None)
+            IN_PROCESS.readable.pop(plan.parent_id, None)
 
-    if not child_ids:
-        fanin.waiting = False
-        parent_res = run_parent()
-    growing = Growing(
-        app,
-        plan,
-        fanin,
-        [
-            (child, cid, job, partial, kwargs)
-            for child, cid, job in zip(sig.children, child_ids, plan.children, strict=True)
-        ],
-    )
-    GROWING[plan.parent_id] = growing
-    deadline = _deadline_of(plan)
-
-    def passed(running: list[str]) -> bool:
+    def passed(self, running: list[str], at: int) -> bool:
         """The deadline passed while the parent waits: it fails, or runs with the values
-        so far; the children not started are cut."""
-        nonlocal parent_res
+        so far; the children not started (from ``at``) are cut."""
+        deadline, fanin = self.deadline, self.fanin
         if deadline is None or not fanin.waiting or time.monotonic() < deadline[0]:
             return False
         fanin.waiting = False
-        fanin.cut = [e[1] for e in growing.entries[i:]]
+        fanin.cut = [e[1] for e in self.growing.entries[at:]]
         if deadline[2] == "continue":
-            parent_res = run_parent()
+            self.run_parent()
         else:
-            fanin.failure = exceeded(plan.parent_id, [*running, *fanin.cut], deadline[1])
+            fanin.failure = exceeded(self.plan.parent_id, [*running, *fanin.cut], deadline[1])
         return True
 
-    try:
-        # Children added while this runs are appended to the entries, and to child_ids (the
-        # order the parent gets their values in).
+    def run_children(self) -> None:
         i = 0
-        while i < len(growing.entries):
-            child, cid, job, c_args, c_kwargs = growing.entries[i]
-            if passed([]):
+        while i < len(self.growing.entries):
+            child, cid, job, c_args, c_kwargs = self.growing.entries[i]
+            if self.passed([], i):
                 break
-            if i >= len(child_ids):
-                child_ids.append(cid)
+            if i >= len(self.child_ids):
+                self.child_ids.append(cid)
             i += 1
-            token = CURRENT.set(plan.parent_id)
+            token = IN_PROCESS.current.set(self.plan.parent_id)
             try:
-                res = _run_child(app, child, job, c_args, c_kwargs, cid, seen, root)
+                res = _run_child(self.app, child, job, c_args, c_kwargs, cid, self.seen, self.root)
             finally:
-                CURRENT.reset(token)
+                IN_PROCESS.current.reset(token)
             ok, data = _outcome(res)
             # A chain's failure is its failed step's, named by its own id (as on a worker).
             settled = cid if ok or "steps" not in job else str(res.id)
             # A child still running when the deadline passed finishes and is recorded.
-            cut = passed([cid])
-            if fanin.settle(settled, ok, data, child.options.get("parent_policy")):
-                parent_res = run_parent()
+            cut = self.passed([cid], i)
+            if self.fanin.settle(settled, ok, data, child.options.get("parent_policy")):
+                self.run_parent()
             if cut:
                 break
-    finally:
-        GROWING.pop(plan.parent_id, None)
-    if parent_res is not None:
-        return EagerFlowResult(
-            plan.parent_id,
-            parent_res.result,
-            parent_res.state,
-            getattr(parent_res, "traceback", None),
-            sig.parent.task,
-            fanin,
-            app,
+
+    def result(self) -> EagerFlowResult:
+        app, sig, plan, fanin, parent_res = (
+            self.app,
+            self.sig,
+            self.plan,
+            self.fanin,
+            self.parent_res,
         )
-    failure = fanin.failure or FlowFailed(f"flow {plan.parent_id}: never released")
-    _record_failure(app, plan, sig, failure)
-    return EagerFlowResult(
-        plan.parent_id, failure, states.FAILURE, None, sig.parent.task, fanin, app
-    )
+        if parent_res is not None:
+            return EagerFlowResult(
+                plan.parent_id,
+                parent_res.result,
+                parent_res.state,
+                getattr(parent_res, "traceback", None),
+                sig.parent.task,
+                fanin,
+                app,
+            )
+        failure = fanin.failure or FlowFailed(f"flow {plan.parent_id}: never released")
+        _record_failure(app, plan, sig, failure)
+        return EagerFlowResult(
+            plan.parent_id, failure, states.FAILURE, None, sig.parent.task, fanin, app
+        )
 
 
 def _run_child(
@@ -304,9 +346,12 @@ def _run_child(
         inner = Plan.from_dict(job["nested"])
         inner_opts = {k: v for k, v in child.options.items() if k in ("link", "link_error")}
         return _run(app, child, inner, inner_partial, kwargs, inner_opts, seen)
+    joined = eager_joined(cid, job)  # on_exists="join": a job run before is not run again
+    if joined is not None:
+        return joined
     run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
     with under_root(root):
-        return run.apply(task_id=cid, throw=False)
+        return eager_ran(cid, job, run.apply(task_id=cid, throw=False))
 
 
 class _Lineage:
@@ -370,12 +415,13 @@ def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None
     from celery.app.task import Context
     from celery.utils.functional import maybe_list
 
-    # A group parent's tasks ran its errbacks themselves (send/errbacks.py).
-    ran = ran_by_child(plan.parent, failure.child_id or "")
+    # A group parent's tasks, or a chain parent's steps, ran its errbacks themselves
+    # (send/errbacks.py).
+    left = errbacks_left(plan.parent, failure.child_id or "")
     request = Context(
         id=plan.parent_id,
         task=sig.parent.task,
-        errbacks=None if ran else maybe_list(plan.parent["options"].get("link_error")),
+        errbacks=maybe_list(left) or None,
         args=plan.parent.get("args", []),
         kwargs=plan.parent.get("kwargs", {}),
         delivery_info={"is_eager": True},
@@ -386,5 +432,5 @@ def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None
         failure,
         request=request,
         store_result=bool(app.conf.task_store_eager_result),
-        call_errbacks=not ran,
+        call_errbacks=bool(left),
     )

@@ -59,6 +59,10 @@ class FlowExistsError(EchoMQError, ValueError):
     """A job id of the flow already exists in Redis; nothing was written or published."""
 
 
+class OnExistsError(EchoMQError, ValueError):
+    """An ``apply_async(on_exists=...)`` that is neither ``"raise"`` nor ``"join"``."""
+
+
 class DepthError(EchoMQError, ValueError):
     """A flow tree deeper than ``echomq_max_depth`` levels (flows nested in flows; a run of a
     chain's tasks counts as none)."""

@@ -15,6 +15,7 @@ from vine import promise
 
 from celery_echomq.errors import FlowClosedError, FlowFailed, NoResultBackendError
 from celery_echomq.ops.cancel import cancel_flow
+from celery_echomq.send.fanin import add_children, reads_of
 from celery_echomq.store import reads
 from celery_echomq.store.connection import text
 from celery_echomq.store.reads import Dependencies, locate
@@ -87,29 +88,28 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         """``{child_job_id: value}`` for the children completed so far; with ``count``, one
         page and the next page's cursor: ``(values, next_cursor)`` (None after the last)."""
         job_id, queue = self._fan()
-        return reads.children_values(job_id, app=self.app, queue=queue, cursor=cursor, count=count)
+        return reads_of(job_id, app=self.app, queue=queue).children_values(cursor, count)
 
-    def dependencies(self) -> reads.Dependencies:
+    def dependencies(self) -> Dependencies:
         """``Dependencies(outstanding, done, failed, ignored)``: where the children stand."""
         job_id, queue = self._fan()
-        return reads.dependencies(job_id, app=self.app, queue=queue)
+        return reads_of(job_id, app=self.app, queue=queue).dependencies()
 
     def ignored_failures(self) -> dict[str, str]:
         """``{child_job_id: "ExcType: message"}`` for children failed under policy ``ignore``."""
         job_id, queue = self._fan()
-        return reads.ignored_failures(job_id, app=self.app, queue=queue)
+        return reads_of(job_id, app=self.app, queue=queue).ignored_failures()
 
-    def failed_children(self) -> dict[str, str]:
+    def failed_children(self, cursor: str | None = None, count: int | None = None) -> Any:
         """``{child_job_id: "ExcType: message"}``: children failed under any policy, and those
-        the flow's deadline cut (``FlowDeadlineExceeded: ...``)."""
+        the flow's deadline cut (``FlowDeadlineExceeded: ...``); with ``count``, one page and
+        the next page's cursor: ``(failures, next_cursor)`` (None after the last)."""
         job_id, queue = self._fan()
-        return reads.failed_children(job_id, app=self.app, queue=queue)
+        return reads_of(job_id, app=self.app, queue=queue).failed_children(cursor, count)
 
     def add_children(self, children: Any) -> list[str]:
         """Add ``children`` to this flow while its parent is held: see
         :func:`celery_echomq.add_children`. Returns the ids added."""
-        from celery_echomq.send.grow import add_children
-
         job_id, queue = self._fan()
         return add_children(children, job_id, app=self.app, queue=queue)
 
@@ -126,7 +126,7 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
     def release(self, revoke: bool = False) -> Any:
         """Run the held parent now with the values so far: see
         :func:`celery_echomq.release_flow`."""
-        from celery_echomq.ops.repair import release_flow
+        from celery_echomq.ops.release import release_flow
 
         return release_flow(get_state(self.app), self._fan()[0], revoke=revoke)
 
@@ -185,13 +185,22 @@ class FanIn:
     failure: FlowFailed | None = None
     cut: list[str] = field(default_factory=list)  # children its deadline cut
 
+    def children_values(self, cursor: str | None, count: int | None) -> Any:
+        return reads.eager_values(dict(self.values), cursor, count)
+
+    def ignored_failures(self) -> dict[str, str]:
+        return dict(self.ignored)
+
     def dependencies(self) -> Dependencies:
         under_fail = len(self.failures) - (self.credited - len(self.values) - len(self.ignored))
         return Dependencies(
             self.outstanding - under_fail, len(self.values), len(self.failures), len(self.ignored)
         )
 
-    def failed_children(self) -> dict[str, str]:
+    def failed_children(self, cursor: str | None = None, count: int | None = None) -> Any:
+        return reads.eager_values(self.failures_by_child(), cursor, count)
+
+    def failures_by_child(self) -> dict[str, str]:
         cut = "FlowDeadlineExceeded: flow {} passed its deadline before this child started"
         return {
             **self.ignored,
@@ -254,16 +263,16 @@ class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
         return (self.id, self._result, self._state, self._traceback, self._name, self.fanin)
 
     def children_values(self, cursor: str | None = None, count: int | None = None) -> Any:
-        return reads.eager_values(dict(self.fanin.values), cursor, count)
+        return self.fanin.children_values(cursor, count)
 
     def dependencies(self) -> Dependencies:
         return self.fanin.dependencies()
 
-    def failed_children(self) -> dict[str, str]:
-        return self.fanin.failed_children()
+    def failed_children(self, cursor: str | None = None, count: int | None = None) -> Any:
+        return self.fanin.failed_children(cursor, count)
 
     def ignored_failures(self) -> dict[str, str]:
-        return dict(self.fanin.ignored)
+        return self.fanin.ignored_failures()
 
     def add_children(self, children: Any) -> list[str]:
         # The run is over: its parent no longer waits, whatever its outcome.

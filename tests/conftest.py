@@ -13,24 +13,14 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
-import time
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from celery_echomq.embedded import WorkerProcess
-
-ROOT = Path(__file__).resolve().parent.parent
-# Worker logs of this test session (kept after the run for reading a failure).
-LOGDIR = Path(os.environ.get("ECHOMQ_TEST_LOGDIR") or tempfile.mkdtemp(prefix="echomq-logs-"))
-# One directory per pytest-xdist process: each has its own "session" worker and logs.
-LOGDIR = LOGDIR / os.environ.get("PYTEST_XDIST_WORKER", "")
-LOGDIR.mkdir(parents=True, exist_ok=True)  # ECHOMQ_TEST_LOGDIR may name a new directory
+from tests.helpers import CHROMEDRIVER, CHROMIUM, LOGDIR, REBOUND, TESTS, Env, Served, Worker
 
 
 @pytest.fixture(scope="session")
@@ -38,34 +28,6 @@ def redis_base(echomq_redis_url: str) -> str:
     # The plugin's own fixture (celery_echomq.testing): ECHOMQ_TEST_REDIS_URL, else a private
     # redis-server for the session.
     return echomq_redis_url
-
-
-class Env:
-    """The URLs one test run uses: broker, result backend and flow store on separate DBs."""
-
-    def __init__(self, base: str, broker: str | None = None) -> None:
-        self.base = base
-        self.broker = broker or f"{base}/11"
-        # ECHOMQ_TEST_SHARED_DB=1: the result backend on the store's database, where the store
-        # writes a flow job's result itself (celery_echomq/store/results.py). For the behaviour
-        # tests: those that list the store's keys or watch its commands (test_cli's forget and
-        # show) leave Celery's result keys out; those that need the two apart (test_e2e_held's
-        # MONITOR of the store's database, some of test_store_results) skip with
-        # ``needs_own_backend_db``.
-        self.shared = os.environ.get("ECHOMQ_TEST_SHARED_DB") == "1"
-        self.backend = f"{base}/13" if self.shared else f"{base}/12"
-        self.store = f"{base}/13"
-
-    def environ(self, **extra: str) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            ECHOMQ_T_BROKER=self.broker,
-            ECHOMQ_T_BACKEND=self.backend,
-            ECHOMQ_T_STORE=self.store,
-            PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-        )
-        env.update(extra)
-        return env
 
 
 @pytest.fixture(scope="session")
@@ -89,49 +51,9 @@ def store(env: Env) -> redis.Redis:
     return redis.Redis.from_url(env.store)
 
 
-class Worker(WorkerProcess):
-    """A real `celery worker` subprocess (prefork) running tests/proj.py, started at once."""
-
-    def __init__(
-        self,
-        env: Env,
-        *,
-        queues: str = "celery",
-        concurrency: int = 2,
-        name: str = "",
-        pool: str = "prefork",
-        extra_env: dict[str, str] | None = None,
-    ) -> None:
-        self.name = name or f"w{uuid.uuid4().hex[:8]}"
-        super().__init__(
-            "tests.proj",
-            log=LOGDIR / f"{self.name}.log",
-            cwd=ROOT,
-            env=env.environ(**(extra_env or {})),
-            queues=queues,
-            concurrency=concurrency,
-            name=self.name,
-            pool=pool,
-        )
-        self.start()
-
-
-def worker_pair(
-    env: Env, first: str, second: str, name: str, extra_env: dict[str, str]
-) -> tuple[Worker, Worker]:
-    """A worker on ``first`` (concurrency 2) and one on ``second`` (1); none left if one fails."""
-    one = Worker(env, queues=first, concurrency=2, name=f"{name}-1", extra_env=extra_env)
-    try:
-        two = Worker(env, queues=second, concurrency=1, name=f"{name}-2", extra_env=extra_env)
-    except BaseException:
-        one.stop()
-        raise
-    return one, two
-
-
 INPROCESS = os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess"
 # The modules whose ``worker`` tests run on an in-process worker in the fast tier.
-INPROCESS_MODULES = frozenset({"test_canvas", "test_policies"})
+INPROCESS_MODULES = frozenset({"canvas/test_compose", "worker/test_policies"})
 # Fixtures that start worker subprocesses whatever the tier.
 SUBPROCESS_FIXTURES = frozenset({"start_worker", "cluster_workers", "rabbit_workers"})
 
@@ -146,13 +68,22 @@ SUBPROCESS_FIXTURES = frozenset({"start_worker", "cluster_workers", "rabbit_work
 # result_path: behaves differently where the result backend is the store's own database
 #   (ECHOMQ_TEST_SHARED_DB=1: the store writes flow jobs' results): CI's second pass.
 # smoke: the few tests per concern that ``python3 dev.py test`` runs on real workers.
-# A new module gets e2e from its fixtures and faults from its tests' names; the others it gets
-# by being added to a table here.
+# A module is named by its path under tests/ without ".py" ("worker/test_recovery"). A new
+# module gets e2e from its fixtures and faults from its tests' names; the others it gets by
+# being added to a table here. The helpers every folder shares are in tests/helpers.py.
 FAULT_MODULES = frozenset(
-    {"test_recovery", "test_exactly_once", "test_canvas_faults", "test_failover", "test_soak"}
+    {
+        "worker/test_recovery",
+        "worker/test_exactly_once",
+        "canvas/test_faults",
+        "store/test_failover",
+        "worker/test_soak",
+    }
 )
 FAULT_NAME = re.compile(r"kill|crash|died|failover")
-SLOW_MODULES = frozenset({"test_soak", "test_large", "test_backlog", "test_examples"})
+SLOW_MODULES = frozenset(
+    {"worker/test_soak", "send/test_large", "worker/test_backlog", "test_examples"}
+)
 SLOW_TESTS = frozenset(
     {
         "test_failover_sentinel_without_min_replicas_reports_what_was_lost",
@@ -166,101 +97,119 @@ SLOW_TESTS = frozenset(
         "test_children_replaced_by_a_task_a_chain_a_group_a_chord_and_a_flow",
         "test_the_dashboard_pages_a_flow_of_100000_children_in_chromium",
         "test_cancel_and_forget_a_large_flow_a_chunk_per_script_call",
+        "test_retry_of_2100_failed_children_reads_and_retries_them_a_chunk_at_a_time",
+        "test_release_reads_the_counts_alone_and_revoke_stops_2500_children_a_chunk_at_a_time",
         "test_doctor_counts_the_sentinels_and_replicas_of_a_sentinel_store",
     }
 )
 RESULT_PATH_MODULES = frozenset(
     {
-        "test_store_results",
-        "test_backends",
-        "test_fused",
-        "test_e2e_basic",
-        "test_e2e_held",
-        "test_canvas",
-        "test_canvases",
-        "test_celery_chords",
-        "test_chains",
-        "test_celery_ids",
-        "test_group_errbacks",
-        "test_policies",
-        "test_replace",
-        "test_cli",
-        "test_repair",
+        "store/test_results",
+        "worker/test_backends",
+        "send/test_fused",
+        "worker/test_fan_in_values",
+        "worker/test_held",
+        "canvas/test_compose",
+        "canvas/test_both_ways",
+        "peers/test_celery_chords",
+        "canvas/test_chains",
+        "send/test_celery_ids",
+        "canvas/test_group_errbacks",
+        "worker/test_policies",
+        "canvas/test_replace",
+        "ops/test_cli",
+        "ops/test_repair",
+        "send/test_join",
     }
 )
 # The smoke, per concern: (module, test function); every parametrization of it runs.
 SMOKE = {
     "flows": [
-        ("test_e2e_basic", "test_parent_gets_values_in_childrens_order"),
-        ("test_e2e_basic", "test_ten_child_flow_returns_what_the_equivalent_chord_returns"),
-        ("test_e2e_held", "test_parent_is_held_until_the_last_child_completes"),
-        ("test_lineage", "test_every_job_of_a_flow_has_the_flow_as_its_root"),
+        ("worker/test_fan_in_values", "test_parent_gets_values_in_childrens_order"),
+        (
+            "worker/test_fan_in_values",
+            "test_ten_child_flow_returns_what_the_equivalent_chord_returns",
+        ),
+        ("worker/test_held", "test_parent_is_held_until_the_last_child_completes"),
+        ("canvas/test_lineage", "test_every_job_of_a_flow_has_the_flow_as_its_root"),
     ],
     "canvas": [
-        ("test_canvas", "test_flow_in_the_middle_of_a_chain"),
-        ("test_canvases", "test_a_chain_child_under_ignore_is_left_out"),
-        ("test_chains", "test_a_redelivered_step_is_counted_once"),
-        ("test_celery_ids", "test_a_frozen_child_keeps_its_celery_id"),
-        ("test_group_errbacks", "test_each_failing_task_of_a_group_parent_runs_the_errbacks_once"),
-        ("test_chains", "test_a_step_whose_message_was_never_published_is_recovered"),
-        ("test_celery_chords", "test_chord__error_propagates_from_chord"),
+        ("canvas/test_compose", "test_flow_in_the_middle_of_a_chain"),
+        ("canvas/test_both_ways", "test_a_chain_child_under_ignore_is_left_out"),
+        ("canvas/test_chains", "test_a_redelivered_step_is_counted_once"),
+        ("send/test_celery_ids", "test_a_frozen_child_keeps_its_celery_id"),
         (
-            "test_replace",
+            "canvas/test_group_errbacks",
+            "test_each_failing_task_of_a_group_parent_runs_the_errbacks_once",
+        ),
+        ("canvas/test_chains", "test_a_step_whose_message_was_never_published_is_recovered"),
+        ("peers/test_celery_chords", "test_chord__error_propagates_from_chord"),
+        (
+            "canvas/test_replace",
             "test_a_replaced_parent_of_a_nested_flow_gives_its_outer_flow_the_replacements_value",
         ),
     ],
     "policies": [
-        ("test_policies", "test_ignore_policy_resolves_the_child_and_records_its_error"),
-        ("test_policies", "test_retries_that_end_in_success_count_the_child_once"),
+        ("worker/test_policies", "test_ignore_policy_resolves_the_child_and_records_its_error"),
+        ("worker/test_policies", "test_retries_that_end_in_success_count_the_child_once"),
     ],
     "queues and slots": [
-        ("test_cross_queue", "test_children_on_other_queues_keep_their_keys_on_their_slots"),
-        ("test_cluster", "test_same_queue_flow_on_cluster"),
+        ("send/test_cross_queue", "test_children_on_other_queues_keep_their_keys_on_their_slots"),
+        ("store/test_cluster", "test_same_queue_flow_on_cluster"),
+    ],
+    "windows": [
+        ("send/test_window", "test_at_most_max_active_children_are_out_and_they_start_in_order"),
+    ],
+    "shared jobs": [
+        ("send/test_join", "test_re_adding_the_same_flow_returns_it_and_runs_nothing_twice"),
     ],
     "growing flows": [
-        ("test_grow", "test_a_child_adds_siblings_and_the_parent_gets_every_value_in_order"),
+        ("send/test_grow", "test_a_child_adds_siblings_and_the_parent_gets_every_value_in_order"),
     ],
     "integrity": [
-        ("test_integrity", "test_a_task_no_worker_registered_fails_its_flow_at_once"),
+        ("worker/test_integrity", "test_a_task_no_worker_registered_fails_its_flow_at_once"),
     ],
     "exactly once": [
-        ("test_exactly_once", "test_a_duplicate_delivery_racing_the_first_is_skipped"),
+        ("worker/test_exactly_once", "test_a_duplicate_delivery_racing_the_first_is_skipped"),
         (
-            "test_exactly_once",
+            "worker/test_exactly_once",
             "test_pool_process_killed_mid_child_is_redelivered_and_credited_once",
         ),
         (
-            "test_canvas_faults",
+            "canvas/test_faults",
             "test_a_chain_step_whose_pool_process_died_is_redelivered_and_counted_once",
         ),
     ],
     "recovery": [
-        ("test_recovery", "test_every_message_lost_in_the_broker_is_republished"),
-        ("test_recovery", "test_worker_killed_mid_child_the_child_is_republished"),
+        ("worker/test_recovery", "test_every_message_lost_in_the_broker_is_republished"),
+        ("worker/test_recovery", "test_worker_killed_mid_child_the_child_is_republished"),
     ],
     "failover": [
-        ("test_failover", "test_failover_sentinel_with_min_replicas_loses_nothing"),
+        ("store/test_failover", "test_failover_sentinel_with_min_replicas_loses_nothing"),
     ],
     "deadlines": [
-        ("test_deadlines", "test_a_nested_flow_keeps_its_own_deadline"),
+        ("worker/test_deadlines", "test_a_nested_flow_keeps_its_own_deadline"),
     ],
     "results": [
-        ("test_store_results", "test_a_failing_child_raises_as_a_chord_child_would"),
-        ("test_backends", "test_no_result_backend_flows_run_and_get_says_what_to_set"),
+        ("store/test_results", "test_a_failing_child_raises_as_a_chord_child_would"),
+        ("worker/test_backends", "test_no_result_backend_flows_run_and_get_says_what_to_set"),
     ],
     "operators": [
-        ("test_cli", "test_show_json_gives_the_same_tree_as_data"),
-        ("test_repair", "test_retry_reruns_the_failed_children_and_get_returns_the_parents_value"),
-        ("test_dashboard", "test_a_held_flow_shows_its_running_child_then_turns_done"),
-        ("test_dashboard", "test_api_flows_serves_the_json_of_show"),
-        ("test_pages", "test_pages_follow_cursors_and_filter_by_state_the_failed_first"),
-        ("test_doctor", "test_doctor_passes_a_good_deployment_and_asks_the_workers"),
+        ("ops/test_cli", "test_show_json_gives_the_same_tree_as_data"),
+        (
+            "ops/test_repair",
+            "test_retry_reruns_the_failed_children_and_get_returns_the_parents_value",
+        ),
+        ("ops/test_dashboard", "test_a_held_flow_shows_its_running_child_then_turns_done"),
+        ("ops/test_dashboard", "test_api_flows_serves_the_json_of_show"),
+        ("ops/test_pages", "test_pages_follow_cursors_and_filter_by_state_the_failed_first"),
+        ("ops/test_doctor", "test_doctor_passes_a_good_deployment_and_asks_the_workers"),
     ],
     "tracing": [
         ("test_tracing", "test_a_flow_is_one_trace_from_its_producer_to_its_parent"),
     ],
     "rabbitmq": [
-        ("test_rabbit", "test_rabbit_nested_flow"),
+        ("worker/test_rabbit", "test_rabbit_nested_flow"),
     ],
     "examples": [
         ("test_examples", "test_quickstart_prints_the_parents_result"),
@@ -282,7 +231,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     modules: dict[str, Any] = {}
     for item in items:
         names = set(getattr(item, "fixturenames", ()))
-        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        module = item.path.relative_to(TESTS).with_suffix("").as_posix()
         function = getattr(item, "originalname", item.name)
         modules[module] = item.module
         in_process = INPROCESS and module in INPROCESS_MODULES
@@ -345,34 +294,7 @@ def start_worker(env: Env, proj: Any) -> Iterator[Any]:
         w.stop()
 
 
-def wait_for(predicate: Any, timeout: float = 30, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
-
-
-def quiet(read: Any) -> Any:
-    """What ``read()`` returns once it stays the same over a quarter of a second: a worker
-    may still be tidying after a flow settles (its lease loop ends the holds it made on its
-    next tick), and a snapshot to compare against must not catch it midway."""
-    last = [read()]
-
-    def same() -> bool:
-        time.sleep(0.25)
-        now = read()
-        unchanged = now == last[0]
-        last[0] = now
-        return unchanged
-
-    wait_for(same, timeout=30)
-    return last[0]
-
-
-# --- Redis Cluster (tests/test_cluster.py) ------------------------------------------------------
+# --- Redis Cluster (tests/store/test_cluster.py) ------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -404,7 +326,7 @@ def own_queue(env: Env, store: redis.Redis) -> Iterator[Any]:
         broker.delete(name)
 
 
-# --- The scripts one by one (test_scripts, test_fan_in, test_repair_scripts, ...) -------------
+# --- The scripts one by one (store/test_scripts, store/test_fan_in, ...) -------------------------
 
 
 @pytest.fixture
@@ -426,7 +348,42 @@ def scripts(db: redis.Redis) -> Any:
     return Scripts(db, Keyspace("emq"))
 
 
-needs_own_backend_db = pytest.mark.skipif(
-    os.environ.get("ECHOMQ_TEST_SHARED_DB") == "1",
-    reason="needs the result backend on a database of its own (ECHOMQ_TEST_SHARED_DB=1)",
-)
+# The operator tests' fixtures: a dashboard served in this process, a headless Chromium.
+@pytest.fixture
+def serve(proj: Any) -> Iterator[Callable[..., Served]]:
+    started: list[Served] = []
+
+    def start(*, allow_actions: bool = False, exposure: Any = None) -> Served:
+        started.append(Served(proj.app, allow_actions=allow_actions, exposure=exposure))
+        return started[-1]
+
+    yield start
+    for served in started:
+        served.stop()
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+        pytest.skip(
+            f"browser tests need {CHROMIUM} and {CHROMEDRIVER} "
+            "(Debian: apt-get install chromium chromium-driver)"
+        )
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    # Both paths given: Selenium Manager has nothing to look up or download.
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1280,720")
+    # A DNS name of an attacker's that resolves to this machine (a rebinding attack).
+    options.add_argument(f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1")
+    driver = webdriver.Chrome(
+        service=Service(executable_path=CHROMEDRIVER, log_output=str(LOGDIR / "chromedriver.log")),
+        options=options,
+    )
+    driver.set_page_load_timeout(60)
+    yield driver
+    driver.quit()

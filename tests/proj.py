@@ -26,6 +26,7 @@ app.conf.update(
     if os.environ.get("ECHOMQ_T_MASTER_NAME")
     else {},
     echomq_min_replicas=int(os.environ.get("ECHOMQ_T_MIN_REPLICAS", "0")),
+    echomq_result_ttl=int(os.environ.get("ECHOMQ_T_TTL", "86400")),
     echomq_store_retry_timeout=float(os.environ.get("ECHOMQ_T_STORE_RETRY", "20")),
     task_acks_late=os.environ.get("ECHOMQ_T_ACKS_LATE") == "1",
     task_reject_on_worker_lost=os.environ.get("ECHOMQ_T_ACKS_LATE") == "1",
@@ -70,6 +71,13 @@ def tsum(values: list[int]) -> int:
 def collect(values: list[Any], tag: str = "") -> dict[str, Any]:
     mark(f"collect:{tag}")
     return {"values": values, "tag": tag}
+
+
+@app.task
+def counted(x: int, tag: str) -> int:
+    """Return x, counting each run under ``counted:<tag>``."""
+    mark(f"counted:{tag}")
+    return x
 
 
 @app.task
@@ -187,7 +195,7 @@ def replaced_parent(self: Any, values: list[int]) -> Any:
     raise self.replace(tsum.si([v * 10 for v in values]))
 
 
-# --- Tasks of tests/test_exactly_once.py and tests/test_recovery.py ---------------------------
+# --- Tasks of tests/worker/test_exactly_once.py and tests/worker/test_recovery.py ---------------
 
 
 class Flaky(Exception):
@@ -274,14 +282,16 @@ def sleep_then_boom(seconds: float, message: str = "boom") -> None:
     raise ValueError(message)
 
 
-# Crash points for tests/test_recovery.py: with ECHOMQ_T_DIE_AT=dispatch (parent_failed, credit,
+# Crash points for tests/worker/test_recovery.py: with ECHOMQ_T_DIE_AT=dispatch (parent_failed,
+# credit,
 # publish_step) a pool process SIGKILLs itself where a worker publishes the parent its child
 # just released (records the parent its child just failed, credits a child staged in its
 # queue's outbox on its parent's slot, publishes the chain's step its step just made
-# pending): a worker dying between two steps of the protocol.
+# pending; publish_freed: publishes the child of a flow's window its child just made pending):
+# a worker dying between two steps of the protocol.
 # The worker's main process, where recovery runs, goes through unharmed.
 _DIE_AT = os.environ.get("ECHOMQ_T_DIE_AT", "")
-if _DIE_AT in ("dispatch", "parent_failed", "credit", "publish_step"):
+if _DIE_AT in ("dispatch", "parent_failed", "credit", "publish_step", "publish_freed"):
     import logging
     import signal as _signal
 
@@ -309,7 +319,7 @@ if _DIE_AT in ("dispatch", "parent_failed", "credit", "publish_step"):
         setattr(_settle, _step, _dying(getattr(_settle, _step)))
 
 
-# --- Tasks of tests/test_grow.py: children added while a flow runs; flows in chord bodies -----
+# --- Tasks of tests/send/test_grow.py: children added while a flow runs; flows in chord bodies ---
 
 
 @app.task(bind=True)
@@ -337,7 +347,7 @@ def replace_by_flow(self: Any, x: int) -> Any:
     raise self.replace(celery_echomq.flow(tsum.s(), [add.s(x, 1), add.s(x, 2)]))
 
 
-# --- Tasks of tests/test_celery_chords.py: Celery's t/integration/tasks.py, for flows ---------
+# --- Tasks of tests/peers/test_celery_chords.py: Celery's t/integration/tasks.py, for flows -----
 # A task that replaces itself returns ``self.replace(...)``: in eager mode ``replace`` gives the
 # replacement's value back instead of raising.
 
@@ -542,7 +552,7 @@ def lineage(self: Any, *args: Any) -> dict[str, Any]:
     return {"parent_id": self.request.parent_id, "root_id": self.request.root_id}
 
 
-# --- Tasks of tests/test_canvas_faults.py --------------------------------------------------------
+# --- Tasks of tests/canvas/test_faults.py -------------------------------------------------------
 
 
 @app.task(bind=True)
@@ -560,7 +570,7 @@ def flow_add_eager(x: int, y: int) -> Any:
     return celery_echomq.flow(tsum.s(), [add.s(x, x), add.s(y, y)]).apply_async().result
 
 
-# --- Tasks of tests/test_lineage.py -------------------------------------------------------------
+# --- Tasks of tests/canvas/test_lineage.py ------------------------------------------------------
 
 
 @app.task(bind=True)
@@ -570,6 +580,41 @@ def flow_of_ids(self: Any, how: str) -> Any:
     root."""
     res = getattr(celery_echomq.flow(collect_ids.s(i=0), [ids.si(i=1), ids.si(i=2)]), how)()
     return (res.result if how == "apply" else res.id), self.request.root_id
+
+
+# --- Tasks of tests/test_window.py --------------------------------------------------------------
+
+# The most of a key's value seen: SET when higher (one atomic step).
+_PEAK = (
+    "if tonumber(redis.call('GET', KEYS[1]) or '0') < tonumber(ARGV[1]) then "
+    "redis.call('SET', KEYS[1], ARGV[1]) end"
+)
+
+
+@app.task
+def windowed(x: int, key: str, queue: str = "celery", seconds: float = 0.0) -> int:
+    """Record itself under ``key``: ``key:order`` its start order, ``key:peak`` the most
+    children running at once, ``key:out`` the most of ``queue``'s flow jobs pending or active
+    in the store (what was published or running) when it started; then sleep, return x."""
+    store = _store()
+    running = store.incr(f"{key}:now")
+    pipe = store.pipeline(transaction=False)
+    pipe.zcard(f"emq:{{{queue}}}:pending")
+    pipe.zcard(f"emq:{{{queue}}}:active")
+    pending, active = pipe.execute()
+    store.eval(_PEAK, 1, f"{key}:peak", running)
+    store.eval(_PEAK, 1, f"{key}:out", pending + active)
+    store.rpush(f"{key}:order", x)
+    time.sleep(seconds)
+    store.decr(f"{key}:now")
+    return x
+
+
+@app.task
+def windowed_boom(x: int, key: str) -> None:
+    """Record its start as :func:`windowed` does, then fail."""
+    _store().rpush(f"{key}:order", x)
+    raise ValueError(f"child {x} failed")
 
 
 if os.environ.get("ECHOMQ_T_OTEL_FILE") or os.environ.get("ECHOMQ_T_OTEL_NULL"):

@@ -4,7 +4,7 @@ Each test makes its own app on kombu's in-memory broker with no result backend a
 URL (``eager_app``), or one whose flow store names a port where nothing listens
 (``unreachable_app``): any Redis command would fail, so a passing test shows that none was
 sent. The values are compared with what ``chord`` gives on the same app, and the policies
-with what a worker does (tests/test_policies.py).
+with what a worker does (tests/worker/test_policies.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from .conftest import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.e2e
 

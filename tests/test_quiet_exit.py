@@ -8,8 +8,7 @@ import sys
 import textwrap
 
 from celery_echomq.embedded import RedisServer
-
-from .conftest import ROOT
+from tests.helpers import ROOT
 
 SCRIPT = """
     import gc

@@ -25,9 +25,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
 from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 
 from celery_echomq import FlowDeadlineExceeded, flow, tracing
+from tests.helpers import LOGDIR, ROOT, wait_for
 from tests.otel_setup import read_spans
-
-from .conftest import LOGDIR, ROOT, wait_for
 
 
 class Switch(Sampler):  # type: ignore[misc]

@@ -17,6 +17,7 @@ from typing import Any
 
 from celery_echomq import tracing
 from celery_echomq.errors import FlowCancelled
+from celery_echomq.ops.cancel_shared import cut_shared
 from celery_echomq.ops.pages import child_positions
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
@@ -82,13 +83,16 @@ def with_steps(
 
 def _never_started(state: EchoMQ, where: dict[str, str], ids: list[str]) -> list[str]:
     """Of the cancelled steps ``ids``, those no delivery ever claimed: they will never run, so
-    their results say so (REVOKED), as a cancelled held parent's do."""
+    their results say so (REVOKED), as a cancelled held parent's do. A step handed out by the
+    completion before it counts its attempt at once but has no token until a delivery takes
+    it: without a token, it never started."""
     if not ids:
         return []
     pipe = state.client.pipeline(transaction=False)
     for sid in ids:
-        pipe.hget(state.keys.job_key(where[sid], sid), "attempts")
-    return [sid for sid, n in zip(ids, pipe.execute(), strict=True) if n == b"0"]
+        pipe.hmget(state.keys.job_key(where[sid], sid), "attempts", "token")
+    rows = pipe.execute()
+    return [sid for sid, (n, token) in zip(ids, rows, strict=True) if n == b"0" or token is None]
 
 
 def _stored_job(state: EchoMQ, queue: str, parent_id: str) -> Any:
@@ -217,6 +221,8 @@ def _cut(state: EchoMQ, queue: str, parent_id: str) -> _Cut:
             cut.outstanding += state.scripts.cancel_elsewhere(
                 other, parent_id, ids, ttl=ttl, started=True
             )
+        if cut.cancelled:  # a job other flows were joined to: stopped if none waits for it
+            cut.outstanding += cut_shared(state, where, part)
     if cut.status is Status.MISSING:
         # A flow of no children: the parent alone.
         cut.status, cut.was, cut.outstanding = state.scripts.cancel(queue, parent_id, [], ttl=ttl)

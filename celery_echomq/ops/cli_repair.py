@@ -192,7 +192,7 @@ def release(ctx: click.Context, job_id: str, revoke: bool, as_json: bool) -> Non
     As under policy continue, children that complete later are recorded but never release it
     again. Refused (exit 1, nothing changed) unless the parent is held (awaiting_children).
     """
-    from celery_echomq.ops.repair import release_flow
+    from celery_echomq.ops.release import release_flow
 
     state = cli_state(ctx)
     outcome = release_flow(state, job_id, revoke=revoke)
@@ -202,6 +202,6 @@ def release(ctx: click.Context, job_id: str, revoke: bool, as_json: bool) -> Non
         outcome,
         as_json,
         f"flow {job_id}: released with {outcome.values} value(s); "
-        f"{len(outcome.outstanding)} child(ren) outstanding"
+        f"{outcome.left} child(ren) outstanding"
         + (f", {len(outcome.revoked)} revoked" if revoke else ""),
     )

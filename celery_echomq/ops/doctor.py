@@ -68,7 +68,7 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
     facts = Facts(settings, describe(settings))
     facts.nodes = server_info.node_facts(client)
     facts.user = server_info.whoami(client)
-    probe = f"{settings.key_prefix}:{{doctor}}:probe"
+    probe = state.keys.probe_key()
     facts.refused = server_info.refused_commands(
         client, server_info.required_commands(), probe, "celery-task-meta-doctor"
     )

@@ -66,6 +66,8 @@ def _forget(state: EchoMQ, queue: str, parent_id: str, parent_state: str, done: 
         keys.adding_key(queue, parent_id),
         keys.children_key(queue, parent_id),
         keys.failures_key(queue, parent_id),
+        keys.window_key(queue, parent_id),
+        keys.slots_key(queue, parent_id),
     ]
     held = parent_state == "awaiting_children"
     _delete(state, queue, names, [parent_id], held, done)

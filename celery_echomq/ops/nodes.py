@@ -25,6 +25,8 @@ class FlowInfo:
     ignored: int  # children failed under ignore
     total: int  # children of the flow (those added while it ran included)
     failed_child: str | None  # the child whose failure under policy "fail" failed the flow
+    max_active: int | None = None  # its window: the most children out at once (None: none)
+    waiting: int = 0  # children waiting for a slot of that window
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ class JobNode:
     # last; the chain's own state is :attr:`chain_state`.
     steps: tuple[JobNode, ...] = field(default=())
     page: ChildPage | None = None  # when ``children`` are one page of them (ops/pages.py)
+    # How many parents wait for this job (on_exists="join", a DAG): 0 where not read, 1 for a
+    # job of one flow; a page of children reads it (its row's parent and its ``:parents``).
+    shared_by: int = 0
 
     @property
     def finished(self) -> bool:

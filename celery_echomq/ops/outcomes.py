@@ -22,6 +22,9 @@ class ReleaseOutcome:
 
     flow_id: str
     values: int  # children whose values the parent was released with
-    outstanding: tuple[str, ...]  # children still unsettled when it was released
+    # Children still unsettled when it was released, by id where --revoke read every child
+    # (a chunk at a time); a release without it reads none (see ``left``).
+    outstanding: tuple[str, ...]
     revoked: tuple[str, ...] = field(default=())  # of those, the ones revoked (--revoke)
     state: str = "pending"  # the parent's state after the release
+    left: int = 0  # how many children were unsettled when it was released (its counter)

@@ -32,6 +32,7 @@ from celery_echomq.ops.views import (
     _with_steps,
     node_of,
 )
+from celery_echomq.ops.windows import window_counts
 from celery_echomq.store.connection import text
 from celery_echomq.store.reads import FAILED_PREFIX, counts_of, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
@@ -41,7 +42,8 @@ __all__ = ["FILTERS", "PAGE", "child_positions", "iter_children", "read_flow"]
 PAGE = 50  # children per page unless asked otherwise
 MAX_PAGE = 1000
 # What a page may be filtered by: "failed" first (what an operator looks for).
-FILTERS = ("failed", "done", "active", "pending", "awaiting_children", "cancelled", "missing")
+_ROW_STATES = ("failed", "done", "active", "pending", "waiting", "awaiting_children", "cancelled")
+FILTERS = (*_ROW_STATES, "missing")
 # Children examined for one page of a filter without a set of its own (a SCAN's COUNT).
 SCAN_BUDGET = 2000
 # How many HSCAN calls one page may make, and their COUNT over the row of a flow written
@@ -76,8 +78,7 @@ def read_flow(
     ``only``: children in that state (see :data:`FILTERS`); ``cursor``: the ``next_cursor``
     of the page before. A nested child is one node with its own counts and no children.
     Raises :class:`CursorError` for a cursor no page gave, :class:`EchoMQError` for a bad
-    filter or page size.
-    """
+    filter or page size."""
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_PAGE:
         raise EchoMQError(f"a page holds 1 to {MAX_PAGE} children, not {count!r}")
     if only is not None and only not in FILTERS:
@@ -85,6 +86,8 @@ def read_flow(
     where = locate(state, job_id, queue, verify=True)
     root, info, row = _root(state, where, job_id)
     if info is not None:
+        size, waiting = window_counts(state, where, job_id, row["payload"])
+        info = replace(info, max_active=size, waiting=waiting)
         ids, after = _page_ids(state, where, job_id, row, cursor, count, only)
         children = _children(state, where, row, info, ids)
         page = ChildPage(only=only, cursor=cursor, next_cursor=after, count=count)
@@ -352,9 +355,11 @@ def _children(
     pipe = client.pipeline(transaction=False)
     pipe.hmget(processed_key, ids)
     pipe.hmget(ignored_key, ids)
-    values, errors = pipe.execute()
+    for cid in ids:  # a job joined to more parents than its first: one HLEN a child
+        pipe.hlen(keys.parents_key(queue, cid))
+    values, errors, *edges = pipe.execute()
     nodes = []
-    for cid, row, raw, ignored in zip(ids, rows, values, errors, strict=True):
+    for cid, row, raw, ignored, more in zip(ids, rows, values, errors, edges, strict=True):
         child_queue = queue
         if row["state"] is None:
             # A child routed to another queue has its row on that queue's slot.
@@ -389,5 +394,6 @@ def _children(
             failed = {cid: text(ignored)} if ignored is not None else {}
             node = _with_steps(state, node, text(row["steps"]).split(), failed, info)
         nested = _info(row, listed)
+        node = replace(node, shared_by=1 + int(more))
         nodes.append(node if nested is None else replace(node, flow=nested))
     return nodes

@@ -71,6 +71,8 @@ def job_line(node: JobNode, color: bool) -> str:
         counter = "expired" if f.outstanding is None else str(f.outstanding)
         parts.append(f"outstanding={counter}  done={f.done}/{f.total}")
         parts.append(f"failed={f.failed}  ignored={f.ignored}  default-policy={f.policy}")
+        if f.max_active is not None:
+            parts.append(f"max_active={f.max_active}  waiting={f.waiting}")
     if node.runtime_ms is not None:
         parts.append(f"runtime={seconds(node.runtime_ms)}")
     if node.has_value:
@@ -79,6 +81,8 @@ def job_line(node: JobNode, color: bool) -> str:
         parts.append(f"error={node.error!r}")
     if node.outcome not in (None, "credited"):
         parts.append(f"[{node.outcome}]")
+    if node.shared_by > 1:
+        parts.append(f"[shared by {node.shared_by} parents]")
     return "  ".join(parts)
 
 

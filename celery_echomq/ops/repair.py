@@ -14,14 +14,17 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from celery_echomq.errors import NotRepairableError
 from celery_echomq.ops import retry_deadline as by_deadline
-from celery_echomq.ops.cancel import cancel_flow
-from celery_echomq.ops.outcomes import ReleaseOutcome, RetryOutcome
+from celery_echomq.ops.failures import FlowRoot, child_of, failed_chunks, flow_root
+from celery_echomq.ops.outcomes import RetryOutcome
+from celery_echomq.ops.release import release_flow
 from celery_echomq.ops.views import JobNode, read_tree
 from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.send.join import against_own_flow
 from celery_echomq.send.start import publish
 from celery_echomq.store.codec import Stored, load_job
 from celery_echomq.store.replies import Status
@@ -29,28 +32,34 @@ from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
 
-# A child that has not settled: what the parent still waits for.
-OUTSTANDING = frozenset({"pending", "active", "awaiting_children"})
+__all__ = ["release_flow", "retry_flow"]
+
 RETRY_ALLOWS = (
     "retry applies to a flow that failed under policy 'fail' (or that failed its outer "
     "flow), and to a held flow with children failed under 'fail'"
 )
-RELEASE_ALLOWS = "release applies to a held parent (awaiting_children)"
 
 
-def _settling(node: JobNode) -> list[JobNode]:
-    """The jobs whose outcome settles one of ``node``'s children: each child, or each step of
-    a linked chain (the step that failed is the one to run again, with its input)."""
-    return [job for c in node.children for job in (c.steps or (c,))]
+def _settling(children: Iterable[JobNode]) -> list[JobNode]:
+    """The jobs whose outcome settles one of ``children``: each child, or each step of a
+    linked chain (the step that failed is the one to run again, with its input)."""
+    return [job for c in children for job in (c.steps or (c,))]
 
 
-def _retryable(node: JobNode) -> list[JobNode]:
-    """The children whose failure failed (or would fail) ``node``: failed under policy fail.
+def _retryable(state: EchoMQ, node: JobNode) -> tuple[list[JobNode], list[str]]:
+    """The children whose failure failed (or would fail) ``node``: failed under policy fail,
+    read from the flow's record of failed children a chunk at a time; and the ids that
+    record names whose rows are gone (expired).
 
     Such a child was never counted (settle_child returns before the DECR), so retrying it
     leaves the counter right; a child counted under ignore/remove/continue is left alone.
     """
-    return [c for c in _settling(node) if c.state == "failed" and c.policy == "fail"]
+    found: list[JobNode] = []
+    gone: list[str] = []
+    for part in failed_chunks(state, flow_root(state, node.id, node.queue)):
+        found += [c for c in _settling(part) if c.state == "failed" and c.policy == "fail"]
+        gone += [c.id for c in part if c.state == "missing"]
+    return found, gone
 
 
 def _own_failure(node: JobNode) -> bool:
@@ -68,8 +77,9 @@ def _failed_by_child(node: JobNode) -> bool:
     return node.state == "failed" and node.flow is not None and node.flow.failed_child is not None
 
 
-def _flow(state: EchoMQ, job_id: str) -> JobNode:
-    node = read_tree(state, job_id, with_result=False)
+def _flow(state: EchoMQ, job_id: str) -> FlowRoot:
+    root = flow_root(state, job_id)
+    node = root.node
     if node.flow is None:
         where = f" of flow {node.parent}" if node.parent else ""
         raise NotRepairableError(
@@ -78,20 +88,10 @@ def _flow(state: EchoMQ, job_id: str) -> JobNode:
             node.state,
             job_id,
         )
-    return node
+    return root
 
 
-def _fan_in(state: EchoMQ, node: JobNode) -> str:
-    """The job holding the flow's own children, where its parent is a canvas; else ""."""
-    payload = state.client.hget(state.keys.job_key(node.queue, node.id), "payload")
-    try:
-        fan_in = state.loads(payload).get("fan_in") if payload else None
-    except Exception:  # a payload this process cannot read names no fan-in
-        return ""
-    return str(fan_in) if fan_in and fan_in != node.id else ""
-
-
-def _plan(node: JobNode, targets: list[JobNode]) -> None:
+def _plan(state: EchoMQ, node: JobNode, targets: list[JobNode]) -> None:
     """Refuse, before anything changes, a nested target that retry cannot run again."""
     for child in targets:
         if child.flow is None:
@@ -105,41 +105,65 @@ def _plan(node: JobNode, targets: list[JobNode]) -> None:
                 child.state,
                 node.id,
             )
-        _plan(child, _retryable(child))
+        _plan(state, child, _retryable(state, child)[0])
 
 
 class _Retry:
-    """One retry: the levels it re-holds, top down, then what it publishes."""
+    """One retry: the levels it re-holds, top down, each a chunk of children per script
+    call, and what each chunk frees, published as soon as that chunk's scripts ran."""
 
     def __init__(self, state: EchoMQ) -> None:
         self.state = state
-        self.payloads: list[tuple[str, Stored]] = []
+        self.payloads: list[tuple[str, Stored]] = []  # made pending, not yet published
         self.queue_of: dict[str, str] = {}  # child id -> the queue whose slot holds its row
+        self.republished: list[str] = []
         self.held: list[str] = []
         self.released: list[tuple[str, str]] = []  # (queue, parent id)
         self.rerun_ids: list[str] = []  # parents whose own body failed, run again
 
     def level(self, node: JobNode, targets: list[JobNode], others: tuple[str, ...] = ()) -> None:
-        """Re-hold ``node`` with ``targets`` retried: this level's script first, then each
-        nested target's own level. Top down, so that a parent's :settled entry for a child of
-        another slot is gone before that child can finish and be credited again."""
+        """Re-hold ``node`` with ``targets`` retried, ``echomq_chunk_size`` of them per
+        script call (the first call holds the parent again), then each nested target's own
+        level. Top down, so that a parent's :settled entry for a child of another slot is
+        gone before that child can finish and be credited again."""
+        chunk = self.state.settings.chunk_size
+        parts = [targets[i : i + chunk] for i in range(0, len(targets), chunk)] or [[]]
+        for n, part in enumerate(parts):
+            self._chunk(node, part, others if n == 0 else (), first=n == 0)
+            self.flush()
+            for child in (c for c in part if c.flow is not None):
+                if _own_failure(child):
+                    self.rerun(child, node.id)
+                else:
+                    self.level(child, _retryable(self.state, child)[0])
+
+    def _chunk(
+        self, node: JobNode, part: list[JobNode], others: tuple[str, ...], *, first: bool
+    ) -> None:
         scripts = self.state.scripts
-        local = [c.id for c in targets if c.flow is None and c.queue == node.queue]
+        local = [c.id for c in part if c.flow is None and c.queue == node.queue]
         remote: dict[str, list[str]] = {}
-        for c in targets:
+        for c in part:
             if c.flow is None and c.queue != node.queue:
                 remote.setdefault(c.queue, []).append(c.id)
-        nested = [c for c in targets if c.flow is not None]
-        elsewhere = [cid for ids in remote.values() for cid in ids] + [c.id for c in nested]
+        nested = [c.id for c in part if c.flow is not None]
+        elsewhere = [cid for ids in remote.values() for cid in ids] + nested
         status, pairs = scripts.retry_flow(node.queue, node.id, local, [*elsewhere, *others])
         self.queue_of.update((cid, node.queue) for cid, _ in pairs)
-        if status not in (Status.RETRIED, Status.RELEASED):
+        # A later chunk finds the parent held already; none of its children retried (a
+        # retry racing this one took them) changes nothing and is no refusal.
+        later = () if first else (Status.AWAITING_CHILDREN,)
+        if status not in (Status.RETRIED, Status.RELEASED, *later):
             raise NotRepairableError(
                 f"flow {node.id} is {status}; nothing changed: {RETRY_ALLOWS}",
                 str(status),
                 node.id,
             )
-        self.held.append(node.id)
+        if first:
+            self.held.append(node.id)
+            # get() on the re-held parent must wait for its new outcome: its stored failure
+            # goes before any child of it runs again.
+            _forget_results(self.state, [node.id])
         for queue, ids in remote.items():
             there = scripts.retry_children(queue, node.id, ids)
             self.queue_of.update((cid, queue) for cid, _ in there)
@@ -147,11 +171,6 @@ class _Retry:
         self.payloads += pairs
         if status is Status.RELEASED:
             self.released.append((node.queue, node.id))
-        for child in nested:
-            if _own_failure(child):
-                self.rerun(child, node.id)
-            else:
-                self.level(child, _retryable(child))
 
     def rerun(self, node: JobNode, outer: str) -> None:
         """Run again a flow parent whose own body failed (a chain's step): pending again,
@@ -159,26 +178,42 @@ class _Retry:
         status = self.state.scripts.retry_parent(node.queue, node.id, outer)
         if status is not Status.RETRIED:
             raise NotRepairableError(f"flow {node.id} is {status}; nothing changed", str(status))
+        _forget_results(self.state, [node.id])
         self.rerun_ids.append(node.id)
         self.released.append((node.queue, node.id))
 
+    def flush(self) -> None:
+        """Publish the children made pending so far, their stored failures cleared first
+        (recovery must not read a retried child's old FAILURE as its new attempt's)."""
+        if not self.payloads:
+            return
+        ids = [cid for cid, _ in self.payloads]
+        _forget_results(self.state, ids)
+        templates: dict[str, bytes | None] = {}  # one read of each flow's template
+        jobs = [
+            load_job(self.state, self.queue_of[cid], cid, stored, templates)
+            for cid, stored in against_own_flow(self.state, self.payloads, self.queue_of)
+        ]
+        publish(self.state.app, jobs)
+        self.republished += ids
+        self.payloads = []
+
     def finish(self) -> None:
-        """Clear Celery's stored failures, then publish and dispatch what the levels freed."""
-        backend = self.state.app.backend
-        # get() on a re-held parent must wait for its new outcome, and recovery must not read
-        # a retried child's old FAILURE as the outcome of its new attempt.
-        for job_id in [*self.held, *self.rerun_ids, *(cid for cid, _ in self.payloads)]:
-            with contextlib.suppress(NotImplementedError):  # a backend that keeps nothing
-                backend.forget(job_id)
-        if self.payloads:
-            templates: dict[str, bytes | None] = {}  # one read of each flow's template
-            jobs = [
-                load_job(self.state, self.queue_of[cid], cid, stored, templates)
-                for cid, stored in self.payloads
-            ]
-            publish(self.state.app, jobs)
+        """Publish what is left, then dispatch the parents the levels freed."""
+        self.flush()
         for queue, parent_id in self.released:
             dispatch_parent(self.state, queue, parent_id)
+
+
+def _forget_results(state: EchoMQ, ids: Iterable[str]) -> None:
+    backend = state.app.backend
+    for job_id in ids:
+        with contextlib.suppress(NotImplementedError):  # a backend that keeps nothing
+            backend.forget(job_id)
+
+
+def _state_now(state: EchoMQ, node: JobNode) -> str:
+    return flow_root(state, node.id, node.queue).node.state
 
 
 def _retry_counted(state: EchoMQ, node: JobNode, child: JobNode) -> RetryOutcome:
@@ -195,12 +230,28 @@ def _retry_counted(state: EchoMQ, node: JobNode, child: JobNode) -> RetryOutcome
         raise NotRepairableError(
             f"child {child.id} of flow {node.id} is {status}; nothing changed", str(status)
         )
-    with contextlib.suppress(NotImplementedError):  # a backend that keeps nothing
-        state.app.backend.forget(child.id)
+    _forget_results(state, [child.id])
     publish(state.app, [load_job(state, node.queue, cid, stored) for cid, stored in pairs])
     logger.info("echomq: child %s of flow %s retried (policy %s)", child.id, node.id, child.policy)
-    after = read_tree(state, node.id, with_result=False)
-    return RetryOutcome(flow_id=node.id, republished=(child.id,), held=(), state=after.state)
+    return RetryOutcome(
+        flow_id=node.id, republished=(child.id,), held=(), state=_state_now(state, node)
+    )
+
+
+def _one_child(state: EchoMQ, root: FlowRoot, child: str) -> JobNode:
+    """The failed child ``child`` of the flow, read alone: refused unless it failed."""
+    node = root.node
+    match = child_of(state, root, child)
+    if match is None:
+        raise NotRepairableError(f"{child} is not a child of flow {node.id}", node.state, node.id)
+    if match.state != "failed":
+        raise NotRepairableError(
+            f"child {child} of flow {node.id} is {match.state} (policy {match.policy}); "
+            "--child retries a failed child",
+            match.state,
+            node.id,
+        )
+    return match
 
 
 def retry_flow(
@@ -215,6 +266,9 @@ def retry_flow(
     outer flow puts that outer flow back to held too (and so on up). Celery's stored failure
     of every re-held parent is cleared, so ``get()`` waits for the new outcome.
 
+    Whatever the flow's size, the children are read from its record of failed children and
+    retried ``echomq_chunk_size`` per script call (ops/failures.py), never read whole.
+
     ``child``: retry that one failed child only, under any policy. One failed under
     ``ignore``, ``remove`` or ``continue`` was counted as resolved: it counts toward the
     parent again, which waits for it if it has not been released yet (a released parent keeps
@@ -226,37 +280,41 @@ def retry_flow(
     ``deadline`` (seconds, a timedelta or an aware datetime): the flow's new deadline; a flow
     whose deadline has passed (one failed by it, see ops/retry_deadline.py) needs one.
     """
-    node = _flow(state, job_id)
+    root = _flow(state, job_id)
+    node = root.node
+    case, failed = _classify(state, job_id, root, child, deadline)
+    if case == "deadline":
+        # Its cut children have no record of their own: read from the whole tree.
+        tree = read_tree(state, job_id, with_result=False)
+        return by_deadline.retry_with_deadline(state, tree, deadline)
+    if case == "counted":
+        return _retry_counted(state, node, failed[0])
+    if case == "own body":
+        return _rerun_body(state, job_id, node)
+    return _retry_levels(state, job_id, node, failed, deadline)
+
+
+def _classify(
+    state: EchoMQ, job_id: str, root: FlowRoot, child: str | None, deadline: Any
+) -> tuple[str, list[JobNode]]:
+    """Which retry the flow takes, and the children it retries: ``deadline`` (failed by its
+    deadline), ``counted`` (one child counted as resolved), ``own body`` (its body failed
+    after its children settled) or ``levels`` (its failed children, and the outer flows its
+    failure failed). Raises :class:`NotRepairableError` (nothing changed) for any other."""
+    node = root.node
     if by_deadline.failed_by_deadline(state, node.queue, node.id):
-        return by_deadline.retry_with_deadline(state, node, deadline)
+        return "deadline", []
     if deadline is None and by_deadline.passed(state, node.queue, node.id):
         raise by_deadline.refuse(job_id, node.state)
-    failed = _retryable(node)
     if child is not None:
-        match = [c for c in _settling(node) if c.id == child]
-        if not match:
-            raise NotRepairableError(f"{child} is not a child of flow {job_id}", node.state, job_id)
-        if match[0].state == "failed" and match[0].policy != "fail":
-            return _retry_counted(state, node, match[0])
-        if match[0] not in failed:
-            raise NotRepairableError(
-                f"child {child} of flow {job_id} is {match[0].state} (policy "
-                f"{match[0].policy}); --child retries a failed child",
-                match[0].state,
-                job_id,
-            )
-        failed = match
+        match = _one_child(state, root, child)
+        if match.policy != "fail":
+            return "counted", [match]
+        failed, gone = [match], list[str]()
+    else:
+        failed, gone = _retryable(state, node)
     if _own_failure(node) and node.parent is None:
-        # Its own body failed once its children had settled (a chain parent's step, say):
-        # that body runs again with the same values.
-        run = _Retry(state)
-        try:
-            run.rerun(node, "")
-        finally:
-            run.finish()
-        return RetryOutcome(
-            flow_id=job_id, republished=(), held=(), released=(job_id,), state="pending"
-        )
+        return "own body", []
     if not (_failed_by_child(node) or (node.state == "awaiting_children" and failed)):
         why = {
             "awaiting_children": "held, with no child failed under 'fail'",
@@ -267,25 +325,37 @@ def retry_flow(
             node.state,
             job_id,
         )
-    gone = [c.id for c in node.children if c.state == "missing"]
     if node.flow is None or node.flow.outstanding is None or gone:
         # Held again with a counter nothing can bring to zero, the flow would wait forever.
         raise NotRepairableError(
             f"flow {job_id} cannot be retried: its keys have expired "
-            f"({'children ' + ', '.join(gone) if gone else 'its counter'}); nothing changed",
+            f"({'children ' + ', '.join(gone[:10]) if gone else 'its counter'}); nothing changed",
             "missing",
             job_id,
         )
-    _plan(node, failed)
-    # Outer flows this one failed, top first: each is re-held counting the flow below it.
-    chain: list[tuple[JobNode, str]] = []
-    below = node
-    while below.parent is not None and below.state == "failed":
-        outer = read_tree(state, below.parent, with_result=False)
-        if not (_failed_by_child(outer) and outer.flow and outer.flow.failed_child == below.id):
-            break
-        chain.append((outer, below.id))
-        below = outer
+    return "levels", failed
+
+
+def _rerun_body(state: EchoMQ, job_id: str, node: JobNode) -> RetryOutcome:
+    """Its own body failed once its children had settled (a chain parent's step, say): that
+    body runs again with the same values."""
+    run = _Retry(state)
+    try:
+        run.rerun(node, "")
+    finally:
+        run.finish()
+    return RetryOutcome(
+        flow_id=job_id, republished=(), held=(), released=(job_id,), state="pending"
+    )
+
+
+def _retry_levels(
+    state: EchoMQ, job_id: str, node: JobNode, failed: list[JobNode], deadline: Any
+) -> RetryOutcome:
+    """Re-hold the outer flows ``node`` failed, top first, each counting the flow below it;
+    then ``node`` with its ``failed`` children pending again."""
+    _plan(state, node, failed)
+    chain = _failed_outer_flows(state, node)
     run = _Retry(state)
     if deadline is not None:
         by_deadline.rearm(state, node.queue, node.id, deadline)
@@ -297,92 +367,28 @@ def retry_flow(
         # A level refused half-way (another retry raced this one) still leaves the levels
         # above it re-held: publish what they freed rather than leave it to recovery.
         run.finish()
-    after = read_tree(state, job_id, with_result=False)
-    republished = tuple(cid for cid, _ in run.payloads)
     logger.info(
         "echomq: flow %s retried: %d children re-published, %d parents held again",
-        job_id, len(republished), len(run.held),
+        job_id, len(run.republished), len(run.held),
     )  # fmt: skip
     return RetryOutcome(
         flow_id=job_id,
-        republished=republished,
+        republished=tuple(run.republished),
         held=tuple(run.held),
         released=tuple(pid for _, pid in run.released),
-        state=after.state,
+        state=_state_now(state, node),
     )
 
 
-def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> ReleaseOutcome:
-    """Run the held parent of flow ``job_id`` now, with the values completed so far.
-
-    As under policy ``continue``: children that complete later are still recorded in the
-    parent's ``:processed`` and counted, but never release it again. ``revoke``: also revoke
-    the children that have not started, on every slot alike (Celery's revoke; their rows
-    become cancelled, so no delivery runs them and nothing counts them), as BullMQ's
-    ``removeUnprocessedChildren``: running ones finish and are recorded. Raises
-    :class:`NotRepairableError` (nothing changed) unless the parent is held.
-    """
-    node = _flow(state, job_id)
-    fan_in = _fan_in(state, node)
-    if fan_in:
-        # Its parent is a chain, a group, a chord or a flow: what waits for the flow's own
-        # children is the job that holds them (see send/shapes.py); that is what runs now.
-        return release_flow(state, fan_in, revoke=revoke)
-    if node.state != "awaiting_children":
-        raise NotRepairableError(
-            f"flow {job_id} is {node.state}; nothing changed: {RELEASE_ALLOWS}",
-            node.state,
-            job_id,
-        )
-    outstanding = [c for c in node.children if c.state in OUTSTANDING]
-    revoked: list[str] = []
-    if revoke:
-        # A held nested flow is a flow of its own: cancelled whole, its children revoked.
-        for c in outstanding:
-            if c.flow is not None:
-                revoked += cancel_flow(state, c.queue, c.id, settle=False)
-    # With revoke, its slot's children a chunk per script call: the release with the first
-    # (the script reads them only then), cancel_elsewhere with the others once it is released.
-    chunk, ttl = state.settings.chunk_size, state.settings.result_ttl
-    local = (
-        [c.id for c in outstanding if c.queue == node.queue and c.flow is None] if revoke else []
-    )
-    status, cancelled = state.scripts.release(
-        node.queue, node.id, local[:chunk], revoke=revoke, ttl=ttl
-    )
-    if status is not Status.RELEASED:
-        raise NotRepairableError(
-            f"flow {job_id} is {status}; nothing changed: {RELEASE_ALLOWS}",
-            str(status),
-            job_id,
-        )
-    if revoke:
-        # Children of other slots alike: those not started are cancelled there; running
-        # ones, on every slot, finish and are recorded.
-        remote: dict[str, list[str]] = {node.queue: local[chunk:]}
-        for c in outstanding:
-            if c.queue != node.queue and c.flow is None:
-                remote.setdefault(c.queue, []).append(c.id)
-        for queue, ids in remote.items():
-            for start in range(0, len(ids), chunk):
-                cancelled += state.scripts.cancel_elsewhere(
-                    queue, node.id, ids[start : start + chunk], ttl=ttl, started=False
-                )
-        revoked += cancelled
-        for start in range(0, len(cancelled), chunk):  # one broadcast per chunk of ids
-            state.app.control.revoke(cancelled[start : start + chunk])
-    dispatch_parent(state, node.queue, node.id)
-    values = sum(1 for c in node.children if c.outcome == "credited")
-    after = read_tree(state, job_id, with_result=False)
-    logger.info(
-        "echomq: flow %s released by an operator with %d values; %d children outstanding, "
-        "%d revoked",
-        job_id, values, len(outstanding), len(revoked),
-    )  # fmt: skip
-    return ReleaseOutcome(
-        flow_id=job_id,
-        values=values,
-        outstanding=tuple(c.id for c in outstanding),
-        revoked=tuple(revoked),
-        state=after.state,
-    )
+def _failed_outer_flows(state: EchoMQ, node: JobNode) -> list[tuple[JobNode, str]]:
+    """The outer flows this one failed, top last: each (outer, the flow below it), re-held
+    counting the flow below it. Each read as its row and counts alone."""
+    chain: list[tuple[JobNode, str]] = []
+    below = node
+    while below.parent is not None and below.state == "failed":
+        outer = flow_root(state, below.parent).node
+        if not (_failed_by_child(outer) and outer.flow and outer.flow.failed_child == below.id):
+            break
+        chain.append((outer, below.id))
+        below = outer
+    return chain

@@ -1,11 +1,12 @@
-"""A job of a flow as a node, and the whole tree under it (what repairs read; what people
-read, a page at a time, is pages.py). Plain reads, never a write (HMGET, GET, HLEN, ZSCORE,
+"""A job of a flow as a node, and the whole tree under it (what a retry with a new deadline
+reads; every other read, retry and release included, goes a page at a time: pages.py,
+failures.py). Plain reads, never a write (HMGET, GET, HLEN, ZSCORE,
 a chunk per command), safe against a live system; a snapshot, not a transaction.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from itertools import chain
 from typing import Any
 
@@ -225,6 +226,113 @@ def node_of(
     return node, child_ids
 
 
+@dataclass(frozen=True)
+class _FlowRead:
+    """What one round trip reads of a parent's flow: its counter and counts, and its
+    children's values, ignored errors and rows, by position."""
+
+    counter: Any
+    n_values: int
+    n_ignored: int
+    processed: dict[str, bytes]
+    ignored: dict[str, str]
+    child_rows: list[Any]
+
+
+def _read_flow(state: EchoMQ, queue: str, job_id: str, child_ids: list[str]) -> _FlowRead:
+    """The flow keys of ``job_id`` and its children's rows, in one pipeline."""
+    keys = state.keys
+    deps_key, processed_key, ignored_key = keys.flow_keys(queue, job_id)
+    pipe = state.client.pipeline(transaction=False)
+    pipe.get(deps_key)
+    pipe.hlen(processed_key)
+    pipe.hlen(ignored_key)
+    # The children's values and errors by id, a chunk per HMGET: never a whole hash at once.
+    chunks = [child_ids[i : i + 1000] for i in range(0, len(child_ids), 1000)]
+    for part in chunks:
+        pipe.hmget(processed_key, part)
+        pipe.hmget(ignored_key, part)
+    for cid in child_ids:
+        pipe.hmget(keys.job_key(queue, cid), _ROW_FIELDS)
+    counter, n_values, n_ignored, *replies = pipe.execute()
+    found = zip(child_ids, chain(*replies[0 : 2 * len(chunks) : 2]), strict=True)
+    processed = {c: v for c, v in found if v is not None}
+    found = zip(child_ids, chain(*replies[1 : 2 * len(chunks) : 2]), strict=True)
+    ignored = {c: text(v) for c, v in found if v is not None}
+    return _FlowRead(counter, n_values, n_ignored, processed, ignored, replies[2 * len(chunks) :])
+
+
+def _flow_info(row: dict[str, Any], read: _FlowRead, total: int) -> FlowInfo:
+    counts = counts_of(
+        read.counter, read.n_values, read.n_ignored, row["credited_failed"], row["failed_children"]
+    )
+    return FlowInfo(
+        policy=row["policy"] or "fail",
+        outstanding=None if read.counter is None else counts.outstanding,
+        done=counts.done,
+        failed=counts.failed,
+        ignored=counts.ignored,
+        total=total,
+        failed_child=row["failed_child"],
+    )
+
+
+def _child_row(state: EchoMQ, queue: str, cid: str, fields: Any) -> tuple[str, dict[str, Any]]:
+    """A child's queue and row. A child routed to another queue has its row on that queue's
+    slot; it is found among the queues that hold flows. One gone for good reads as
+    "missing"."""
+    child_row = _row(fields)
+    if child_row["state"] is None:
+        elsewhere = scan_queues(state, cid)
+        if elsewhere is not None:
+            key = state.keys.job_key(elsewhere, cid)
+            return elsewhere, _row(state.client.hmget(key, _ROW_FIELDS))
+    return queue, child_row
+
+
+def _child_facts(
+    state: EchoMQ,
+    row: dict[str, Any],
+    info: FlowInfo,
+    read: _FlowRead,
+    cid: str,
+    child_row: dict[str, Any],
+    same_slot: bool,
+) -> dict[str, Any]:
+    """What a parent knows of its child ``cid``: its policy, outcome, value, ignored error."""
+    own = child_row["parent_policy"]
+    policy = own or info.policy
+    facts: dict[str, Any] = {
+        "policy": policy,
+        "policy_is_default": own is None,
+        # Its delta's template, where it has one: on this row, on the same slot.
+        "template": row["template"] if same_slot else None,
+        "outcome": "deadline"
+        if child_row["cut"] == "deadline"
+        else _outcome(
+            child_row["state"] or MISSING,
+            policy,
+            cid in read.processed,
+            cid in read.ignored,
+            info.failed_child,
+            cid,
+        ),
+    }
+    if cid in read.processed:
+        facts["value"] = _load(state, read.processed[cid])
+    if cid in read.ignored:
+        facts["ignored_error"] = read.ignored[cid]
+    return facts
+
+
+def _check_depth(state: EchoMQ, job_id: str, depth: int) -> None:
+    if depth >= state.settings.max_depth:
+        raise EchoMQError(
+            f"flow tree under {job_id!r} is deeper than {state.settings.max_depth} levels "
+            "(the echomq_max_depth setting)"
+        )
+
+
 def _build(
     state: EchoMQ,
     queue: str,
@@ -238,79 +346,18 @@ def _build(
     node, child_ids = node_of(state, queue, job_id, row, facts)
     if row.get("_indexed"):
         child_ids = indexed_children(state, queue, job_id) or child_ids
-    keys, client = state.keys, state.client
-    deps_key, processed_key, ignored_key = keys.flow_keys(queue, job_id)
-    pipe = client.pipeline(transaction=False)
-    pipe.get(deps_key)
-    pipe.hlen(processed_key)
-    pipe.hlen(ignored_key)
-    # The children's values and errors by id, a chunk per HMGET: never a whole hash at once.
-    chunks = [child_ids[i : i + 1000] for i in range(0, len(child_ids), 1000)]
-    for part in chunks:
-        pipe.hmget(processed_key, part)
-        pipe.hmget(ignored_key, part)
-    for cid in child_ids:
-        pipe.hmget(keys.job_key(queue, cid), _ROW_FIELDS)
-    counter, n_values, n_ignored, *replies = pipe.execute()
-    if counter is None and not child_ids and row["policy"] is None:
+    read = _read_flow(state, queue, job_id, child_ids)
+    if read.counter is None and not child_ids and row["policy"] is None:
         return node  # not a flow parent: a plain child (or a job whose flow keys expired)
-    found = zip(child_ids, chain(*replies[0 : 2 * len(chunks) : 2]), strict=True)
-    processed = {c: v for c, v in found if v is not None}
-    found = zip(child_ids, chain(*replies[1 : 2 * len(chunks) : 2]), strict=True)
-    ignored = {c: text(v) for c, v in found if v is not None}
-    child_rows = replies[2 * len(chunks) :]
-    flow_policy = row["policy"] or "fail"
-    counts = counts_of(counter, n_values, n_ignored, row["credited_failed"], row["failed_children"])
-    info = FlowInfo(
-        policy=flow_policy,
-        outstanding=None if counter is None else counts.outstanding,
-        done=counts.done,
-        failed=counts.failed,
-        ignored=counts.ignored,
-        total=len(child_ids),
-        failed_child=row["failed_child"],
-    )
+    info = _flow_info(row, read, len(child_ids))
     children: list[JobNode] = []
-    for cid, fields in zip(child_ids, child_rows, strict=True):
-        child_row = _row(fields)
-        child_queue = queue
-        if child_row["state"] is None:
-            # A child routed to another queue has its row on that queue's slot; it is found
-            # among the queues that hold flows. One gone for good reads as "missing".
-            elsewhere = scan_queues(state, cid)
-            if elsewhere is not None:
-                child_queue = elsewhere
-                child_row = _row(client.hmget(keys.job_key(child_queue, cid), _ROW_FIELDS))
-        own = child_row["parent_policy"]
-        policy = own or flow_policy
-        child_facts: dict[str, Any] = {
-            "policy": policy,
-            "policy_is_default": own is None,
-            # Its delta's template, where it has one: on this row, on the same slot.
-            "template": row["template"] if child_queue == queue else None,
-            "outcome": "deadline"
-            if child_row["cut"] == "deadline"
-            else _outcome(
-                child_row["state"] or MISSING,
-                policy,
-                cid in processed,
-                cid in ignored,
-                info.failed_child,
-                cid,
-            ),
-        }
-        if cid in processed:
-            child_facts["value"] = _load(state, processed[cid])
-        if cid in ignored:
-            child_facts["ignored_error"] = ignored[cid]
-        if depth + 1 >= state.settings.max_depth:
-            raise EchoMQError(
-                f"flow tree under {job_id!r} is deeper than {state.settings.max_depth} levels "
-                "(the echomq_max_depth setting)"
-            )
+    for cid, fields in zip(child_ids, read.child_rows, strict=True):
+        child_queue, child_row = _child_row(state, queue, cid, fields)
+        child_facts = _child_facts(state, row, info, read, cid, child_row, child_queue == queue)
+        _check_depth(state, job_id, depth + 1)
         child = _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
         if child_row["steps"]:
-            child = _with_steps(state, child, child_row["steps"].split(), ignored, info, depth)
+            child = _with_steps(state, child, child_row["steps"].split(), read.ignored, info, depth)
         children.append(child)
     return replace(node, flow=info, children=tuple(children))
 

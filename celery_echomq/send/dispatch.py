@@ -14,8 +14,8 @@ from celery_echomq import tracing
 from celery_echomq.send.plan import parent_args, valued
 from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.codec import with_input
-from celery_echomq.store.flow_scripts import Handed
-from celery_echomq.store.headers import H_SINCE
+from celery_echomq.store.headers import H_HANDED, H_SINCE
+from celery_echomq.store.script_values import Handed
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
@@ -48,16 +48,22 @@ def publish_step(
     value: bytes,
     previous: str = "",
     since: int | None = None,
+    handed: bool = False,
 ) -> None:
     """Publish a chain's step that the completion of the step before it made pending: its
     stored message with that step's value first among its arguments; ``since``, its pending
-    score, in its headers (:data:`H_SINCE`: its claim need not read it)."""
+    score, in its headers (:data:`H_SINCE`: its claim need not read it); ``handed``: the
+    completion handed it out active, which its headers say (:data:`H_HANDED`: its first
+    delivery takes it without the claim script)."""
     job = with_input(state.loads(payload), state.loads(value))
     if previous:
         job["options"]["parent_id"] = previous  # the lineage a Celery chain gives its step
-    if since is not None:
+    extra: dict[str, object] = {} if since is None else {H_SINCE: since}
+    if handed:
+        extra[H_HANDED] = "1"
+    if extra:
         options = job["options"]
-        options["headers"] = {**(options.get("headers") or {}), H_SINCE: since}
+        options["headers"] = {**(options.get("headers") or {}), **extra}
     with tracing.job_context(job):
         send_jobs(state.app, [job])
     logger.debug("echomq: chain step %s published after %s", step_id, previous)

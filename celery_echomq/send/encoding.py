@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from kombu.exceptions import EncodeError
 
 from celery_echomq.send.plan import Plan, child_id, child_queue
+from celery_echomq.send.window import waiting_kinds
 from celery_echomq.store.codec import child_template, job_delta
 from celery_echomq.store.state import EchoMQ
 
@@ -86,9 +87,10 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
                 raise _refused(state, where, exc) from exc
         where = f"flow {level.parent_id}: the parent ({level.parent['task']})"
         parent = _encode(state, level.parent, where)
+        kinds = list(waiting_kinds("".join(kinds), level.max_active))
         if template is None:
-            steps = any("steps" in job for job in level.children)
-            encoded[level.parent_id] = Encoded(parent, children, kinds="".join(kinds) * steps)
+            told = any("steps" in job for job in level.children) or level.max_active > 0
+            encoded[level.parent_id] = Encoded(parent, children, kinds="".join(kinds) * told)
             continue
         where = f"flow {level.parent_id}: its children's template ({template['task']})"
         encoded[level.parent_id] = Encoded(

@@ -73,6 +73,17 @@ def with_errbacks(node: Signature, given: Any) -> Signature:
     return copy
 
 
+def errbacks_left(job: dict[str, Any], child_id: str) -> list[Any]:
+    """The errbacks a parent failed by ``child_id`` runs: none where its group's task ran them
+    (:func:`ran_by_child`); else its own, but those the steps of a chain it is held on carry
+    (a chain parent's last step, or a flow step of it, failed by a step before it, which ran
+    them: each step has the chain's, as Celery gives a chain's ``link_error`` to each task)."""
+    if ran_by_child(job, child_id):
+        return []
+    ran = job.get("step_errbacks") or []
+    return [e for e in maybe_list(job["options"].get("link_error")) or [] if e not in ran]
+
+
 def ran_by_child(job: dict[str, Any], child_id: str) -> bool:
     """Whether a parent failed by ``child_id`` had its errbacks run already: a collect failed
     by one of its group's tasks, which carried them (see :func:`give_errbacks`)."""

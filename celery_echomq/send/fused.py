@@ -23,7 +23,7 @@ from celery_echomq.send.publish import built_pushes
 from celery_echomq.send.pushes import client_of
 from celery_echomq.store.headers import H_SINCE
 from celery_echomq.store.results import database_on_store_server
-from celery_echomq.store.script_base import BrokerPushes
+from celery_echomq.store.script_values import BrokerPushes
 from celery_echomq.store.state import EchoMQ
 
 # The enqueue time a prepared message carries until the script writes its own.

@@ -1,4 +1,4 @@
-"""Children added to a flow while its parent is held (``add_children``).
+"""Children added to a flow in the store while its parent is held (``add_children``).
 
 Order of the steps, and what a crash between two of them leaves:
 
@@ -23,14 +23,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable, Sequence
-from contextvars import ContextVar
-from typing import Any, Protocol
+from typing import Any
 
 from celery import current_app
 
 from celery_echomq.errors import EchoMQError, FlowClosedError, FlowExistsError
-from celery_echomq.send.children import child_signatures
 from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.plan import (
     Plan,
@@ -41,9 +38,10 @@ from celery_echomq.send.plan import (
     set_root,
 )
 from celery_echomq.send.start import publish, start_flow
+from celery_echomq.send.window import windowed
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
-from celery_echomq.store.keyspace import check_id, check_unique
+from celery_echomq.store.keyspace import check_unique
 from celery_echomq.store.reads import locate
 from celery_echomq.store.replies import Status
 from celery_echomq.store.results import writes_results
@@ -54,19 +52,6 @@ logger = logging.getLogger("celery_echomq")
 
 # How often a concurrent add may rewrite the parent's payload under us before we give up.
 MAX_STALE = 50
-
-
-class InMemoryFlow(Protocol):
-    """A flow run eagerly (``eager.py``), whose parent still waits: it grows in memory."""
-
-    def add(self, sigs: Sequence[Any]) -> list[str]: ...
-
-
-# Eager flows whose parent is still waiting, by parent id, and the parent of the eager child
-# running in this context (what ``add_children()`` without ``parent_id`` adds to). The eager
-# run registers itself here, so that adding to it needs no import of the eager module.
-GROWING: dict[str, InMemoryFlow] = {}
-CURRENT: ContextVar[str | None] = ContextVar("echomq_eager_parent", default=None)
 
 
 def _running_parent() -> ParentRef:
@@ -83,32 +68,11 @@ def _running_parent() -> ParentRef:
     return ref
 
 
-def add_children(
-    children: Iterable[Any],
-    parent_id: str | None = None,
-    *,
-    app: Any = None,
-    queue: str | None = None,
+def add_to_stored(
+    sigs: list[Any], parent_id: str | None, *, app: Any = None, queue: str | None = None
 ) -> list[str]:
-    """Add ``children`` (a list or group of signatures, flows among them) to a held flow.
-
-    Without ``parent_id``: inside a flow child's body, siblings of that child (children of its
-    parent). With it: children of the flow ``parent_id`` (``queue``: where it lives, when
-    known). Their values reach the parent after the existing children's, in the order added.
-    A child whose id is already one of the flow's children is skipped (a repeated add writes
-    nothing twice). Returns the ids added.
-
-    Raises :class:`FlowClosedError` when the parent no longer waits for children, and the
-    id errors of ``apply_async`` (``KindError``, ``InvalidIdError``, ``DuplicateIdError``,
-    ``FlowExistsError``) for bad ids: in every case nothing is written or published.
-    """
-    if parent_id is not None:
-        check_id(parent_id)
-    sigs = child_signatures(children, app or current_app)
-    # A flow being run eagerly (flow.apply(), task_always_eager) grows in memory.
-    growing = GROWING.get(parent_id or CURRENT.get() or "")
-    if growing is not None:
-        return growing.add(sigs)
+    """Add ``sigs`` (checked already: ``fanin.add_children``) to the held flow ``parent_id``
+    in the store, or, without it, to the parent of the flow child whose body runs here."""
     if parent_id is None:
         parent = _running_parent()
         state = get_state(app or current_app)
@@ -164,6 +128,7 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
         fresh = [j for j in plan.children if child_id(j) not in listed]
         if not fresh:
             return []
+        size = windowed(job, parent.queue, fresh)
         root = (job.get("options") or {}).get("root_id")
         if root:
             # The flow's own root, whoever adds them: one tree in every monitor.
@@ -184,8 +149,8 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
         # Before the rows land, as in start_flow: recovery must find their queues.
         client.sadd(keys.queues_key(), *sorted(queues))
         job["children"] = [*job["children"], *(child_id(j) for j in fresh)]
-        status, counter = scripts.grow_flow(
-            parent, hashlib.sha1(payload).hexdigest(), state.dumps(job), local, remote
+        status, counter, started = scripts.grow_flow_windowed(
+            parent, hashlib.sha1(payload).hexdigest(), state.dumps(job), local, remote, size
         )
         if status is Status.ADDED:
             break
@@ -198,10 +163,12 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
         )
     if remote:
         write_staged(state, parent, [(cid, p, pol) for cid, p, pol in remote])
-    for j in fresh:
+    # A windowed flow's children past its room wait: their turn publishes them.
+    out = fresh[:started] if size else fresh
+    for j in out:
         if "nested" in j:
             start_flow(state, Plan.from_dict(j["nested"]))
-    leaves = [j for j in fresh if "nested" not in j]
+    leaves = [j for j in out if "nested" not in j]
     if leaves:
         publish(state.app, leaves)
     logger.info(

@@ -114,13 +114,14 @@ def _ids_of(sig: Signature) -> Iterator[str]:
         yield from _added(sig, sig._app)
 
 
-def check_tree(node: Signature) -> None:
+def check_tree(node: Signature, shared: bool = False) -> None:
     """Every id a spread will add gated and unique with the rest, before anything reaches
-    Redis (the ids planned now are gated by the plan)."""
+    Redis (the ids planned now are gated by the plan). ``shared`` (on_exists="join"): one id
+    listed twice is one job, which the plan checks (send/shared.py)."""
     found = [i for i in ids(node) if i != "None"]
     for job_id in found:
         check_id(job_id)
-    check_unique(found)
+    check_unique(dict.fromkeys(found) if shared else found)
 
 
 def value_task(sig: Any) -> Signature | None:

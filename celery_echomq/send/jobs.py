@@ -8,7 +8,7 @@ from typing import Any
 from celery.canvas import Signature
 
 from celery_echomq.errors import PolicyError
-from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
+from celery_echomq.send.signatures import CALLBACKS, STEP_ERRBACKS, merge_callbacks
 from celery_echomq.store.headers import H_RESULT, RESERVED
 from celery_echomq.store.keyspace import check_id, check_queue, new_job_id
 
@@ -18,6 +18,7 @@ POLICIES = ("fail", "ignore", "remove", "continue")
 # Options that belong to the flow's parent alone: the rest reach every child too.
 PARENT_ONLY = frozenset(
     {"task_id", "link", "link_error", "chain", "chord", "group_id", "group_index", "reply_to"}
+    | {STEP_ERRBACKS}
 )
 # Options that delay or expire the children's messages; the parent is sent when released.
 CHILD_ONLY = frozenset({"task_id", "countdown", "eta", "expires"})
@@ -74,7 +75,7 @@ def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -
         # request, or from untrusted JSON) must not name another flow's job.
         given = {k: v for k, v in given.items() if not str(k).startswith(RESERVED)}
     opts["headers"] = {**given, **headers}
-    return {
+    job = {
         "task": sig.task,
         "args": list(sig.args),
         "kwargs": dict(sig.kwargs),
@@ -82,6 +83,10 @@ def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -
         "subtask_type": None,
         "immutable": sig.immutable,
     }
+    ran = opts.pop(STEP_ERRBACKS, None)  # its own or its flow node's: never handed down
+    if ran:
+        job["step_errbacks"] = ran  # not an option Celery is sent: see send/errbacks.py
+    return job
 
 
 def mark_for_store(job: dict[str, Any]) -> None:

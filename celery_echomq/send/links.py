@@ -8,8 +8,15 @@ from __future__ import annotations
 from typing import Any
 
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
+from celery.utils.functional import maybe_list
 
-from celery_echomq.send.signatures import LINKED, is_task, task_copy
+from celery_echomq.send.signatures import (
+    LINKED,
+    STEP_ERRBACKS,
+    is_task,
+    merge_callbacks,
+    task_copy,
+)
 
 FLOW_TASK = "celery_echomq.flow"
 # The tasks a flow whose parent is a canvas runs (send/tasks.py registers them).
@@ -97,6 +104,25 @@ def as_flow_node(node: Signature, app: Any) -> Signature:
         below.options[LINKED] = True
         below.options["task_id"] = before[-1].options["task_id"]
     return flow_node(last, [below], {}, single=True)
+
+
+def with_chain_callbacks(steps: list[Any], options: dict[str, Any], app: Any) -> list[Any]:
+    """A chain parent's steps with the chain's own callbacks where Celery's chain puts them:
+    ``link`` on its last step (it runs once, with the chain's value), ``link_error`` on each
+    step (the step that fails runs it, with its own id; no step after it runs)."""
+    errbacks = maybe_list(options.get("link_error")) or []
+    out = [maybe_signature(step, app=app).clone() for step in steps]
+    for i, step in enumerate(out):
+        if errbacks:
+            # A group, chord or flow step takes them as its own link_error (a group's then go
+            # to each of its tasks, as a group parent's do: send/errbacks.py).
+            step.options["link_error"] = merge_callbacks(step.options.get("link_error"), errbacks)
+        if i and errbacks:
+            step.options[STEP_ERRBACKS] = list(errbacks)
+    if options.get("link"):
+        last = out[-1]
+        last.options["link"] = merge_callbacks(last.options.get("link"), options["link"])
+    return out
 
 
 def task_run(steps: list[Any], start: int) -> int:

@@ -34,15 +34,10 @@ from celery_echomq.send.jobs import (
 )
 from celery_echomq.send.links import queue_runs
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
+from celery_echomq.send.shared import check_ids
+from celery_echomq.send.window import window_of
 from celery_echomq.store.deadline_spec import stamp
-from celery_echomq.store.headers import (
-    H_FLOW,
-    H_NEXT,
-    H_PARENT,
-    H_PARENT_QUEUE,
-    H_QUEUE,
-)
-from celery_echomq.store.keyspace import check_unique
+from celery_echomq.store.headers import H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
 
 __all__ = ["Plan", "check_depth", "child_id", "child_queue", "first_job", "row_ids", "too_deep"]
 
@@ -68,6 +63,7 @@ class Plan:
     single: bool = False
     # Children whose values the parent does not get (a spread, see shapes.py).
     silent: list[str] = field(default_factory=list)
+    max_active: int = 0  # the most children out at once; 0: no window (send/window.py)
 
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict: it rebuilds every dict subclass it meets from a generator,
@@ -79,13 +75,17 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         return cls(**data)
 
-    def levels(self) -> Iterator[Plan]:
-        """This flow, then every nested flow, outer before inner."""
+    def levels(self, whole: bool = False) -> Iterator[Plan]:
+        """This flow, then every nested flow it starts with (``whole``: of the tree), outer
+        before inner; one waiting for a slot of a window is enqueued when its turn comes."""
         yield self
-        for job in self.children:
-            job = first_job(job)
-            if "nested" in job:
-                yield from Plan.from_dict(job["nested"]).levels()
+        for job in self.children if whole else self.started():
+            if "nested" in (job := first_job(job)):
+                yield from Plan.from_dict(job["nested"]).levels(whole)
+
+    def started(self) -> list[dict[str, Any]]:
+        """The children published at the start: the first ``max_active``, or all of them."""
+        return self.children[: self.max_active or None]
 
     def child_ids(self) -> list[str]:
         return [child_id(job) for job in self.children]
@@ -142,6 +142,7 @@ def plan_flow(
     child_results: bool = True,
     store_results: bool = False,
     single: bool = False,
+    shared_jobs: bool = False,
 ) -> Plan:
     """Assign and gate every id and build every message; touches neither Redis nor the broker.
 
@@ -191,7 +192,7 @@ def plan_flow(
         plan.parent["silent"] = list(plan.silent)
     if not outer:
         # Every id of the tree once: a nested parent is listed as its outer flow's child.
-        check_unique([parent_id, *(cid for level in plan.levels() for cid in level.row_ids())])
+        check_ids(list(plan.levels(True)), parent_id, shared_jobs)  # shared: see send/shared.py
         root = flow_root(options, parent_id)
         plan.parent["options"]["root_id"] = root
         set_root(plan.children, root)
@@ -335,6 +336,7 @@ def _nested(
         single=child.single,
     )
     stamp(inner, child.kwargs)  # its own deadline, if it has one
+    window_of(inner, child.kwargs)  # its own window, if it has one
     return inner
 
 

@@ -72,145 +72,226 @@ def built_pushes(
         if pushes is None or publish_receivers():
             return None
         accepted = accept(pushes.channel)
-        if accepted is None or not _send(app, pushes, jobs, templates_only=True):
+        if accepted is None or not _push_templated(app, pushes, jobs):
             return None
     if any(name != "lpush" or len(args) != 2 for name, args in pushes.commands):
         return None
     return accepted, [(str(args[0]), str(args[1])) for _, args in pushes.commands]
 
 
-def _send(
-    app: Any, producer: Any, jobs: Iterable[dict[str, Any]], templates_only: bool = False
-) -> bool:
-    """Publish (or, on :class:`RedisPushes`, collect) every job's message. ``templates_only``:
-    stop at the first job without a template, and say so (False)."""
-    amqp = app.amqp
-    current = app.current_worker_task
-    sent_event = app.conf.task_send_sent_event
-    templates = None
-    pushes = producer if isinstance(producer, RedisPushes) else None
-    if pushes is not None and not publish_receivers():
-        templates = Templates.of(app, pushes.channel)
-    if templates_only and templates is None:
-        return False
-    # The entities each queue's first message of the batch declared.
-    declared: dict[str, list[Any]] = {}
-    task_defaults: dict[str, dict[str, Any]] = {}
-    # The last job pushed from a template, where its routing read its options alone: a job
-    # of the same task whose options are the same but for its id takes the same template
-    # (a flow's children), without merging defaults, routing and keying again.
-    last: _Last | None = None
-    reusable = all(isinstance(route, MapRoute) for route in amqp.router.routes)
+def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
+    """Publish (or, on :class:`RedisPushes`, collect) every job's message."""
+    sender = _Sender(app, producer)
     for job in jobs:
-        name = job["task"]
-        args, kwargs = tuple(job["args"]), dict(job["kwargs"])
+        sender.send(job)
+
+
+def _push_templated(app: Any, pushes: RedisPushes, jobs: Iterable[dict[str, Any]]) -> bool:
+    """Collect every job's message from a template learnt before; False at the first job
+    without one (the kombu steps of a first message may declare its queue)."""
+    sender = _Sender(app, pushes)
+    return sender.templates is not None and all(sender.push_templated(job) for job in jobs)
+
+
+class _Prepared(NamedTuple):
+    """A job's message before it is built: its task's defaults merged, routed, keyed."""
+
+    name: str
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    task_id: str
+    link: Any
+    link_error: Any
+    ignore_result: Any
+    named: dict[str, Any]
+    routed: dict[str, Any]
+    reprs: Any
+    own_reprs: bool
+    # The template's key and the routing's varying parts (empty without templates).
+    key: tuple[Any, ...]
+    varying: tuple[str, ...]
+
+
+class _Sender:
+    """One batch's messages: what they share (the app's amqp, the task being run, the
+    templates learnt, the entities each queue's first message declared, each task's
+    defaults), and the last template pushed."""
+
+    def __init__(self, app: Any, producer: Any) -> None:
+        self.app, self.producer = app, producer
+        self.amqp = app.amqp
+        self.current = app.current_worker_task
+        self.sent_event = app.conf.task_send_sent_event
+        self.pushes = producer if isinstance(producer, RedisPushes) else None
+        self.templates: Templates | None = None
+        if self.pushes is not None and not publish_receivers():
+            self.templates = Templates.of(app, self.pushes.channel)
+        # The entities each queue's first message of the batch declared.
+        self.declared: dict[str, list[Any]] = {}
+        self.task_defaults: dict[str, dict[str, Any]] = {}
+        # The last job pushed from a template, where its routing read its options alone: a
+        # job of the same task whose options are the same but for its id takes the same
+        # template (a flow's children), without merging defaults, routing and keying again.
+        self.last: _Last | None = None
+        self.reusable = all(isinstance(route, MapRoute) for route in self.amqp.router.routes)
+
+    def send(self, job: dict[str, Any]) -> None:
+        """Push ``job`` like the last, or from a template, else build and send its message."""
+        if self._push_like_last(job):
+            return
+        prepared = self._prepare(job)
+        if not self._push_from_template(job, prepared):
+            self._build_and_send(prepared)
+
+    def push_templated(self, job: dict[str, Any]) -> bool:
+        """Push ``job`` like the last or from a template; False when neither has it."""
+        return self._push_like_last(job) or self._push_from_template(job, self._prepare(job))
+
+    def _push_like_last(self, job: dict[str, Any]) -> bool:
+        last, templates = self.last, self.templates
         if (
-            templates is not None
-            and last is not None
-            and name == last.name
-            and same_but_id(job["options"], last.options)
+            templates is None
+            or last is None
+            or job["task"] != last.name
+            or not same_but_id(job["options"], last.options)
         ):
-            reprs = fast_repr(args, kwargs) if last.template.own_reprs else None
-            task_id = job["options"]["task_id"]
-            if templates.push(
-                producer, last.template, task_id, last.root, args, kwargs, reprs, last.headers
-            ):
-                continue
-            last = None
+            return False
+        args, kwargs = tuple(job["args"]), dict(job["kwargs"])
+        reprs = fast_repr(args, kwargs) if last.template.own_reprs else None
+        task_id = job["options"]["task_id"]
+        if templates.push(
+            self.producer, last.template, task_id, last.root, args, kwargs, reprs, last.headers
+        ):
+            return True
+        self.last = None
+        return False
+
+    def _options_of(self, name: str, job: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        """The job's options under its task's own defaults (what Task.apply_async adds),
+        and its task."""
         options = dict(job["options"])
-        task = app.tasks.get(name)
+        task = self.app.tasks.get(name)
         if task is not None:
-            # What Task.apply_async adds: the task's own defaults under the job's options
-            # (read once per task and batch: a dozen descriptor reads each).
-            defaults = task_defaults.get(name)
+            # Read once per task and batch: a dozen descriptor reads each.
+            defaults = self.task_defaults.get(name)
             if defaults is None:
-                defaults = task_defaults[name] = {
+                defaults = self.task_defaults[name] = {
                     k: v for k, v in task._get_exec_options().items() if v is not None
                 }
             options = {**defaults, **options}
             options.setdefault("ignore_result", task.ignore_result)
             if task.priority:
                 options.setdefault("priority", task.priority)
+        return options, task
+
+    def _prepare(self, job: dict[str, Any]) -> _Prepared:
+        name = job["task"]
+        args, kwargs = tuple(job["args"]), dict(job["kwargs"])
+        options, task = self._options_of(name, job)
         task_id = options.pop("task_id")
         link, link_error = options.pop("link", None), options.pop("link_error", None)
         ignore_result = options.pop("ignore_result", None)
         named = {k: options.pop(k) for k in MESSAGE_OPTIONS if k in options}
+        current = self.current
         if current is not None:
             named.setdefault("root_id", current.request.root_id or current.request.id)
             named.setdefault("parent_id", current.request.id)
-        named.setdefault("reply_to", app.thread_oid)
-        expiration = expiration_of(app, named.get("expires"))
+        named.setdefault("reply_to", self.app.thread_oid)
+        expiration = expiration_of(self.app, named.get("expires"))
         if expiration is not None:
             options["expiration"] = expiration
-        routed = amqp.router.route(options, name, args, kwargs, task)
+        routed = self.amqp.router.route(options, name, args, kwargs, task)
         reprs = fast_repr(args, kwargs)
         own_reprs = not {"argsrepr", "kwargsrepr"} & (routed.keys() | named.keys())
         key: tuple[Any, ...] = ()
         varying: tuple[str, ...] = ()
-        if templates is not None:
+        if self.templates is not None:
             # Everything the message is built from but the id, the root id (each flow has its
             # own), the arguments and the values of the job's own plain headers.
             keyed, varying = key_routing(routed)
-            root = named.get("root_id")
             key = (name, ignore_result, link, link_error, _without(named, "root_id"), keyed)
-            template = templates.find(key)
-            given = routed.get("headers")
-            if template is not None and templates.push(
-                producer,
-                template,
-                task_id,
-                root,
-                args,
-                kwargs,
-                reprs if own_reprs else None,
-                given,
-            ):
-                if reusable:
-                    last = _Last(name, job["options"], template, given, root)
-                continue
-            if templates_only:
-                return False
+        return _Prepared(
+            name,
+            args,
+            kwargs,
+            task_id,
+            link,
+            link_error,
+            ignore_result,
+            named,
+            routed,
+            reprs,
+            own_reprs,
+            key,
+            varying,
+        )
+
+    def _push_from_template(self, job: dict[str, Any], p: _Prepared) -> bool:
+        templates = self.templates
+        if templates is None:
+            return False
+        template = templates.find(p.key)
+        root = p.named.get("root_id")
+        given = p.routed.get("headers")
+        if template is None or not templates.push(
+            self.producer,
+            template,
+            p.task_id,
+            root,
+            p.args,
+            p.kwargs,
+            p.reprs if p.own_reprs else None,
+            given,
+        ):
+            return False
+        if self.reusable:
+            self.last = _Last(p.name, job["options"], template, given, root)
+        return True
+
+    def _build_and_send(self, p: _Prepared) -> None:
+        """Build the message as Celery does and send it; learn its template on the way."""
+        routed = p.routed
         queue_name = queue_of(routed)
-        first = queue_name not in declared
+        first = queue_name not in self.declared
         if not first:
             # Declared by an earlier message of this batch: kombu would copy and re-bind
             # the Queue entity for every message before its cache answers.
             routed = {**routed, "declare": []}  # a copy: a template's key holds the dict
-        given = dict(named)
-        if reprs is not None and own_reprs:
-            given["argsrepr"], given["kwargsrepr"] = reprs
-        message = amqp.create_task_message(
-            task_id,
-            name,
-            args,
-            kwargs,
-            callbacks=maybe_list(link),
-            errbacks=maybe_list(link_error),
-            create_sent_event=sent_event,
-            ignore_result=ignore_result,
+        given = dict(p.named)
+        if p.reprs is not None and p.own_reprs:
+            given["argsrepr"], given["kwargsrepr"] = p.reprs
+        message = self.amqp.create_task_message(
+            p.task_id,
+            p.name,
+            p.args,
+            p.kwargs,
+            callbacks=maybe_list(p.link),
+            errbacks=maybe_list(p.link_error),
+            create_sent_event=self.sent_event,
+            ignore_result=p.ignore_result,
             **given,
             **routed,
         )
-        amqp.send_task_message(producer, name, message, **routed)
-        if pushes is not None:
-            if first:
-                declared[queue_name] = list(pushes.last_declared)
-            if templates is not None:
-                templates.learn(
-                    pushes,
-                    key,
-                    task_id,
-                    named,
-                    routed,
-                    link,
-                    link_error,
-                    own_reprs,
-                    varying,
-                    [*declared[queue_name], *pushes.last_declared],
-                )
-        else:
-            declared.setdefault(queue_name, [])
-    return True
+        self.amqp.send_task_message(self.producer, p.name, message, **routed)
+        pushes = self.pushes
+        if pushes is None:
+            self.declared.setdefault(queue_name, [])
+            return
+        if first:
+            self.declared[queue_name] = list(pushes.last_declared)
+        if self.templates is not None:
+            self.templates.learn(
+                pushes,
+                p.key,
+                p.task_id,
+                p.named,
+                routed,
+                p.link,
+                p.link_error,
+                p.own_reprs,
+                p.varying,
+                [*self.declared[queue_name], *pushes.last_declared],
+            )
 
 
 class _Last(NamedTuple):

@@ -42,9 +42,11 @@ from celery_echomq.send.links import (
     linked,
     linked_after,
     task_run,
+    with_chain_callbacks,
 )
 from celery_echomq.send.signatures import (
     CALLBACKS,
+    STEP_ERRBACKS,
     is_task,
     merge_callbacks,
     options_of,
@@ -108,7 +110,7 @@ def _with_callbacks(parent: Signature, held: tuple[Signature, str]) -> tuple[Sig
     """A canvas parent's own callbacks on the flow that stands for it: ``link`` runs with its
     value, ``link_error`` once if any part of it (or what it waits for) fails."""
     node = held[0]
-    for key in CALLBACKS:
+    for key in (*CALLBACKS, STEP_ERRBACKS):
         if key in parent.options:
             node.options[key] = merge_callbacks(node.options.get(key), parent.options[key])
     return held
@@ -120,8 +122,10 @@ def _own(sig: Signature) -> Any:
 
 def _as_flow(sig: Any) -> dict[str, Any]:
     """What a flow hands the job that holds its own children: its policy, whether it takes
-    one value, its id, and its deadline options (kept by that job)."""
-    timing = {k: sig.kwargs[k] for k in ("deadline", "on_deadline") if k in sig.kwargs}
+    one value, its id, and its deadline options and window (kept by that job)."""
+    timing = {
+        k: sig.kwargs[k] for k in ("deadline", "on_deadline", "max_active") if k in sig.kwargs
+    }
     return {"policy": sig.policy, "single": sig.single, "own_id": _own(sig), "timing": timing}
 
 
@@ -277,6 +281,8 @@ def _held(
     own_id = own_id if own_id is not None else _own(parent)
     if isinstance(parent, _chain):
         steps = [maybe_signature(s, app=app) for s in parent.tasks]
+        if len(steps) > 1 and any(key in parent.options for key in CALLBACKS):
+            steps = with_chain_callbacks(steps, parent.options, app)
         node, fan = _held(
             steps[0],
             children,
@@ -289,10 +295,6 @@ def _held(
         )
         if len(steps) == 1:
             return _with_callbacks(parent, (node, fan))
-        if any(key in parent.options for key in CALLBACKS):
-            # Its callbacks go on the flow that stands for it: held step by step.
-            top = _chain_on(steps[1:], [node], fans_out(steps[0]), app, mine, own_id)[0]
-            return _with_callbacks(parent, (top, fan))
         rest = steps[1:]
         return _linked_on(rest, [node], fans_out(steps[0]), app, mine, own_id, head=node)[0], fan
     if isinstance(parent, group):

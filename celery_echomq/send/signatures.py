@@ -14,6 +14,10 @@ CALLBACKS = ("link", "link_error")
 # The option that marks a linked chain (a chain of single tasks, each with its id): a child
 # of a flow planned as steps (send/plan.py), not as nested flows.
 LINKED = "echomq_linked"
+# An option of a chain parent's steps after its first: the errbacks each step carries (the
+# chain's own). A job held on the steps before it (its last step, a flow step) that one of
+# them failed does not run these again (send/jobs.py stores them as its ``step_errbacks``).
+STEP_ERRBACKS = "echomq_step_errbacks"
 
 
 def merge_callbacks(own: Any, given: Any) -> list[Any]:
@@ -28,7 +32,7 @@ def merge_callbacks(own: Any, given: Any) -> list[Any]:
 # Options of a chain, group or chord that are its own, not handed down to its tasks.
 _OWN = frozenset(
     "task_id group_id group_index chord parent_policy subtask_type link link_error chain "  # noqa: SIM905
-    "reply_to root_id parent_id echomq_silent echomq_linked".split()
+    "reply_to root_id parent_id echomq_silent echomq_linked echomq_step_errbacks".split()
 )
 
 

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -21,12 +22,13 @@ from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.send.encoding import Encoded, encode_plan
 from celery_echomq.send.fused import SINCE_MARK, prepare
 from celery_echomq.send.ids import claim_ids, release_claims
-from celery_echomq.send.plan import Plan, child_queue, first_job, row_ids
+from celery_echomq.send.join import Joined, join_level, joins_by_level
+from celery_echomq.send.plan import Plan, child_id, child_queue, first_job, row_ids
 from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
-from celery_echomq.store.replies import WideCheck
-from celery_echomq.store.script_base import BrokerPushes
+from celery_echomq.store.replies import Status, WideCheck
+from celery_echomq.store.script_values import BrokerPushes
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
 
@@ -44,7 +46,12 @@ def declare_reply_queue(app: Any, parent_id: str) -> None:
             backend.on_task_call(producer, parent_id)
 
 
-def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = None) -> None:
+def start_flow(
+    state: EchoMQ,
+    plan: Plan,
+    encoded: dict[str, Encoded] | None = None,
+    joined: dict[str, Joined] | None = None,
+) -> list[tuple[Status, str, str]]:
     """Enqueue the flow (each level of a tree, outer first), then publish its leaves.
 
     A level whose children all live on its parent's slot, and are no more than
@@ -55,124 +62,115 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
     A nested flow's parent is first written by its outer flow as a pending child whose
     payload is the nested plan, then held by its own level: a crash between the two leaves a
     pending child that recovery re-publishes, which resumes the nested flow (``publish``).
+
+    ``joined``: children that name jobs in the store, or that several flows of the tree list
+    (``on_exists="join"``, send/join.py): a level that joins one takes the chunked path, the
+    job gains an edge instead of a row, and what crediting finished ones made of the parent is
+    returned for the caller to follow.
+
+    In three phases: prepare (what the levels need, nothing written), land (every write,
+    taken back on a refusal), publish (the leaves' messages, the parents with no children).
     """
     if encoded is None:
         encoded = encode_plan(state, plan)
     if not plan.outer:
         declare_reply_queue(state.app, plan.parent_id)
-    scripts = state.scripts
-    keys = state.keys
-    chunk = state.settings.chunk_size
-    levels = list(plan.levels())
-    written: list[tuple[str, str, list[str]]] = []
+    start = _prepare(state, plan, joined or {})
+    since, fused, settled = _land(state, plan, start, encoded)
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(
+            "echomq: flow %s enqueued on %s with %d children%s",
+            plan.parent_id,
+            plan.queue,
+            len(plan.children),
+            f" ({len(start.levels) - 1} nested flows)" if len(start.levels) > 1 else "",
+        )
+    if fused is None:  # else its children's messages were pushed by its enqueue
+        _publish_levels(state, start, since)
+    return settled
+
+
+@dataclass(frozen=True)
+class _Start:
+    """What a flow's start decides before it writes anything."""
+
+    levels: list[Plan]
+    # Per level: whether it takes the chunked path (open, add per chunk, seal).
+    chunked: list[bool]
     # On one Redis (not a Cluster, whose slots these keys span), each level's script also
     # writes its locator, and the first one registers the tree's queues: a small flow is one
     # round trip before its publish.
+    cluster: bool
+    # Every queue of the tree, for the registry of queues that hold flows.
+    queues: list[str]
+    # An id names one job in the whole store (send/ids.py): on one server, each level's
+    # enqueue script checks its ids across queues itself; else they are claimed first.
+    in_script: bool
+    store: str  # the store's URL as a message names it (no password)
+    # Per level (its parent's id): the children it joins instead of writing (on_exists="join").
+    joins: dict[str, dict[str, Joined]]
+    # The joined ids whose jobs are in the store already: never claimed.
+    in_store: frozenset[str]
+
+
+def _prepare(state: EchoMQ, plan: Plan, joined: dict[str, Joined]) -> _Start:
+    """The levels and their paths, from the plan and the settings alone."""
+    levels = list(plan.levels())
     cluster = isinstance(state.client, RedisCluster)
-    chunked = [level.chunked(chunk) for level in levels]
-    # When each level's children became pending (the store's clock, no later than their
-    # pending score): their messages carry it, sparing each claim a read (see H_SINCE).
+    joins = joins_by_level(plan, joined)
+    chunk = state.settings.chunk_size
+    chunked = [level.chunked(chunk) or bool(joins[level.parent_id]) for level in levels]
+    queues = {level.queue for level in levels}
+    queues.update(child_queue(job) for level in levels for job in level.children)
+    return _Start(
+        levels,
+        chunked,
+        cluster,
+        sorted(queues),
+        in_script=not (cluster or any(chunked)),
+        store=safe_url(state.settings.redis_url or ""),
+        joins=joins,
+        in_store=frozenset(i for i, j in joined.items() if not j.owner),
+    )
+
+
+# What a start wrote so far, level by level: (queue, parent id, row ids), what a refusal
+# takes back.
+Written = list[tuple[str, str, list[str]]]
+
+
+def _land(
+    state: EchoMQ, plan: Plan, start: _Start, encoded: dict[str, Encoded]
+) -> tuple[dict[str, int | None], BrokerPushes | None, list[tuple[Status, str, str]]]:
+    """Write the flow, every level; on a refusal take back what was written. Returns when
+    each level's children became pending (the store's clock, no later than their pending
+    score: their messages carry it, sparing each claim a read, see H_SINCE), the messages
+    its enqueue pushed itself (send/fused.py), if it did, and what crediting the joined jobs
+    that had finished made of their new parents."""
+    written: Written = []
     since: dict[str, int | None] = {}
-    store = safe_url(state.settings.redis_url or "")
-    fused: BrokerPushes | None = None
     claims: list[str] = []
+    with _store_errors(state, plan, written), _claims_released(state, claims):
+        if not start.in_script:
+            unclaimed = placed(start.levels).items()
+            claims += claim_ids(state, {i: q for i, q in unclaimed if i not in start.in_store})
+        clock, register = _register_queues(state, start)
+        fused = _fused(state, start)
+        armed = arm_levels(state, start.levels)  # first: a flow that lands has its deadline
+        with _taken_back_on_refusal(state, plan, written, armed):
+            whole, settled = _enqueue_levels(
+                state, start, encoded, register, fused, clock, written, since, claims
+            )
+        _write_child_policies(state, whole)
+        _write_locators(state, start)
+    return since, fused, settled
+
+
+@contextlib.contextmanager
+def _store_errors(state: EchoMQ, plan: Plan, written: Written) -> Iterator[None]:
+    """A store that goes away mid-start raises StoreUnavailableError, saying what landed."""
     try:
-        # Before the flow lands, not after: a producer killed right after the EVAL must still
-        # leave its queues where recovery looks (SADD is idempotent).
-        queues = {level.queue for level in levels}
-        queues.update(child_queue(job) for level in levels for job in level.children)
-        register: list[str] = sorted(queues)
-        # An id names one job in the whole store (send/ids.py): on one server, each level's
-        # enqueue script checks its ids across queues itself; else they are claimed first.
-        in_script = not (cluster or any(chunked))
-        if not in_script:
-            claims = claim_ids(state, placed(levels))
-        clock = None
-        if cluster:
-            state.client.sadd(keys.queues_key(), *register)
-            register = []
-        elif any(chunked):
-            # The store's clock before the enqueue, for the chunked levels' children (their
-            # scripts do not return the time they read). Not on a cluster, where TIME would
-            # come from any node's clock, not the queue's master's.
-            first = state.client.pipeline(transaction=False)
-            first.sadd(keys.queues_key(), *register)
-            first.time()
-            _, (seconds, micros) = first.execute()
-            clock = int(seconds) * 1000 + int(micros) // 1000
-            register = []
-        whole = []
-        # A small flow of one level, on a broker that shares the store's server: its
-        # children's messages go with its enqueue script (send/fused.py).
-        fused = None
-        one = levels[0]
-        if len(levels) == 1 and one.children and not (cluster or chunked[0] or one.child_policies):
-            fused = prepare(
-                state, [_with_since(first_job(j), SINCE_MARK, store) for j in one.children]
-            )
-        armed = arm_levels(state, levels)  # first: a flow that lands has its deadline
-        try:
-            for level, is_chunked in zip(levels, chunked, strict=True):
-                if is_chunked:
-                    _enqueue_chunked(state, level, encoded[level.parent_id], chunk, written)
-                    since[level.parent_id] = clock
-                    continue
-                step = encoded[level.parent_id]
-                enqueue = functools.partial(
-                    scripts.enqueue_flow_at,
-                    level.queue,
-                    level.parent_id,
-                    step.parent,
-                    step.children,
-                    outer=level.outer,
-                    recent_ttl_ms=state.settings.result_ttl * 1000,
-                    recent_max=state.settings.recent_flows,
-                    template=step.template,
-                    kinds=step.kinds,
-                    # A missing policy reads as "fail" (settle_child, views): the default
-                    # costs nothing.
-                    policy="" if level.policy == "fail" else level.policy,
-                    locator_ttl=0 if cluster else state.locator_ttl,
-                    register=register,
-                    publish=fused,
-                )
-                try:
-                    _, since[level.parent_id] = enqueue(check=in_script)
-                except WideCheck:
-                    # Too many ids and queues for one script to check: claimed here instead.
-                    claims += claim_ids(state, placed([level]))
-                    _, since[level.parent_id] = enqueue(check=False)
-                register = []
-                written.append((level.queue, level.parent_id, level.row_ids()))
-                whole.append(level)
-        except EchoMQError:
-            # A refusal after an earlier level or chunk landed: take back exactly what this
-            # call wrote, so bad input leaves nothing behind.
-            _rollback(state, written)
-            disarm(state, armed)
-            logger.info(
-                "echomq: flow %s refused; %d steps taken back", plan.parent_id, len(written)
-            )
-            raise
-        # After the atomic land: each child's own policy, on the same slot (one MULTI per
-        # slot, as Redis Cluster requires), before any child can run (none is published yet).
-        for level in whole:
-            if level.child_policies:
-                pipe = state.client.pipeline(transaction=True)
-                for cid, child_policy in level.child_policies.items():
-                    pipe.hset(keys.job_key(level.queue, cid), "parent_policy", child_policy)
-                pipe.execute()
-        # Outside the flow's slot: where a bare id lives (written by the script where it can).
-        located = [
-            level
-            for level, is_chunked in zip(levels, chunked, strict=True)
-            if cluster or is_chunked
-        ]
-        if located:
-            side = state.client.pipeline(transaction=False)
-            for level in located:
-                side.set(keys.locator_key(level.parent_id), level.queue, ex=state.locator_ttl)
-            side.execute()
+        yield
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         where = f"Redis at {safe_url(state.settings.redis_url or '')!r}"
         if not written:
@@ -184,29 +182,159 @@ def start_flow(state: EchoMQ, plan: Plan, encoded: dict[str, Encoded] | None = N
             f"{where} became unavailable ({exc}) after flow {plan.parent_id} was enqueued; "
             "nothing was published: recovery publishes its children once Redis is back"
         ) from exc
+
+
+@contextlib.contextmanager
+def _claims_released(state: EchoMQ, claims: list[str]) -> Iterator[None]:
+    try:
+        yield
     finally:
         # Landed or refused: its rows, or nothing, stand for its ids from now on.
         with contextlib.suppress(redis.RedisError):
             release_claims(state, claims)
-    if logger.isEnabledFor(logging.INFO):
-        logger.info(
-            "echomq: flow %s enqueued on %s with %d children%s",
-            plan.parent_id,
-            plan.queue,
-            len(plan.children),
-            f" ({len(levels) - 1} nested flows)" if len(levels) > 1 else "",
+
+
+@contextlib.contextmanager
+def _taken_back_on_refusal(
+    state: EchoMQ, plan: Plan, written: Written, armed: Any
+) -> Iterator[None]:
+    """A refusal after an earlier level or chunk landed: take back exactly what this call
+    wrote, so bad input leaves nothing behind."""
+    try:
+        yield
+    except EchoMQError:
+        _rollback(state, written)
+        disarm(state, armed)
+        logger.info("echomq: flow %s refused; %d steps taken back", plan.parent_id, len(written))
+        raise
+
+
+def _register_queues(state: EchoMQ, start: _Start) -> tuple[int | None, list[str]]:
+    """Register the tree's queues before the flow lands, not after: a producer killed right
+    after the EVAL must still leave its queues where recovery looks (SADD is idempotent).
+    Returns the store's clock where it was read, and the queues left for the first enqueue
+    script to register."""
+    keys = state.keys
+    if start.cluster:
+        state.client.sadd(keys.queues_key(), *start.queues)
+        return None, []
+    if any(start.chunked):
+        # The store's clock before the enqueue, for the chunked levels' children (their
+        # scripts do not return the time they read). Not on a cluster, where TIME would
+        # come from any node's clock, not the queue's master's.
+        first = state.client.pipeline(transaction=False)
+        first.sadd(keys.queues_key(), *start.queues)
+        first.time()
+        _, (seconds, micros) = first.execute()
+        return int(seconds) * 1000 + int(micros) // 1000, []
+    return None, list(start.queues)
+
+
+def _fused(state: EchoMQ, start: _Start) -> BrokerPushes | None:
+    """A small flow of one level, on a broker that shares the store's server: its children's
+    messages go with its enqueue script (send/fused.py)."""
+    levels, one = start.levels, start.levels[0]
+    plain = not (start.cluster or start.chunked[0] or one.child_policies)
+    if len(levels) != 1 or not one.children or not plain:
+        return None
+    return prepare(
+        state, [_with_since(first_job(j), SINCE_MARK, start.store) for j in one.started()]
+    )
+
+
+def _enqueue_levels(
+    state: EchoMQ,
+    start: _Start,
+    encoded: dict[str, Encoded],
+    register: list[str],
+    fused: BrokerPushes | None,
+    clock: int | None,
+    written: Written,
+    since: dict[str, int | None],
+    claims: list[str],
+) -> tuple[list[Plan], list[tuple[Status, str, str]]]:
+    """Each level, outer first: one enqueue_flow script, or the chunked path. Returns the
+    levels written whole, and what the chunked levels' joined jobs made of their parents."""
+    chunk = state.settings.chunk_size
+    cluster = start.cluster
+    whole: list[Plan] = []
+    settled: list[tuple[Status, str, str]] = []
+    for level, is_chunked in zip(start.levels, start.chunked, strict=True):
+        if is_chunked:
+            joins = start.joins[level.parent_id]
+            settled += _enqueue_chunked(
+                state, level, encoded[level.parent_id], chunk, written, joins
+            )
+            since[level.parent_id] = clock
+            continue
+        step = encoded[level.parent_id]
+        enqueue = functools.partial(
+            state.scripts.enqueue_flow_at,
+            level.queue,
+            level.parent_id,
+            step.parent,
+            step.children,
+            outer=level.outer,
+            recent_ttl_ms=state.settings.result_ttl * 1000,
+            recent_max=state.settings.recent_flows,
+            template=step.template,
+            kinds=step.kinds,
+            # A missing policy reads as "fail" (settle_child, views): the default
+            # costs nothing.
+            policy="" if level.policy == "fail" else level.policy,
+            locator_ttl=0 if cluster else state.locator_ttl,
+            register=register,
+            publish=fused,
         )
-    if fused is not None:
-        return  # its children's messages were pushed by its enqueue
+        try:
+            _, since[level.parent_id] = enqueue(check=start.in_script)
+        except WideCheck:
+            # Too many ids and queues for one script to check: claimed here instead.
+            claims += claim_ids(state, placed([level]))
+            _, since[level.parent_id] = enqueue(check=False)
+        register = []
+        written.append((level.queue, level.parent_id, level.row_ids()))
+        whole.append(level)
+    return whole, settled
+
+
+def _write_child_policies(state: EchoMQ, whole: list[Plan]) -> None:
+    """After the atomic land: each child's own policy, on the same slot (one MULTI per
+    slot, as Redis Cluster requires), before any child can run (none is published yet)."""
+    for level in whole:
+        if level.child_policies:
+            pipe = state.client.pipeline(transaction=True)
+            for cid, child_policy in level.child_policies.items():
+                pipe.hset(state.keys.job_key(level.queue, cid), "parent_policy", child_policy)
+            pipe.execute()
+
+
+def _write_locators(state: EchoMQ, start: _Start) -> None:
+    """Outside the flow's slot: where a bare id lives (written by the script where it can)."""
+    located = [
+        level
+        for level, is_chunked in zip(start.levels, start.chunked, strict=True)
+        if start.cluster or is_chunked
+    ]
+    if located:
+        side = state.client.pipeline(transaction=False)
+        for level in located:
+            side.set(state.keys.locator_key(level.parent_id), level.queue, ex=state.locator_ttl)
+        side.execute()
+
+
+def _publish_levels(state: EchoMQ, start: _Start, since: dict[str, int | None]) -> None:
+    """The leaves' messages (a nested flow's parent is no leaf: its own level holds it), and
+    the parents with no children, which run at once."""
     leaves = [
-        _with_since(first_job(job), since[level.parent_id], store)
-        for level in levels
-        for job in level.children
-        if "nested" not in first_job(job)
+        _with_since(first_job(job), since[level.parent_id], start.store)
+        for level in start.levels
+        for job in level.started()
+        if "nested" not in first_job(job) and child_id(job) not in start.joins[level.parent_id]
     ]
     if leaves:
         publish(state.app, leaves)
-    for level in levels:
+    for level in start.levels:
         if not level.children:
             dispatch_parent(state, level.queue, level.parent_id)
 
@@ -251,6 +379,8 @@ def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
                 keys.flow_keys(queue, parent_id)[0],
                 keys.children_key(queue, parent_id),
                 keys.failures_key(queue, parent_id),
+                keys.window_key(queue, parent_id),
+                keys.slots_key(queue, parent_id),
             )
             # Its locator, where its script wrote one (a key of another slot: on its own).
             pipe.delete(keys.locator_key(parent_id))
@@ -269,7 +399,8 @@ def _enqueue_chunked(
     encoded: Encoded,
     chunk: int,
     written: list[tuple[str, str, list[str]]],
-) -> None:
+    joined: dict[str, Joined],
+) -> list[tuple[Status, str, str]]:
     scripts = state.scripts
     scripts.open_flow(
         level.queue,
@@ -294,28 +425,32 @@ def _enqueue_chunked(
         for _ in row_ids(job):
             (cid, payload), kind = next(rows)
             group.append((cid, payload, level.child_policies.get(cid, ""), kind))
-        by_queue.setdefault(child_queue(job), []).append(group)
+        if group[0][0] not in joined:  # a joined job has its row: it gains an edge instead
+            by_queue.setdefault(child_queue(job), []).append(group)
     parent = ParentRef(level.parent_id, level.queue)
     open_key = state.keys.queue_key(level.queue, "open")
     for queue, groups in by_queue.items():
         for part in _chunks(groups, chunk):
             rows_chunk = [(cid, payload, policy) for cid, payload, policy, _ in part]
-            rows_kinds = "".join(kind for *_, kind in part)
-            scripts.add_children(
-                queue, parent, rows_chunk, "" if set(rows_kinds) == {"p"} else rows_kinds
-            )
+            kinds = "".join(kind for *_, kind in part)
+            kinds = "" if set(kinds) == {"p"} else kinds
+            scripts.add_children(queue, parent, rows_chunk, kinds, level.max_active)
             written.append((queue, "", [cid for cid, _, _ in rows_chunk]))
             # A producer still writing is alive: recovery takes an open flow for abandoned a
             # stall timeout after its last chunk, not after its first, however large it is.
             seconds, micros = state.client.time()
             state.client.zadd(open_key, {level.parent_id: seconds * 1000 + micros // 1000}, xx=True)
-    scripts.seal_flow(level.queue, level.parent_id)
+    settled = join_level(state, level, joined) if joined else []
+    if scripts.seal_flow(level.queue, level.parent_id) is Status.RELEASED:
+        # Every child was a joined job that had finished: released by the seal.
+        dispatch_parent(state, level.queue, level.parent_id)
     logger.info(
         "echomq: flow %s opened, %d children added on %d queue(s), sealed",
         level.parent_id,
         len(level.children),
         len(by_queue),
     )
+    return settled
 
 
 def _chunks(groups: list[list[Any]], size: int) -> Iterator[list[Any]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from celery_echomq.store.script_base import ParentRef
+from celery_echomq.store.script_values import ParentRef
 
 # Message headers that mark a flow job; Celery keeps custom headers across retries.
 H_QUEUE = "echomq_q"  # the queue whose slot holds this job's row
@@ -24,6 +24,10 @@ H_SINCE = "echomq_t"
 # On a child's first message only, too: the producer's store, its URL with any password
 # masked, so that a worker reading another store can name both.
 H_STORE = "echomq_s"
+# "1" on the message of a chain's step that the completion of the step before handed out
+# active (complete.lua, ARGV[13]), and on no stored payload: its first delivery takes the step
+# with one HSETNX of its token (FlowScripts.take_handed) rather than the claim script.
+H_HANDED = "echomq_h"
 # "1": the store writes this job's result into Celery's result backend when the job completes
 # (the message says ignore_result, so Celery's trace writes none; see results.py).
 H_RESULT = "echomq_r"

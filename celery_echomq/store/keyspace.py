@@ -144,9 +144,27 @@ class Keyspace:
         continue (id -> 1; their errors stay on its row), what a page of failed ones reads."""
         return f"{self.job_key(queue, job_id)}:failures"
 
+    def window_key(self, queue: str, parent_id: str) -> str:
+        """A windowed flow's ``:window`` on ``queue``'s slot (its children's): the ids of its
+        children there that wait for a slot, in order (a list; see
+        ``includes/window.lua``, which derives its ``:slots`` from it). On the parent's own
+        slot scripts derive it from the row."""
+        return f"{self.job_key(queue, parent_id)}:window"
+
+    def slots_key(self, queue: str, parent_id: str) -> str:
+        """A windowed flow's ``:slots`` beside its ``:window``: its freed slots not taken yet
+        and how many are taken at once (a hash)."""
+        return f"{self.job_key(queue, parent_id)}:slots"
+
     def settled_key(self, queue: str, job_id: str) -> str:
         """A parent's ``:settled``: which children of other slots were credited (and how)."""
         return f"{self.job_key(queue, job_id)}:settled"
+
+    def parents_key(self, queue: str, job_id: str) -> str:
+        """A job's ``:parents``: the parents it was joined to after it was written
+        (``on_exists="join"``, send/join.py), parent id -> ``policy|queue``; its first parent
+        stays its row's ``parent``."""
+        return f"{self.job_key(queue, job_id)}:parents"
 
     def adding_key(self, queue: str, job_id: str) -> str:
         """A held parent's ``:adding``: children of other slots added to it, staged (id ->
@@ -176,6 +194,11 @@ class Keyspace:
         queues (``includes/taken.lua``): a row is ``[0] + queue + [1] + id``, a claim
         ``[2] + id + [3]``: the forms of :meth:`job_key` and :meth:`claim_key`."""
         return [f"{self.prefix}:{{", "}:", f"{self.prefix}:id:{{", "}"]
+
+    def probe_key(self) -> str:
+        """The doctor's write probe, on a slot of its own (``{doctor}``): written and deleted
+        to see that every command the package sends is allowed."""
+        return f"{self.prefix}:{{doctor}}:probe"
 
     def lease_key(self, name: str) -> str:
         return f"{self.prefix}:lease:{_check_text(name, 'lease name')}"

@@ -14,6 +14,8 @@ TRANSITIONS = (
     "dispatch",
     "cancel",
     "cancel_elsewhere",
+    # a job shared by several flows (on_exists="join"), once none of them waits for it
+    "cancel_shared",
     # an operator's repairs: retry a failed flow (its parent's slot, then its children's),
     # release a held parent now
     "retry_flow",
@@ -26,13 +28,17 @@ TRANSITIONS = (
     "add_children",
     "seal_flow",
     "credit",
+    # a job that exists joined to one more parent (on_exists="join")
+    "join_edge",
     # children added to a held flow: on the parent's slot, then (other slots) add_children,
     # then grow_done
     "grow_flow",
     "grow_done",
-    # recovery's: take back a lost job, renew a live worker's leases, end a dead holder's
-    # lease, watch a job replaced by another task, give up the recovery lease
+    # recovery's: take back a lost job, make a handed step no delivery took pending again,
+    # renew a live worker's leases, end a dead holder's lease, watch a job replaced by another
+    # task, give up the recovery lease
     "requeue",
+    "unhand",
     "extend",
     "drop",
     "hand_over",

@@ -1,4 +1,5 @@
-"""Pure reads of a flow's state: plain reads of its keys, never a write.
+"""Pure reads of a flow's state in the store: plain reads of its keys, never a write (a flow
+running eagerly is read from memory instead: ``send/fanin.py`` chooses).
 
 Each takes the parent's job id. The queue whose slot holds the flow is found from, in order:
 the ``queue`` argument, the current task's own headers (a parent reading its own flow), the
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 from celery import current_app, current_task
 
@@ -27,7 +28,6 @@ __all__ = [
     "children_values",
     "counts_of",
     "dependencies",
-    "failed_children",
     "ignored_failures",
     "locate",
 ]
@@ -122,11 +122,6 @@ def scan_queues(state: EchoMQ, job_id: str) -> str | None:
     return next((name for name, there in zip(names, pipe.execute(), strict=True) if there), None)
 
 
-# Flows whose parent is running eagerly in this process (``flow.apply()``), by parent id: the
-# reads inside its body answer from memory, as they answer from Redis on a worker.
-EAGER: dict[str, Any] = {}
-
-
 def _state(app: Any) -> EchoMQ:
     return get_state(app or current_app)
 
@@ -148,8 +143,6 @@ def children_values(
     once or not at all. A cursor no page gave raises :class:`CursorError`.
     """
     _check_page(cursor, count)
-    if job_id in EAGER:
-        return eager_values(dict(EAGER[job_id].values), cursor, count)
     state = _state(app)
     _, processed, _ = state.keys.flow_keys(locate(state, job_id, queue), job_id)
     if count is None:
@@ -186,7 +179,7 @@ def _is_id(text: str) -> bool:
 
 
 def _page(
-    state: EchoMQ, key: str, start: tuple[int, str | None], count: int
+    state: EchoMQ, key: str, start: tuple[int, str | None], count: int, match: str | None = None
 ) -> tuple[dict[str, bytes], str | None]:
     """At most ``count`` fields of the hash ``key`` from ``start``, and the next cursor.
 
@@ -198,7 +191,7 @@ def _page(
     scan, after = start
     page: dict[str, bytes] = {}
     while True:
-        following, batch = state.client.hscan(key, scan, count=count)
+        following, batch = state.client.hscan(key, scan, match=match, count=count)
         fields = sorted((text(k), v) for k, v in batch.items())
         fresh = [(k, v) for k, v in fields if after is None or k > after]
         room = count - len(page)
@@ -227,8 +220,6 @@ def eager_values(values: dict[str, Any], cursor: str | None, count: int | None) 
 
 def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> Dependencies:
     """Where the children stand: :class:`Dependencies` (outstanding, done, failed, ignored)."""
-    if job_id in EAGER:
-        return cast(Dependencies, EAGER[job_id].dependencies())
     state = _state(app)
     q = locate(state, job_id, queue)
     deps, processed, ignored = state.keys.flow_keys(q, job_id)
@@ -243,49 +234,10 @@ def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> D
 
 def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
     """``{child_job_id: "ExcType: message"}`` for children that failed under policy ``ignore``."""
-    if job_id in EAGER:
-        return dict(EAGER[job_id].ignored)
     state = _state(app)
     _, _, ignored = state.keys.flow_keys(locate(state, job_id, queue), job_id)
-    return {text(k): text(v) for k, v in state.client.hgetall(ignored).items()}
-
-
-def failed_children(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
-    """``{child_job_id: "ExcType: message"}`` for every child that failed for good, under any
-    policy (``fail``, ``ignore``, ``remove``, ``continue``), and those its deadline cut before
-    they started (``FlowDeadlineExceeded: ...``); a child retried since is not."""
-    if job_id in EAGER:
-        return dict(EAGER[job_id].failed_children())
-    state = _state(app)
-    q = locate(state, job_id, queue)
-    _, _, ignored = state.keys.flow_keys(q, job_id)
-    failed = {text(k): text(v) for k, v in state.client.hgetall(ignored).items()}
-    found = state.client.hscan_iter(
-        state.keys.job_key(q, job_id), match=FAILED_PREFIX + "*", count=1000
-    )
-    failed.update((text(k)[len(FAILED_PREFIX) :], text(v)) for k, v in found)
-    failed.update(_cut_children(state, q, job_id))
-    return failed
-
-
-def _cut_children(state: EchoMQ, q: str, job_id: str) -> dict[str, str]:
-    """The children a deadline cut before they started (their rows say ``cut=deadline``)."""
-    client, keys = state.client, state.keys
-    payload = client.hget(keys.job_key(q, job_id), "payload")
-    children = [str(c) for c in (state.loads(payload).get("children") or [])] if payload else []
-    pipe = client.pipeline(transaction=False)
-    for cid in children:
-        pipe.hmget(keys.job_key(q, cid), "state", "error", "cut")
-    found: dict[str, str] = {}
-    for cid, (row_state, error, cut) in zip(children, pipe.execute(), strict=True):
-        if row_state is None:  # a child of another slot
-            where = scan_queues(state, cid)
-            if where is None:
-                continue
-            row_state, error, cut = client.hmget(keys.job_key(where, cid), "state", "error", "cut")
-        if cut == b"deadline":
-            found[cid] = text(error) or ""
-    return found
+    # In chunks rather than one HGETALL: a flow's 100,000 failures must not block Redis.
+    return {text(k): text(v) for k, v in state.client.hscan_iter(ignored, count=1000)}
 
 
 def indexed_children(

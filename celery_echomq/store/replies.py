@@ -69,6 +69,8 @@ class Status(StrEnum):
     ABANDONED = "abandoned"
     # grow_flow
     ADDED = "added"
+    # cancel_shared: a parent was joined to the job since its edges were read
+    JOINED = "joined"
 
 
 # What a claim means for the delivery that made it.
@@ -77,8 +79,9 @@ DUPLICATE_DELIVERY = frozenset(
     {Status.BUSY, Status.DONE, Status.FAILED, Status.CANCELLED, Status.HELD, Status.WAITING}
 )
 # What settling a finished job can answer when it changed nothing for the parent.
+# MISSING: no row (a flow forgotten while its messages, or a child's credit, were on their way).
 UNSETTLED = frozenset(
-    {Status.STALE, Status.FINISHED, Status.FAILED, Status.DUPLICATE, Status.FORGED}
+    {Status.STALE, Status.FINISHED, Status.FAILED, Status.DUPLICATE, Status.FORGED, Status.MISSING}
 )
 
 

@@ -1,6 +1,7 @@
 """Running one transition script on the store, through a failover.
 
-:class:`ScriptRunner` registers every ``lua/<name>.lua`` (redis-py's ``register_script``:
+:class:`ScriptRunner`, the part of :class:`~celery_echomq.store.scripts.Scripts` that runs a
+script, registers every ``lua/<name>.lua`` (redis-py's ``register_script``:
 EVALSHA, EVAL on NOSCRIPT) and runs it with the store client's retry: a script is resent after
 a connection error or a ``READONLY`` reply (a primary demoted under us), a ``WAIT`` follows a
 transition that must survive a failover (``echomq_min_replicas``), and a refusal caused by our
@@ -29,7 +30,6 @@ from redis.exceptions import (
 from celery_echomq.errors import FlowExistsError, ReplicationError, StoreConnectionError
 from celery_echomq.store import connection as store
 from celery_echomq.store.connection import CLUSTER_RETRYABLE, call_until, text
-from celery_echomq.store.keyspace import Keyspace
 from celery_echomq.store.loader import TRANSITIONS, load_source
 from celery_echomq.store.replies import server_error
 
@@ -170,7 +170,6 @@ class ScriptRunner:
     def __init__(
         self,
         client: redis.Redis,
-        keyspace: Keyspace,
         *,
         retry_timeout: float = 20.0,
         min_replicas: int = 0,
@@ -181,7 +180,6 @@ class ScriptRunner:
         ``min_replicas``: WAIT for that many replicas after each transition that must survive
         a failover, up to ``min_replicas_timeout`` seconds, else :class:`ReplicationError`.
         """
-        self.keys = keyspace
         self.client = client
         self.retry_timeout = retry_timeout
         self.min_replicas = min_replicas
@@ -197,11 +195,13 @@ class ScriptRunner:
         # failover does lose the write, the new primary has the parent still held, and the
         # message the caller published is a duplicate that its claim turns away.
         self.hands_out = frozenset({"complete", "dispatch", "credit"})
-        self._scripts: dict[str, Script] = {
+        self.registered: dict[str, Script] = {
             name: client.register_script(load_source(name)) for name in TRANSITIONS
         }
 
-    def _run(self, name: str, keys: Sequence[str], args: Sequence[Value]) -> Any:
+    def run(self, name: str, keys: Sequence[str], args: Sequence[Value]) -> Any:
+        """Run the script ``name`` with ``keys`` and ``args``: its reply, or the error its
+        error reply names (store/replies.py)."""
         # A transition may be sent twice: the client resends it after a connection error or a
         # READONLY reply (a failover), when the first attempt may have been applied and only
         # its reply lost. That is safe only because every script is idempotent under its own
@@ -212,7 +212,7 @@ class ScriptRunner:
         # does nothing more, and what the first run would have had it do (publish a released
         # parent) is left to recovery, as after a crash.
         retries = store.retries_here()
-        script = self._scripts[name]
+        script = self.registered[name]
         try:
             if self.min_replicas and name not in self.unreplicated:
                 return run_replicated(

@@ -1,25 +1,644 @@
-"""Each transition script (``lua/<name>.lua``, loaded by ``loader.py``) as a typed call:
-:class:`Scripts` is a flow's own transitions (``flow_scripts.py``) and, here, those of
-operators and recovery (cancel, retry, release, requeue, leases, hand-over, abandon).
+"""Each transition script (``lua/<name>.lua``, loaded by ``loader.py``) as a typed call: one
+:class:`Scripts` with a method per transition, from a flow's enqueue to its parent's
+dispatch, and those of operators and recovery (cancel, retry, release, requeue, leases,
+hand-over, abandon).
 
-``register_script`` runs EVALSHA and falls back to EVAL on NOSCRIPT.
+Every method builds its KEYS through the :class:`~celery_echomq.store.keyspace.Keyspace` gate
+and maps the script's replies to :class:`~celery_echomq.store.replies.Status` and its error
+replies to Python errors (``EMQKIND`` -> :class:`KindError`). Running a script (EVALSHA, EVAL
+on NOSCRIPT, resent through a failover, the ``WAIT`` of ``echomq_min_replicas``) is the part
+it holds, :class:`~celery_echomq.store.runner.ScriptRunner`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import redis
 
 from celery_echomq.store.codec import Stored, stored_of
 from celery_echomq.store.connection import text
-from celery_echomq.store.flow_scripts import FlowScripts
+from celery_echomq.store.keyspace import Keyspace
 from celery_echomq.store.replies import Status
-from celery_echomq.store.script_base import ParentRef, ResultWrite, status_of, stored_children
+from celery_echomq.store.runner import ScriptRunner, Value
+from celery_echomq.store.script_values import (
+    RECENT_MAX,
+    RECENT_TTL_MS,
+    BrokerPushes,
+    Freed,
+    Handed,
+    ParentRef,
+    ResultWrite,
+    status_of,
+    stored_children,
+    window_freed,
+)
 
-__all__ = ["ParentRef", "ResultWrite", "Scripts"]
+__all__ = ["Handed", "ParentRef", "ResultWrite", "Scripts"]
 
 
-class Scripts(FlowScripts):
+class Scripts:
     """The EchoMQ transitions, bound to one Redis client and one keyspace."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keyspace: Keyspace,
+        *,
+        retry_timeout: float = 20.0,
+        min_replicas: int = 0,
+        min_replicas_timeout: float = 1.0,
+    ) -> None:
+        """``retry_timeout``: how long a transition waits for an unreachable store (the
+        client's own retry, see connection.py) before :class:`StoreUnavailableError`.
+        ``min_replicas``: WAIT for that many replicas after each transition that must survive
+        a failover, up to ``min_replicas_timeout`` seconds, else :class:`ReplicationError`.
+        """
+        self.client = client
+        self.keys = keyspace
+        self.runner = ScriptRunner(
+            client,
+            retry_timeout=retry_timeout,
+            min_replicas=min_replicas,
+            min_replicas_timeout=min_replicas_timeout,
+        )
+        # (queue, priority) -> a claim mark this process has seen the queue reach. Marks only
+        # grow, so a claim of a job pending since no later than that need not read them (the
+        # children of one flow share one pending time: one read per flow and process, not per
+        # child). A stale value (marks deleted) only leaves a mark lower, which delays recovery's
+        # evidence and never makes a false one.
+        self._known_marks: dict[tuple[str, int], int] = {}
+
+    def _run(self, name: str, keys: Sequence[str], args: Sequence[Value]) -> Any:
+        return self.runner.run(name, keys, args)
+
+    def held_keys(self, queue: str, parent_id: str, entry: str = "pending") -> list[str]:
+        """The first eight KEYS of the scripts that settle a whole flow on its slot (retry_flow,
+        abandon_flow, deadline, retry_deadline): its row, counter, values, ignored errors and
+        cross-slot credits, then its queue's ``entry`` set, failed set and counters."""
+        keys = self.keys
+        return [
+            keys.job_key(queue, parent_id),
+            *keys.flow_keys(queue, parent_id),
+            keys.settled_key(queue, parent_id),
+            keys.queue_key(queue, entry),
+            keys.queue_key(queue, "failed"),
+            keys.queue_key(queue, "counters"),
+        ]
+
+    def _parent_keys(self, parent: ParentRef | None, *names: str) -> list[str]:
+        if parent is None:
+            return []
+        row = self.keys.job_key(parent.queue, parent.id)
+        deps, processed, ignored = self.keys.flow_keys(parent.queue, parent.id)
+        known = {
+            "row": row,
+            "dependencies": deps,
+            "processed": processed,
+            "ignored": ignored,
+            "pending": self.keys.queue_key(parent.queue, "pending"),
+            "failed": self.keys.queue_key(parent.queue, "failed"),
+            "counters": self.keys.queue_key(parent.queue, "counters"),
+        }
+        return [known[name] for name in names]
+
+    # --- Writing a flow: its enqueue, its chunks, children it grows -----------------------------
+
+    def enqueue_flow(self, *args: Any, **kwargs: Any) -> int:
+        """:meth:`enqueue_flow_at` (same arguments), returning the counter (N) alone."""
+        return self.enqueue_flow_at(*args, **kwargs)[0]
+
+    def enqueue_flow_at(
+        self,
+        queue: str,
+        parent_id: str,
+        parent_payload: Value,
+        children: Sequence[tuple[str, Value]],
+        outer: str = "",
+        *,
+        recent_ttl_ms: int = RECENT_TTL_MS,
+        recent_max: int = RECENT_MAX,
+        template: Value = b"",
+        kinds: str = "",
+        policy: str = "",
+        locator_ttl: int = 0,
+        register: Sequence[str] = (),
+        check: bool = False,
+        publish: BrokerPushes | None = None,
+    ) -> tuple[int, int | None]:
+        """Hold the parent and write its children; ``recent_ttl_ms`` and ``recent_max`` bound
+        the queue's recent-flow index (normally the result TTL and ``echomq_recent_flows``).
+        Returns ``(N, ms)``: the counter, and the server time (ms) the script read, every
+        child's pending score (None when the call was recognised as landed by an earlier
+        attempt whose reply was lost: its time is not known).
+
+        ``template``: kept on the parent's row; ``kinds``: a character per child, ``d`` where
+        its value is a delta against ``template``, ``p`` where it is a whole payload (empty:
+        every value is a payload). See :mod:`~celery_echomq.store.codec`. ``policy``: kept on the
+        parent's row ('' writes none, which reads as ``fail``). ``locator_ttl``: also write the
+        parent's locator (a key of another slot: not on a Redis Cluster), with this TTL in
+        seconds; ``register``: queue names to add to the registry of queues (also a key of
+        another slot), in the same step. ``check``: the script checks every id against every
+        other queue itself (``includes/taken.lua``: a store of one server only, whose scripts may
+        read keys of any queue). ``publish``: the children's messages, pushed into
+        the broker's database of this server by the same step (not on a Redis Cluster)."""
+        parent_key = self.keys.job_key(queue, parent_id)
+        keys = [
+            parent_key,
+            f"{parent_key}:dependencies",
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "recent"),
+            self.keys.queue_key(queue, "counters"),
+            *(self.keys.job_key(queue, cid) for cid, _ in children),
+        ]
+        argv: list[Value] = [parent_id, parent_payload, str(len(children))]
+        for cid, payload in children:
+            argv += [cid, payload]
+        argv += [outer, str(recent_ttl_ms), str(recent_max)]
+        if policy or locator_ttl or register or check or publish:
+            argv += [template, kinds, policy, str(locator_ttl) if locator_ttl else "", queue]
+            argv += [str(len(register)), *register]
+            argv += self.keys.check_parts() if check else ["", "", "", ""]
+            if locator_ttl:
+                keys.append(self.keys.locator_key(parent_id))
+            if register or check:
+                keys.append(self.keys.queues_key())
+            if publish:
+                keys += publish.lists
+                argv.append(str(publish.db))
+                for index, head, tail in publish.messages:
+                    argv += [str(index), head, tail]
+        elif kinds:
+            argv += [template, kinds]
+        reply = self._run("enqueue_flow", keys, argv)
+        if isinstance(reply, list):
+            return int(reply[0]), int(reply[1]) if reply[1] not in (b"", "", None) else None
+        return int(reply), None
+
+    def open_flow(
+        self,
+        queue: str,
+        parent_id: str,
+        payload: Value,
+        n: int,
+        policy: str,
+        outer: str = "",
+        *,
+        recent_ttl_ms: int = RECENT_TTL_MS,
+        recent_max: int = RECENT_MAX,
+        template: Value = b"",
+    ) -> int:
+        """Hold the parent for the chunked path; ``template``: kept on its row, for the
+        deltas add_children writes on its slot (see :mod:`~celery_echomq.store.codec`)."""
+        row = self.keys.job_key(queue, parent_id)
+        keys = [
+            row,
+            self.keys.flow_keys(queue, parent_id)[0],
+            self.keys.queue_key(queue, "open"),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "recent"),
+            self.keys.queue_key(queue, "counters"),
+        ]
+        argv = [parent_id, payload, str(n), policy, outer, str(recent_ttl_ms), str(recent_max)]
+        if template:
+            argv.append(template)
+        return int(self._run("open_flow", keys, argv))
+
+    def add_children(
+        self,
+        queue: str,
+        parent: ParentRef,
+        children: Sequence[tuple[str, Value, str]],
+        kinds: str = "",
+        max_active: int = 0,
+    ) -> int:
+        """Write one chunk of children that live on ``queue``: (id, payload, policy or '').
+
+        ``kinds``: a character per child, ``d`` where its value is a delta against the
+        template open_flow kept on the parent's row (on the parent's own slot only), ``p``
+        where it is a whole payload (empty: every value is a payload); ``D``, ``P`` the same
+        for a child that waits for a slot of the flow's window (``includes/window.lua``)."""
+        keys = [
+            self.keys.queue_key(queue, "pending"),
+            *(self.keys.job_key(queue, cid) for cid, _, _ in children),
+        ]
+        if "D" in kinds or "P" in kinds:
+            keys.append(self.keys.window_key(queue, parent.id))
+        argv: list[Value] = [
+            parent.id,
+            parent.queue if parent.queue != queue else "",
+            str(len(children)),
+        ]
+        for cid, payload, policy in children:
+            argv += [cid, payload, policy]
+        if kinds:
+            argv.append(kinds)
+        if max_active:
+            argv.append(str(max_active))  # the window's size, for its waiting children
+        return int(self._run("add_children", keys, argv))
+
+    def grow_flow(
+        self,
+        parent: ParentRef,
+        payload_sha: str,
+        new_payload: Value,
+        local: Sequence[tuple[str, Value, str]],
+        remote: Sequence[tuple[str, Value, str]],
+        max_active: int = 0,
+    ) -> tuple[Status, int]:
+        """Add children to a held flow on its parent's slot: write ``local`` (id, payload,
+        policy or ''), stage ``remote``, raise the counter. ``(status, counter)``: see
+        grow_flow.lua (``stale``: the payload is no longer ``payload_sha``).
+
+        ``max_active``: the flow's window; the first of ``local`` it has room for are written
+        pending, the others waiting (:meth:`grow_flow_windowed` says how many started)."""
+        status, counter, _ = self.grow_flow_windowed(
+            parent, payload_sha, new_payload, local, remote, max_active
+        )
+        return status, counter
+
+    def grow_flow_windowed(
+        self,
+        parent: ParentRef,
+        payload_sha: str,
+        new_payload: Value,
+        local: Sequence[tuple[str, Value, str]],
+        remote: Sequence[tuple[str, Value, str]],
+        max_active: int = 0,
+    ) -> tuple[Status, int, int]:
+        """:meth:`grow_flow`, and how many of ``local`` (the first ones) are pending."""
+        row = self.keys.job_key(parent.queue, parent.id)
+        keys = [
+            row,
+            self.keys.flow_keys(parent.queue, parent.id)[0],
+            self.keys.queue_key(parent.queue, "pending"),
+            self.keys.adding_key(parent.queue, parent.id),
+            self.keys.queue_key(parent.queue, "adding"),
+            *(self.keys.job_key(parent.queue, cid) for cid, _, _ in local),
+        ]
+        argv: list[Value] = [
+            parent.id,
+            payload_sha,
+            new_payload,
+            str(len(local)),
+            str(len(remote)),
+        ]
+        for cid, payload, policy in (*local, *remote):
+            argv += [cid, payload, policy]
+        if max_active:
+            argv.append(str(max_active))
+        reply = self._run("grow_flow", keys, argv)
+        started = int(reply[2]) if len(reply) > 2 else len(local)
+        return status_of(reply[0]), int(reply[1]), started
+
+    def grow_done(self, parent: ParentRef, child_ids: Sequence[str]) -> int:
+        """Unstage children of other slots whose rows were written; how many stay staged."""
+        keys = [
+            self.keys.adding_key(parent.queue, parent.id),
+            self.keys.queue_key(parent.queue, "adding"),
+        ]
+        return int(self._run("grow_done", keys, [parent.id, *child_ids]))
+
+    def join_edge(
+        self, queue: str, job_id: str, parent: ParentRef, policy: str
+    ) -> tuple[str, str, str]:
+        """Record ``parent`` as one more parent of the job ``job_id`` (join_edge.lua); returns
+        the job's state ('' when its row is gone), its error and its first parent's id."""
+        keys = [self.keys.job_key(queue, job_id), self.keys.parents_key(queue, job_id)]
+        found, error, first = self._run(
+            "join_edge", keys, [job_id, parent.id, parent.queue, policy]
+        )
+        return text(found), text(error), text(first)
+
+    def seal_flow(self, queue: str, parent_id: str) -> Status:
+        keys = [
+            self.keys.job_key(queue, parent_id),
+            self.keys.flow_keys(queue, parent_id)[0],
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "open"),
+            self.keys.queue_key(queue, "counters"),
+        ]
+        return status_of(self._run("seal_flow", keys, [parent_id])[0])
+
+    # --- A flow's own transitions: claim, complete, fail, credit, retry, dispatch ---------------
+
+    def claim(
+        self,
+        queue: str,
+        job_id: str,
+        token: str,
+        lease_ms: int,
+        *,
+        priority: int = 0,
+        force: bool = False,
+        retries: int = 0,
+        since: int | None = None,
+        parent: str | None = None,
+    ) -> tuple[Status, int, str]:
+        """``(status, attempts, holder)``: see claim.lua (holder: the live token when busy).
+
+        ``since``: the server time (ms) read just before the job was enqueued (its message's
+        ``echomq_t`` header), which spares the claim reading its pending score."""
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "marks"),
+            self.keys.queue_key(queue, "counters"),
+        ]
+        marks = self._known_marks
+        known = marks.get((queue, priority), 0)
+        argv = [
+            job_id,
+            token,
+            str(lease_ms),
+            str(priority),
+            "1" if force else "0",
+            str(retries),
+            str(known) if known else "",
+            str(since) if since else "",
+        ]
+        if parent is not None:
+            argv.append(parent)
+        status, attempts, holder, mark = self._run("claim", keys, argv)
+        if mark not in (b"", "", None) and int(mark) > known:
+            marks[(queue, priority)] = int(mark)
+        return status_of(status), int(attempts), text(holder)
+
+    def take_handed(self, queue: str, job_id: str, token: str, parent: str) -> bool:
+        """Whether this delivery took a chain's step that the completion of the step before
+        handed out (complete.lua, ARGV[15]): the row was active with no token, and now holds
+        ``token``, as a claim would have left it, in one round trip of two commands where the
+        claim script takes six. ``parent``: the one the message names, which must be the
+        row's own. False: the row is anything else (taken by another delivery, cancelled,
+        requeued, finished, forged, gone); the caller then claims as for any delivery.
+
+        HSETNX writes the token only where none is; the HMGET after it (not atomic with it,
+        hence the token compared, not HSETNX's reply) says whether the row is active under
+        this very token, which a resent pipeline (a failover) leaves true as well."""
+        key = self.keys.job_key(queue, job_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hsetnx(key, "token", token)
+        pipe.hmget(key, "state", "token", "parent")
+        wrote, (state, held, own) = pipe.execute()
+        if state is None:
+            if wrote:
+                self.client.delete(key)  # no row (expired): leave no key of a token behind
+            return False
+        if text(held or b"") != token:
+            return False
+        if text(state) == Status.ACTIVE and text(own or b"") == parent:
+            return True
+        if wrote:
+            # Not a handed step (or a forged message): give the token back to the claim.
+            self.client.hdel(key, "token")
+        return False
+
+    def complete(self, *args: Any, **kwargs: Any) -> Status:
+        """:meth:`complete_writing` (same arguments), returning the status alone."""
+        return self.complete_writing(*args, **kwargs)[0]
+
+    def complete_writing(self, *args: Any, **kwargs: Any) -> tuple[Status, bool]:
+        """:meth:`complete_releasing` (same arguments), without the parent to publish."""
+        status, written, _, _ = self.complete_settling(*args, **kwargs)
+        return status, written
+
+    def complete_releasing(self, *args: Any, **kwargs: Any) -> tuple[Status, bool, Handed | None]:
+        """:meth:`complete_settling` without whether the job was joined to more parents."""
+        status, written, handed, _ = self.complete_settling(*args, **kwargs)
+        return status, written, handed
+
+    def complete_settling(
+        self,
+        queue: str,
+        job_id: str,
+        token: str,
+        *,
+        ttl: int,
+        is_parent: bool,
+        parent: ParentRef | None,
+        value: Value,
+        result: ResultWrite | None = None,
+        inline_max: int = 0,
+        next_step: str = "",
+        freed: list[Freed] | None = None,
+        hand_ms: int = 0,
+    ) -> tuple[Status, bool, Handed | None, bool]:
+        """Finish an active job (complete.lua) and credit its parent; returns the status,
+        whether it wrote ``result``, the job's result for Celery's Redis backend (see
+        results.py): only the job's real active -> done transition writes it, never a stale or
+        repeated completion; and, with ``inline_max``, the parent this completion released
+        for the caller to publish (what :meth:`dispatch` would hand out), else None; and
+        whether the job was joined to more parents (its :parents), which the caller credits.
+
+        ``next_step``: the job is a chain's step but its last; its value goes to that step,
+        made pending: the status is then ``advanced`` and the handed payload that step's
+        (``(payload, {"since": its pending score})``), for the caller to publish. With
+        ``hand_ms``, that step is handed out active under a lease of that many ms, for its
+        first delivery to take (:meth:`take_handed`) without a claim.
+
+        A child's completion also makes the next child of its flow's window pending, which
+        goes into ``freed`` for the caller to publish (None: left to recovery, a stall
+        timeout later)."""
+        remote = parent is not None and parent.queue != queue and not next_step
+        if next_step:
+            onward = [self.keys.job_key(queue, next_step), self.keys.queue_key(queue, "pending")]
+        elif remote:
+            onward = [self.keys.queue_key(queue, "outbox")]
+        else:
+            onward = self._parent_keys(
+                parent, "row", "dependencies", "processed", "pending", "counters"
+            )
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "active"),
+            *self.keys.flow_keys(queue, job_id),
+            *onward,
+        ]
+        argv: list[Value] = [
+            job_id,
+            token,
+            str(ttl),
+            "1" if is_parent else "0",
+            parent.id if parent else "",
+            value,
+            "1" if remote else "0",
+        ]
+        if result is not None:
+            expires = str(result.expires) if result.expires else ""
+            argv += ["1", result.meta, expires]
+        if next_step:
+            argv += [*([] if result is not None else ["", "", ""]), "", next_step]
+        elif inline_max and not remote and parent is not None:
+            if result is None:
+                argv += ["", "", ""]
+            argv.append(str(inline_max))
+        argv += [""] * (12 - len(argv))
+        # The window's keys, then its other parents' edges (on_exists="join": the index and
+        # :parents), before the result's key, which stays the last.
+        if parent is not None and not next_step:
+            argv.append(str(len(keys) + 1))
+            keys += self._window_keys(queue, parent)
+        else:
+            argv.append("")
+        argv.append(str(len(keys) + 1))
+        keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
+        if next_step and hand_ms:
+            argv.append(str(hand_ms))  # the next step handed out active, leased
+        if result is not None:
+            keys.append(result.key)
+        reply = window_freed(self._run("complete", keys, argv), freed)
+        flag = text(reply[1]) if len(reply) > 1 else ""
+        status, written, shared = status_of(reply[0]), flag.startswith("1"), flag.endswith("+")
+        if status is Status.ADVANCED:
+            return status, written, (reply[2], {"since": reply[3]}), shared
+        handed = None
+        if status is Status.RELEASED and len(reply) > 2 and parent is not None:
+            handed = self._handed(parent, reply[2:], inline_max)
+        return status, written, handed, shared
+
+    def fail(self, *args: Any, **kwargs: Any) -> tuple[Status, str]:
+        """:meth:`fail_settling` without whether the job was joined to more parents."""
+        status, policy, _ = self.fail_settling(*args, **kwargs)
+        return status, policy
+
+    def fail_settling(
+        self,
+        queue: str,
+        job_id: str,
+        token: str,
+        error: str,
+        *,
+        ttl: int,
+        is_parent: bool,
+        parent: ParentRef | None,
+        carry: bool = False,
+        freed: list[Freed] | None = None,
+    ) -> tuple[Status, str, bool]:
+        """Fail a job and apply its failure to its parent under the child's policy.
+
+        ``token`` '' accepts any delivery (revoke, recovery, a hard time limit). ``carry``: the
+        job is a nested flow's parent, failed already by one of its own children; carry that
+        failure, once, to the flow it is a child of (``token`` is not read). A child that was
+        out frees its slot of its flow's window: the next child, made pending, goes into
+        ``freed`` (see :meth:`complete_settling`). Also returns whether the job was joined to
+        more parents (on_exists="join"), which the caller settles it for.
+        """
+        remote = parent is not None and parent.queue != queue
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "failed"),
+            *self.keys.flow_keys(queue, job_id),
+            *(
+                [self.keys.queue_key(queue, "outbox")]
+                if remote
+                else self._parent_keys(
+                    parent,
+                    "row",
+                    "dependencies",
+                    "processed",
+                    "ignored",
+                    "pending",
+                    "failed",
+                    "counters",
+                )
+            ),
+        ]
+        argv = [
+            job_id,
+            token,
+            error,
+            str(ttl),
+            "1" if is_parent else "0",
+            parent.id if parent else "",
+            "1" if remote else "0",
+            "1" if carry else "0",
+        ]
+        if parent is not None:
+            argv.append(str(len(keys) + 1))
+            keys += self._window_keys(queue, parent)
+        else:
+            argv.append("")
+        # Its other parents' edges (on_exists="join"): the index and :parents, last.
+        argv.append(str(len(keys) + 1))
+        keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
+        reply = window_freed(self._run("fail", keys, argv), freed)
+        return status_of(reply[0]), text(reply[1]), len(reply) > 2
+
+    def _window_keys(self, queue: str, parent: ParentRef) -> list[str]:
+        """The window of ``parent``'s children on ``queue``'s slot and that queue's pending
+        set: where a finishing child's flow keeps its waiting children (none for a flow
+        without a window: an LPOP of a missing key, the one command it costs)."""
+        return [self.keys.window_key(queue, parent.id), self.keys.queue_key(queue, "pending")]
+
+    def credit(
+        self,
+        parent: ParentRef,
+        child_id: str,
+        outcome: str,
+        data: Value,
+        policy: str,
+        *,
+        ttl: int,
+    ) -> tuple[Status, str]:
+        """Count a child of another slot on its parent's slot, once per child id."""
+        deps, processed, ignored = self.keys.flow_keys(parent.queue, parent.id)
+        keys = [
+            self.keys.job_key(parent.queue, parent.id),
+            deps,
+            processed,
+            ignored,
+            self.keys.settled_key(parent.queue, parent.id),
+            self.keys.queue_key(parent.queue, "pending"),
+            self.keys.queue_key(parent.queue, "failed"),
+            self.keys.queue_key(parent.queue, "counters"),
+        ]
+        status, applied = self._run(
+            "credit", keys, [parent.id, child_id, outcome, data, policy, str(ttl)]
+        )
+        return status_of(status), text(applied)
+
+    def retry(self, queue: str, job_id: str, token: str, due_in_ms: int = 0) -> Status:
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+        ]
+        return status_of(self._run("retry", keys, [job_id, token, str(max(0, due_in_ms))])[0])
+
+    def dispatch(
+        self, queue: str, parent_id: str, redispatch_after_ms: int = 0, inline_max: int = 1000
+    ) -> Handed | None:
+        """The parent's payload and its children's values, or None if it is not ours to publish.
+
+        More than ``inline_max`` values are read after the claim in chunks of that size.
+        """
+        row = self.keys.job_key(queue, parent_id)
+        _, processed, _ = self.keys.flow_keys(queue, parent_id)
+        counters = self.keys.queue_key(queue, "counters")
+        reply = self._run(
+            "dispatch",
+            [row, processed, counters],
+            [parent_id, str(redispatch_after_ms), str(inline_max)],
+        )
+        if not reply:
+            return None
+        return self._handed(ParentRef(parent_id, queue), reply, inline_max)
+
+    def _handed(self, parent: ParentRef, reply: list[Any], inline_max: int) -> Handed:
+        """A parent to publish, from hand_out's reply: its payload and its children's values
+        (read in chunks of ``inline_max`` where the script left them out)."""
+        if text(reply[1]) == "scan":
+            _, processed, _ = self.keys.flow_keys(parent.queue, parent.id)
+            values = {text(k): v for k, v in self.client.hscan_iter(processed, count=inline_max)}
+        else:
+            values = {text(reply[i]): reply[i + 1] for i in range(2, len(reply), 2)}
+        return reply[0], values
+
+    # --- Operators and recovery: cancel, retry, release, requeue, leases, hand-over, abandon -----
 
     def cancel(
         self, queue: str, parent_id: str, child_ids: Sequence[str], *, ttl: int
@@ -58,6 +677,17 @@ class Scripts(FlowScripts):
         ]
         argv = [parent_id, str(ttl), "1" if started else "0", *child_ids]
         return [text(cid) for cid in self._run("cancel_elsewhere", keys, argv)]
+
+    def cancel_shared(self, queue: str, job_id: str, edges: int, *, ttl: int) -> Status:
+        """Cancel a job shared by several flows that none of them waits for any more, unless
+        it gained a parent since its ``edges`` were read (cancel_shared.lua)."""
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.parents_key(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+        ]
+        return status_of(self._run("cancel_shared", keys, [job_id, str(ttl), str(edges)])[0])
 
     def retry_flow(
         self,
@@ -155,6 +785,16 @@ class Scripts(FlowScripts):
         reply = self._run("requeue", keys, [job_id, str(stall_ms), seen_state, token])
         status = status_of(reply[0])
         return (status, stored_of(*reply[1:5])) if status is Status.REQUEUED else (status, None)
+
+    def unhand(self, queue: str, job_id: str) -> Status:
+        """A handed-out chain step no delivery took before its lease lapsed, back to pending
+        (``pending``), or ``fresh`` / ``noop``: see unhand.lua."""
+        keys = [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "active"),
+        ]
+        return status_of(self._run("unhand", keys, [job_id])[0])
 
     def extend(
         self,

@@ -15,10 +15,12 @@ from typing import Any
 from celery_echomq import tracing
 from celery_echomq.errors import FlowFailed
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
-from celery_echomq.send.errbacks import ran_by_child
-from celery_echomq.store.flow_scripts import Handed
+from celery_echomq.send.errbacks import errbacks_left
+from celery_echomq.send.freed import publish_freed
+from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
 from celery_echomq.store.replies import UNSETTLED, Status
+from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
 from celery_echomq.store.state import EchoMQ
 
@@ -82,8 +84,11 @@ def parent_failed(
     payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
     job = state.loads(payload) if payload else {"task": None, "options": {}}
     exc = FlowFailed(f"flow {parent_id}: child {child_id} failed: {error}", child_id, error)
-    # A group parent's tasks ran its errbacks themselves (send/errbacks.py).
-    record_failure(state, parent_id, exc, job, call_errbacks=not ran_by_child(job, child_id))
+    # A group parent's tasks, or a chain parent's steps, ran its errbacks themselves
+    # (send/errbacks.py).
+    left = errbacks_left(job, child_id)
+    job = {**job, "options": {**(job.get("options") or {}), "link_error": left}}
+    record_failure(state, parent_id, exc, job, call_errbacks=bool(left))
     logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
     headers = job["options"].get("headers") or {}
     outer = headers.get(H_PARENT)
@@ -160,8 +165,12 @@ def settle_success(
     job is a chain's step but its last (:data:`H_NEXT`): the completion makes that step
     pending, and this publishes it with the value; ``since``: the pending time this step's
     message carried (:data:`H_SINCE`), which the next step's carries on (an older time than
-    its own pending score, which only spares its claim the claim marks, see claim.lua)."""
-    status, written, handed = state.scripts.complete_releasing(
+    its own pending score, which only spares its claim the claim marks, see claim.lua). The
+    next step is handed out active, under a lease of the stall timeout: its first delivery
+    takes it without a claim (``take_handed``), and recovery makes it pending again if no
+    delivery took it before the lease lapsed (``stalled.py``)."""
+    freed: list[Freed] = []
+    status, written, handed, shared = state.scripts.complete_settling(
         queue,
         job_id,
         token,
@@ -172,17 +181,23 @@ def settle_success(
         result=result,
         inline_max=state.settings.chunk_size,
         next_step=next_step,
+        freed=freed,
+        hand_ms=state.settings.stall_ms if next_step else 0,
     )
+    if freed:
+        publish_freed(state, queue, freed)
     if status is Status.FORGED:
         logger.warning(
             "echomq: completion of %s refused: parent %s is not the job's own", job_id, parent
         )
     if result is not None and not written and unwritten is not None:
         unwritten()
+    if shared:
+        credit_edges(state, queue, job_id, Status.DONE, value)
     if status is Status.ADVANCED and handed is not None:
         if since is None:
             since = int(handed[1]["since"])
-        publish_step(state, next_step, handed[0], value, previous=job_id, since=since)
+        publish_step(state, next_step, handed[0], value, previous=job_id, since=since, handed=True)
         return status
     if status is Status.STAGED and parent is not None:
         status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")
@@ -207,7 +222,8 @@ def settle_failure(
     ``carry``: the job is a nested flow's parent, already failed by one of its own children;
     apply that failure, once, to the flow it belongs to (see fail.lua).
     """
-    status, policy = state.scripts.fail(
+    freed: list[Freed] = []
+    status, policy, shared = state.scripts.fail_settling(
         queue,
         job_id,
         token,
@@ -216,11 +232,16 @@ def settle_failure(
         is_parent=is_parent,
         parent=parent,
         carry=carry,
+        freed=freed,
     )
+    if freed:
+        publish_freed(state, queue, freed)
     if status is Status.FORGED:
         logger.warning(
             "echomq: failure of %s refused: parent %s is not the job's own", job_id, parent
         )
+    if shared:
+        credit_edges(state, queue, job_id, Status.FAILED, error)
     if status is Status.STAGED and parent is not None:
         status, policy = credit_remote(state, queue, job_id, parent, Status.FAILED, error, policy)
     if parent is None or status in UNSETTLED:
@@ -229,3 +250,22 @@ def settle_failure(
     tracing.child_failed(job_id, parent.id, policy, error, status is Status.PARENT_FAILED)
     follow(state, status, job_id, parent, error)
     return status
+
+
+def credit_edges(state: EchoMQ, queue: str, job_id: str, outcome: str, data: bytes | str) -> None:
+    """A finished job joined to more parents than its first (on_exists="join"): credit each of
+    them (credit.lua, once per parent through its :settled, so a repeat changes nothing), act
+    on what that made of it, then unstage the job. Recovery repeats it for a job left staged.
+    """
+    keys = state.keys
+    for raw_id, spec in state.client.hscan_iter(keys.parents_key(queue, job_id), count=100):
+        policy, _, parent_queue = text(spec).partition("|")
+        parent = ParentRef(text(raw_id), parent_queue)
+        failed = outcome == Status.FAILED
+        status, _ = state.scripts.credit(
+            parent, job_id, outcome, data, policy if failed else "", ttl=state.settings.result_ttl
+        )
+        logger.info("echomq: joined %s (%s) credited to %s: %s", job_id, outcome, parent.id, status)
+        if status is not Status.DUPLICATE:
+            follow(state, status, job_id, parent, str(data) if failed else "")
+    state.client.zrem(keys.queue_key(queue, "joined"), job_id)

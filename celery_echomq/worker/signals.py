@@ -24,6 +24,7 @@ from celery_echomq import tracing
 from celery_echomq.config import safe_url
 from celery_echomq.store.headers import (
     H_FLOW,
+    H_HANDED,
     H_NEXT,
     H_PARENT,
     H_QUEUE,
@@ -115,6 +116,12 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     since = getattr(request, H_SINCE, None)
     # The parent the message names: the claim compares it with the row's own.
     named = str(getattr(request, H_PARENT, None) or "")
+    if getattr(request, H_HANDED, None) and state.scripts.take_handed(queue, task_id, token, named):
+        # A chain's step the completion of the step before handed out active: taken.
+        _tokens[task_id] = token
+        store_started(task, request)
+        logger.debug("echomq: took handed step %s", task_id)
+        return
     status, attempts, holder = state.scripts.claim(
         queue,
         task_id,

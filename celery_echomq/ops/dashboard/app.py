@@ -251,12 +251,12 @@ class Dashboard:
         )
 
     def _release(self, job_id: str) -> str:
-        from celery_echomq.ops.repair import release_flow
+        from celery_echomq.ops.release import release_flow
 
         done = release_flow(self.state, job_id)
         return (
             f"flow {job_id} released with {done.values} value(s); "
-            f"{len(done.outstanding)} child(ren) outstanding"
+            f"{done.left} child(ren) outstanding"
         )
 
 

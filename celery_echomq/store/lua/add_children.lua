@@ -16,6 +16,10 @@
 --             whole payload ('' or absent: every child's is a payload); 's', 'w', 'l' for
 --             the first, a middle and the last step of a linked chain, in order, never split
 --             across two calls (includes/chain_step.lua)
+--             'D', 'P': a child waiting for a slot of its flow's window, as a delta or a
+--             payload (includes/window.lua): written 'waiting', its id pushed to KEYS[2+k]
+-- KEYS[2+k]   with a 'D' or 'P' kind: the window of the parent's children on this slot
+-- ARGV[5+3k]  with it: the window's size, max_active
 --
 -- Reply: the number of rows written. A row that already exists for this same parent is
 -- left as it is (a repeated add writes nothing twice).
@@ -24,6 +28,7 @@
 --- @include "now_ms"
 --- @include "child_row"
 --- @include "chain_step"
+--- @include "window"
 local k = tonumber(ARGV[3])
 local refused = gate_ids(1, 1) or gate_ids(4, 1 + 3 * k, 3)
 if refused then
@@ -66,6 +71,9 @@ for i = 1, k do
   end
   heads[i] = {head, head_at}
 end
+-- The children waiting for a slot of the flow's window, in order (a repeated chunk's rows
+-- exist: none of them is pushed twice).
+local waiting = {}
 for n, i in ipairs(fresh) do
   local row = KEYS[1 + i]
   local kind = string.byte(kinds, i)
@@ -73,6 +81,10 @@ for n, i in ipairs(fresh) do
   if is_step(kind) then
     pending = write_step_row(row, ARGV[1], ARGV[2 + 3 * i], kind, heads[i][1], ARGV[4 + 3 * i],
       kind == STEP_LAST and step_ids(heads[i][2], i, id_at) or nil)
+  elseif is_waiting(kind) then
+    write_waiting_row(row, ARGV[1], ARGV[2 + 3 * i], kind)
+    waiting[#waiting + 1] = ARGV[1 + 3 * i]
+    pending = false
   else
     write_child_row(row, ARGV[1], ARGV[2 + 3 * i], kind == 100) -- 'd'
   end
@@ -90,5 +102,8 @@ for n, i in ipairs(fresh) do
     redis.call('ZADD', KEYS[1], unpack(members))
     members = {}
   end
+end
+if #waiting > 0 then
+  window_push(KEYS[2 + k], waiting, tonumber(ARGV[5 + 3 * k]))
 end
 return #fresh

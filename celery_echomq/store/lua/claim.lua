@@ -5,10 +5,9 @@
 -- KEYS[3]  the queue's active set (score: when the holder's lease lapses)
 -- KEYS[4]  the queue's claim marks (hash: priority -> the latest pending-since of a job the
 --          queue has delivered): the evidence recovery reads to tell a backlog from a loss
--- KEYS[5]  the queue's reserved set (unused: the worker's lease loop ends the holds it made,
---          in one extend call per tick, rather than every claim paying a ZREM for a hold
---          that rarely exists; kept so the caller's KEYS stay stable)
--- KEYS[6]  the queue's counters (hash)
+-- KEYS[5]  the queue's counters (hash)
+-- (No reserved set: the worker's lease loop ends the holds it made, in one extend call per
+-- tick, rather than every claim paying a ZREM for a hold that rarely exists.)
 -- ARGV[1]  job id
 -- ARGV[2]  the new token
 -- ARGV[3]  lease in ms: the holder's lease lapses at server time + lease unless renewed
@@ -57,7 +56,7 @@ if not state then
   return {'missing', 0, '', ''}
 end
 if ARGV[9] and ARGV[9] ~= (row[8] or '') then
-  redis.call('HINCRBY', KEYS[6], 'forged_refused', 1)
+  redis.call('HINCRBY', KEYS[5], 'forged_refused', 1)
   return {'forged', tonumber(row[2]) or 0, '', ''}
 end
 if state == 'awaiting_children' then
@@ -65,7 +64,7 @@ if state == 'awaiting_children' then
 end
 local attempts = tonumber(row[2]) or 0
 if state ~= 'pending' and state ~= 'active' then
-  redis.call('HINCRBY', KEYS[6], 'duplicates_skipped', 1)
+  redis.call('HINCRBY', KEYS[5], 'duplicates_skipped', 1)
   return {state, attempts, '', ''}
 end
 local retries = tonumber(ARGV[6] or '0')
@@ -74,7 +73,7 @@ if state == 'active' and ARGV[5] ~= '1' and retries <= (tonumber(row[5]) or 0) t
   local lease = tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or '0')
   if row[4] or lease > now then
     redis.call('HINCRBY', KEYS[1], 'skipped', 1)
-    redis.call('HINCRBY', KEYS[6], 'duplicates_skipped', 1)
+    redis.call('HINCRBY', KEYS[5], 'duplicates_skipped', 1)
     return {'busy', attempts, row[3] or '', ''}
   end
 end

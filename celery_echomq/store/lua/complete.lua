@@ -33,21 +33,38 @@
 -- ARGV[12] optional: the next step's id, on a chain's step but its last (its row's 'next');
 --          then the value goes to that step, not to a parent ('' or absent: not a step). A
 --          flow parent may be one (ARGV[4] == '1'): a chain's step held on its children
+-- ARGV[13] optional: where the job's flow window keys are (includes/window.lua): KEYS[ARGV[13]]
+--          the window of the job's parent on this slot, KEYS[ARGV[13] + 1] this queue's
+--          pending set, before the result key ('' or absent: no window looked at)
+-- ARGV[14] optional: i, where KEYS[i] is the queue's index of joined jobs to credit and
+--          KEYS[i + 1] the job's :parents (includes/join.lua), after the window's keys and
+--          before the result's key ('' or absent: none)
+-- ARGV[15] optional, with ARGV[12]: a lease in ms. The next step is then handed out active
+--          rather than made pending: its row 'active' with no token and 'attempts' 1, its lease
+--          in the active set lapsing at server time + this, its 'started' the server time (its
+--          pending time, should recovery find it never taken). The first delivery of its
+--          message takes it by writing the token a claim would (HSETNX, see
+--          worker/handoff.py), in place of the claim script ('' or absent: made pending)
 --
 -- Reply: {status} or, when ARGV[8] == '1', {status, written}: written '1' when this call
 -- wrote the result (the job's one active -> done transition), else '' (the host stores it the
--- way Celery would, which never overwrites a SUCCESS)
+-- way Celery would, which never overwrites a SUCCESS); whatever ARGV[8], written ends in '+'
+-- when the job was joined to more parents and staged for the host to credit them
 --   "released"    credited, and it was the last outstanding child: the parent is now pending
 --                 (the host dispatches it); with ARGV[11], the reply goes on with what
 --                 dispatch.lua replies: {"released", written, payload, "inline", id1,
 --                 value1, ...} or {"released", written, payload, "scan"}
 --   "credited"    credited; other children outstanding, or the parent no longer waits
 --   "staged"      finished and staged in the outbox (ARGV[7] == '1'): the host credits it
---   "advanced"    a chain's step: finished, and the next step is now pending with this value
---                 as its 'input'; the reply goes on with that step's payload, for the host to
---                 publish: {"advanced", written, payload, now} (now: its pending score, the
---                 server's ms, which its message carries so that its claim need not read it)
+--   "advanced"    a chain's step: finished, and the next step is now pending (or, with
+--                 ARGV[15], active with no token) with this value as its 'input'; the reply
+--                 goes on with that step's payload, for the host to publish: {"advanced",
+--                 written, payload, now} (now: its pending score, the server's ms, which its
+--                 message carries so that its claim need not read it)
 --   "done"        finished; no parent to credit (or the next step no longer waits)
+--   With ARGV[13], a child's "released", "credited" or "staged" reply ends with the next
+--   child of its flow's window made pending, as a list: {"window", id, payload, delta,
+--   parent, now} (one of payload and delta ''), for the host to publish
 --   "stale"       the token is not the current one: nothing changed
 --   "forged"      ARGV[5] is not the row's own parent, or ARGV[12] its own next step (a
 --                 message's headers named another): nothing changed
@@ -58,6 +75,8 @@
 --- @include "holder"
 --- @include "settle_child"
 --- @include "hand_out"
+--- @include "window"
+--- @include "join"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
@@ -108,6 +127,12 @@ if ARGV[8] == '1' and was_active == 1 then
   redis.call('PUBLISH', result_key, ARGV[9])
   written = '1'
 end
+local edges_at = tonumber(ARGV[14] or '')
+if was_active == 1 and edges_at
+    and stage_edges(KEYS[1], ARGV[1], KEYS[edges_at], KEYS[edges_at + 1], now_ms(), ttl,
+      ARGV[6]) then
+  written = written .. '+' -- its other parents, for the host to credit
+end
 if next_id ~= '' then
   -- A chain's step: its value goes to the next step, which becomes pending, and this worker
   -- publishes it (recovery re-publishes it if that never happens). Once, inside was_active.
@@ -115,8 +140,17 @@ if next_id ~= '' then
     local after = redis.call('HMGET', KEYS[6], 'state', 'payload')
     if after[1] == 'waiting' then
       local now = now_ms()
-      redis.call('HSET', KEYS[6], 'state', 'pending', 'input', ARGV[6])
-      redis.call('ZADD', KEYS[7], now, next_id)
+      local lease = tonumber(ARGV[15] or '')
+      if lease then
+        -- Handed out: the claim its worker would make is made here (the same slot: a linked
+        -- run's steps share a queue), but for the token, which its first delivery writes.
+        redis.call('HSET', KEYS[6], 'state', 'active', 'input', ARGV[6], 'started', now,
+          'attempts', '1')
+        redis.call('ZADD', KEYS[2], now + lease, next_id)
+      else
+        redis.call('HSET', KEYS[6], 'state', 'pending', 'input', ARGV[6])
+        redis.call('ZADD', KEYS[7], now, next_id)
+      end
       return {'advanced', written, after[2], now}
     end
   end
@@ -126,7 +160,7 @@ if ARGV[7] == '1' then
   if was_active == 1 then
     redis.call('HSET', KEYS[1], 'value', ARGV[6])
     redis.call('ZADD', KEYS[6], now_ms(), ARGV[1])
-    return {'staged', written}
+    return window_reply({'staged', written}, 13, ttl)
   end
   return {'done', written}
 end
@@ -143,8 +177,8 @@ if ARGV[5] ~= '' and was_active == 1 then
       tonumber(ARGV[11]), now_ms())
     table.insert(reply, 1, written)
     table.insert(reply, 1, settled)
-    return reply
+    return window_reply(reply, 13, ttl)
   end
-  return {settled, written}
+  return window_reply({settled, written}, 13, ttl)
 end
 return {'done', written}

@@ -23,12 +23,18 @@
 --   "credited"       counted; the parent still waits, or no longer waits
 --   "parent_failed"  policy fail: the parent is failed (the host records FAILURE for it)
 --   "duplicate"      this child was credited before: nothing changed
+--   "missing"        no parent row (the flow was forgotten or has expired): nothing changed,
+--                    so a child staged just before its flow was forgotten leaves no
+--                    :settled, :processed or :dependencies behind (keys without a TTL)
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "settle_child"
 local refused = gate_ids(1, 2)
 if refused then
   return refused
+end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  return {'missing', ''}
 end
 if redis.call('HSETNX', KEYS[5], ARGV[2], ARGV[3]) == 0 then
   return {'duplicate', ''}

@@ -18,12 +18,13 @@
 --        is not the outer flow's placeholder).
 --- @include "gate"
 --- @include "now_ms"
+--- @include "placeholder"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
 local row = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
-if row[1] and (ARGV[4] == '' or row[1] ~= 'pending' or row[2] ~= ARGV[4] or row[3] ~= '0') then
+if row[1] and not is_placeholder(row, ARGV[4]) then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
 end
 local at = tonumber(ARGV[3])

@@ -29,6 +29,8 @@
 --              'p' where it is a whole payload ('' or absent: every child's is a payload);
 --              's', 'w', 'l' for the first, a middle and the last step of a linked chain, in
 --              order (includes/chain_step.lua: only its last is counted, only its first pending)
+--              'D', 'P' for a child waiting for a slot of the flow's window, as a delta or a
+--              payload (includes/window.lua: counted, not pending, its id in '<parent row>:window')
 -- ARGV[9+2N]   optional: the flow's policy, kept on the parent's row ('' or absent: none,
 --              which reads as 'fail')
 -- ARGV[10+2N]  optional: the locator's TTL in seconds; KEYS[6+N] is set to ARGV[11+2N] (the
@@ -57,6 +59,7 @@
 --- @include "child_row"
 --- @include "taken"
 --- @include "chain_step"
+--- @include "window"
 
 -- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
 -- write.
@@ -146,6 +149,8 @@ local index_key = KEYS[1] .. ':children'
 local index = {}
 -- The children the parent counts: every child, but the steps of a chain before its last.
 local counted, head, head_at = 0, '', 0
+-- The children waiting for a slot of the flow's window, in order.
+local waiting = {}
 local function id_at(i)
   return ARGV[2 + 2 * i]
 end
@@ -165,6 +170,11 @@ for i = 1, n do
     if listed then
       counted = counted + 1
     end
+  elseif is_waiting(kind) then
+    write_waiting_row(child, ARGV[1], ARGV[3 + 2 * i], kind)
+    waiting[#waiting + 1] = cid
+    pending = false
+    counted = counted + 1
   else
     write_child_row(child, ARGV[1], ARGV[3 + 2 * i], kind == 100) -- 'd'
     counted = counted + 1
@@ -184,6 +194,9 @@ for i = 1, n do
     redis.call('RPUSH', index_key, unpack(index))
     index = {}
   end
+end
+if #waiting > 0 then
+  window_push(KEYS[1] .. ':window', waiting, counted - #waiting) -- the window's size: those out
 end
 if placeholder[1] then
   redis.call('ZREM', KEYS[3], ARGV[1])

@@ -29,6 +29,15 @@
 --           cancelled, so it is failed or cancelled already; this applies that failure,
 --           once, to the flow it is a child of
 --           (ARGV[2] is then ignored). '0' otherwise
+-- ARGV[9]   optional: KEYS[ARGV[9]] the window of the job's parent on this slot, and
+--           KEYS[ARGV[9] + 1] this queue's pending set (includes/window.lua), after the keys
+--           above ('' or absent: no window looked at)
+-- ARGV[10]  optional: i, where KEYS[i] is the queue's index of joined jobs to credit and
+--           KEYS[i + 1] the job's :parents (includes/join.lua), after the keys above and
+--           the window's ('' or absent: none)
+--
+-- A chain's step but its last (its row has 'next') expires the steps after it with its own row
+-- (includes/chain_rest.lua: their rows, on this slot, named after its own).
 --
 -- Reply: {status, policy}
 --   "failed"         the job failed; it has no parent here
@@ -43,18 +52,33 @@
 --   "forged"         ARGV[6] is not the row's own parent (a message's headers named
 --                    another): nothing changed
 --   "finished"       already done, failed or cancelled: nothing changed
+--   "missing"        no row (forgotten, expired, or never written): nothing changed. A
+--                    worker reports a revoked message it drops however late it comes (a
+--                    cancelled flow forgotten while its messages still wait in the broker):
+--                    writing the failure would bring the forgotten row back
+--   With ARGV[9], a child that was out (pending or active, or a nested flow carried) ends
+--   its "parent_failed", "released", "credited" or "staged" reply with the next child of its
+--   flow's window made pending: {"window", id, payload, delta, parent, now} (complete.lua)
+-- A third element, 'edges', follows when the job was joined to more parents and was staged
+-- for the host to settle it for them (before the window's list, which is always last).
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
 --- @include "settle_child"
+--- @include "window"
+--- @include "join"
+--- @include "chain_rest"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent')
+local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'next')
 local state = row[1]
-if state and (row[3] or '') ~= ARGV[6] then
+if not state then
+  return {'missing', ''}
+end
+if (row[3] or '') ~= ARGV[6] then
   return {'forged', ''}
 end
 local now = now_ms()
@@ -77,15 +101,32 @@ else
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
   redis.call('HSET', KEYS[1], 'state', 'failed', 'error', ARGV[3])
   expire_keys(ttl, ARGV[5] == '1' and {KEYS[1], KEYS[5], KEYS[6], KEYS[7]} or {KEYS[1]})
+  if row[4] then
+    -- A chain's step but its last: the steps waiting behind it never run unless a retry
+    -- makes it pending again (repend persists them): they expire with it.
+    expire_steps_after(KEYS[1], ARGV[1], row[4], ttl)
+  end
+end
+local edges_at = tonumber(ARGV[10] or '')
+local shared = ARGV[8] ~= '1' and edges_at
+  and stage_edges(KEYS[1], ARGV[1], KEYS[edges_at], KEYS[edges_at + 1], now, ttl, nil)
+local function reply(r)
+  if shared then
+    r[#r + 1] = 'edges'
+  end
+  return r
 end
 local policy = redis.call('HGET', KEYS[1], 'parent_policy') or ''
+-- A waiting child failed by its id (revoked) held no slot: it frees none.
+local window_arg = state ~= 'waiting' and 9 or 0
 if ARGV[7] == '1' then
   redis.call('ZADD', KEYS[8], now, ARGV[1])
-  return {'staged', policy}
+  return window_reply(reply({'staged', policy}), window_arg, ttl)
 end
-if not KEYS[8] then
-  return {'failed', ''}
+if not KEYS[8] or edges_at == 8 then
+  return reply({'failed', ''})
 end
 local parent = {id = ARGV[6], row = KEYS[8], deps = KEYS[9], processed = KEYS[10],
   ignored = KEYS[11], pending = KEYS[12], failed = KEYS[13], counters = KEYS[14]}
-return settle_child(parent, ARGV[1], 'failed', ARGV[3], policy, ttl)
+return window_reply(reply(settle_child(parent, ARGV[1], 'failed', ARGV[3], policy, ttl)),
+  window_arg, ttl)

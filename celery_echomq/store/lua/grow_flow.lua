@@ -19,9 +19,14 @@
 -- ARGV[5]     r, children staged for other slots
 -- ARGV[3+3i]  (i = 1..k+r) child i's id; ARGV[4+3i] its payload; ARGV[5+3i] its
 --             parent_policy ('' to use the flow's default)
+-- ARGV[6+3(k+r)] optional: the flow's window, max_active (includes/window.lua; '' or absent:
+--             none): as many of the children of this slot as it has room for are written
+--             pending, in order, the others waiting at the end of '<parent row>:window'
 --
 -- Reply: {status, n}
---   {"added", counter}   written (and staged); the counter after the add
+--   {"added", counter, started}   written (and staged); the counter after the add; how many
+--                        of the children of this slot are pending (the first ones: the
+--                        host publishes those; with no window, all of them)
 --   {"stale", 0}         the payload changed since the host read it: nothing written, read again
 --   {<state>, 0}         the parent no longer waits for children ("pending", "active", "done",
 --                        "failed", "cancelled", "missing"): nothing written
@@ -30,6 +35,7 @@
 --- @include "gate"
 --- @include "now_ms"
 --- @include "child_row"
+--- @include "window"
 local k = tonumber(ARGV[4])
 local r = tonumber(ARGV[5])
 local refused = gate_ids(1, 1) or gate_ids(6, 3 + 3 * (k + r), 3)
@@ -49,13 +55,25 @@ for i = 1, k do
   end
 end
 local now = now_ms()
+local size = tonumber(ARGV[6 + 3 * (k + r)] or '')
+local window = KEYS[1] .. ':window'
+local room = size and window_room(size, KEYS[2], window, k) or k
+local waiting = {}
 for i = 1, k do
   local child = KEYS[5 + i]
-  write_child_row(child, ARGV[1], ARGV[4 + 3 * i], false)
+  if i > room then
+    write_waiting_row(child, ARGV[1], ARGV[4 + 3 * i], WAIT_PAYLOAD)
+    waiting[#waiting + 1] = ARGV[3 + 3 * i]
+  else
+    write_child_row(child, ARGV[1], ARGV[4 + 3 * i], false)
+    redis.call('ZADD', KEYS[3], now, ARGV[3 + 3 * i])
+  end
   if ARGV[5 + 3 * i] ~= '' then
     redis.call('HSET', child, 'parent_policy', ARGV[5 + 3 * i])
   end
-  redis.call('ZADD', KEYS[3], now, ARGV[3 + 3 * i])
+end
+if #waiting > 0 then
+  window_push(window, waiting, size)
 end
 for i = k + 1, k + r do
   redis.call('HSET', KEYS[4], ARGV[3 + 3 * i], ARGV[4 + 3 * i])
@@ -81,4 +99,4 @@ if redis.call('EXISTS', index_key) == 1 then
     end
   end
 end
-return {'added', redis.call('INCRBY', KEYS[2], k + r)}
+return {'added', redis.call('INCRBY', KEYS[2], k + r), math.min(room, k)}

@@ -24,6 +24,7 @@
 --         (other than a nested parent's placeholder written by its outer flow).
 --- @include "gate"
 --- @include "now_ms"
+--- @include "placeholder"
 --- @include "recent"
 local refused = gate_ids(1, 1)
 if refused then
@@ -34,8 +35,7 @@ if redis.call('EXISTS', KEYS[2]) > 0 then
 end
 local placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
 if placeholder[1] then
-  if ARGV[5] == '' or placeholder[1] ~= 'pending' or placeholder[2] ~= ARGV[5]
-      or placeholder[3] ~= '0' then
+  if not is_placeholder(placeholder, ARGV[5]) then
     return redis.error_reply('EMQEXISTS ' .. ARGV[1])
   end
   redis.call('ZREM', KEYS[4], ARGV[1])

@@ -7,7 +7,8 @@
 -- KEYS[1]    this queue's pending set
 -- KEYS[2]    this queue's failed set
 -- KEYS[2+i]  child i's row, i = 1..N
--- ARGV[1]    the parent id (a row whose 'parent' differs is left alone)
+-- ARGV[1]    the parent id (a row whose 'parent' differs is left alone, unless the job was
+--            joined to that parent: on_exists="join", includes/join.lua)
 -- ARGV[1+i]  child i's id
 --
 -- Only a failed row is changed, so a second run of the same retry changes nothing.
@@ -19,6 +20,7 @@
 --- @include "gate"
 --- @include "now_ms"
 --- @include "repend"
+--- @include "join"
 local refused = gate_ids(1, #ARGV)
 if refused then
   return refused
@@ -29,7 +31,7 @@ for i = 1, #KEYS - 2 do
   local child = KEYS[2 + i]
   local cid = ARGV[1 + i]
   local c = redis.call('HMGET', child, 'state', 'parent')
-  if c[1] == 'failed' and c[2] == ARGV[1] then
+  if c[1] == 'failed' and (c[2] == ARGV[1] or joined_to(child, ARGV[1])) then
     repend(child, cid, KEYS[1], KEYS[2], now, reply)
   end
 end

@@ -22,12 +22,13 @@
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "now_ms"
+--- @include "chain_rest"
 local refused = gate_ids(1, 2)
 if refused then
   return refused
 end
 local c = redis.call('HMGET', KEYS[1], 'state', 'parent_policy', 'parent', 'payload', 'delta',
-  'input')
+  'input', 'next')
 if c[3] ~= ARGV[2] then
   return {c[1] and 'forged' or 'missing'}
 end
@@ -41,6 +42,9 @@ end
 redis.call('HSET', KEYS[1], 'state', 'pending')
 redis.call('HDEL', KEYS[1], 'error', 'suspect', 'token')
 redis.call('PERSIST', KEYS[1])
+if c[7] then
+  persist_steps_after(KEYS[1], ARGV[1], c[7])  -- a chain's step: the steps waiting behind it
+end
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('ZADD', KEYS[5], now_ms(), ARGV[1])
 -- Uncounted: one more outstanding, one resolved failure fewer, its error no longer kept.

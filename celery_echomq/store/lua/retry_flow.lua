@@ -42,6 +42,7 @@
 --- @include "now_ms"
 --- @include "release_parent"
 --- @include "repend"
+--- @include "join"
 
 local function unrecord(cid)
   if redis.call('HDEL', KEYS[1], 'failed:' .. cid) == 1 then
@@ -70,6 +71,12 @@ for i = 1, n do
   local child = KEYS[8 + i]
   local cid = ARGV[2 + i]
   local c = redis.call('HMGET', child, 'state', 'parent_policy', 'parent')
+  if c[1] == 'failed' and c[3] ~= ARGV[1] then
+    -- A job joined to this parent (on_exists="join"): the policy of its edge applies.
+    local joined, policy = joined_to(child, ARGV[1])
+    c[3] = joined and ARGV[1] or c[3]
+    c[2] = joined and (policy ~= '' and policy or nil) or c[2]
+  end
   if c[1] == 'failed' and (c[2] or default) == 'fail' and c[3] == ARGV[1] then
     redis.call('HDEL', KEYS[5], cid)
     unrecord(cid)

@@ -21,11 +21,12 @@
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
+--- @include "chain_rest"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'failed_child', 'parent')
+local row = redis.call('HMGET', KEYS[1], 'state', 'failed_child', 'parent', 'next')
 if row[1] ~= 'failed' then
   return {row[1] or 'missing'}
 end
@@ -40,4 +41,7 @@ redis.call('HDEL', KEYS[1], 'error', 'token', 'dispatched', 'propagated', 'suspe
 redis.call('ZREM', KEYS[6], ARGV[1])
 redis.call('ZADD', KEYS[5], now_ms(), ARGV[1])
 persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4]})
+if row[4] then
+  persist_steps_after(KEYS[1], ARGV[1], row[4])  -- a chain's step: the steps waiting behind it
+end
 return {'retried'}

@@ -5,6 +5,7 @@ backend. The cross-slot path's repairs are in ``unfinished.py``.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from celery import states
@@ -82,6 +83,14 @@ def lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
             continue
         if len(repairs) >= BUDGET:
             break
+        if token is None:
+            # A chain's step handed out active that no delivery took: a lapsed lease says
+            # nothing of a holder here, only that its message waits or is lost. Back to
+            # pending, where the evidence of (a) tells which (never re-published on a lapse).
+            line = guarded("handed step", _unhand, state, queue, job_id)
+            if line:
+                repairs.append(line)
+            continue
         line = guarded(
             "active job",
             _repair_active,
@@ -97,6 +106,27 @@ def lost_active(state: EchoMQ, queue: str, batch: int) -> list[str]:
     return repairs
 
 
+def _unhand(state: EchoMQ, queue: str, job_id: str) -> str | None:
+    if state.scripts.unhand(queue, job_id) is not Status.PENDING:
+        return None
+    return f"{queue}: handed step {job_id} not taken within its lease: pending again"
+
+
+@dataclass(frozen=True)
+class _Lapsed:
+    """A job whose holder's lease lapsed (or that handed over to a replacement): what settling
+    it needs."""
+
+    state: EchoMQ
+    queue: str
+    job_id: str
+    token: str
+    is_parent: bool
+    parent: ParentRef | None
+    next_step: str
+    replaced_by: str
+
+
 def _repair_active(
     state: EchoMQ,
     queue: str,
@@ -106,15 +136,24 @@ def _repair_active(
     replaced_by: str = "",
 ) -> str | None:
     """Settle a job whose lease lapsed, from its result in Celery's backend; or a job handed
-    over to a replacement (``replaced_by``: the id the replacement stores its result under)."""
+    over to a replacement (``replaced_by``: the id the replacement stores its result under).
+    First what the backend says of it, then what that asks for."""
     job = decode_job(state, queue, job_id, payload)
     if job is None:
         # Refused: push its deadline back, so it is reported once per stall timeout.
         state.scripts.extend(queue, [job_id], state.settings.stall_ms)
         return None
     headers = Headers.of_job(job)
-    parent = parent_ref(headers)
-    is_parent = bool(getattr(headers, H_FLOW, None))
+    lapsed = _Lapsed(
+        state,
+        queue,
+        job_id,
+        token,
+        is_parent=bool(getattr(headers, H_FLOW, None)),
+        parent=parent_ref(headers),
+        next_step=str(getattr(headers, H_NEXT, None) or ""),
+        replaced_by=replaced_by,
+    )
     try:
         status, result = _backend_outcome(state, replaced_by or job_id)
     except STORE_ERRORS:
@@ -125,27 +164,67 @@ def _repair_active(
         logger.warning("echomq recovery: result backend unreadable for %s: %s", job_id, exc)
         return None
     if replaced_by and replaced_by != job_id and status in (states.SUCCESS, states.FAILURE):
-        # A flow replaced it under an id of its own: the replaced id resolves too, as
-        # Task.replace promises.
-        if status == states.SUCCESS:
-            state.app.backend.mark_as_done(job_id, result)
-        else:
-            state.app.backend.mark_as_failure(job_id, result)
+        _resolve_replaced(state, job_id, status, result)
     if status == states.SUCCESS:
-        # The body finished and stored its result (or its replacement did); only the success
-        # signal's transition was lost. The token makes this the very completion the signal
-        # would have made.
-        step = str(getattr(headers, H_NEXT, None) or "")
-        done = settle_success(
-            state, queue, job_id, token, is_parent, parent, state.dumps(result), next_step=step
-        )
-        whose = "its replacement's" if replaced_by else "its"
-        return f"{queue}: completed {job_id} from {whose} SUCCESS result ({done})"
+        return _complete_from_result(lapsed, result)
     if status == states.FAILURE:
-        error = error_text(result) if isinstance(result, BaseException) else str(result)
-        failed = settle_failure(state, queue, job_id, token, error, is_parent, parent)
-        return f"{queue}: failed {job_id} from its FAILURE result ({failed}): {error}"
-    if replaced_by and not backend_readable(state.app):
+        return _fail_from_result(lapsed, result)
+    if replaced_by:
+        return _await_replacement(lapsed)
+    return _republish(lapsed, status)
+
+
+def _resolve_replaced(state: EchoMQ, job_id: str, status: str | None, result: Any) -> None:
+    # A flow replaced it under an id of its own: the replaced id resolves too, as
+    # Task.replace promises.
+    if status == states.SUCCESS:
+        state.app.backend.mark_as_done(job_id, result)
+    else:
+        state.app.backend.mark_as_failure(job_id, result)
+
+
+def _complete_from_result(lapsed: _Lapsed, result: Any) -> str:
+    # The body finished and stored its result (or its replacement did); only the success
+    # signal's transition was lost. The token makes this the very completion the signal
+    # would have made.
+    state, queue, job_id = lapsed.state, lapsed.queue, lapsed.job_id
+    done = settle_success(
+        state,
+        queue,
+        job_id,
+        lapsed.token,
+        lapsed.is_parent,
+        lapsed.parent,
+        state.dumps(result),
+        next_step=lapsed.next_step,
+    )
+    whose = "its replacement's" if lapsed.replaced_by else "its"
+    return f"{queue}: completed {job_id} from {whose} SUCCESS result ({done})"
+
+
+def _fail_from_result(lapsed: _Lapsed, result: Any) -> str:
+    error = error_text(result) if isinstance(result, BaseException) else str(result)
+    failed = _settle_failure(lapsed, error)
+    return f"{lapsed.queue}: failed {lapsed.job_id} from its FAILURE result ({failed}): {error}"
+
+
+def _settle_failure(lapsed: _Lapsed, error: str) -> Any:
+    return settle_failure(
+        lapsed.state,
+        lapsed.queue,
+        lapsed.job_id,
+        lapsed.token,
+        error,
+        lapsed.is_parent,
+        lapsed.parent,
+    )
+
+
+def _await_replacement(lapsed: _Lapsed) -> str | None:
+    """A replacement that has not finished: looked at again next pass, or failed once when
+    its outcome can never be read here."""
+    state, queue, job_id = lapsed.state, lapsed.queue, lapsed.job_id
+    if not backend_readable(state.app):
         # Its replacement's outcome can never be read here: fail it (under its policy) once,
         # rather than look again every pass for ever.
         error = (
@@ -154,16 +233,21 @@ def _repair_active(
             "result_backend to one that stores results (redis://, a database) to replace a "
             "flow job"
         )
-        failed = settle_failure(state, queue, job_id, token, error, is_parent, parent)
+        failed = _settle_failure(lapsed, error)
         return f"{queue}: failed {job_id}: its replacement's result cannot be read ({failed})"
-    if replaced_by:
-        # Its replacement has not finished: look again next pass. Whether the replacement's
-        # messages arrive is Celery's business, as for a chord whose header task replaced
-        # itself; this job is not re-run.
-        state.scripts.extend(queue, [job_id], int(state.settings.recovery_interval * 1000))
-        return None
+    # Its replacement has not finished: look again next pass. Whether the replacement's
+    # messages arrive is Celery's business, as for a chord whose header task replaced
+    # itself; this job is not re-run.
+    state.scripts.extend(queue, [job_id], int(state.settings.recovery_interval * 1000))
+    return None
+
+
+def _republish(lapsed: _Lapsed, status: str | None) -> str | None:
+    """No outcome in the backend: the body never finished; the job is pending again and
+    re-published."""
+    state, queue, job_id = lapsed.state, lapsed.queue, lapsed.job_id
     requeued, stored = state.scripts.requeue(
-        queue, job_id, state.settings.stall_ms, Status.ACTIVE, token
+        queue, job_id, state.settings.stall_ms, Status.ACTIVE, lapsed.token
     )
     if requeued is not Status.REQUEUED:
         return None

@@ -12,6 +12,7 @@ from celery_echomq.worker.recovery.common import BATCH, FAILED_MARK, HOLD_MS, no
 from celery_echomq.worker.recovery.lost import lost_pending
 from celery_echomq.worker.recovery.stalled import lost_active, unrecorded_failures
 from celery_echomq.worker.recovery.unfinished import (
+    uncredited_edges,
     uncredited_outbox,
     unsealed_flows,
     unwritten_children,
@@ -73,6 +74,7 @@ def run_pass(
         for step in (
             unwritten_children,
             uncredited_outbox,
+            uncredited_edges,
             unsealed_flows,
             lost_pending,
             lost_active,

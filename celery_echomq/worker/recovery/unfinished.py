@@ -25,6 +25,7 @@ from celery_echomq.worker.recovery.common import (
 )
 from celery_echomq.worker.recovery.stalled import mark_abandoned
 from celery_echomq.worker.settle import (
+    credit_edges,
     credit_remote,
     follow,
 )
@@ -73,6 +74,25 @@ def _credit(state: EchoMQ, queue: str, job_id: str, row: dict[str, Any]) -> str 
         return None
     follow(state, status, job_id, parent, error)
     return f"{queue}: credited staged {job_id} ({row_state}) to parent {parent.id} ({status})"
+
+
+def uncredited_edges(state: EchoMQ, queue: str, batch: int) -> list[str]:
+    """(e) jobs joined to more parents (on_exists="join") that finished, their other parents
+    never credited: the host that finished them died first. credit.lua counts each once."""
+    due = overdue(state, queue, "joined", now_ms(state.client) - state.settings.stall_ms, batch)
+    repairs = []
+    for job_id, _ in due:
+        found, value, error = state.client.hmget(
+            state.keys.job_key(queue, job_id), ("state", "value", "error")
+        )
+        if found in (b"done", b"failed"):
+            outcome = Status.DONE if found == b"done" else Status.FAILED
+            data = (value or b"") if found == b"done" else text(error or b"")
+            credit_edges(state, queue, job_id, outcome, data)
+            repairs.append(f"{queue}: credited the other parents of joined {job_id} ({outcome})")
+        else:
+            state.client.zrem(state.keys.queue_key(queue, "joined"), job_id)  # expired
+    return repairs
 
 
 def unsealed_flows(state: EchoMQ, queue: str, batch: int) -> list[str]:

@@ -1,16 +1,24 @@
 -- cut_pending(row, cid, parent_id, pending, ttl, error): a child of ``parent_id`` that has not
--- started (its row is pending: its message not yet run, or waiting for a retry's countdown)
+-- started (its row is pending: its message not yet run, or waiting for a retry's countdown;
+-- or waiting for a slot of its flow's window, with no message at all)
 -- becomes cancelled, marked ``cut = deadline`` with ``error``: no later claim runs it and no
 -- completion counts it. Its id leaves the pending set and its row expires with the flow.
 -- Returns true when it was cut. deadline (on the parent's slot) and deadline_cut (on a
--- child's other slot) share it, so both stop a child alike.
+-- child's other slot) share it, so both stop a child alike. A job other flows were joined
+-- to (its '<row>:parents', named from its row: on_exists="join") is left to them. A chain's
+-- step (with a 'next') expires the steps waiting behind it with it (includes/chain_rest.lua).
+--- @include "chain_rest"
 local function cut_pending(row, cid, parent_id, pending, ttl, error)
-  local c = redis.call('HMGET', row, 'state', 'parent')
-  if c[1] ~= 'pending' or c[2] ~= parent_id then
+  local c = redis.call('HMGET', row, 'state', 'parent', 'next')
+  if (c[1] ~= 'pending' and c[1] ~= 'waiting') or c[2] ~= parent_id
+      or redis.call('EXISTS', row .. ':parents') == 1 then
     return false
   end
   redis.call('HSET', row, 'state', 'cancelled', 'cut', 'deadline', 'error', error)
   redis.call('ZREM', pending, cid)
   redis.call('EXPIRE', row, ttl)
+  if c[3] then
+    expire_steps_after(row, cid, c[3], ttl)
+  end
   return true
 end

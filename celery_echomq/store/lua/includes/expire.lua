@@ -4,12 +4,13 @@
 -- A parent's indexes for operators' pages: '<its row>:children', the list of its children
 -- by position (written with them: enqueue_flow, grow_flow, the host on the chunked path), and
 -- '<its row>:failures', the ids of its children failed under fail, remove or continue
--- (settle_child). Their names are derived from the flow's ':dependencies' (the same hash
+-- (settle_child); '<its row>:window' and ':slots', its window (includes/window.lua).
+-- Their names are derived from the flow's ':dependencies' (the same hash
 -- tag, so the same slot): they expire and persist wherever it does, and no caller passes them.
 local function indexes_of(key)
   if string.sub(key, -13) == ':dependencies' then
     local row = string.sub(key, 1, -14)
-    return {row .. ':children', row .. ':failures'}
+    return {row .. ':children', row .. ':failures', row .. ':window', row .. ':slots'}
   end
   return {}
 end

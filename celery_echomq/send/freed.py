@@ -1,0 +1,64 @@
+"""The next child of a flow's window, published by the caller whose transition freed its
+slot (see ``store/lua/includes/window.lua``): in the same step as the child that finished, as
+a chain's next step is, with no poller and no round trip of its own. A caller that dies
+before the publish leaves a pending row without a message, which recovery re-publishes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from typing import Any
+
+from celery_echomq import tracing
+from celery_echomq.config import safe_url
+from celery_echomq.send.start import _with_since, publish
+from celery_echomq.store.codec import Delta, load_job
+from celery_echomq.store.script_values import Freed
+from celery_echomq.store.state import EchoMQ
+
+logger = logging.getLogger("celery_echomq")
+
+# The templates of windowed flows this process publishes children of ((queue, parent) ->
+# its template), read once per flow, not once per child: a flow's template never changes.
+_TEMPLATES: OrderedDict[tuple[str, str], bytes | None] = OrderedDict()
+_KEPT = 64
+
+
+def _job(state: EchoMQ, queue: str, freed: Freed) -> Any:
+    stored = freed.stored
+    if not isinstance(stored, Delta):
+        return load_job(state, queue, freed.id, stored)
+    key = (queue, stored.parent)
+    templates: dict[str, bytes | None] = {}
+    if key in _TEMPLATES:
+        templates[stored.parent] = _TEMPLATES[key]
+    job = load_job(state, queue, freed.id, stored, templates)
+    if key not in _TEMPLATES:
+        _TEMPLATES[key] = templates[stored.parent]
+        if len(_TEMPLATES) > _KEPT:
+            _TEMPLATES.popitem(last=False)
+    return job
+
+
+def publish_freed(state: EchoMQ, queue: str, freed: list[Freed]) -> None:
+    """Publish, in one batch, the children a transition on ``queue`` made pending for their
+    flow's window: each one's stored job (a nested flow's entry starts that flow), with its
+    pending time in its headers (its claim need not read it)."""
+    store = safe_url(state.settings.redis_url or "")
+    jobs = []
+    for one in freed:
+        try:
+            job = _job(state, queue, one)
+        except Exception as exc:  # left pending: recovery reports and re-publishes it
+            logger.warning("echomq: window child %s on %s not published: %s", one.id, queue, exc)
+            continue
+        if isinstance(job, dict) and "nested" not in job:
+            job = _with_since(job, one.since, store)
+        jobs.append(job)
+    if not jobs:
+        return
+    # Each stored job carries its own trace context; the first's is current while they go.
+    with tracing.job_context(jobs[0]):
+        publish(state.app, jobs)
+    logger.debug("echomq: %d window children published on %s", len(jobs), queue)

@@ -1,0 +1,37 @@
+-- cancel_shared: stop a job shared by several flows (on_exists="join") once none of its
+-- parents waits for it any more: the cancel of its last waiting parent (ops/cancel.py). A
+-- cancel leaves such a job alone (includes/cancel_children.lua); the host then reads every
+-- parent's state and calls this for a job none of them waits for. A parent joined since the
+-- host read the edges refuses it: the edge count must be the one the host read.
+--
+-- KEYS[1]  the job's row
+-- KEYS[2]  the job's :parents (the parents it was joined to after its first)
+-- KEYS[3]  its queue's pending set
+-- KEYS[4]  its queue's active set
+-- ARGV[1]  the job's id
+-- ARGV[2]  result TTL in seconds (the cancelled row and its edges expire with it)
+-- ARGV[3]  the number of edges the host read (HLEN of KEYS[2])
+--
+-- Reply: {status}
+--   "cancelled"  it was pending, waiting or running: now cancelled (the host revokes it)
+--   "joined"     a parent was joined to it since the host read: nothing changed
+--   "<state>"    finished (done, failed, cancelled) or gone: nothing changed
+-- Errors: "EMQKIND ..." a non-JOB id.
+--- @include "gate"
+local refused = gate_ids(1, 1)
+if refused then
+  return refused
+end
+local state = redis.call('HGET', KEYS[1], 'state')
+if state ~= 'pending' and state ~= 'waiting' and state ~= 'active' then
+  return {state or 'missing'}
+end
+if redis.call('HLEN', KEYS[2]) ~= tonumber(ARGV[3]) then
+  return {'joined'}
+end
+redis.call('HSET', KEYS[1], 'state', 'cancelled')
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('EXPIRE', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[2])
+return {'cancelled'}

@@ -1,0 +1,157 @@
+--- @include "now_ms"
+-- A window on a flow's children (flow(..., max_active=N)): at most N of them published or
+-- running at once. The others are rows 'waiting' (in no state set: nothing claims them, and
+-- they have no message), their ids in the children's order in the list '<parent row>:window'
+-- on their own slot. The script that finishes a child (complete, fail) makes the next one
+-- pending and hands it to its caller to publish, in the same step: a slot freed is a slot
+-- taken, so no more than N are ever out. A crash before the publish leaves a pending row
+-- without a message, which recovery re-publishes as any other.
+--
+-- A waiting child's kind (enqueue_flow, add_children): 'D' stored as a delta against its
+-- flow's template, 'P' as a whole payload (a nested flow's entry, a child of another slot).
+local WAIT_DELTA, WAIT_PAYLOAD = 68, 80
+
+local function is_waiting(kind)
+  return kind == WAIT_DELTA or kind == WAIT_PAYLOAD
+end
+
+-- write_waiting_row(row, parent_id, stored, kind): a child that waits for a slot: the fields
+-- of write_child_row's pending row but its attempts (none yet, as a missing field reads;
+-- written when it goes out), so that every reader (show, cancel, a deadline, recovery once
+-- it is pending) finds one layout; 'waiting' tells it apart. A million of them wait in a
+-- window: each field it does without is a few bytes a child.
+local function write_waiting_row(row, parent_id, stored, kind)
+  redis.call('HSET', row, 'state', 'waiting', kind == WAIT_DELTA and 'delta' or 'payload', stored,
+    'parent', parent_id)
+end
+
+-- window_push(window, ids, size): the waiting children's ids at the end of the window, in
+-- order, one RPUSH per slice (Lua's unpack has a stack limit); and the window's '<parent
+-- row>:slots' (a hash beside it: 'free', the slots freed and not taken again yet; 'batch', how
+-- many freed slots are taken at once), kept while children wait.
+local function slots_of(window)
+  return string.sub(window, 1, -8) .. ':slots' -- '<parent row>:window' -> '<parent row>:slots'
+end
+
+-- How many freed slots are taken at once: a tenth of the window (at most 100), so that a
+-- worker publishes the next children in batches, not one message per child, and the window
+-- stays at least nine tenths full; every slot at once for a window of under 20.
+local function window_batch(size)
+  return math.max(1, math.min(100, math.floor(size / 10)))
+end
+
+local function window_push(window, ids, size)
+  for first = 1, #ids, 500 do
+    redis.call('RPUSH', window, unpack(ids, first, math.min(first + 499, #ids)))
+  end
+  local slots = slots_of(window)
+  redis.call('HSET', slots, 'batch', window_batch(size))
+  redis.call('PERSIST', slots)
+end
+
+-- The row of a child listed in ``window``: on the window's own slot (its hash tag), named
+-- by the child's row id (store/keyspace.py's row_id: a JOB id as it is, a uuid as JOB + it).
+local function waiting_row(window, id)
+  local slot = string.match(window, '^(.-}:)')
+  if string.sub(id, 1, 3) == 'JOB' then
+    return slot .. id
+  end
+  return slot .. 'JOB' .. id
+end
+
+-- A waiting row that left 'waiting' by another way than this window (revoked by its id) is
+-- passed over; at most this many in one step, so that no step runs long.
+local PASS_OVER = 100
+
+-- window_take(window, pending, count, taken): up to ``count`` waiting children made pending
+-- (their ids into the queue's pending set), in order, appended to ``taken`` as id, payload,
+-- delta, parent (one of payload and delta ''); how many. A cancelled one means the flow's
+-- waiting children were cancelled or cut together (cancel, a deadline): the window goes.
+local function window_take(window, pending, count, taken)
+  local n, now = 0, now_ms()
+  for _ = 1, count + PASS_OVER do
+    if n == count then
+      break
+    end
+    local id = redis.call('LPOP', window)
+    if not id then
+      break
+    end
+    local row = waiting_row(window, id)
+    local found = redis.call('HMGET', row, 'state', 'payload', 'delta', 'parent')
+    if found[1] == 'waiting' then
+      redis.call('HSET', row, 'state', 'pending', 'attempts', '0')
+      redis.call('ZADD', pending, now, id)
+      taken[#taken + 1] = id
+      taken[#taken + 1] = found[2] or ''
+      taken[#taken + 1] = found[3] or ''
+      taken[#taken + 1] = found[4] or ''
+      n = n + 1
+    elseif found[1] == 'cancelled' then
+      redis.call('DEL', window)
+      break
+    end
+  end
+  return n
+end
+
+-- window_free(window, pending, ttl): a child of the window finished: its slot is free. Once
+-- 'batch' slots are free, that many waiting children are made pending at once, returned as
+-- {'window', now, id, payload, delta, parent, ...} for the caller to publish in one batch
+-- (out + free = max_active: never more out, and the window never stalls, batch <= max_active);
+-- nil otherwise. A flow without a window has no slots: one HGET.
+local function window_free(window, pending, ttl)
+  local slots = slots_of(window)
+  local batch = redis.call('HGET', slots, 'batch')
+  if not batch then
+    return nil
+  end
+  local free = redis.call('HINCRBY', slots, 'free', 1)
+  if free < tonumber(batch) then
+    return nil
+  end
+  local taken = {'window', now_ms()}
+  local n = window_take(window, pending, free, taken)
+  if n > 0 then -- (never -0: Redis reads no integer in it)
+    redis.call('HINCRBY', slots, 'free', -n)
+  end
+  if redis.call('EXISTS', window) == 0 then
+    -- Nothing waits any more (children added later open it again): it goes with the flow.
+    redis.call('EXPIRE', slots, ttl)
+  end
+  return n > 0 and taken or nil
+end
+
+-- window_reply(reply, arg, ttl): ``reply`` with the children the window let out appended, as a
+-- list of its own (the last element: no other element of a reply is a list), when ARGV[arg]
+-- names where the window's two keys are: KEYS[at] the window, KEYS[at + 1] its queue's
+-- pending set. Absent: ``reply`` as it is. Called once per child that finishes, inside its
+-- one transition.
+local function window_reply(reply, arg, ttl)
+  local at = tonumber(ARGV[arg] or '')
+  if not at then
+    return reply
+  end
+  local taken = window_free(KEYS[at], KEYS[at + 1], ttl)
+  if taken then
+    reply[#reply + 1] = taken
+  end
+  return reply
+end
+
+-- window_room(size, deps, window, wanted): how many (of ``wanted``) children added to a running flow (grow_flow) may
+-- go out now: its free slots, or where it has none yet, its window's size less the children
+-- out (its outstanding ones, ``deps``, less those waiting). Those are taken here.
+local function window_room(size, deps, window, wanted)
+  local slots = slots_of(window)
+  local free = redis.call('HGET', slots, 'free')
+  if free then
+    local room = math.min(wanted, math.max(0, tonumber(free)))
+    if room > 0 then
+      redis.call('HINCRBY', slots, 'free', -room)
+    end
+    return room
+  end
+  local out = (tonumber(redis.call('GET', deps)) or 0) - redis.call('LLEN', window)
+  return math.min(wanted, math.max(0, size - out))
+end

@@ -1,0 +1,236 @@
+"""The deployment checks itself: ``celery echomq doctor`` on real servers and a real worker,
+and the WARNING a worker logs at start on a store that may evict keys.
+
+A good deployment is a redis-server with AOF, the result backend on the store's database,
+a worker answering for its clock. A bad one is a redis-server with ``allkeys-lru``, no
+persistence, an ACL user without EVALSHA, ``echomq_min_replicas=1`` and no replica.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from celery_echomq.config import Settings
+from celery_echomq.embedded import RedisSentinelServer, RedisServer, wait_replicated
+from celery_echomq.ops.doctor import CLOCK_TOLERANCE_MS, Facts, check_clock
+from celery_echomq.store.server_info import required_commands, script_commands
+from tests.helpers import ROOT, Env, Worker
+
+pytestmark = pytest.mark.e2e
+
+
+def doctor(env: Env, *args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+    """``celery -A tests.proj echomq doctor ARGS`` as a subprocess, as an operator types it."""
+    return subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "tests.proj", "echomq", "doctor", *args],
+        cwd=ROOT,
+        env=env.environ(**extra),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def statuses(out: subprocess.CompletedProcess[str]) -> dict[str, dict[str, str]]:
+    report = json.loads(out.stdout)
+    return {f["check"]: f for f in report["findings"]}
+
+
+@pytest.fixture
+def good() -> Iterator[dict[str, str]]:
+    """A deployment that passes: AOF, noeviction, the backend on the store's database."""
+    with RedisServer(None, "--appendonly", "yes") as server:
+        yield {
+            "ECHOMQ_T_BROKER": server.url(0),
+            "ECHOMQ_T_BACKEND": server.url(1),
+            "ECHOMQ_T_STORE": server.url(1),
+        }
+
+
+@pytest.fixture
+def bad() -> Iterator[tuple[dict[str, str], Any]]:
+    """A deployment that fails: allkeys-lru, no persistence, a user without EVALSHA, one
+    replica required and none there, the result backend on another database."""
+    with RedisServer(None, "--maxmemory-policy", "allkeys-lru") as server:
+        server.client().execute_command(
+            "ACL", "SETUSER", "flows", "on", ">pw", "~*", "&*", "+@all", "-evalsha"
+        )
+        yield (
+            {
+                "ECHOMQ_T_BROKER": server.url(0),
+                "ECHOMQ_T_BACKEND": server.url(2),
+                "ECHOMQ_T_STORE": f"redis://flows:pw@127.0.0.1:{server.port}/1",
+                "ECHOMQ_T_MIN_REPLICAS": "1",
+            },
+            server,
+        )
+
+
+def _worker(env: Env, urls: dict[str, str]) -> Worker:
+    return Worker(env, queues=f"doctor-{uuid.uuid4().hex[:8]}", concurrency=1, extra_env=urls)
+
+
+def test_doctor_passes_a_good_deployment_and_asks_the_workers(
+    env: Env, good: dict[str, str]
+) -> None:
+    worker = _worker(env, good)
+    try:
+        text = doctor(env, **good)
+        as_json = doctor(env, "--json", **good)
+    finally:
+        worker.stop()
+    assert text.returncode == 0, text.stdout + text.stderr
+    lines = text.stdout.splitlines()
+    assert lines[0] == f"flow store {good['ECHOMQ_T_STORE']}"
+    assert len(lines) == 9 and all(line.startswith("ok ") for line in lines[1:]), text.stdout
+    assert as_json.returncode == 0
+    found = statuses(as_json)
+    assert list(found) == [
+        "memory policy", "persistence", "server version", "replicas", "ACL", "mode",
+        "result backend", "clock",
+    ]  # fmt: skip
+    assert {f["status"] for f in found.values()} == {"ok"}
+    assert found["persistence"]["detail"].startswith("AOF")
+    assert "fast path" in found["result backend"]["detail"]
+    assert "1 worker(s) answered" in found["clock"]["detail"]
+    # The worker found nothing to warn of at its start.
+    assert "maxmemory-policy" not in worker.output()
+
+
+def test_doctor_names_what_is_wrong_and_what_to_change_with_exit_1(
+    env: Env, bad: tuple[dict[str, str], Any]
+) -> None:
+    urls, server = bad
+    before = server.client().info("keyspace")
+    text = doctor(env, **urls)
+    as_json = doctor(env, "--json", **urls)
+    assert text.returncode == 1 and as_json.returncode == 1, text.stdout + text.stderr
+    assert "Traceback" not in text.stderr
+    found = statuses(as_json)
+    assert json.loads(as_json.stdout)["ok"] is False
+    wrong = {name for name, f in found.items() if f["status"] == "wrong"}
+    assert wrong == {"memory policy", "persistence", "replicas", "ACL"}
+    assert found["result backend"]["status"] == "note"
+    assert {found[n]["status"] for n in ("server version", "mode", "clock")} == {"ok"}
+    assert "allkeys-lru" in found["memory policy"]["detail"]
+    assert "noeviction" in found["memory policy"]["change"]
+    assert "appendonly yes" in found["persistence"]["change"]
+    assert "echomq_min_replicas=1" in found["replicas"]["detail"]
+    assert found["ACL"]["detail"] == "user 'flows' may not run EVALSHA"
+    assert found["ACL"]["change"] == "ACL SETUSER flows +evalsha"
+    # One line per check, each wrong one with its change.
+    lines = text.stdout.splitlines()[1:]
+    assert len(lines) == 8
+    assert sum(line.startswith("WRONG") for line in lines) == 4
+    assert all("-> change: " in line for line in lines if line.startswith(("WRONG", "note")))
+    # The doctor only read: the probe's transaction was discarded, nothing was written to the
+    # store's database or the backend's (the broker's holds the control reply queue).
+    after = server.client().info("keyspace")
+    assert [after.get(f"db{n}") for n in (1, 2)] == [before.get(f"db{n}") for n in (1, 2)]
+
+
+def test_doctor_names_the_keys_a_user_may_not_touch(env: Env, good: dict[str, str]) -> None:
+    with RedisServer() as server:
+        server.client().execute_command(
+            "ACL", "SETUSER", "elsewhere", "on", ">pw", "~other:*", "&*", "+@all"
+        )
+        store = f"redis://elsewhere:pw@127.0.0.1:{server.port}/1"
+        out = doctor(env, "--json", **{**good, "ECHOMQ_T_STORE": store})
+    assert out.returncode == 1, out.stderr
+    acl = statuses(out)["ACL"]
+    assert acl["status"] == "wrong"
+    assert acl["detail"].startswith("user 'elsewhere' may not touch the keys emq:* (")
+    assert "EVALSHA" in acl["detail"] and "HSET" in acl["detail"]
+    assert acl["change"] == "ACL SETUSER elsewhere ~emq:*"
+
+
+def test_a_worker_warns_once_at_start_of_a_store_that_evicts(
+    env: Env, bad: tuple[dict[str, str], Any]
+) -> None:
+    urls, _ = bad
+    worker = _worker(env, {**urls, "ECHOMQ_T_MIN_REPLICAS": "0"})
+    try:
+        log = worker.output()
+    finally:
+        worker.stop()
+    warned = [line for line in log.splitlines() if "maxmemory-policy" in line]
+    assert len(warned) == 1, log
+    assert "WARNING" in warned[0] and "allkeys-lru" in warned[0] and "noeviction" in warned[0]
+
+
+def test_doctor_tells_a_cluster_from_a_cluster_node_reached_as_one_server(
+    env: Env, redis_cluster: str
+) -> None:
+    # The first of the URL's seed nodes, reached as a plain server.
+    host = redis_cluster.split("//", 1)[1].split("/", 1)[0].split(",", 1)[0]
+    as_cluster = statuses(doctor(env, "--json", ECHOMQ_T_STORE=redis_cluster))
+    assert as_cluster["mode"]["status"] == "ok"
+    assert as_cluster["mode"]["detail"] == "Redis Cluster, 3 masters, state ok"
+    # Every master is read: three nodes' policies.
+    assert as_cluster["memory policy"]["status"] == "ok"
+    as_node = doctor(env, "--json", ECHOMQ_T_STORE=f"redis://{host}/0")
+    assert as_node.returncode == 1
+    mode = statuses(as_node)["mode"]
+    assert mode["status"] == "wrong" and "redis+cluster://" in mode["change"]
+
+
+def test_doctor_counts_the_sentinels_and_replicas_of_a_sentinel_store(env: Env) -> None:
+    with RedisSentinelServer(replicas=1, sentinels=3) as servers:
+        urls = {
+            "ECHOMQ_T_STORE": servers.url(1),
+            "ECHOMQ_T_MASTER_NAME": servers.master_name,
+            "ECHOMQ_T_MIN_REPLICAS": "1",
+        }
+        wait_replicated(servers.redis_client(servers.primary_port()), 1)
+        found = statuses(doctor(env, "--json", **urls))
+        assert found["mode"] == {
+            "check": "mode",
+            "status": "ok",
+            "detail": "Sentinel, master 'mymaster': 3 of 3 Sentinels answer, quorum 2",
+            "change": "",
+        }
+        assert found["replicas"]["status"] == "ok"
+        assert found["replicas"]["detail"] == "1 online, echomq_min_replicas=1"
+        # Two Sentinels gone: the one left cannot agree a failover alone.
+        gone = servers.sentinels[:2]
+        for sentinel in gone:
+            sentinel.stop()
+        out = doctor(env, "--json", **urls)
+        assert out.returncode == 1
+        mode = statuses(out)["mode"]
+        assert mode["status"] == "wrong"
+        assert mode["detail"].startswith("Sentinel, master 'mymaster': 1 of 3 Sentinels answer")
+        assert all(f"127.0.0.1:{s.port}" in mode["change"] for s in gone)
+
+
+# --- The pure checks -------------------------------------------------------------------------
+
+
+def test_the_clock_check_names_the_worker_furthest_off() -> None:
+    facts = Facts(Settings(redis_url="redis://x"), "redis://x", local_clock=(2.0, 1.0))
+    facts.workers = {
+        "celery@a": {"offset_ms": -30.0, "rtt_ms": 2.0},
+        "celery@b": {"offset_ms": CLOCK_TOLERANCE_MS + 200, "rtt_ms": 4.0},
+    }
+    finding = check_clock(facts)
+    assert finding.status == "wrong"
+    assert "(celery@b)" in finding.detail and "celery@b" in finding.change
+    # Within the tolerance, once the measure's own uncertainty (half its round trip) is taken.
+    facts.workers = {"celery@b": {"offset_ms": CLOCK_TOLERANCE_MS + 1, "rtt_ms": 4.0}}
+    assert check_clock(facts).status == "ok"
+    facts.workers = "OperationalError: broker down"
+    finding = check_clock(facts)
+    assert finding.status == "ok" and "workers not asked (OperationalError" in finding.detail
+
+
+def test_every_command_of_the_scripts_is_probed() -> None:
+    needed = required_commands()
+    assert script_commands() <= needed.keys()
+    assert {"EVALSHA", "EVAL", "HSET", "ZADD", "TIME", "PUBLISH"} <= needed.keys()
