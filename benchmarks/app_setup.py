@@ -1,5 +1,5 @@
-"""What the benchmarks' Celery apps share (``bench_app.py``, ``ha.py``, ``large.py``): their
-configuration, and the file a worker writes once it is ready.
+"""What the benchmarks' Celery apps share (``bench_app.py``, ``ha.py``, ``large.py``,
+``window.py``): their configuration, and the file a worker writes once it is ready.
 
 A benchmark's worker runs at log level WARNING (per-task INFO lines would be measured too),
 where its "ready." line is not logged: it writes its pid into the file its driver names in

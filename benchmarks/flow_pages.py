@@ -48,7 +48,7 @@ from celery_echomq.embedded import RedisServer  # noqa: E402
 from celery_echomq.ops.cli import echomq  # noqa: E402
 from celery_echomq.ops.dashboard import make_app  # noqa: E402
 from celery_echomq.ops.progress import read_progress  # noqa: E402
-from celery_echomq.send.start import index_children  # noqa: E402
+from celery_echomq.send.chunked import index_children  # noqa: E402
 from celery_echomq.store.scripts import ParentRef  # noqa: E402
 from celery_echomq.store.state import EchoMQ, get_state  # noqa: E402
 

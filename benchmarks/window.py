@@ -36,14 +36,15 @@ from pathlib import Path
 from typing import Any
 
 import redis
-from celery import Celery, signals
+from celery import Celery
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import celery_echomq  # noqa: E402 - needs the path above
+from app_setup import announce_ready, configure_app  # noqa: E402 - needs the path above
+
 from celery_echomq import flow  # noqa: E402
 from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
 from celery_echomq.store.loader import TRANSITIONS, load_source  # noqa: E402
@@ -61,17 +62,15 @@ app = Celery("window")
 
 
 def configure(store: str, broker: str, backend: str) -> Celery:
-    app.conf.update(
-        broker_url=broker,
-        result_backend=backend,
-        echomq_redis_url=store,
+    return configure_app(
+        app,
+        broker=broker,
+        backend=backend,
+        store=store,
         # Children wait their turn in the queue for minutes without a window: not lost.
         echomq_stall_timeout=3600,
-        broker_connection_retry_on_startup=True,
         task_default_queue=QUEUE,
     )
-    celery_echomq.install(app)
-    return app
 
 
 if os.environ.get(ENV_STORE):  # the worker, importing this module as ``window``
@@ -88,11 +87,7 @@ def parent(values: list[int]) -> list[int]:
     return [len(values), sum(values)]
 
 
-@signals.worker_ready.connect  # type: ignore[untyped-decorator]
-def _announce_ready(**_: Any) -> None:
-    path = os.environ.get(ENV_READY)
-    if path:
-        Path(path).write_text(str(os.getpid()))
+announce_ready(ENV_READY)
 
 
 def used_memory(client: redis.Redis) -> int:  # type: ignore[type-arg]

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.helpers import CHROMEDRIVER, CHROMIUM, LOGDIR, REBOUND, TESTS, Env, Served, Worker
+from tests.helpers import CHROMEDRIVER, CHROMIUM, LOGDIR, REBOUND, TESTS, Env, Served, Worker, ways
 
 
 @pytest.fixture(scope="session")
@@ -278,6 +278,15 @@ def worker(env: Env, proj: Any, request: pytest.FixtureRequest) -> Iterator[Any]
     w = Worker(env, name="session")
     yield w
     w.stop()
+
+
+@pytest.fixture(params=ways(worker_for_both=False))
+def how(request: pytest.FixtureRequest) -> str:
+    """``apply`` (eager, in this process, no worker) or ``apply_async`` (on the worker): each
+    case both ways, for ``tests.helpers.run``. A module with other needs defines its own."""
+    if request.param == "apply_async":
+        request.getfixturevalue("worker")
+    return str(request.param)
 
 
 @pytest.fixture

@@ -35,10 +35,6 @@ LONG_MODULES = {
         "a flow run in process, level by level (its children, added ones, its deadline, its "
         "parent): the worker's path in memory, one concern whose parts only it calls"
     ),
-    "celery_echomq.send.start": (
-        "a flow's start in three named phases (prepare, land with its rollback, publish) and "
-        "the chunked path they take; the chunked path could be a module of its own"
-    ),
 }
 LUA_RUN = 6  # lines: a run this long in two Lua files belongs in lua/includes/
 

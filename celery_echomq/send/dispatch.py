@@ -3,12 +3,14 @@
 Called where a parent is released: a flow with nothing to wait for (``send/start.py``), a
 child of another slot credited (``worker/settle.py``), recovery and the repairs. The completion
 of a last child on its parent's slot is handed the parent by its own script, and publishes it
-with :func:`publish_handed`.
+with :func:`publish_handed`. Before any of that, :func:`declare_reply_queue` readies the queue
+an ``rpc://`` backend answers the parent's caller on.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from celery_echomq import tracing
 from celery_echomq.send.plan import parent_args, valued
@@ -19,6 +21,17 @@ from celery_echomq.store.script_values import Handed
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
+
+
+def declare_reply_queue(app: Any, parent_id: str) -> None:
+    """Declare the queue an ``rpc://`` result backend replies to, as ``send_task`` does before
+    it publishes: the parent's result may come back before the caller asks for it."""
+    from celery.backends.rpc import RPCBackend
+
+    backend = app.backend
+    if isinstance(backend, RPCBackend):
+        with app.producer_or_acquire(None) as producer:
+            backend.on_task_call(producer, parent_id)
 
 
 def dispatch_parent(

@@ -97,14 +97,9 @@ def children_values(
     cursor: str | None = None,
     count: int | None = None,
 ) -> Any:
-    """``{child_job_id: value}`` for the children of ``job_id`` completed so far.
-
-    With ``count``: one page of at most ``count`` values and the cursor of the next page,
-    ``(values, next_cursor)``; ``next_cursor`` is None after the last page. Pages follow
-    Redis's HSCAN, so a flow of any size is read a page at a time: every value completed
-    before the first page is returned exactly once; one completed while paging may come
-    once or not at all. A cursor no page gave raises :class:`CursorError`.
-    """
+    """``{child_job_id: value}`` for the children of ``job_id`` completed so far, or with
+    ``count`` one page and the next page's cursor: from memory for a flow run eagerly in
+    this process, else as :func:`celery_echomq.store.reads.children_values` pages."""
     return reads_of(job_id, app=app, queue=queue).children_values(cursor, count)
 
 
@@ -126,11 +121,9 @@ def failed_children(
     cursor: str | None = None,
     count: int | None = None,
 ) -> Any:
-    """``{child_job_id: "ExcType: message"}`` for every child that failed for good, under any
-    policy (``fail``, ``ignore``, ``remove``, ``continue``), and those its deadline cut before
-    they started (``FlowDeadlineExceeded: ...``); a child retried since is not. With
-    ``count``: one page and the next page's cursor, ``(failures, next_cursor)`` (None after
-    the last), as :func:`celery_echomq.store.failed.failed_children` pages."""
+    """``{child_job_id: "ExcType: message"}`` for every child that failed for good, or with
+    ``count`` one page and the next page's cursor: from memory for a flow run eagerly in
+    this process, else as :func:`celery_echomq.store.failed.failed_children` pages."""
     return reads_of(job_id, app=app, queue=queue).failed_children(cursor, count)
 
 

@@ -18,32 +18,21 @@ from redis.cluster import RedisCluster
 
 from celery_echomq.config import safe_url
 from celery_echomq.errors import EchoMQError, FlowExistsError, StoreUnavailableError
-from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.send.chunked import Written, enqueue_chunked
+from celery_echomq.send.dispatch import declare_reply_queue, dispatch_parent
 from celery_echomq.send.encoding import Encoded, encode_plan
 from celery_echomq.send.fused import SINCE_MARK, prepare
 from celery_echomq.send.ids import claim_ids, release_claims
-from celery_echomq.send.join import Joined, join_level, joins_by_level
+from celery_echomq.send.join import Joined, joins_by_level
 from celery_echomq.send.plan import Plan, child_id, child_queue, first_job, row_ids
 from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
 from celery_echomq.store.replies import Status, WideCheck
 from celery_echomq.store.script_values import BrokerPushes
-from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")
-
-
-def declare_reply_queue(app: Any, parent_id: str) -> None:
-    """Declare the queue an ``rpc://`` result backend replies to, as ``send_task`` does before
-    it publishes: the parent's result may come back before the caller asks for it."""
-    from celery.backends.rpc import RPCBackend
-
-    backend = app.backend
-    if isinstance(backend, RPCBackend):
-        with app.producer_or_acquire(None) as producer:
-            backend.on_task_call(producer, parent_id)
 
 
 def start_flow(
@@ -132,11 +121,6 @@ def _prepare(state: EchoMQ, plan: Plan, joined: dict[str, Joined]) -> _Start:
         joins=joins,
         in_store=frozenset(i for i, j in joined.items() if not j.owner),
     )
-
-
-# What a start wrote so far, level by level: (queue, parent id, row ids), what a refusal
-# takes back.
-Written = list[tuple[str, str, list[str]]]
 
 
 def _land(
@@ -262,7 +246,7 @@ def _enqueue_levels(
     for level, is_chunked in zip(start.levels, start.chunked, strict=True):
         if is_chunked:
             joins = start.joins[level.parent_id]
-            settled += _enqueue_chunked(
+            settled += enqueue_chunked(
                 state, level, encoded[level.parent_id], chunk, written, joins
             )
             since[level.parent_id] = clock
@@ -359,7 +343,7 @@ def _with_since(job: dict[str, Any], since: int | None, store: str) -> dict[str,
     return {**job, "options": options}
 
 
-def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
+def _rollback(state: EchoMQ, written: Written) -> None:
     """Delete what a refused start wrote: ``(queue, parent id or '', child ids)`` per step."""
     keys = state.keys
     for queue, parent_id, child_ids in reversed(written):
@@ -391,95 +375,6 @@ def _rollback(state: EchoMQ, written: list[tuple[str, str, list[str]]]) -> None:
             if held:
                 pipe.hincrby(keys.queue_key(queue, "counters"), "held", -1)
         pipe.execute()
-
-
-def _enqueue_chunked(
-    state: EchoMQ,
-    level: Plan,
-    encoded: Encoded,
-    chunk: int,
-    written: list[tuple[str, str, list[str]]],
-    joined: dict[str, Joined],
-) -> list[tuple[Status, str, str]]:
-    scripts = state.scripts
-    scripts.open_flow(
-        level.queue,
-        level.parent_id,
-        encoded.parent,
-        len(level.children),
-        level.policy,
-        outer=level.outer,
-        recent_ttl_ms=state.settings.result_ttl * 1000,
-        recent_max=state.settings.recent_flows,
-        template=encoded.template,
-    )
-    written.append((level.queue, level.parent_id, []))
-    index_children(state, level.queue, level.parent_id, level.parent, level.child_ids(), chunk)
-    # Per queue, each child's rows with their kinds: one row, or a chain's steps, which one
-    # add_children call writes together (a step names the next, which must be there).
-    by_queue: dict[str, list[list[tuple[str, bytes, str, str]]]] = {}
-    kinds = encoded.kinds or "p" * len(encoded.children)
-    rows = iter(zip(encoded.children, kinds, strict=True))
-    for job in level.children:
-        group = []
-        for _ in row_ids(job):
-            (cid, payload), kind = next(rows)
-            group.append((cid, payload, level.child_policies.get(cid, ""), kind))
-        if group[0][0] not in joined:  # a joined job has its row: it gains an edge instead
-            by_queue.setdefault(child_queue(job), []).append(group)
-    parent = ParentRef(level.parent_id, level.queue)
-    open_key = state.keys.queue_key(level.queue, "open")
-    for queue, groups in by_queue.items():
-        for part in _chunks(groups, chunk):
-            rows_chunk = [(cid, payload, policy) for cid, payload, policy, _ in part]
-            kinds = "".join(kind for *_, kind in part)
-            kinds = "" if set(kinds) == {"p"} else kinds
-            scripts.add_children(queue, parent, rows_chunk, kinds, level.max_active)
-            written.append((queue, "", [cid for cid, _, _ in rows_chunk]))
-            # A producer still writing is alive: recovery takes an open flow for abandoned a
-            # stall timeout after its last chunk, not after its first, however large it is.
-            seconds, micros = state.client.time()
-            state.client.zadd(open_key, {level.parent_id: seconds * 1000 + micros // 1000}, xx=True)
-    settled = join_level(state, level, joined) if joined else []
-    if scripts.seal_flow(level.queue, level.parent_id) is Status.RELEASED:
-        # Every child was a joined job that had finished: released by the seal.
-        dispatch_parent(state, level.queue, level.parent_id)
-    logger.info(
-        "echomq: flow %s opened, %d children added on %d queue(s), sealed",
-        level.parent_id,
-        len(level.children),
-        len(by_queue),
-    )
-    return settled
-
-
-def _chunks(groups: list[list[Any]], size: int) -> Iterator[list[Any]]:
-    """The rows of ``groups`` in chunks of about ``size``, a group never split (a long chain
-    makes one chunk of its own, however many steps it has)."""
-    part: list[Any] = []
-    for group in groups:
-        if part and len(part) + len(group) > size:
-            yield part
-            part = []
-        part.extend(group)
-    if part:
-        yield part
-
-
-def index_children(
-    state: EchoMQ, queue: str, parent_id: str, parent: dict[str, Any], ids: list[str], chunk: int
-) -> None:
-    """The parent's index of its children by position (what enqueue_flow writes in its
-    script), for the chunked path: its ``:children`` list, a chunk per RPUSH; and ``head`` on
-    its row, its stored job without its children's ids, so that a page of a huge flow never
-    reads the payload."""
-    head = {k: v for k, v in parent.items() if k != "children"}
-    index = state.keys.children_key(queue, parent_id)
-    pipe = state.client.pipeline(transaction=False)
-    pipe.hset(state.keys.job_key(queue, parent_id), "head", state.dumps(head))
-    for start in range(0, len(ids), chunk):
-        pipe.rpush(index, *ids[start : start + chunk])
-    pipe.execute()
 
 
 def resume_nested(state: EchoMQ, plan: Plan) -> None:

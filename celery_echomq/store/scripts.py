@@ -442,20 +442,7 @@ class Scripts:
         goes into ``freed`` for the caller to publish (None: left to recovery, a stall
         timeout later)."""
         remote = parent is not None and parent.queue != queue and not next_step
-        if next_step:
-            onward = [self.keys.job_key(queue, next_step), self.keys.queue_key(queue, "pending")]
-        elif remote:
-            onward = [self.keys.queue_key(queue, "outbox")]
-        else:
-            onward = self._parent_keys(
-                parent, "row", "dependencies", "processed", "pending", "counters"
-            )
-        keys = [
-            self.keys.job_key(queue, job_id),
-            self.keys.queue_key(queue, "active"),
-            *self.keys.flow_keys(queue, job_id),
-            *onward,
-        ]
+        keys = self._complete_keys(queue, job_id, parent, next_step, remote)
         argv: list[Value] = [
             job_id,
             token,
@@ -465,18 +452,60 @@ class Scripts:
             value,
             "1" if remote else "0",
         ]
-        if result is not None:
-            expires = str(result.expires) if result.expires else ""
-            argv += ["1", result.meta, expires]
+        argv += self._complete_options(result, next_step, inline_max if not remote else 0, parent)
+        self._complete_tail(queue, job_id, parent, next_step, hand_ms, result, keys, argv)
+        reply = window_freed(self._run("complete", keys, argv), freed)
+        return self._completed(reply, parent, inline_max)
+
+    def _complete_keys(
+        self, queue: str, job_id: str, parent: ParentRef | None, next_step: str, remote: bool
+    ) -> list[str]:
+        """The job's keys, then where its value goes: the next step of its chain, the
+        queue's outbox (a parent on another slot), or its parent's keys."""
         if next_step:
-            argv += [*([] if result is not None else ["", "", ""]), "", next_step]
-        elif inline_max and not remote and parent is not None:
-            if result is None:
-                argv += ["", "", ""]
-            argv.append(str(inline_max))
-        argv += [""] * (12 - len(argv))
-        # The window's keys, then its other parents' edges (on_exists="join": the index and
-        # :parents), before the result's key, which stays the last.
+            onward = [self.keys.job_key(queue, next_step), self.keys.queue_key(queue, "pending")]
+        elif remote:
+            onward = [self.keys.queue_key(queue, "outbox")]
+        else:
+            onward = self._parent_keys(
+                parent, "row", "dependencies", "processed", "pending", "counters"
+            )
+        return [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "active"),
+            *self.keys.flow_keys(queue, job_id),
+            *onward,
+        ]
+
+    @staticmethod
+    def _complete_options(
+        result: ResultWrite | None, next_step: str, inline_max: int, parent: ParentRef | None
+    ) -> list[Value]:
+        """ARGV[8..12]: the result to write, the next step of a chain, or how large a
+        released parent may be handed back inline."""
+        options: list[Value] = []
+        if result is not None:
+            options += ["1", result.meta, str(result.expires) if result.expires else ""]
+        if next_step:
+            options += [*([] if result is not None else ["", "", ""]), "", next_step]
+        elif inline_max and parent is not None:
+            options += [*([] if result is not None else ["", "", ""]), str(inline_max)]
+        return options + [""] * (5 - len(options))
+
+    def _complete_tail(
+        self,
+        queue: str,
+        job_id: str,
+        parent: ParentRef | None,
+        next_step: str,
+        hand_ms: int,
+        result: ResultWrite | None,
+        keys: list[str],
+        argv: list[Value],
+    ) -> None:
+        """The window's keys, then the job's other parents' edges (on_exists="join": the
+        index and :parents), each named by its KEYS position in ARGV[13] and ARGV[14]; the
+        next step's lease (ARGV[15]); the result's key, which stays the last."""
         if parent is not None and not next_step:
             argv.append(str(len(keys) + 1))
             keys += self._window_keys(queue, parent)
@@ -488,7 +517,13 @@ class Scripts:
             argv.append(str(hand_ms))  # the next step handed out active, leased
         if result is not None:
             keys.append(result.key)
-        reply = window_freed(self._run("complete", keys, argv), freed)
+
+    def _completed(
+        self, reply: list[Any], parent: ParentRef | None, inline_max: int
+    ) -> tuple[Status, bool, Handed | None, bool]:
+        """complete.lua's reply: its status, whether it wrote the result, what it handed
+        out (a chain's next step, or the parent it released), whether the job has more
+        parents."""
         flag = text(reply[1]) if len(reply) > 1 else ""
         status, written, shared = status_of(reply[0]), flag.startswith("1"), flag.endswith("+")
         if status is Status.ADVANCED:

@@ -111,67 +111,22 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     if state is None:
         return
     queue, token = getattr(request, H_QUEUE), new_token()
-    lease, priority = state.settings.stall_ms, _priority(request)
-    retries = int(getattr(request, "retries", 0) or 0)
-    since = getattr(request, H_SINCE, None)
     # The parent the message names: the claim compares it with the row's own.
     named = str(getattr(request, H_PARENT, None) or "")
     if getattr(request, H_HANDED, None) and state.scripts.take_handed(queue, task_id, token, named):
         # A chain's step the completion of the step before handed out active: taken.
-        _tokens[task_id] = token
-        store_started(task, request)
+        _started(task, task_id, token)
         logger.debug("echomq: took handed step %s", task_id)
         return
-    status, attempts, holder = state.scripts.claim(
-        queue,
-        task_id,
-        token,
-        lease,
-        priority=priority,
-        retries=retries,
-        since=since if isinstance(since, int) else None,
-        parent=named,
-    )
-    if status is Status.BUSY and holder == token:
-        # The store's client resent this claim after a lost reply (a failover): the first
-        # attempt landed, so the job is this delivery's.
-        status = Status.CLAIMED
-    elif status is Status.BUSY and _holder_dead(holder):
-        # Its pool process died on this host (acks late: this is the broker's redelivery):
-        # the holder is known dead, so its lease does not have to lapse first.
-        status, attempts, holder = state.scripts.claim(
-            queue,
-            task_id,
-            token,
-            lease,
-            priority=priority,
-            force=True,
-            retries=retries,
-            parent=named,
-        )
+    status, attempts = _claim(state, request, queue, task_id, token, named)
     if status in STARTED:
-        _tokens[task_id] = token
-        store_started(task, request)
+        _started(task, task_id, token)
         if status is Status.CLAIMED:
             logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
         else:
             logger.info("echomq: claim %s -> taken over (attempt %d)", task_id, attempts)
     elif status is Status.MISSING:
-        # A flow job's message with no row here: expired long ago, or (far likelier when it
-        # happens to every job) the producer writes to another store than this worker reads.
-        mine = safe_url(state.settings.redis_url or "")
-        theirs = str(getattr(request, H_STORE, None) or "")
-        elsewhere = theirs and theirs != mine
-        logger.warning(
-            "echomq: flow job %s (queue %s) has no row in this worker's store %s%s. Its body "
-            "runs as a plain task, outside the flow",
-            task_id,
-            queue,
-            mine,
-            f"; its producer wrote it to {theirs}: point both at one store (echomq_redis_url)"
-            if elsewhere
-            else "; if the producer's echomq_redis_url names another store, point both at one",
-        )
+        _warn_no_row(state, request, task_id, queue)
     elif status is Status.FORGED:
         # The row's own parent is not the one this message names: a forged or copied header.
         # The body does not run, and nothing of the flow changes.
@@ -189,6 +144,68 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         # acknowledged; the holder's outcome is the job's.
         _skip.add(task_id)
         logger.info("echomq: skip duplicate delivery of %s (%s)", task_id, status)
+
+
+def _claim(
+    state: EchoMQ, request: Any, queue: str, task_id: str, token: str, named: str
+) -> tuple[Status, int]:
+    """The claim script for this delivery, and once more, forced, when the holder it names
+    is a pool process known dead on this host. Returns the status and the attempt."""
+    lease, priority = state.settings.stall_ms, _priority(request)
+    retries = int(getattr(request, "retries", 0) or 0)
+    since = getattr(request, H_SINCE, None)
+    status, attempts, holder = state.scripts.claim(
+        queue,
+        task_id,
+        token,
+        lease,
+        priority=priority,
+        retries=retries,
+        since=since if isinstance(since, int) else None,
+        parent=named,
+    )
+    if status is Status.BUSY and holder == token:
+        # The store's client resent this claim after a lost reply (a failover): the first
+        # attempt landed, so the job is this delivery's.
+        return Status.CLAIMED, attempts
+    if status is Status.BUSY and _holder_dead(holder):
+        # Its pool process died on this host (acks late: this is the broker's redelivery):
+        # the holder is known dead, so its lease does not have to lapse first.
+        status, attempts, _ = state.scripts.claim(
+            queue,
+            task_id,
+            token,
+            lease,
+            priority=priority,
+            force=True,
+            retries=retries,
+            parent=named,
+        )
+    return status, attempts
+
+
+def _started(task: Any, task_id: str, token: str) -> None:
+    """This delivery holds the job: its token for the outcome, its STARTED state stored."""
+    _tokens[task_id] = token
+    store_started(task, task.request)
+
+
+def _warn_no_row(state: EchoMQ, request: Any, task_id: str, queue: str) -> None:
+    """A flow job's message with no row here: expired long ago, or (far likelier when it
+    happens to every job) the producer writes to another store than this worker reads."""
+    mine = safe_url(state.settings.redis_url or "")
+    theirs = str(getattr(request, H_STORE, None) or "")
+    elsewhere = theirs and theirs != mine
+    logger.warning(
+        "echomq: flow job %s (queue %s) has no row in this worker's store %s%s. Its body "
+        "runs as a plain task, outside the flow",
+        task_id,
+        queue,
+        mine,
+        f"; its producer wrote it to {theirs}: point both at one store (echomq_redis_url)"
+        if elsewhere
+        else "; if the producer's echomq_redis_url names another store, point both at one",
+    )
 
 
 def skip_duplicate(self: Any, task_id: str, args: Any, kwargs: Any) -> None:

@@ -18,7 +18,7 @@ import redis
 from celery_echomq import flow, get_state
 from celery_echomq.errors import CursorError, ListingError
 from celery_echomq.ops.pages import read_flow
-from tests.helpers import KEYS, id_of, run, wait_for, ways, with_id
+from tests.helpers import KEYS, id_of, run, wait_for, with_id
 
 pytestmark = pytest.mark.e2e
 
@@ -26,14 +26,6 @@ CHUNK = 1000  # echomq_chunk_size's default: what tests/proj.py runs with
 # The most arguments a chunk's script call takes: a key and an id per child, and its own.
 MOST_ARGS = 2 * CHUNK + 20
 WHOLE = {b"HGETALL", b"HKEYS", b"HVALS", b"SMEMBERS", b"SUNION", b"SINTER"}
-
-
-@pytest.fixture(params=ways(worker_for_both=False))
-def how(request: pytest.FixtureRequest) -> str:
-    """``apply`` (eager, in this process, no worker) or ``apply_async`` (on the worker)."""
-    if request.param == "apply_async":
-        request.getfixturevalue("worker")
-    return str(request.param)
 
 
 def commands(store: redis.Redis, run: Callable[[], Any]) -> tuple[Any, list[list[bytes]]]:

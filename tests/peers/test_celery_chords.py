@@ -62,14 +62,6 @@ SETTLE = 1.0
 INPROCESS = os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess"
 
 
-@pytest.fixture(params=ways(worker_for_both=False))
-def how(request: pytest.FixtureRequest) -> str:
-    """``apply`` (eager, in this process, no worker) or ``apply_async`` (on the worker)."""
-    if request.param == "apply_async":
-        request.getfixturevalue("worker")
-    return str(request.param)
-
-
 @pytest.fixture(params=ways(worker_for_both=True))
 def how_w(request: pytest.FixtureRequest) -> str:
     """``how`` with the worker up both ways: the callbacks an eager run sends run on it."""

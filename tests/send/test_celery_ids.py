@@ -33,30 +33,13 @@ from celery_echomq import (
 from celery_echomq.ops.listing import held_parents
 from celery_echomq.ops.views import read_tree, walk
 from celery_echomq.store.keyspace import check_id, id_of_row, row_id
-from tests.helpers import Env, Served, wait_for
+from tests.helpers import Env, Served, run, wait_for
 
 # A fixed uuid for the parametrized ids: every pytest-xdist process must collect the same
 # tests, so their ids (and names) cannot be random.
 SAMPLE = uuid.UUID("3b241101-e2bb-4255-8caf-4136c566a962")
 
 TIMEOUT = 60
-
-
-@pytest.fixture(
-    params=[
-        pytest.param("apply", id="eager"),
-        pytest.param("apply_async", id="worker", marks=[pytest.mark.e2e]),
-    ]
-)
-def how(request: pytest.FixtureRequest) -> str:
-    """``apply`` (eager, in this process) or ``apply_async`` (on the worker)."""
-    if request.param == "apply_async":
-        request.getfixturevalue("worker")
-    return str(request.param)
-
-
-def run(sig: Any, how: str, **options: Any) -> Any:
-    return getattr(sig, how)(**options)
 
 
 @pytest.fixture

@@ -28,26 +28,9 @@ from celery_echomq import (
 from celery_echomq.send.shared import CycleError
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
-from tests.helpers import echomq, wait_for
+from tests.helpers import echomq, run, wait_for
 
 TIMEOUT = 60
-
-
-@pytest.fixture(
-    params=[
-        pytest.param("apply", id="eager"),
-        pytest.param("apply_async", id="worker", marks=[pytest.mark.e2e]),
-    ]
-)
-def how(request: pytest.FixtureRequest) -> str:
-    """``apply`` (eager, in this process) or ``apply_async`` (on the worker)."""
-    if request.param == "apply_async":
-        request.getfixturevalue("worker")
-    return str(request.param)
-
-
-def run(sig: Any, how: str, **options: Any) -> Any:
-    return getattr(sig, how)(**options)
 
 
 def runs(store: redis.Redis, tag: str) -> int:
