@@ -8,9 +8,6 @@ receiver could not make. A task without the flow headers costs nothing here: no 
 from __future__ import annotations
 
 import logging
-import os
-import socket
-import uuid
 from collections import OrderedDict
 from datetime import datetime, timezone
 from typing import Any
@@ -21,7 +18,6 @@ from celery.app.task import Task
 from celery.exceptions import Ignore
 
 from celery_echomq import tracing
-from celery_echomq.config import safe_url
 from celery_echomq.store.headers import (
     H_FLOW,
     H_HANDED,
@@ -29,7 +25,6 @@ from celery_echomq.store.headers import (
     H_PARENT,
     H_QUEUE,
     H_SINCE,
-    H_STORE,
     Headers,
     parent_ref,
 )
@@ -44,6 +39,7 @@ from celery_echomq.store.results import (
 )
 from celery_echomq.store.state import EchoMQ, find_state
 from celery_echomq.worker.checks import on_worker_ready
+from celery_echomq.worker.claims import claim, new_token, warn_no_row
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
 from celery_echomq.worker.settle import error_text, settle_failure, settle_success
 
@@ -55,36 +51,6 @@ _tokens: dict[str, str] = {}
 # Deliveries whose claim found the job running elsewhere or finished: their body is skipped.
 _skip: set[str] = set()
 
-# Tokens name their holder ("host|pid|random"), so a worker can end the lease of a pool
-# process it saw die, and a claim can tell a dead holder on this host from a live one.
-HOST = socket.gethostname().replace("|", "_")
-
-
-def new_token() -> str:
-    return f"{HOST}|{os.getpid()}|{uuid.uuid4().hex}"
-
-
-def holder_prefix(pid: int) -> str:
-    return f"{HOST}|{pid}|"
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _holder_dead(token: str) -> bool:
-    """Whether ``token``'s holder is a pool process of this host that no longer exists."""
-    host, _, rest = token.partition("|")
-    pid = rest.partition("|")[0]
-    return host == HOST and pid.isdigit() and int(pid) != os.getpid() and not pid_alive(int(pid))
-
-
 # In the worker's main process: the headers of flow jobs it received, by task id. A hard
 # time limit reports the failure there, where no task request is on the stack.
 _received: OrderedDict[str, Any] = OrderedDict()
@@ -95,14 +61,6 @@ def _flow_state(task: Any, request: Any) -> EchoMQ | None:
     if request is None or not getattr(request, H_QUEUE, None):
         return None
     return find_state(task.app)
-
-
-def _priority(request: Any) -> int:
-    # Brokers deliver a queue in order within one priority: the claim mark is kept per priority.
-    try:
-        return int((getattr(request, "delivery_info", None) or {}).get("priority") or 0)
-    except (TypeError, ValueError):
-        return 0
 
 
 def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any) -> None:
@@ -118,7 +76,7 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         _started(task, task_id, token)
         logger.debug("echomq: took handed step %s", task_id)
         return
-    status, attempts = _claim(state, request, queue, task_id, token, named)
+    status, attempts = claim(state, request, queue, task_id, token, named)
     if status in STARTED:
         _started(task, task_id, token)
         if status is Status.CLAIMED:
@@ -126,7 +84,7 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         else:
             logger.info("echomq: claim %s -> taken over (attempt %d)", task_id, attempts)
     elif status is Status.MISSING:
-        _warn_no_row(state, request, task_id, queue)
+        warn_no_row(state, request, task_id, queue)
     elif status is Status.FORGED:
         # The row's own parent is not the one this message names: a forged or copied header.
         # The body does not run, and nothing of the flow changes.
@@ -146,66 +104,10 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         logger.info("echomq: skip duplicate delivery of %s (%s)", task_id, status)
 
 
-def _claim(
-    state: EchoMQ, request: Any, queue: str, task_id: str, token: str, named: str
-) -> tuple[Status, int]:
-    """The claim script for this delivery, and once more, forced, when the holder it names
-    is a pool process known dead on this host. Returns the status and the attempt."""
-    lease, priority = state.settings.stall_ms, _priority(request)
-    retries = int(getattr(request, "retries", 0) or 0)
-    since = getattr(request, H_SINCE, None)
-    status, attempts, holder = state.scripts.claim(
-        queue,
-        task_id,
-        token,
-        lease,
-        priority=priority,
-        retries=retries,
-        since=since if isinstance(since, int) else None,
-        parent=named,
-    )
-    if status is Status.BUSY and holder == token:
-        # The store's client resent this claim after a lost reply (a failover): the first
-        # attempt landed, so the job is this delivery's.
-        return Status.CLAIMED, attempts
-    if status is Status.BUSY and _holder_dead(holder):
-        # Its pool process died on this host (acks late: this is the broker's redelivery):
-        # the holder is known dead, so its lease does not have to lapse first.
-        status, attempts, _ = state.scripts.claim(
-            queue,
-            task_id,
-            token,
-            lease,
-            priority=priority,
-            force=True,
-            retries=retries,
-            parent=named,
-        )
-    return status, attempts
-
-
 def _started(task: Any, task_id: str, token: str) -> None:
     """This delivery holds the job: its token for the outcome, its STARTED state stored."""
     _tokens[task_id] = token
     store_started(task, task.request)
-
-
-def _warn_no_row(state: EchoMQ, request: Any, task_id: str, queue: str) -> None:
-    """A flow job's message with no row here: expired long ago, or (far likelier when it
-    happens to every job) the producer writes to another store than this worker reads."""
-    mine = safe_url(state.settings.redis_url or "")
-    theirs = str(getattr(request, H_STORE, None) or "")
-    elsewhere = theirs and theirs != mine
-    logger.warning(
-        "echomq: flow job %s (queue %s) has no row in this worker's store %s%s. Its body "
-        "runs as a plain task, outside the flow",
-        task_id,
-        queue,
-        mine,
-        f"; its producer wrote it to {theirs}: point both at one store (echomq_redis_url)"
-        if elsewhere
-        else "; if the producer's echomq_redis_url names another store, point both at one",
-    )
 
 
 def skip_duplicate(self: Any, task_id: str, args: Any, kwargs: Any) -> None:

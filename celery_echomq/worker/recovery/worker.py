@@ -19,6 +19,7 @@ from celery_echomq.send.start import publish
 from celery_echomq.store.headers import H_QUEUE
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.worker.claims import holder_prefix, pid_alive
 from celery_echomq.worker.recovery.common import (
     LEASE,
     LEASE_MIN_MS,
@@ -28,7 +29,6 @@ from celery_echomq.worker.recovery.common import (
     with_values,
 )
 from celery_echomq.worker.recovery.sweep import anything_due, run_pass
-from celery_echomq.worker.signals import holder_prefix, pid_alive
 
 logger = logging.getLogger("celery_echomq")
 
