@@ -6,11 +6,14 @@
 -- Returns true when it was cut. deadline (on the parent's slot) and deadline_cut (on a
 -- child's other slot) share it, so both stop a child alike. A job other flows were joined
 -- to (its '<row>:parents', named from its row: on_exists="join") is left to them. A chain's
--- step (with a 'next') expires the steps waiting behind it with it (includes/chain_rest.lua).
+-- step (with a 'next') expires the steps waiting behind it with it (includes/chain_rest.lua);
+-- those steps (waiting, with a 'chain') are never cut themselves: they stay waiting behind the
+-- cut step, so that a retry of it runs the rest of the chain.
 --- @include "chain_rest"
 local function cut_pending(row, cid, parent_id, pending, ttl, error)
-  local c = redis.call('HMGET', row, 'state', 'parent', 'next')
-  if (c[1] ~= 'pending' and c[1] ~= 'waiting') or c[2] ~= parent_id
+  local c = redis.call('HMGET', row, 'state', 'parent', 'next', 'chain')
+  local behind_a_step = c[1] == 'waiting' and c[4]
+  if (c[1] ~= 'pending' and c[1] ~= 'waiting') or behind_a_step or c[2] ~= parent_id
       or redis.call('EXISTS', row .. ':parents') == 1 then
     return false
   end
