@@ -18,6 +18,7 @@ from celery.app.task import Task
 from celery.exceptions import Ignore
 
 from celery_echomq import tracing
+from celery_echomq.errors import ReplicationError
 from celery_echomq.store.headers import (
     H_FLOW,
     H_HANDED,
@@ -76,7 +77,16 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         _started(task, task_id, token)
         logger.debug("echomq: took handed step %s", task_id)
         return
-    status, attempts = claim(state, request, queue, task_id, token, named)
+    try:
+        status, attempts = claim(state, request, queue, task_id, token, named)
+    except ReplicationError as exc:
+        # The claim is on the primary alone: a failover may lose it, and with it whatever this
+        # body would do (a parent run on a release the new primary never had runs again).
+        # The body waits instead: its lease lapses and recovery re-publishes the job, from
+        # whatever store survives.
+        _skip.add(task_id)
+        logger.warning("echomq: %s; the body of %s is deferred to recovery", exc, task_id)
+        return
     if status in STARTED:
         _started(task, task_id, token)
         if status is Status.CLAIMED:

@@ -53,7 +53,7 @@ from celery_echomq.store.keyspace import Keyspace, new_job_id
 from celery_echomq.store.loader import load_source
 from celery_echomq.store.scripts import ParentRef, Scripts
 from celery_echomq.store.state import _ATTR, EchoMQ, get_state
-from tests.helpers import KEYS, LOGDIR, ROOT, Env, Worker
+from tests.helpers import KEYS, LOGDIR, ROOT, Env, Worker, logged
 
 LEASE = 60_000
 TTL = 600
@@ -542,6 +542,44 @@ def test_min_replicas_a_completion_that_hands_out_its_parent_is_followed_unackno
     assert handed is not None and handed[0] == b"p"
     assert "0 of echomq_min_replicas=1" in caplog.text and "its reply is followed" in caplog.text
     assert primary.client().hget(f"emq:{{q}}:{parent}", "dispatched") is not None
+
+
+@pytest.mark.e2e
+def test_min_replicas_a_claim_not_replicated_defers_the_body_to_recovery(
+    env: Env, proj: Any, primary_replica: tuple[RedisServer, RedisServer]
+) -> None:
+    """A claim on the primary alone may be lost by a failover, and with it what the body did
+    (a parent run on a release only that primary had runs again once the new primary releases
+    it): the body waits, and recovery re-publishes the job once its lease lapses."""
+    primary, replica = primary_replica
+    assert replica.proc is not None
+    queue, child = f"defer-{uuid.uuid4().hex[:6]}", new_job_id()
+    with store_of(proj.app, redis_url=primary.url(0), min_replicas=1):
+        kid = proj.add.s(1, 2).set(task_id=child)
+        res = flow(proj.tsum.s(), [kid]).apply_async(queue=queue)
+        os.kill(replica.proc.pid, signal.SIGSTOP)  # the replica stops acknowledging
+        worker = Worker(
+            env,
+            queues=queue,
+            name=f"defer-{uuid.uuid4().hex[:6]}",
+            extra_env={
+                "ECHOMQ_T_STORE": primary.url(0),
+                "ECHOMQ_T_MIN_REPLICAS": "1",
+                "ECHOMQ_T_STALL": "2",
+                "ECHOMQ_T_RECOVERY_INTERVAL": "0.5",
+            },
+        )
+        try:
+            try:
+                logged(worker, f"the body of {child} is deferred to recovery")
+                assert runs_in_log(worker.log)[child] == 0
+            finally:
+                os.kill(replica.proc.pid, signal.SIGCONT)
+            assert res.get(timeout=60) == 3
+            assert runs_in_log(worker.log)[child] == 1
+            assert f"re-published {child}" in worker.output()
+        finally:
+            worker.stop()
 
 
 # --- Failover under load, with real workers -------------------------------------------------
