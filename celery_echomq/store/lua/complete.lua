@@ -90,9 +90,9 @@ local next_id = ARGV[12] or ''
 -- A flow parent that is a chain's step (the step held on its children, the tasks after it
 -- waiting) is read for its 'next' as any step is, and all its own keys expired.
 local stepping = not is_parent or next_id ~= ''
-local failed_children
-refused, failed_children = not_holder(KEYS[1], ARGV[2], stepping and 'next' or 'credited_failed',
-  ARGV[5])
+local failed_children, joined
+refused, failed_children, joined = not_holder(KEYS[1], ARGV[2],
+  stepping and 'next' or 'credited_failed', ARGV[5], 'joined')
 if refused then
   return refused
 end
@@ -129,7 +129,7 @@ if ARGV[8] == '1' and was_active == 1 then
 end
 local edges_at = tonumber(ARGV[14] or '')
 if was_active == 1 and edges_at
-    and stage_edges(KEYS[1], ARGV[1], KEYS[edges_at], KEYS[edges_at + 1], now_ms(), ttl,
+    and stage_edges(KEYS[1], ARGV[1], KEYS[edges_at], KEYS[edges_at + 1], joined, ttl,
       ARGV[6]) then
   written = written .. '+' -- its other parents, for the host to credit
 end

@@ -73,7 +73,7 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'next')
+local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'next', 'joined')
 local state = row[1]
 if not state then
   return {'missing', ''}
@@ -109,7 +109,7 @@ else
 end
 local edges_at = tonumber(ARGV[10] or '')
 local shared = ARGV[8] ~= '1' and edges_at
-  and stage_edges(KEYS[1], ARGV[1], KEYS[edges_at], KEYS[edges_at + 1], now, ttl, nil)
+  and stage_edges(KEYS[1], ARGV[1], KEYS[edges_at], KEYS[edges_at + 1], row[5], ttl, nil)
 local function reply(r)
   if shared then
     r[#r + 1] = 'edges'

@@ -14,7 +14,7 @@
 -- Reply: {state, error, parent}: the job's state ('' when its row is gone: no edge is then
 -- written), its 'error' field and its own (first) parent's id; the edge is written once
 -- (HSETNX: a join repeated by its host changes nothing) and expires with the job's row
--- when the row expires.
+-- when the row expires; the row gains 'joined' = '1'.
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 local refused = gate_ids(1, 2)
@@ -26,6 +26,9 @@ if not row[1] then
   return {'', '', ''}
 end
 redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[4] .. '|' .. ARGV[3])
+-- The row says it has edges ('joined'): its completion reads that with its holder, in the
+-- HMGET it makes anyway, and looks at '<row>:parents' only then.
+redis.call('HSET', KEYS[1], 'joined', '1')
 local ttl = redis.call('PTTL', KEYS[1])
 if ttl > 0 then
   redis.call('PEXPIRE', KEYS[2], ttl)
