@@ -86,6 +86,7 @@ def test_doctor_passes_a_good_deployment_and_asks_the_workers(
         as_json = doctor(env, "--json", **good)
     finally:
         worker.stop()
+    print(f"$ celery echomq doctor\n{text.stdout}")  # what an operator reads (-s)
     assert text.returncode == 0, text.stdout + text.stderr
     lines = text.stdout.splitlines()
     assert lines[0] == f"flow store {good['ECHOMQ_T_STORE']}"
@@ -111,6 +112,7 @@ def test_doctor_names_what_is_wrong_and_what_to_change_with_exit_1(
     before = server.client().info("keyspace")
     text = doctor(env, **urls)
     as_json = doctor(env, "--json", **urls)
+    print(f"$ celery echomq doctor\n{text.stdout}")  # what an operator reads (-s)
     assert text.returncode == 1 and as_json.returncode == 1, text.stdout + text.stderr
     assert "Traceback" not in text.stderr
     found = statuses(as_json)
