@@ -200,5 +200,10 @@ class Keyspace:
         to see that every command the package sends is allowed."""
         return f"{self.prefix}:{{doctor}}:probe"
 
-    def lease_key(self, name: str) -> str:
-        return f"{self.prefix}:lease:{_check_text(name, 'lease name')}"
+    def lease_key(self, name: str, queue: str | None = None) -> str:
+        """The lease ``name``: the store's (``emq:lease:<name>``), or ``queue``'s, in its slot
+        (``emq:{<queue>}:lease:<name>``)."""
+        name = _check_text(name, "lease name")
+        if queue is None:
+            return f"{self.prefix}:lease:{name}"
+        return self.queue_key(queue, f"lease:{name}")

@@ -866,9 +866,9 @@ class Scripts:
         keys = [self.keys.job_key(queue, job_id), self.keys.queue_key(queue, "active")]
         return status_of(self._run("hand_over", keys, [job_id, token])[0])
 
-    def lease_release(self, name: str, token: str) -> bool:
-        """Give up the lease ``name`` if ``token`` still holds it."""
-        return bool(self._run("lease_release", [self.keys.lease_key(name)], [token]))
+    def lease_release(self, name: str, token: str, queue: str | None = None) -> bool:
+        """Give up the lease ``name`` (``queue``'s, if given) if ``token`` still holds it."""
+        return bool(self._run("lease_release", [self.keys.lease_key(name, queue)], [token]))
 
     def abandon_flow(
         self, queue: str, parent_id: str, stall_ms: int, error: str, *, ttl: int

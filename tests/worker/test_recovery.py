@@ -570,7 +570,8 @@ def test_a_nested_flows_unrecorded_failure_reaches_its_outer_flow(
 
 def test_one_recovery_pass_at_a_time(proj: Any, env: Env, store: Any, queue: str) -> None:
     state = short_stall(proj.app)
-    lease = f"emq:lease:{LEASE}"
+    lease = KEYS.lease_key(LEASE, queue)
+    assert lease == f"emq:{{{queue}}}:lease:{LEASE}"
     assert leased_pass(state, "me", [queue]) == []  # nothing due: no lease taken, no pass
     ids, kids = children(proj, 2)
     flow(proj.collect.s(), kids).apply_async(queue=queue)
@@ -581,7 +582,14 @@ def test_one_recovery_pass_at_a_time(proj: Any, env: Env, store: Any, queue: str
         assert leased_pass(state, "me", [queue]) is None  # held elsewhere: no pass
     finally:
         store.delete(lease)
-    assert leased_pass(state, "me", [queue]) == []  # the first look at the evidence
+    # Another queue's lease, held by a worker of that queue (or one that died holding it),
+    # never holds this queue's pass back.
+    elsewhere = KEYS.lease_key(LEASE, "celery")
+    store.set(elsewhere, "a-worker-of-celery", px=10_000)
+    try:
+        assert leased_pass(state, "me", [queue]) == []  # the first look at the evidence
+    finally:
+        store.delete(elsewhere)
     time.sleep(HOLD_MS / 1000 + 0.2)
     lines = leased_pass(state, "me", [queue])
     assert lines is not None

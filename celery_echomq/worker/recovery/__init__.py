@@ -47,7 +47,8 @@ deadline, score), so two passes at once (two workers, or a worker and ``celery e
 recover``) cost duplicate work at most, never a double credit.
 
 :class:`~.worker.RecoveryLoop` runs in every worker: it renews that worker's leases, ends those
-of its dead pool processes, and runs the pass, one worker at a time under a Redis lease.
+of its dead pool processes, and runs the pass, one worker of each queue at a time under that
+queue's Redis lease.
 
 The modules: ``common`` (settings of a pass, reading stored jobs), ``lost`` (a pending job
 whose message is gone, a released parent never published: (a), (c)), ``repairs`` (a lapsed

@@ -1,5 +1,5 @@
 """The worker's side: renew its leases, end those of its dead pool processes, and run the
-pass, one worker at a time under a Redis lease (:class:`RecoveryStep`)."""
+pass, one worker per queue at a time under a Redis lease (:class:`RecoveryStep`)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from celery import bootsteps
 
 from celery_echomq.send.start import publish
 from celery_echomq.store.headers import H_QUEUE
+from celery_echomq.store.reads import queues_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ, find_state
 from celery_echomq.worker.claims import holder_prefix, pid_alive
@@ -36,22 +37,32 @@ logger = logging.getLogger("celery_echomq")
 def leased_pass(
     state: EchoMQ, holder: str, queues: Iterable[str] | None = None
 ) -> list[str] | None:
-    """:func:`run_pass` under the recovery lease; None when another process holds it.
+    """:func:`run_pass` over each of ``queues`` (every queue that holds flows, if None) whose
+    recovery lease this process takes; None when another process holds every one of them.
 
-    Nothing due (:func:`anything_due`): an empty list, without taking the lease.
+    One lease per queue: the workers of a queue take turns, and the workers of other queues
+    never wait on them. A worker that dies holding a lease delays only the next pass of that
+    queue, and a long pass over a big queue never starves a small one (whose replaced jobs,
+    for one, settle only in a pass). Nothing due (:func:`anything_due`): an empty list,
+    without taking a lease.
     """
     if not anything_due(state, queues):
         return []
-    settings = state.settings
-    ttl_ms = max(LEASE_MIN_MS, int(settings.recovery_interval * 3000))
-    if not state.client.set(state.keys.lease_key(LEASE), holder, nx=True, px=ttl_ms):
-        return None
-    try:
-        return run_pass(state, queues=queues)
-    finally:
-        # If Redis is gone the lease expires on its own.
-        with contextlib.suppress(*STORE_ERRORS):
-            state.scripts.lease_release(LEASE, holder)
+    ttl_ms = max(LEASE_MIN_MS, int(state.settings.recovery_interval * 3000))
+    repairs: list[str] = []
+    passed = False
+    for queue in queues_of(state, queues):
+        lease = state.keys.lease_key(LEASE, queue)
+        if not state.client.set(lease, holder, nx=True, px=ttl_ms):
+            continue
+        passed = True
+        try:
+            repairs += run_pass(state, queues=[queue])
+        finally:
+            # If Redis is gone the lease expires on its own.
+            with contextlib.suppress(*STORE_ERRORS):
+                state.scripts.lease_release(LEASE, holder, queue)
+    return repairs if passed else None
 
 
 @dataclass(frozen=True)
