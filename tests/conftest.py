@@ -97,6 +97,7 @@ SLOW_TESTS = frozenset(
         "test_children_replaced_by_a_task_a_chain_a_group_a_chord_and_a_flow",
         "test_the_dashboard_pages_a_flow_of_100000_children_in_chromium",
         "test_cancel_and_forget_a_large_flow_a_chunk_per_script_call",
+        "test_the_deadline_of_a_flow_of_2500_children_cuts_them_a_chunk_per_script_call",
         "test_retry_of_2100_failed_children_reads_and_retries_them_a_chunk_at_a_time",
         "test_release_reads_the_counts_alone_and_revoke_stops_2500_children_a_chunk_at_a_time",
         "test_doctor_counts_the_sentinels_and_replicas_of_a_sentinel_store",

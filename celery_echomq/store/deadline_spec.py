@@ -109,12 +109,15 @@ NAMED = 10  # ids a message names (the error's ``outstanding`` holds up to NAMED
 NAMED_MAX = 1000
 
 
-def exceeded(flow_id: str, outstanding: list[str], due: float | None) -> Any:
+def exceeded(
+    flow_id: str, outstanding: list[str], due: float | None, count: int | None = None
+) -> Any:
     """The error of a flow failed by its deadline, naming ``outstanding`` (in the children's
-    order): the same on a worker as in eager mode."""
+    order) of the ``count`` children it still waited for (all of them when None): the same on
+    a worker as in eager mode."""
     from celery_echomq.errors import FlowDeadlineExceeded
 
-    count = len(outstanding)
+    count = max(len(outstanding), count or 0)
     named = ", ".join(outstanding[:NAMED])
     more = f" and {count - NAMED} more" if count > NAMED else ""
     message = f"flow {flow_id} passed its deadline with {count} children outstanding" + (

@@ -15,6 +15,10 @@ from celery_echomq.store.connection import text
 from celery_echomq.store.state import EchoMQ
 
 INDEX = "deadlines"  # the per-queue index: parent id -> when its deadline passes (ms)
+# Children per script call when a deadline cuts them: deadline.lua takes the first chunk of
+# each kind (on the parent's slot, on others), deadline_cut the rest, so that the deadline of
+# a flow of 100,000 children is many short calls, never one that blocks Redis.
+CUT_CHUNK = 1000
 
 
 def index_key(state: EchoMQ, queue: str) -> str:
@@ -28,14 +32,16 @@ class Fired:
     status: str  # failed, released, fired, early, stale, moot, missing, noop
     due_ms: int = 0
     fired_ms: int = 0
-    cut: tuple[str, ...] = ()  # children cut on the parent's slot
-    running: tuple[str, ...] = ()  # children still running there (active, held nested flows)
-    remote: tuple[str, ...] = ()  # unsettled children of other slots
+    cut: tuple[str, ...] = ()  # children of the first chunk cut on the parent's slot
+    running: tuple[str, ...] = ()  # children of it still running (active, held nested flows)
+    remote: tuple[str, ...] = ()  # unsettled children of the first chunk of other slots'
+    count: int = 0  # every child the parent still waited for, in the chunks or not
     outcome: str = ""  # for "fired": what it was ("failed" or "released"); for "moot": state
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def outstanding(self) -> tuple[str, ...]:
+        """The outstanding children of the first chunks (``count`` says how many in all)."""
         return (*self.cut, *self.running, *self.remote)
 
 
@@ -72,7 +78,9 @@ def fire(
     local: Sequence[str],
     remote: Sequence[str],
 ) -> Fired:
-    """Run deadline.lua for one flow whose entry came due."""
+    """Run deadline.lua for one flow whose entry came due, with the first :data:`CUT_CHUNK`
+    of its children of each kind: the caller cuts the rest (:func:`cut_rest`)."""
+    local, remote = local[:CUT_CHUNK], remote[:CUT_CHUNK]
     keys = _flow_keys(state, queue, parent_id, local)
     argv = [
         parent_id,
@@ -87,8 +95,8 @@ def fire(
     reply = [text(item) or "" for item in state.scripts._run("deadline", keys, argv)]
     status = reply[0]
     if status in ("failed", "released"):
-        ncut, nrun, nremote = (int(x) for x in reply[3:6])
-        ids = tuple(reply[6:])
+        ncut, nrun, nremote, count = (int(x) for x in reply[3:7])
+        ids = tuple(reply[7:])
         return Fired(
             status,
             int(reply[1]),
@@ -96,6 +104,7 @@ def fire(
             ids[:ncut],
             ids[ncut : ncut + nrun],
             ids[ncut + nrun : ncut + nrun + nremote],
+            count=count,
         )
     if status == "fired":
         return Fired(status, int(float(reply[1] or 0)), int(reply[2]), outcome=reply[3])
@@ -109,13 +118,23 @@ def fire(
 def cut_remote(
     state: EchoMQ, queue: str, parent_id: str, child_ids: Sequence[str], error: str
 ) -> list[str]:
-    """Cut the children of ``parent_id`` on ``queue``'s slot that have not started."""
-    keys = [
-        state.keys.queue_key(queue, "pending"),
-        *(state.keys.job_key(queue, cid) for cid in child_ids),
-    ]
-    argv = [parent_id, str(state.settings.result_ttl), error, *child_ids]
-    return [text(cid) or "" for cid in state.scripts._run("deadline_cut", keys, argv)]
+    """Cut the children of ``parent_id`` on ``queue``'s slot that have not started, a
+    :data:`CUT_CHUNK` per call."""
+    cut: list[str] = []
+    for start in range(0, len(child_ids), CUT_CHUNK):
+        chunk = child_ids[start : start + CUT_CHUNK]
+        keys = [
+            state.keys.queue_key(queue, "pending"),
+            *(state.keys.job_key(queue, cid) for cid in chunk),
+        ]
+        argv = [parent_id, str(state.settings.result_ttl), error, *chunk]
+        cut += [text(cid) or "" for cid in state.scripts._run("deadline_cut", keys, argv)]
+    return cut
+
+
+def before_start(parent_id: str) -> str:
+    """The error a child cut by its flow's deadline keeps (deadline.lua writes the same)."""
+    return f"FlowDeadlineExceeded: flow {parent_id} passed its deadline before this child started"
 
 
 def done(state: EchoMQ, queue: str, parent_id: str, fired_ms: int) -> bool:

@@ -52,7 +52,8 @@ class Step:
     parent_id: str
     job: dict[str, Any] | None
     fired: Fired
-    local: list[str]
+    local: list[str]  # every child (a linked chain's steps) on the parent's slot
+    remote: list[str]  # every child on another slot
 
 
 def finish(state: EchoMQ, steps: list[Step]) -> list[str]:
@@ -104,7 +105,7 @@ def fire_one(state: EchoMQ, queue: str, parent_id: str) -> Step | None:
     else:
         return None
     if fired.status in ("failed", "released", "fired"):
-        return Step(queue, parent_id, job, fired, local)
+        return Step(queue, parent_id, job, fired, local, remote)
     return None
 
 
@@ -115,7 +116,8 @@ def deadline_error(
     children named in the children's order, as eager mode names them."""
     order = {cid: i for i, cid in enumerate((job or {}).get("children") or [])}
     named = sorted(fired.outstanding, key=lambda cid: order.get(cid, len(order)))
-    exc: FlowDeadlineExceeded = exceeded(parent_id, named, fired.due_ms / 1000 or None)
+    due = fired.due_ms / 1000 or None
+    exc: FlowDeadlineExceeded = exceeded(parent_id, named, due, fired.count)
     return exc
 
 
@@ -125,19 +127,24 @@ def follow_up(state: EchoMQ, step: Step, revoke: list[str]) -> str:
     queue, parent_id, job, fired = step.queue, step.parent_id, step.job, step.fired
     exc = deadline_error(parent_id, fired, job)
     late = fired.fired_ms - fired.due_ms
-    tracing.deadline_event(job, parent_id, fired.status, len(fired.outstanding), late)
+    tracing.deadline_event(job, parent_id, fired.status, fired.count, late)
     if fired.status == "failed":
         _record(state, queue, parent_id, job, exc)
     else:
         dispatch_parent(state, queue, parent_id)
+    # The script cut the first chunk of each kind; the rest, a chunk per call.
     revoked = list(fired.cut)
-    if fired.remote:
-        revoked += _cut_remote(state, parent_id, fired.remote, PREFIX + str(exc))
+    rest = step.local[store.CUT_CHUNK :]
+    if rest:
+        revoked += store.cut_remote(state, queue, parent_id, rest, store.before_start(parent_id))
+    remote = (*fired.remote, *step.remote[store.CUT_CHUNK :])
+    if remote:
+        revoked += _cut_remote(state, parent_id, remote, PREFIX + str(exc))
     revoke += revoked
     what = "failed" if fired.status == "failed" else "released with the values so far"
     line = (
         f"{queue}: flow {parent_id} passed its deadline ({late} ms late): {what}; "
-        f"{len(fired.outstanding)} children outstanding, {len(revoked)} cut"
+        f"{fired.count} children outstanding, {len(revoked)} cut"
     )
     logger.info("echomq: %s", line)
     return line
@@ -149,12 +156,20 @@ def follow_again(state: EchoMQ, step: Step, revoke: list[str]) -> str:
         step.queue, step.parent_id, step.job, step.fired, step.local
     )  # fmt: skip
     client, keys = state.client, state.keys
+    # The cuts after the script's own chunk, which the process that died may not have made
+    # (each cuts only a child still pending: again, none twice).
+    rest = local[store.CUT_CHUNK :]
+    if rest:
+        store.cut_remote(state, queue, parent_id, rest, store.before_start(parent_id))
     pipe = client.pipeline(transaction=False)
     pipe.hmget(keys.job_key(queue, parent_id), "error", "deadline_outstanding")
     for cid in local:
         pipe.hget(keys.job_key(queue, cid), "cut")
     (error, count), *cuts = pipe.execute()
     cut = tuple(c for c, mark in zip(local, cuts, strict=True) if mark == b"deadline")
+    if step.remote:
+        why = text(error) or store.before_start(parent_id)
+        revoke += _cut_remote(state, parent_id, tuple(step.remote), why)
     if fired.outcome == "failed":
         meta = state.app.backend.get_task_meta(parent_id) if _readable(state) else {}
         # Its outstanding children are no longer known here: the row's error names them.

@@ -476,3 +476,69 @@ def test_a_deadline_cuts_a_chain_childs_step_not_started_and_a_retry_runs_the_ch
     fresh = type(res)(res.id, app=proj.app)
     assert fresh.get(timeout=30) == {"values": [1, 2, 121], "tag": t}
     assert [row(store, s)["attempts"] for s in (first, second, last)] == ["1", "1", "1"]
+
+
+def _script_args(store: redis.Redis) -> list[int]:
+    """How many arguments each script call SLOWLOG holds had (it keeps 32 and counts the rest)."""
+    import re
+
+    sizes = []
+    for entry in store.slowlog_get(100_000):
+        words = entry["command"].split(b" ")
+        if words[0].upper() not in (b"EVALSHA", b"EVAL"):
+            continue
+        more = re.search(rb"\.\.\. \((\d+) more arguments\)", entry["command"])
+        sizes.append(31 + int(more.group(1)) if more else len(words))
+    return sizes
+
+
+@pytest.mark.timeout(300)
+def test_the_deadline_of_a_flow_of_2500_children_cuts_them_a_chunk_per_script_call(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    from celery_echomq.store.deadlines import CUT_CHUNK
+    from celery_echomq.worker.recovery import run_pass
+
+    n, t = 2500, tag()
+    queue = own_queue("dl-big")
+    res = flow(proj.tsum.s(), [proj.counted.s(i, t) for i in range(n)], deadline=1).apply_async(
+        queue=queue
+    )
+    ids = [
+        str(c)
+        for c in get_state(proj.app).loads(store.hget(KEYS.job_key(queue, res.id), "payload"))[
+            "children"
+        ]
+    ]
+    assert len(ids) == n
+    before = store.config_get("slowlog-*")
+    store.config_set("slowlog-log-slower-than", 0)
+    store.config_set("slowlog-max-len", 100_000)
+    time.sleep(1.2)
+    store.slowlog_reset()
+    try:
+        lines = run_pass(get_state(proj.app), queues=[queue])  # no worker yet: all pending
+        sizes = _script_args(store)
+    finally:
+        for name, value in before.items():
+            store.config_set(name, value)
+    assert any(f"flow {res.id} passed its deadline" in line for line in lines), lines
+    assert any(f"{n} children outstanding, {n} cut" in line for line in lines), lines
+    # A chunk (a key and an id a child) per script call at most, three or more of them; one
+    # call for the whole flow would take 2,500 keys and as many ids.
+    assert len([s for s in sizes if s > CUT_CHUNK]) >= 3 and max(sizes) <= 2 * CUT_CHUNK + 20
+    with pytest.raises(FlowDeadlineExceeded) as raised:
+        res.get(timeout=30)
+    assert f"passed its deadline with {n} children outstanding" in str(raised.value)
+    assert raised.value.count == n
+    assert tuple(raised.value.outstanding[:10]) == tuple(ids[:10])  # in the children's order
+    pipe = store.pipeline(transaction=False)
+    for cid in ids:
+        pipe.hmget(KEYS.job_key(queue, cid), "state", "cut")
+    assert {tuple(r) for r in pipe.execute()} == {(b"cancelled", b"deadline")}
+    # A worker started now runs none of them (revoked, and cancelled in the store), and a
+    # plain task behind their messages shows it went through every one.
+    start_worker(queues=queue, concurrency=2)
+    assert proj.add.s(1, 2).apply_async(queue=queue).get(timeout=120) == 3
+    assert ran(store, f"counted:{t}") == 0
+    assert row(store, res.id, queue)["deadline_outstanding"] == str(n)

@@ -1,8 +1,10 @@
 -- deadline: a flow's deadline passed while its parent still waits for its children (one
 -- atomic step on the parent's slot, run by whichever worker polls the index first). Under
 -- 'fail' the parent fails (it will never run); under 'continue' it is released with the
--- values completed so far. Either way the children on this slot that have not started are
--- cut (cut_pending); running ones finish and are recorded, never releasing it again. The
+-- values completed so far. Either way the children that have not started are cut
+-- (cut_pending): a chunk of those on this slot here, atomically with the parent, the rest by
+-- the host after it (deadline_cut, a chunk per call, so that no call of a flow of 100,000
+-- children blocks Redis); running ones finish and are recorded, never releasing it again. The
 -- index entry stays, re-scored a follow-up lease ahead, until the host has done what follows
 -- (record the failure, dispatch the parent, revoke the cut messages) and called deadline_done:
 -- a host that dies in between leaves the entry, which comes due again ('fired').
@@ -16,7 +18,7 @@
 -- KEYS[7]    the queue's failed set
 -- KEYS[8]    the queue's counters (a parent fewer held; 'deadlines' counts each one fired)
 -- KEYS[9]    the queue's deadline index
--- KEYS[9+i]  child i's row, i = 1..N (the children on this slot)
+-- KEYS[9+i]  child i's row, i = 1..N (the first chunk of the children on this slot)
 -- ARGV[1]    parent id
 -- ARGV[2]    the SHA1 of the payload the host read the children from (grow_flow changes it)
 -- ARGV[3]    'fail' or 'continue' (the flow's on_deadline, read from that payload)
@@ -24,11 +26,13 @@
 -- ARGV[5]    the follow-up lease in ms
 -- ARGV[6]    N
 -- ARGV[6+i]  child i's id, i = 1..N
--- ARGV[7+N..] ids of the children on other slots (outstanding unless in :settled)
+-- ARGV[7+N..] ids of the first chunk of the children on other slots (outstanding unless in
+--            :settled)
 --
--- Reply: {status, due, fired, ncut, nrunning, nremote, ids...}: ids are the children cut
--- here, then those still running here (active, or held nested flows), then the unsettled
--- children of other slots (the host cuts those on their slots)
+-- Reply: {status, due, fired, ncut, nrunning, nremote, outstanding, ids...}: outstanding is
+-- how many children the parent still waited for (its :dependencies); ids are the children of
+-- the chunks cut here, then those still running here (active, or held nested flows), then the
+-- unsettled children of other slots (the host cuts those on their slots)
 --   "failed"    on_deadline fail: the parent is failed by its deadline
 --   "released"  on_deadline continue: the parent is pending (the host dispatches it)
 --   "fired"     already fired, its follow-up lease lapsed: the host does the follow-up again
@@ -100,7 +104,9 @@ for i = 7 + n, #ARGV do
     remote[#remote + 1] = ARGV[i]
   end
 end
-local outstanding = #cut + #running + #remote
+-- Every child the parent still waited for, in the chunks or not: its counter.
+local outstanding = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') or 0,
+  #cut + #running + #remote)
 local named = {}
 for _, list in ipairs({cut, running, remote}) do
   for _, cid in ipairs(list) do
@@ -133,7 +139,7 @@ else
   status = 'failed'
 end
 redis.call('ZADD', KEYS[9], now + tonumber(ARGV[5]), id)
-local reply = {status, due, now, #cut, #running, #remote}
+local reply = {status, due, now, #cut, #running, #remote, outstanding}
 for _, list in ipairs({cut, running, remote}) do
   for _, cid in ipairs(list) do
     reply[#reply + 1] = cid
