@@ -132,9 +132,8 @@ if (ARGV[check] or '') ~= '' then
     return taken
   end
 end
--- One TIME for the pending scores and the recent index.
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+-- One clock reading for the pending scores and the recent index.
+local now = now_ms()
 -- Each child: its row claimable (state pending), carrying the parent id, and in the pending
 -- set (one variadic ZADD per slice).
 local template = ARGV[7 + 2 * n] or ''
@@ -231,7 +230,7 @@ end
 if registered > 0 or (ARGV[check] or '') ~= '' then
   extra = extra + 1 -- after the registry
 end
-index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]), t)
+index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]))
 -- The children's messages, when the broker is a database of this server: the flow lands with
 -- its messages or not at all, in one round trip. Each list's messages in one LPUSH per slice,
 -- in the order given (what the host's own pipeline would push).
