@@ -5,7 +5,7 @@ python3 dev.py quickstart       # a real flow on an embedded redis-server and a 
 python3 dev.py test             # the fast tier, then a smoke of each concern on real workers
 python3 dev.py test --fast      # the fast tier alone: no worker subprocess, under a minute
 python3 dev.py test --all       # everything: the fast tier, then every test that runs real
-                                # worker subprocesses (what CI runs)
+                                # worker subprocesses, the slow ones apart (what CI runs)
 python3 dev.py test ARGS        # one pytest run of what ARGS select, on real workers
                                 # (tests/ops/test_cli.py, -k policies, -m faults, -m "not slow")
 python3 dev.py test --all ARGS  # ARGS added to each run of a tier (--fast ARGS too)
@@ -16,7 +16,9 @@ The fast tier is every test not marked e2e, with the canvas and policy tests' wo
 in-process worker (ECHOMQ_TEST_WORKER=inprocess). The smoke is the tests marked smoke: a few
 per concern, each on real `celery worker` subprocesses. tests/conftest.py assigns the markers
 (e2e, smoke, slow, faults, browser, result_path). A tier's runs are spread over pytest-xdist
-processes, each with its own redis-server and workers (ECHOMQ_TEST_PROCESSES: how many);
+processes, each with its own redis-server and workers (ECHOMQ_TEST_PROCESSES: how many, by
+default two per core; the slow tests of --all, each a large flow, a soak or a failover, one
+per core, in a run of their own, so that none of them starves a test that waits on a worker);
 with ECHOMQ_TEST_REDIS_URL (one Redis for everything) they run in one process. A command that
 runs no test at all fails (pytest's exit status 5).
 """
@@ -40,12 +42,17 @@ EXTRAS = {
     "lint": "test,lint,dashboard",
 }
 NO_TESTS = 5  # pytest's exit status when it collected or selected nothing
-# The tiers: (title, marker expression, the fast tier's in-process worker) for each run.
-FAST = ("the fast tier: no worker subprocess", "not e2e", True)
+# The tiers: (title, marker expression, the fast tier's in-process worker, xdist processes
+# per core) for each run.
+FAST = ("the fast tier: no worker subprocess", "not e2e", True, 2)
 TIERS = {
-    "": [FAST, ("a smoke of each concern on real workers", "e2e and smoke", False)],
+    "": [FAST, ("a smoke of each concern on real workers", "e2e and smoke", False, 2)],
     "--fast": [FAST],
-    "--all": [FAST, ("every test on real workers", "e2e", False)],
+    "--all": [
+        FAST,
+        ("every test on real workers but the slow ones", "e2e and not slow", False, 2),
+        ("the slow ones: large flows, soaks, failovers", "e2e and slow", False, 1),
+    ],
 }
 
 
@@ -78,15 +85,15 @@ def run(args: list[str], env: dict[str, str] | None = None) -> int:
     return subprocess.run(args, cwd=ROOT, env=env).returncode
 
 
-def processes(args: list[str]) -> list[str]:
-    """pytest-xdist's options for a tier's run: two processes per core (most of a
-    real-worker test is waiting), unless ARGS choose (-n, -p no:xdist) or every test shares
-    one Redis (ECHOMQ_TEST_REDIS_URL), where the processes would empty each other's
+def processes(args: list[str], per_core: int = 2) -> list[str]:
+    """pytest-xdist's options for a tier's run: ``per_core`` processes per core (two where
+    most of a real-worker test is waiting), unless ARGS choose (-n, -p no:xdist) or every test
+    shares one Redis (ECHOMQ_TEST_REDIS_URL), where the processes would empty each other's
     databases."""
     chosen = any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in args)
     if chosen or "no:xdist" in args or os.environ.get("ECHOMQ_TEST_REDIS_URL"):
         return []
-    count = os.environ.get("ECHOMQ_TEST_PROCESSES") or str(2 * (os.cpu_count() or 1))
+    count = os.environ.get("ECHOMQ_TEST_PROCESSES") or str(per_core * (os.cpu_count() or 1))
     # Tests of one module stay in one process: a module's fixtures (a cluster, a Sentinel
     # set-up, a pair of workers) start once.
     return ["-n", count, "--dist", "loadscope"]
@@ -98,14 +105,14 @@ def test(rest: list[str]) -> int:
         return verdict([run([str(PY), "-m", "pytest", *rest])])
     args, own = marker_expression([a for a in rest if a not in TIERS])
     codes = []
-    for title, marks, in_process in TIERS[tier]:
+    for title, marks, in_process, per_core in TIERS[tier]:
         if own:  # the tier's selection, narrowed by ARGS' own -m
             marks = f"({marks}) and ({own})"
         print(f"== {' '.join(['dev.py test', tier]).strip()}: {title}: -m '{marks}'", flush=True)
         env = dict(os.environ)
         if in_process:
             env["ECHOMQ_TEST_WORKER"] = "inprocess"
-        command = [str(PY), "-m", "pytest", "-m", marks, *processes(args), *args]
+        command = [str(PY), "-m", "pytest", "-m", marks, *processes(args, per_core), *args]
         codes.append(run(command, env))
     return verdict(codes)
 

@@ -291,8 +291,14 @@ def fast_recovery(**extra: str) -> dict[str, str]:
 
 
 def logged(worker: Any, text: str, timeout: float = 30) -> None:
-    """Wait until the worker's log shows ``text`` (a repair is logged as it is made)."""
-    wait_for(lambda: text in worker.output(), timeout=timeout)
+    """Wait until the worker's log shows ``text`` (a repair is logged as it is made); if it
+    never does, the assertion carries the end of the log, what a reader of a failed run needs."""
+    try:
+        wait_for(lambda: text in worker.output(), timeout=timeout)
+    except AssertionError:
+        tail = "\n".join(worker.output().splitlines()[-40:])
+        message = f"{text!r} not logged within {timeout}s; the log ends:\n{tail}"
+        raise AssertionError(message) from None
 
 
 def jobs(n: int) -> list[str]:

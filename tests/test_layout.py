@@ -265,3 +265,36 @@ def test_every_module_a_docstring_or_doc_names_exists() -> None:
             elif ref not in STRING_NAMES and (why := unresolved(ref)):
                 stale.append(f"{where}: {ref} ({why})")
     assert stale == [], "names of modules that do not exist:\n" + "\n".join(sorted(set(stale)))
+
+
+# --- Links between the docs: every file and heading a Markdown link names exists -----------
+
+MARKDOWN = sorted([*(REPO / "docs").glob("*.md"), REPO / "README.md", *PACKAGE.rglob("*.md")])
+LINK = re.compile(r"\]\(([^)#\s]*)(?:#([^)\s]+))?\)")
+
+
+def anchors(path: Path) -> set[str]:
+    """The anchors a Markdown file's headings get (GitHub's rule: lower case, punctuation
+    dropped, spaces to hyphens)."""
+    found = set()
+    for line in path.read_text().splitlines():
+        heading = re.match(r"#+\s+(.*)", line)
+        if heading:
+            words = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower())
+            found.add(words.replace(" ", "-"))
+    return found
+
+
+def test_every_link_between_the_docs_reaches_its_file_and_heading() -> None:
+    broken = []
+    for path in MARKDOWN:
+        for target, anchor in LINK.findall(path.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            linked = (path.parent / target) if target else path
+            where = f"{path.relative_to(REPO)}: ({target}#{anchor})"
+            if not linked.exists():
+                broken.append(f"{where} no such file")
+            elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
+                broken.append(f"{where} no such heading")
+    assert broken == [], "links that lead nowhere:\n" + "\n".join(broken)
