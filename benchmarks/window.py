@@ -141,7 +141,9 @@ class Sampler:
         self._thread.start()
 
     def _run(self) -> None:
-        pipe = self.broker.pipeline(transaction=False)
+        # Both counts in one MULTI: a delivery moving a message from the list to the
+        # unacknowledged hash between two reads would be counted twice.
+        pipe = self.broker.pipeline(transaction=True)
         while not self._stop.is_set():
             pipe.llen(QUEUE)
             pipe.hlen("unacked")

@@ -115,7 +115,7 @@ def fire(
     return Fired(status)
 
 
-def cut_remote(
+def cut_children(
     state: EchoMQ, queue: str, parent_id: str, child_ids: Sequence[str], error: str
 ) -> list[str]:
     """Cut the children of ``parent_id`` on ``queue``'s slot that have not started, a

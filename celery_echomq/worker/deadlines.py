@@ -136,7 +136,7 @@ def follow_up(state: EchoMQ, step: Step, revoke: list[str]) -> str:
     revoked = list(fired.cut)
     rest = step.local[store.CUT_CHUNK :]
     if rest:
-        revoked += store.cut_remote(state, queue, parent_id, rest, store.before_start(parent_id))
+        revoked += store.cut_children(state, queue, parent_id, rest, store.before_start(parent_id))
     remote = (*fired.remote, *step.remote[store.CUT_CHUNK :])
     if remote:
         revoked += _cut_remote(state, parent_id, remote, PREFIX + str(exc))
@@ -160,7 +160,7 @@ def follow_again(state: EchoMQ, step: Step, revoke: list[str]) -> str:
     # (each cuts only a child still pending: again, none twice).
     rest = local[store.CUT_CHUNK :]
     if rest:
-        store.cut_remote(state, queue, parent_id, rest, store.before_start(parent_id))
+        store.cut_children(state, queue, parent_id, rest, store.before_start(parent_id))
     pipe = client.pipeline(transaction=False)
     pipe.hmget(keys.job_key(queue, parent_id), "error", "deadline_outstanding")
     for cid in local:
@@ -228,5 +228,5 @@ def _cut_remote(state: EchoMQ, parent_id: str, remote: tuple[str, ...], error: s
             by_queue.setdefault(where, []).append(cid)
     cut: list[str] = []
     for where, ids in by_queue.items():
-        cut += store.cut_remote(state, where, parent_id, ids, error)
+        cut += store.cut_children(state, where, parent_id, ids, error)
     return cut

@@ -1,7 +1,8 @@
--- deadline_cut: the part of a deadline (deadline.lua) that lives on a child's slot, for
--- children routed to another queue than their parent's: each one that has not started is cut
--- (cut_pending). deadline.lua has already failed or released the parent, so a child that
--- finishes later is credited to a parent that no longer waits.
+-- deadline_cut: the part of a deadline (deadline.lua) that the host runs after it, a chunk of
+-- children per call: those of the parent's slot beyond the chunk deadline.lua cut, and those
+-- routed to another queue than their parent's, on their slot. Each one that has not started
+-- is cut (cut_pending). deadline.lua has already failed or released the parent, so a child
+-- that finishes later is credited to a parent that no longer waits.
 --
 -- KEYS[1]    this queue's pending set
 -- KEYS[1+i]  child i's row, i = 1..N
