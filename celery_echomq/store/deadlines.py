@@ -73,18 +73,20 @@ def fire(
     state: EchoMQ,
     queue: str,
     parent_id: str,
-    payload_sha: str,
+    check: str,
     on_deadline: str,
     local: Sequence[str],
     remote: Sequence[str],
 ) -> Fired:
     """Run deadline.lua for one flow whose entry came due, with the first :data:`CUT_CHUNK`
-    of its children of each kind: the caller cuts the rest (:func:`cut_rest`)."""
+    of its children of each kind: the caller cuts the rest (:func:`cut_children`). ``check``
+    says the children are still all of them: ``n:<count>``, its index's length, or the SHA1
+    of the payload they were read from."""
     local, remote = local[:CUT_CHUNK], remote[:CUT_CHUNK]
     keys = _flow_keys(state, queue, parent_id, local)
     argv = [
         parent_id,
-        payload_sha,
+        check,
         on_deadline,
         str(state.settings.result_ttl),
         str(state.settings.stall_ms),

@@ -23,7 +23,7 @@ from celery_echomq.store.connection import text
 from celery_echomq.store.deadline_spec import exceeded
 from celery_echomq.store.deadlines import Fired
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
-from celery_echomq.store.reads import scan_queues
+from celery_echomq.store.reads import indexed_children, scan_queues
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
 from celery_echomq.worker.settle import error_text, record_failure, settle_failure
@@ -54,6 +54,7 @@ class Step:
     fired: Fired
     local: list[str]  # every child (a linked chain's steps) on the parent's slot
     remote: list[str]  # every child on another slot
+    children: list[str]  # the flow's children, in order
 
 
 def finish(state: EchoMQ, steps: list[Step]) -> list[str]:
@@ -80,16 +81,15 @@ def finish(state: EchoMQ, steps: list[Step]) -> list[str]:
 def fire_one(state: EchoMQ, queue: str, parent_id: str) -> Step | None:
     """Run deadline.lua for one due entry: the step to follow up, or None (nothing to do)."""
     client, keys = state.client, state.keys
-    row_key = keys.job_key(queue, parent_id)
     for _ in range(STALE_TRIES):
-        payload = client.hget(row_key, "payload")
-        job = _job(state, payload)
-        children = [str(c) for c in (job or {}).get("children") or []]
+        job, children, check = _flow_of(state, queue, parent_id)
         on_deadline = str((job or {}).get("on_deadline", "fail"))
-        pipe = client.pipeline(transaction=False)
-        for cid in children:
-            pipe.hmget(keys.job_key(queue, cid), "state", "steps")
-        here = pipe.execute() if children else []
+        here: list[Any] = []
+        for start in range(0, len(children), store.CUT_CHUNK):
+            pipe = client.pipeline(transaction=False)
+            for cid in children[start : start + store.CUT_CHUNK]:
+                pipe.hmget(keys.job_key(queue, cid), "state", "steps")
+            here += pipe.execute()
         # A linked chain's steps stand for it: the one pending is cut, the one active runs.
         local = [
             step
@@ -98,23 +98,40 @@ def fire_one(state: EchoMQ, queue: str, parent_id: str) -> Step | None:
             for step in (text(steps).split() if steps else [cid])
         ]
         remote = [c for c, (there, _) in zip(children, here, strict=True) if there is None]
-        sha = hashlib.sha1(payload or b"").hexdigest()
-        fired = store.fire(state, queue, parent_id, sha, on_deadline, local, remote)
+        fired = store.fire(state, queue, parent_id, check, on_deadline, local, remote)
         if fired.status != "stale":
             break
     else:
         return None
     if fired.status in ("failed", "released", "fired"):
-        return Step(queue, parent_id, job, fired, local, remote)
+        return Step(queue, parent_id, job, fired, local, remote, children)
     return None
 
 
-def deadline_error(
-    parent_id: str, fired: Fired, job: dict[str, Any] | None
-) -> FlowDeadlineExceeded:
+def _flow_of(
+    state: EchoMQ, queue: str, parent_id: str
+) -> tuple[dict[str, Any] | None, list[str], str]:
+    """The flow's stored job, its children's ids in order, and what deadline.lua checks they
+    are still all of them. From its index of children, a page per read, and its ``head`` (its
+    job without the ids) where it keeps one: the length ``n:<count>``, so that the deadline of
+    a flow of 100,000 children never reads or hashes its payload. A flow kept without an index:
+    its payload and that payload's SHA1."""
+    key = state.keys.job_key(queue, parent_id)
+    ids = indexed_children(state, queue, parent_id)
+    if ids is not None:
+        head = state.client.hget(key, "head")
+        job = _job(state, head if head is not None else state.client.hget(key, "payload"))
+        return job, ids, f"n:{len(ids)}"
+    payload = state.client.hget(key, "payload")
+    job = _job(state, payload)
+    children = [str(c) for c in (job or {}).get("children") or []]
+    return job, children, hashlib.sha1(payload or b"").hexdigest()
+
+
+def deadline_error(parent_id: str, fired: Fired, children: list[str]) -> FlowDeadlineExceeded:
     """The error a flow failed by its deadline raises from ``get()``: its outstanding
     children named in the children's order, as eager mode names them."""
-    order = {cid: i for i, cid in enumerate((job or {}).get("children") or [])}
+    order = {cid: i for i, cid in enumerate(children)}
     named = sorted(fired.outstanding, key=lambda cid: order.get(cid, len(order)))
     due = fired.due_ms / 1000 or None
     exc: FlowDeadlineExceeded = exceeded(parent_id, named, due, fired.count)
@@ -125,7 +142,7 @@ def follow_up(state: EchoMQ, step: Step, revoke: list[str]) -> str:
     """What follows a deadline that fired just now (the script's reply says what it did);
     the ids to revoke go into ``revoke``."""
     queue, parent_id, job, fired = step.queue, step.parent_id, step.job, step.fired
-    exc = deadline_error(parent_id, fired, job)
+    exc = deadline_error(parent_id, fired, step.children)
     late = fired.fired_ms - fired.due_ms
     tracing.deadline_event(job, parent_id, fired.status, fired.count, late)
     if fired.status == "failed":

@@ -75,6 +75,19 @@ def test_fire_once_then_nothing_and_the_follow_up_comes_back_if_it_is_not_done(
     assert store.hget(KEYS.queue_key(queue, "counters"), "deadlines") == b"1"
 
 
+def test_the_children_are_checked_by_the_length_of_the_flows_index_where_it_has_one(
+    state: Any, store: redis.Redis, own_queue: Any
+) -> None:
+    queue = own_queue("dls")
+    parent, kids, _ = held(state, queue, 3)
+    assert store.llen(KEYS.children_key(queue, parent)) == 3  # enqueue_flow wrote the index
+    store.zadd(KEYS.queue_key(queue, "deadlines"), {parent: 1})
+    # A child added since the host read them (add_children appends to the index): stale.
+    assert dl.fire(state, queue, parent, "n:2", "fail", kids[:2], []).status == "stale"
+    fired = dl.fire(state, queue, parent, "n:3", "fail", kids, [])
+    assert fired.status == "failed" and fired.cut == tuple(kids) and fired.count == 3
+
+
 def test_a_flow_that_never_landed_or_no_longer_waits_leaves_the_index(
     state: Any, store: redis.Redis, own_queue: Any
 ) -> None:

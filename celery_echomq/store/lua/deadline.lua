@@ -20,7 +20,10 @@
 -- KEYS[9]    the queue's deadline index
 -- KEYS[9+i]  child i's row, i = 1..N (the first chunk of the children on this slot)
 -- ARGV[1]    parent id
--- ARGV[2]    the SHA1 of the payload the host read the children from (grow_flow changes it)
+-- ARGV[2]    what says the children the host read are still all of them (add_children grows
+--            a flow): 'n:<count>', the length of the parent's index of children
+--            ('<parent row>:children', named from KEYS[1]) when it read them there, or the
+--            SHA1 of the payload it read them from, for a flow kept without an index
 -- ARGV[3]    'fail' or 'continue' (the flow's on_deadline, read from that payload)
 -- ARGV[4]    result TTL in seconds
 -- ARGV[5]    the follow-up lease in ms
@@ -61,18 +64,18 @@ if not due then
 end
 due = tonumber(due)
 local now = now_ms()
-local row = redis.call('HMGET', KEYS[1], 'state', 'payload', 'deadline_fired', 'failed_by')
+local row = redis.call('HMGET', KEYS[1], 'state', 'deadline_fired', 'failed_by')
 if not row[1] then
   redis.call('ZREM', KEYS[9], id)
   return {'missing'}
 end
-if row[3] then
+if row[2] then
   if due > now then
     return {'noop'}
   end
   redis.call('ZADD', KEYS[9], now + tonumber(ARGV[5]), id)
   local at = redis.call('HGET', KEYS[1], 'deadline_at')
-  return {'fired', at, row[3], row[4] == 'deadline' and 'failed' or 'released'}
+  return {'fired', at, row[2], row[3] == 'deadline' and 'failed' or 'released'}
 end
 if due > now then
   return {'early', due}
@@ -82,7 +85,16 @@ if row[1] ~= 'awaiting_children' then
   redis.call('HSET', KEYS[1], 'deadline_at', due)
   return {'moot', row[1]}
 end
-if redis.sha1hex(row[2] or '') ~= ARGV[2] then
+-- A flow of 100,000 children is checked by its index's length: its payload (every child's
+-- id) is neither read nor hashed here.
+local listed = string.match(ARGV[2], '^n:(%d+)$')
+local fresh
+if listed then
+  fresh = redis.call('LLEN', KEYS[1] .. ':children') == tonumber(listed)
+else
+  fresh = redis.sha1hex(redis.call('HGET', KEYS[1], 'payload') or '') == ARGV[2]
+end
+if not fresh then
   return {'stale'}
 end
 local ttl = tonumber(ARGV[4])
