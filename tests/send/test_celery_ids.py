@@ -7,6 +7,7 @@ is written or published.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -293,7 +294,7 @@ class Probe:
     """What a refused flow must leave as it was: the store's keys and the broker's queue.
 
     A snapshot is what a refusal could have changed, and nothing else: the session's worker
-    renews its leases and sweeps meanwhile (scripts run, and its lease key comes and goes),
+    renews its leases and sweeps meanwhile (scripts run, and its lease keys come and go),
     so neither the count of scripts run nor the size of the database can tell."""
 
     def __init__(self, env: Env) -> None:
@@ -301,10 +302,13 @@ class Probe:
         self.broker = redis.Redis.from_url(env.broker)
 
     def snapshot(self) -> tuple[frozenset[bytes], int]:
-        keys = frozenset(
-            k for k in self.store.scan_iter(count=1000) if not k.startswith(b"emq:lease:")
-        )
+        keys = frozenset(k for k in self.store.scan_iter(count=1000) if not LEASE.match(k))
         return keys, self.broker.llen("celery")
+
+
+# A lease of the store's (emq:lease:<name>) or of a queue's (emq:{<queue>}:lease:<name>, the
+# recovery pass's): the session's worker takes and gives them back whenever it likes.
+LEASE = re.compile(rb"emq:(\{[^}]*\}:)?lease:")
 
 
 @pytest.mark.parametrize(
