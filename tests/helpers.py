@@ -5,6 +5,7 @@ two of them use lives here (fixtures in the conftest.py of their folder)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -398,3 +399,16 @@ def snapshot(db: redis.Redis, *ids: str) -> dict[bytes, Any]:
             value = kind
         out[key] = (value, db.ttl(key) > 0)
     return out
+
+
+def script_args(store: redis.Redis) -> list[int]:
+    """How many arguments each script call SLOWLOG holds had (it keeps 32 and counts the rest):
+    what a test reads to show that a big flow's work went a chunk per call."""
+    sizes = []
+    for entry in store.slowlog_get(100_000):
+        words = entry["command"].split(b" ")
+        if words[0].upper() not in (b"EVALSHA", b"EVAL"):
+            continue
+        more = re.search(rb"\.\.\. \((\d+) more arguments\)", entry["command"])
+        sizes.append(31 + int(more.group(1)) if more else len(words))
+    return sizes

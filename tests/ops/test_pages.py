@@ -20,7 +20,7 @@ import redis
 from celery_echomq import flow, get_state
 from celery_echomq.errors import CursorError, EchoMQError
 from celery_echomq.ops.pages import read_flow
-from tests.helpers import KEYS, Env, echomq, id_of, wait_for, with_id
+from tests.helpers import KEYS, Env, echomq, id_of, script_args, wait_for, with_id
 
 pytestmark = pytest.mark.e2e
 
@@ -233,18 +233,6 @@ def test_the_dashboard_pages_a_flow_of_100000_children_in_chromium(
     assert len(browser.page_source) < 200_000  # a page of children, never the tree
 
 
-def _script_args(store: redis.Redis) -> list[int]:
-    """How many arguments each script call SLOWLOG holds had (it keeps 32 and counts the rest)."""
-    sizes = []
-    for entry in store.slowlog_get(100_000):
-        words = entry["command"].split(b" ")
-        if words[0].upper() not in (b"EVALSHA", b"EVAL"):
-            continue
-        more = re.search(rb"\.\.\. \((\d+) more arguments\)", entry["command"])
-        sizes.append(31 + int(more.group(1)) if more else len(words))
-    return sizes
-
-
 @pytest.mark.timeout(600)
 def test_cancel_and_forget_a_large_flow_a_chunk_per_script_call(
     proj: Any, env: Env, own_queue: Any, start_worker: Any, store: redis.Redis, gate: str
@@ -268,7 +256,7 @@ def test_cancel_and_forget_a_large_flow_a_chunk_per_script_call(
     store.slowlog_reset()
     try:
         out = echomq("cancel", res.id, "--json")
-        sizes = _script_args(store)
+        sizes = script_args(store)
     finally:
         for name, value in before.items():
             store.config_set(name, value)

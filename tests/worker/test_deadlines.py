@@ -21,7 +21,7 @@ from celery_echomq import (
     retry_flow,
 )
 from celery_echomq.ops.views import read_tree
-from tests.helpers import KEYS, wait_for
+from tests.helpers import KEYS, script_args, wait_for
 
 
 def tag() -> str:
@@ -478,20 +478,6 @@ def test_a_deadline_cuts_a_chain_childs_step_not_started_and_a_retry_runs_the_ch
     assert [row(store, s)["attempts"] for s in (first, second, last)] == ["1", "1", "1"]
 
 
-def _script_args(store: redis.Redis) -> list[int]:
-    """How many arguments each script call SLOWLOG holds had (it keeps 32 and counts the rest)."""
-    import re
-
-    sizes = []
-    for entry in store.slowlog_get(100_000):
-        words = entry["command"].split(b" ")
-        if words[0].upper() not in (b"EVALSHA", b"EVAL"):
-            continue
-        more = re.search(rb"\.\.\. \((\d+) more arguments\)", entry["command"])
-        sizes.append(31 + int(more.group(1)) if more else len(words))
-    return sizes
-
-
 @pytest.mark.timeout(300)
 def test_the_deadline_of_a_flow_of_2500_children_cuts_them_a_chunk_per_script_call(
     proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
@@ -518,7 +504,7 @@ def test_the_deadline_of_a_flow_of_2500_children_cuts_them_a_chunk_per_script_ca
     store.slowlog_reset()
     try:
         lines = run_pass(get_state(proj.app), queues=[queue])  # no worker yet: all pending
-        sizes = _script_args(store)
+        sizes = script_args(store)
     finally:
         for name, value in before.items():
             store.config_set(name, value)
