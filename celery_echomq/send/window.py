@@ -53,12 +53,20 @@ def window_of(plan: Any, kwargs: dict[str, Any]) -> None:
     plan.parent["window_queue"] = queues[0] if queues else plan.queue
 
 
+# A windowed level's first children, out at once, are marked as holding a slot (``e``, ``q``:
+# the script that finishes one frees it); the others wait (``D``, ``P``). A child of a flow
+# without a window keeps ``d`` or ``p``, and its completion never looks at a window.
+_OUT_IN_WINDOW = str.maketrans("dp", "eq")
+
+
 def waiting_kinds(kinds: str, size: int) -> str:
-    """A level's row kinds with each child past the first ``size`` waiting: ``d`` -> ``D``,
-    ``p`` -> ``P`` (a windowed level has no chain: one row per child)."""
+    """A level's row kinds for a window of ``size``: the first ``size`` children out at once,
+    holding a slot (``d`` -> ``e``, ``p`` -> ``q``), each child after them waiting (``d`` ->
+    ``D``, ``p`` -> ``P``); as they are with no window (a windowed level has no chain: one row
+    per child)."""
     if not size:
         return kinds
-    return kinds[:size] + kinds[size:].upper()
+    return kinds[:size].translate(_OUT_IN_WINDOW) + kinds[size:].upper()
 
 
 def windowed(parent: dict[str, Any], queue: str, added: list[dict[str, Any]]) -> int:

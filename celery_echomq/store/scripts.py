@@ -218,7 +218,8 @@ class Scripts:
         ``kinds``: a character per child, ``d`` where its value is a delta against the
         template open_flow kept on the parent's row (on the parent's own slot only), ``p``
         where it is a whole payload (empty: every value is a payload); ``D``, ``P`` the same
-        for a child that waits for a slot of the flow's window (``includes/window.lua``)."""
+        for a child that waits for a slot of the flow's window, ``e``, ``q`` for one that holds
+        a slot from the start (``includes/window.lua``)."""
         keys = [
             self.keys.queue_key(queue, "pending"),
             *(self.keys.job_key(queue, cid) for cid, _, _ in children),
@@ -605,8 +606,9 @@ class Scripts:
 
     def _window_keys(self, queue: str, parent: ParentRef) -> list[str]:
         """The window of ``parent``'s children on ``queue``'s slot and that queue's pending
-        set: where a finishing child's flow keeps its waiting children (none for a flow
-        without a window: an LPOP of a missing key, the one command it costs)."""
+        set: where a finishing child's flow keeps its waiting children. Passed for every
+        child; the script looks only where the child's row says it holds a slot
+        (``windowed``), so a flow without a window costs no command for them."""
         return [self.keys.window_key(queue, parent.id), self.keys.queue_key(queue, "pending")]
 
     def credit(

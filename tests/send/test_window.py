@@ -298,6 +298,24 @@ def test_added_children_join_the_window_in_order(
     assert peak(store, key, "peak") <= 3
 
 
+def test_children_added_to_a_full_window_with_none_waiting_go_out_as_its_first_finish(
+    proj: Any, store: redis.Redis, worker: Any, gate: str, key: str
+) -> None:
+    # Both children of a window of 2 went out at once, and none waited: the children added
+    # later wait, and each slot the first two free lets one out (the first two hold their
+    # slots from the start, not only children that once waited).
+    sig, ids = gated_flow(proj, gate, 2, 2)
+    res = sig.apply_async()
+    wait_for(lambda: [row(store, "celery", c, "state") for c in ids] == ["active"] * 2)
+    added = add_children(
+        [proj.windowed.s(10 + i, key).set(task_id=new_job_id()) for i in range(3)], res.id
+    )
+    assert waiting_ids(store, "celery", res.id) == added
+    store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT) == 0 + 1 + sum(10 + i for i in range(3))
+    assert peak(store, key, "peak") <= 2
+
+
 def test_added_children_join_the_window_eagerly(proj: Any, store: redis.Redis, key: str) -> None:
     res = flow(proj.tsum.s(), [proj.spawner.s(1, [5, 6, 7])], max_active=1).apply()
     assert res.get() == 1 + 5 + 6 + 7
@@ -478,3 +496,5 @@ def test_a_flow_without_a_window_keeps_no_window_keys(
         finish(state, queue, res.id, cid, i)
     assert not store.exists(KEYS.window_key(queue, res.id), KEYS.slots_key(queue, res.id))
     assert "max_active" not in echomq("show", res.id).output
+    # Nor does a child of it say it holds a slot: its completion never looks for a window.
+    assert all(row(store, queue, cid, "windowed") is None for cid in ids)

@@ -17,7 +17,9 @@
 --             the first, a middle and the last step of a linked chain, in order, never split
 --             across two calls (includes/chain_step.lua)
 --             'D', 'P': a child waiting for a slot of its flow's window, as a delta or a
---             payload (includes/window.lua): written 'waiting', its id pushed to KEYS[2+k]
+--             payload (includes/window.lua): written 'waiting', its id pushed to KEYS[2+k];
+--             'e', 'q': a child of a flow with a window that goes out at once, as a delta or a
+--             payload (written as 'd' and 'p' are, marked 'windowed': it holds a slot)
 -- KEYS[2+k]   with a 'D' or 'P' kind: the window of the parent's children on this slot
 -- ARGV[5+3k]  with it: the window's size, max_active
 --
@@ -86,7 +88,8 @@ for n, i in ipairs(fresh) do
     waiting[#waiting + 1] = ARGV[1 + 3 * i]
     pending = false
   else
-    write_child_row(row, ARGV[1], ARGV[2 + 3 * i], kind == 100) -- 'd'
+    write_child_row(row, ARGV[1], ARGV[2 + 3 * i], is_delta_out(kind),
+      is_windowed_out(kind))
   end
   if ARGV[2] ~= '' then
     redis.call('HSET', row, 'pq', ARGV[2])

@@ -35,7 +35,8 @@
 --          flow parent may be one (ARGV[4] == '1'): a chain's step held on its children
 -- ARGV[13] optional: where the job's flow window keys are (includes/window.lua): KEYS[ARGV[13]]
 --          the window of the job's parent on this slot, KEYS[ARGV[13] + 1] this queue's
---          pending set, before the result key ('' or absent: no window looked at)
+--          pending set, before the result key ('' or absent: no window looked at); looked
+--          at only when the job's row says it holds a slot of it ('windowed')
 -- ARGV[14] optional: i, where KEYS[i] is the queue's index of joined jobs to credit and
 --          KEYS[i + 1] the job's :parents (includes/join.lua), after the window's keys and
 --          before the result's key ('' or absent: none)
@@ -89,10 +90,13 @@ local next_id = ARGV[12] or ''
 -- is never taken for the chain's last, nor the last for a step.
 -- A flow parent that is a chain's step (the step held on its children, the tasks after it
 -- waiting) is read for its 'next' as any step is, and all its own keys expired.
+-- And whether the job holds a slot of its flow's window ('windowed', written on every child
+-- of a flow with max_active): only then is the window looked at, so a child of a flow without
+-- one finishes without that read.
 local stepping = not is_parent or next_id ~= ''
-local failed_children, joined
-refused, failed_children, joined = not_holder(KEYS[1], ARGV[2],
-  stepping and 'next' or 'credited_failed', ARGV[5], 'joined')
+local failed_children, joined, windowed
+refused, failed_children, joined, windowed = not_holder(KEYS[1], ARGV[2],
+  stepping and 'next' or 'credited_failed', ARGV[5], 'joined', 'windowed')
 if refused then
   return refused
 end
@@ -103,6 +107,7 @@ if stepping then
   failed_children = is_parent or nil
 end
 local ttl = tonumber(ARGV[3])
+local window_arg = windowed and 13 or 0
 -- ZREM gives was_active: exactly one completion per active->done transition gets 1.
 local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'done')
@@ -160,7 +165,7 @@ if ARGV[7] == '1' then
   if was_active == 1 then
     redis.call('HSET', KEYS[1], 'value', ARGV[6])
     redis.call('ZADD', KEYS[6], now_ms(), ARGV[1])
-    return window_reply({'staged', written}, 13, ttl)
+    return window_reply({'staged', written}, window_arg, ttl)
   end
   return {'done', written}
 end
@@ -177,8 +182,8 @@ if ARGV[5] ~= '' and was_active == 1 then
       tonumber(ARGV[11]), now_ms())
     table.insert(reply, 1, written)
     table.insert(reply, 1, settled)
-    return window_reply(reply, 13, ttl)
+    return window_reply(reply, window_arg, ttl)
   end
-  return window_reply({settled, written}, 13, ttl)
+  return window_reply({settled, written}, window_arg, ttl)
 end
 return {'done', written}

@@ -30,7 +30,9 @@
 --              's', 'w', 'l' for the first, a middle and the last step of a linked chain, in
 --              order (includes/chain_step.lua: only its last is counted, only its first pending)
 --              'D', 'P' for a child waiting for a slot of the flow's window, as a delta or a
---              payload (includes/window.lua: counted, not pending, its id in '<parent row>:window')
+--              payload (includes/window.lua: counted, not pending, its id in '<parent row>:window');
+--              'e', 'q' for a child of a flow with a window that goes out at once, as a delta or
+--              a payload (written as 'd' and 'p' are, marked 'windowed': it holds a slot)
 -- ARGV[9+2N]   optional: the flow's policy, kept on the parent's row ('' or absent: none,
 --              which reads as 'fail')
 -- ARGV[10+2N]  optional: the locator's TTL in seconds; KEYS[6+N] is set to ARGV[11+2N] (the
@@ -175,7 +177,8 @@ for i = 1, n do
     pending = false
     counted = counted + 1
   else
-    write_child_row(child, ARGV[1], ARGV[3 + 2 * i], kind == 100) -- 'd'
+    write_child_row(child, ARGV[1], ARGV[3 + 2 * i], is_delta_out(kind),
+      is_windowed_out(kind))
     counted = counted + 1
   end
   if pending then

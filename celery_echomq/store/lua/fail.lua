@@ -31,7 +31,8 @@
 --           (ARGV[2] is then ignored). '0' otherwise
 -- ARGV[9]   optional: KEYS[ARGV[9]] the window of the job's parent on this slot, and
 --           KEYS[ARGV[9] + 1] this queue's pending set (includes/window.lua), after the keys
---           above ('' or absent: no window looked at)
+--           above ('' or absent: no window looked at); looked at only when the job's row
+--           says it holds a slot of it ('windowed')
 -- ARGV[10]  optional: i, where KEYS[i] is the queue's index of joined jobs to credit and
 --           KEYS[i + 1] the job's :parents (includes/join.lua), after the keys above and
 --           the window's ('' or absent: none)
@@ -73,7 +74,8 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'next', 'joined')
+local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'next', 'joined',
+  'windowed')
 local state = row[1]
 if not state then
   return {'missing', ''}
@@ -117,8 +119,9 @@ local function reply(r)
   return r
 end
 local policy = redis.call('HGET', KEYS[1], 'parent_policy') or ''
--- A waiting child failed by its id (revoked) held no slot: it frees none.
-local window_arg = state ~= 'waiting' and 9 or 0
+-- A child of a flow without a window holds no slot ('windowed' is on every child of one that
+-- has), nor does a waiting child failed by its id (revoked): it frees none.
+local window_arg = row[6] and state ~= 'waiting' and 9 or 0
 if ARGV[7] == '1' then
   redis.call('ZADD', KEYS[8], now, ARGV[1])
   return window_reply(reply({'staged', policy}), window_arg, ttl)

@@ -65,7 +65,7 @@ for i = 1, k do
     write_waiting_row(child, ARGV[1], ARGV[4 + 3 * i], WAIT_PAYLOAD)
     waiting[#waiting + 1] = ARGV[3 + 3 * i]
   else
-    write_child_row(child, ARGV[1], ARGV[4 + 3 * i], false)
+    write_child_row(child, ARGV[1], ARGV[4 + 3 * i], false, size ~= nil)
     redis.call('ZADD', KEYS[3], now, ARGV[3 + 3 * i])
   end
   if ARGV[5 + 3 * i] ~= '' then

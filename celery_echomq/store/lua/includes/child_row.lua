@@ -1,9 +1,18 @@
--- write_child_row(row, parent_id, stored, is_delta): a child's row, claimable: state pending,
--- no attempt yet, its parent's id, and its stored job, either whole ('payload') or, when
--- is_delta, only what differs from its flow's template on the parent's row ('delta': a short
--- value keeps the row in Redis's compact hash encoding). Every script that makes a child
--- pending for the first time writes it here, so readers find one layout.
-local function write_child_row(row, parent_id, stored, is_delta)
-  redis.call('HSET', row, 'state', 'pending', 'attempts', '0',
-    is_delta and 'delta' or 'payload', stored, 'parent', parent_id)
+-- write_child_row(row, parent_id, stored, is_delta, windowed): a child's row, claimable: state
+-- pending, no attempt yet, its parent's id, and its stored job, either whole ('payload') or,
+-- when is_delta, only what differs from its flow's template on the parent's row ('delta': a
+-- short value keeps the row in Redis's compact hash encoding); with ``windowed``, the mark of
+-- a child that holds a slot of its flow's window ('windowed', includes/window.lua), which the
+-- script that finishes it reads to free the slot: a child of a flow without a window is
+-- finished without a look at one. Every script that makes a child pending for the first time
+-- writes it here, so readers find one layout.
+local function write_child_row(row, parent_id, stored, is_delta, windowed)
+  local kind = is_delta and 'delta' or 'payload'
+  if windowed then
+    redis.call('HSET', row, 'state', 'pending', 'attempts', '0', kind, stored, 'parent',
+      parent_id, 'windowed', '1')
+  else
+    redis.call('HSET', row, 'state', 'pending', 'attempts', '0', kind, stored, 'parent',
+      parent_id)
+  end
 end

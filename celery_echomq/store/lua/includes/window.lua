@@ -9,17 +9,30 @@
 --
 -- A waiting child's kind (enqueue_flow, add_children): 'D' stored as a delta against its
 -- flow's template, 'P' as a whole payload (a nested flow's entry, a child of another slot).
+-- A child of a flow with a window that goes out at once: 'e' a delta, 'q' a whole payload,
+-- written as 'd' and 'p' are, with the mark 'windowed' (includes/child_row.lua).
 local WAIT_DELTA, WAIT_PAYLOAD = 68, 80
+local OUT_DELTA, OUT_PAYLOAD = 101, 113
 
 local function is_waiting(kind)
   return kind == WAIT_DELTA or kind == WAIT_PAYLOAD
 end
 
+local function is_windowed_out(kind)
+  return kind == OUT_DELTA or kind == OUT_PAYLOAD
+end
+
+-- Whether a child of ``kind`` going out at once is stored as a delta: 'd' or 'e'.
+local function is_delta_out(kind)
+  return kind == 100 or kind == OUT_DELTA
+end
+
 -- write_waiting_row(row, parent_id, stored, kind): a child that waits for a slot: the fields
--- of write_child_row's pending row but its attempts (none yet, as a missing field reads;
--- written when it goes out), so that every reader (show, cancel, a deadline, recovery once
--- it is pending) finds one layout; 'waiting' tells it apart. A million of them wait in a
--- window: each field it does without is a few bytes a child.
+-- of write_child_row's pending row but its attempts and its mark 'windowed' (none yet, as a
+-- missing field reads; both written when it goes out, window_take), so that every reader
+-- (show, cancel, a deadline, recovery once it is pending) finds one layout; 'waiting' tells
+-- it apart. A million of them wait in a window: each field it does without is a few bytes a
+-- child.
 local function write_waiting_row(row, parent_id, stored, kind)
   redis.call('HSET', row, 'state', 'waiting', kind == WAIT_DELTA and 'delta' or 'payload', stored,
     'parent', parent_id)
@@ -80,7 +93,7 @@ local function window_take(window, pending, count, taken)
     local row = waiting_row(window, id)
     local found = redis.call('HMGET', row, 'state', 'payload', 'delta', 'parent')
     if found[1] == 'waiting' then
-      redis.call('HSET', row, 'state', 'pending', 'attempts', '0')
+      redis.call('HSET', row, 'state', 'pending', 'attempts', '0', 'windowed', '1')
       redis.call('ZADD', pending, now, id)
       taken[#taken + 1] = id
       taken[#taken + 1] = found[2] or ''
@@ -99,7 +112,7 @@ end
 -- 'batch' slots are free, that many waiting children are made pending at once, returned as
 -- {'window', now, id, payload, delta, parent, ...} for the caller to publish in one batch
 -- (out + free = max_active: never more out, and the window never stalls, batch <= max_active);
--- nil otherwise. A flow without a window has no slots: one HGET.
+-- nil otherwise. Called only for a child marked 'windowed' (a flow without a window has none).
 local function window_free(window, pending, ttl)
   local slots = slots_of(window)
   local batch = redis.call('HGET', slots, 'batch')
