@@ -1,6 +1,6 @@
 """A template's message as JSON text in pieces, prepared once: a further job's message is the
-pieces joined around its own values (body, id, reprs, headers, delivery tag), instead of its
-whole dict copied and encoded again for every job.
+pieces joined around its own values (body, id, root and parent ids, reprs, headers, delivery
+tag), instead of its whole dict copied and encoded again for every job.
 
 The pieces come from encoding the template's message with a marker in each place a job's own
 value goes; they are kept only when joining them around the template's own values gives back
@@ -54,6 +54,7 @@ class Prepared:
         cut(marked, "body", "body")
         cut(headers, "id", "id")
         cut(headers, "root_id", "root")
+        cut(headers, "parent_id", "parent")
         if own_reprs:
             cut(headers, "argsrepr", "argsrepr")
             cut(headers, "kwargsrepr", "kwargsrepr")
@@ -81,7 +82,10 @@ class Prepared:
 
 
 def token(value: Any) -> str:
-    """``value`` as JSON encodes it: a str quoted (ASCII), an int as its digits."""
+    """``value`` as JSON encodes it: a str quoted (ASCII), an int as its digits, None as
+    null."""
     if type(value) is int:
         return str(value)
+    if value is None:
+        return "null"
     return quoted(value)

@@ -160,7 +160,15 @@ class _Sender:
         reprs = fast_repr(args, kwargs) if last.template.own_reprs else None
         task_id = job["options"]["task_id"]
         if templates.push(
-            self.producer, last.template, task_id, last.root, args, kwargs, reprs, last.headers
+            self.producer,
+            last.template,
+            task_id,
+            last.root,
+            last.parent,
+            args,
+            kwargs,
+            reprs,
+            last.headers,
         ):
             return True
         self.last = None
@@ -206,10 +214,19 @@ class _Sender:
         key: tuple[Any, ...] = ()
         varying: tuple[str, ...] = ()
         if self.templates is not None:
-            # Everything the message is built from but the id, the root id (each flow has its
-            # own), the arguments and the values of the job's own plain headers.
+            # Everything the message is built from but the id, the root and parent ids (each
+            # flow has its own root; a chain's step names the step before it, and a job sent
+            # from a task that task), the arguments and the values of the job's own plain
+            # headers.
             keyed, varying = key_routing(routed)
-            key = (name, ignore_result, link, link_error, _without(named, "root_id"), keyed)
+            key = (
+                name,
+                ignore_result,
+                link,
+                link_error,
+                _without(named, "root_id", "parent_id"),
+                keyed,
+            )
         return _Prepared(
             name,
             args,
@@ -231,13 +248,14 @@ class _Sender:
         if templates is None:
             return False
         template = templates.find(p.key)
-        root = p.named.get("root_id")
+        root, parent = p.named.get("root_id"), p.named.get("parent_id")
         given = p.routed.get("headers")
         if template is None or not templates.push(
             self.producer,
             template,
             p.task_id,
             root,
+            parent,
             p.args,
             p.kwargs,
             p.reprs if p.own_reprs else None,
@@ -245,7 +263,7 @@ class _Sender:
         ):
             return False
         if self.reusable:
-            self.last = _Last(p.name, job["options"], template, given, root)
+            self.last = _Last(p.name, job["options"], template, given, root, parent)
         return True
 
     def _build_and_send(self, p: _Prepared) -> None:
@@ -300,8 +318,9 @@ class _Last(NamedTuple):
     template: Template
     headers: dict[str, Any] | None
     # The root id its message took (None: its own id): a job alike but for its id takes it
-    # too, as its options (or the task sending it) give the same.
+    # too, as its options (or the task sending it) give the same; its parent id likewise.
     root: str | None
+    parent: str | None
 
 
 def same_but_id(options: dict[str, Any], other: dict[str, Any]) -> bool:
@@ -312,6 +331,8 @@ def same_but_id(options: dict[str, Any], other: dict[str, Any]) -> bool:
     return all(name == "task_id" or same(value, other[name]) for name, value in options.items())
 
 
-def _without(options: dict[str, Any], name: str) -> dict[str, Any]:
-    """``options`` less ``name``: a template's key leaves out what each message sets itself."""
-    return {k: v for k, v in options.items() if k != name} if name in options else options
+def _without(options: dict[str, Any], *names: str) -> dict[str, Any]:
+    """``options`` less ``names``: a template's key leaves out what each message sets itself."""
+    if not any(name in options for name in names):
+        return options
+    return {k: v for k, v in options.items() if k not in names}

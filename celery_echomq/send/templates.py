@@ -37,6 +37,7 @@ class Template:
     same task, options and routing, differing only in id, arguments and the values of their
     own plain headers. Each further job's message is the template's with its own ``id`` (and
     ``correlation_id``), ``root_id`` (its flow's root, or the id where it has none),
+    ``parent_id`` (the task that sent it, or a chain's step before it),
     ``argsrepr``/``kwargsrepr``, those headers, body and ``delivery_tag``, in the template's
     key order: the JSON ``as_task_v2`` and ``Producer.publish`` would give.
     """
@@ -150,6 +151,8 @@ class Templates:
             return
         if routed.get("root_id") or headers.get("root_id") != (named.get("root_id") or task_id):
             return
+        if routed.get("parent_id") or headers.get("parent_id") != named.get("parent_id"):
+            return
         if not all(name in headers for name in varying):
             return
         if not all(entity.can_cache_declaration for entity in declared):
@@ -193,14 +196,15 @@ class Templates:
         template: Template,
         task_id: str,
         root_id: str | None,
+        parent_id: str | None,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         reprs: tuple[str, str] | None,
         headers_given: dict[str, Any] | None,
     ) -> bool:
         """Push the job's message built from ``template`` (``root_id``: the job's, None where
-        it is its own root); False where it cannot be (the template no longer stands for what
-        a publish would give: it is dropped)."""
+        it is its own root; ``parent_id``: the job's, None for none); False where it cannot
+        be (the template no longer stands for what a publish would give: it is dropped)."""
         channel = pushes.channel
         if template.checked != self.batch:
             # Learnt in an earlier batch: still what a publish would give? (Once per batch:
@@ -234,6 +238,7 @@ class Templates:
                 quoted(root_id or task_id),
                 quoted(tag),
             )
+            values["parent"] = token(parent_id)
             if reprs is not None and template.own_reprs:
                 values["argsrepr"], values["kwargsrepr"] = quoted(reprs[0]), quoted(reprs[1])
             if template.varying and headers_given:
@@ -245,6 +250,7 @@ class Templates:
         headers = dict(base["headers"])
         headers["id"] = task_id
         headers["root_id"] = root_id or task_id
+        headers["parent_id"] = parent_id
         if reprs is not None and template.own_reprs:
             headers["argsrepr"], headers["kwargsrepr"] = reprs
         if template.varying and headers_given:

@@ -8,6 +8,7 @@ import base64
 import itertools
 import json
 import re
+import uuid
 from datetime import datetime, timezone
 from typing import Any
 
@@ -21,7 +22,7 @@ from celery_echomq.send import publish, templates
 from celery_echomq.send.envelope import fast_repr
 from celery_echomq.send.plan import plan_flow
 from celery_echomq.send.start import _with_since
-from tests.helpers import needs_batching
+from tests.helpers import needs_batching, new_job_id
 
 VALUES: list[Any] = [
     0, -5, 2**40, 10**30, 1.5, -0.0, float("inf"), float("nan"), True, None,
@@ -226,6 +227,35 @@ def test_a_later_batch_is_built_from_the_templates_an_earlier_one_learnt(
     assert fast == ordinary and len(fast[queue]) == 9
     parents = {json.loads(m)["headers"]["echomq_p"] for m in fast[queue]}
     assert len(parents) == 3
+
+
+@needs_batching
+def test_the_jobs_of_one_template_may_each_name_their_own_parent_task(
+    proj: Any, env: Any, own_queue: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain's steps are sent one at a time, each naming the step before it as its parent
+    (as a job sent from a task names that task): after the first, each message comes from
+    the template, its own parent id in it (none where it names none), and is the message
+    the producer would have published, byte for byte."""
+    queue = own_queue("fastparent")
+    broker = redis.Redis.from_url(env.broker)
+    templated = count_templated(monkeypatch)
+    templates.TEMPLATES.clear()
+    parents = [None, new_job_id(), new_job_id(), None, str(uuid.uuid4())]
+    batches = [_leaves(proj, _alike(proj, queue, 1)) for _ in parents]
+    for jobs, parent in zip(batches, parents, strict=True):
+        if parent is not None:
+            jobs[0]["options"]["parent_id"] = parent
+        publish.send_jobs(proj.app, jobs)
+    fast = _drain(broker, [queue])
+    with monkeypatch.context() as m:
+        m.setattr(publish.RedisPushes, "of", classmethod(lambda cls, app, producer: None))
+        for jobs in batches:
+            publish.send_jobs(proj.app, jobs)
+    ordinary = _drain(broker, [queue])
+    assert templated == [False] + [True] * 4
+    assert fast == ordinary and len(fast[queue]) == 5
+    assert [json.loads(m)["headers"]["parent_id"] for m in fast[queue]] == parents
 
 
 def test_a_template_is_not_used_where_kombu_would_declare_again(
