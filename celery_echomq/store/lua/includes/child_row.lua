@@ -7,12 +7,8 @@
 -- finished without a look at one. Every script that makes a child pending for the first time
 -- writes it here, so readers find one layout.
 local function write_child_row(row, parent_id, stored, is_delta, windowed)
-  local kind = is_delta and 'delta' or 'payload'
-  if windowed then
-    redis.call('HSET', row, 'state', 'pending', 'attempts', '0', kind, stored, 'parent',
-      parent_id, 'windowed', '1')
-  else
-    redis.call('HSET', row, 'state', 'pending', 'attempts', '0', kind, stored, 'parent',
-      parent_id)
-  end
+  -- Without the mark, 'parent' again stands in for it (the same field, the same value).
+  redis.call('HSET', row, 'state', 'pending', 'attempts', '0',
+    is_delta and 'delta' or 'payload', stored, 'parent', parent_id,
+    windowed and 'windowed' or 'parent', windowed and '1' or parent_id)
 end
