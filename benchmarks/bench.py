@@ -75,6 +75,9 @@ from celery_echomq import flow  # noqa: E402
 from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
 
 MODES = ("group", "chord", "flow")
+# A Celery chord sent with echomq_chords on: the same canvas as ``chord``, fanned in by the
+# flow engine (celery_echomq/chords.py).
+CHORD_ENGINE = "chord-engine"
 DEADLINE_S = 3600
 TRACED_QUEUE = "bench_traced"
 BULLMQ_DIR = HERE / "bullmq"
@@ -251,7 +254,7 @@ def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
         parent = bench_app.tsum.s().set(**opts)
         if mode == "group":
             canvases.append(group(children))
-        elif mode in ("chord", "chord-chain"):
+        elif mode in ("chord", "chord-chain", CHORD_ENGINE):
             canvases.append(chord(children, parent))
         elif mode == DEADLINE:
             canvases.append(flow(parent, children, deadline=DEADLINE_S))
@@ -685,6 +688,13 @@ def mode_hooks(traced: ProducerTracing | None) -> ModeHook:
         if mode == TRACED and traced is not None:
             with traced.on():
                 yield
+        elif mode == CHORD_ENGINE:
+            # The producer decides where a chord it sends fans in.
+            bench_app.app.conf.echomq_chords = True
+            try:
+                yield
+            finally:
+                bench_app.app.conf.echomq_chords = False
         else:
             with lean_hook(mode):
                 yield
@@ -901,6 +911,7 @@ def log(message: str) -> None:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     modes: list[str] = list(MODES if args.no_lean else (*MODES, LEAN))
+    modes.append(CHORD_ENGINE)
     if not args.no_deadline:
         modes.append(DEADLINE)
     traced: ProducerTracing | None = None

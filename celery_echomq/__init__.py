@@ -97,6 +97,7 @@ def install(app: Any) -> EchoMQ:
     The app's ``echomq_*`` settings are read when the app is finalized or first used (as
     Celery reads its own), so this may come before the app is configured.
     """
+    from celery_echomq.chords import patch_celery
     from celery_echomq.send.tasks import register_tasks
     from celery_echomq.worker import (
         checks,  # noqa: F401 - registers the worker's echomq_clock
@@ -107,6 +108,8 @@ def install(app: Any) -> EchoMQ:
     from celery_echomq.worker.recovery import RecoveryStep
 
     state = install_state(app)
+    # Inert unless the app sets echomq_chords (see chords.py).
+    patch_celery()
     # What a flow whose parent is a group, a chord or a flow runs (see send/shapes.py).
     register_tasks(app)
     signals.connect()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 import redis.exceptions
-from celery.exceptions import TaskRevokedError
+from celery.exceptions import ChordError, TaskRevokedError
 
 # What every flow error's message starts with: "flow JOB...: ...". A FlowFailed built by
 # code (or stored by a version) that did not name its flow still finds its id there.
@@ -76,11 +76,12 @@ class StoreUnavailableError(EchoMQError):
     """Redis could not be reached while starting a flow; nothing was published."""
 
 
-class FlowFailed(FlowError):
+class FlowFailed(FlowError, ChordError):  # type: ignore[misc]  # Celery is untyped
     """A child failed under policy ``fail``: the parent will never run.
 
     ``flow_id`` names the flow, ``child_id`` the failed child; ``error`` is its
-    ``"ExcType: message"``.
+    ``"ExcType: message"``. Also a ``celery.exceptions.ChordError``, what a chord's body and
+    errbacks get when its header fails: code that catches one catches the other.
     """
 
     def __init__(
@@ -94,6 +95,19 @@ class FlowFailed(FlowError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+    @classmethod
+    def of_child(cls, flow_id: str, child_id: str, error: str, chord: bool = False) -> FlowFailed:
+        """The failure of ``flow_id`` by its child ``child_id`` (``error``: its
+        ``"ExcType: message"``); ``chord``: a chord on the flow engine, worded as Celery words
+        a chord's (``Dependency <id> raised ExcType('message')``), which code may parse for
+        the failed task's id."""
+        if chord:
+            kind, _, text = error.partition(": ")
+            message = f"Dependency {child_id} raised {kind}({text!r})"
+        else:
+            message = f"flow {flow_id}: child {child_id} failed: {error}"
+        return cls(message, child_id, error, flow_id)
 
 
 class FlowDeadlineExceeded(FlowFailed):

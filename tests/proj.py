@@ -32,7 +32,11 @@ app.conf.update(
     task_reject_on_worker_lost=os.environ.get("ECHOMQ_T_ACKS_LATE") == "1",
     worker_prefetch_multiplier=1,
     broker_connection_retry_on_startup=True,
-    result_expires=3600,
+    result_expires=int(os.environ.get("ECHOMQ_T_RESULT_EXPIRES", "3600")),
+    # ECHOMQ_T_CHORDS=1: every chord of this app on the flow engine (tests/canvas/test_chords.py).
+    echomq_chords=os.environ.get("ECHOMQ_T_CHORDS") == "1",
+    # Where a worker's tasks send what names no queue (a chord a chain step sends).
+    task_default_queue=os.environ.get("ECHOMQ_T_DEFAULT_QUEUE", "celery"),
     result_extended=os.environ.get("ECHOMQ_T_RESULT_EXTENDED") == "1",
     worker_send_task_events=os.environ.get("ECHOMQ_T_EVENTS") == "1",
 )
@@ -626,3 +630,32 @@ if os.environ.get("ECHOMQ_T_OTEL_FILE") or os.environ.get("ECHOMQ_T_OTEL_NULL"):
     from tests.otel_setup import configure
 
     configure(os.environ.get("ECHOMQ_T_OTEL_FILE", ""))
+
+
+# --- Tasks of tests/canvas/test_chords.py: chords on the flow engine ------------------------------
+
+
+@app.task(bind=True)
+def add_to_chord_all(self: Any, nums: list[int], val: int) -> int:
+    """Celery's ``add_to_all_to_chord``: ``self.add_to_chord(add(num, val))`` each, then 0."""
+    for num in nums:
+        self.add_to_chord(add.s(num, val))
+    return 0
+
+
+@app.task
+def errback_kind(request: Any, exc: Any, tb: Any) -> None:
+    """A new-style errback: records the class of the error it got, and whether it is a
+    ``ChordError``, under ``errback-kind:<id>`` (the id it was called with)."""
+    from celery.exceptions import ChordError
+
+    kind = f"{type(exc).__name__} chord_error={isinstance(exc, ChordError)}"
+    _store().rpush(f"errback-kind:{request.id}", kind)
+
+
+@app.task
+def chord_in_worker(xs: list[int]) -> Any:
+    """Sends a chord from a worker (what the worker's own setting decides): its body's id."""
+    from celery import chord
+
+    return chord([add.s(x, x) for x in xs])(tsum.s()).id

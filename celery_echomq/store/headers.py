@@ -31,9 +31,14 @@ H_HANDED = "echomq_h"
 # "1": the store writes this job's result into Celery's result backend when the job completes
 # (the message says ignore_result, so Celery's trace writes none; see results.py).
 H_RESULT = "echomq_r"
+# "1" on the parent of a flow that stands for a chord (``echomq_chords``, see chords.py): its
+# failure is worded as Celery words a chord's.
+H_CHORD = "echomq_c"
 
 # The prefix of every header above: reserved for the plan's own.
 RESERVED = "echomq_"
+# The reserved headers a signature may bring: they name no job, only how an error is worded.
+CARRIED = frozenset({H_CHORD})
 
 
 class Headers:

@@ -1,0 +1,166 @@
+"""Every chord of an app on the flow engine: ``app.conf.echomq_chords = True``.
+
+Celery runs a chord in ``chord.run``: it freezes the body and the header, asks the result
+backend to keep the count (``apply_chord``, then ``on_chord_part_return`` from each header
+task) and sends the header. With the setting on, ``run`` keeps every step a caller can see
+(the ids Celery gives, the body's options and callbacks, the ``AsyncResult`` of the body
+whose ``parent`` is the header's ``GroupResult``) and hands the fan-in to the flow engine
+instead of the backend: the body is held in the store as a flow's parent, each header task
+is one of its children, credited once by the script that completes it, and recovered like
+any flow job. What the engine records on a header failure is a ``FlowFailed``, which is a
+``ChordError``, worded as Celery words it.
+
+Eager chords (``task_always_eager``, ``chord.apply``) are Celery's: nothing is held there.
+``self.add_to_chord(sig)`` in a header task on the engine adds ``sig`` to the flow
+(``add_children``), as Celery's adds it to the backend's count.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from celery.app.task import Task
+from celery.canvas import Signature, _chain, _chord, group
+from celery.utils import uuid
+
+from celery_echomq.errors import ConfigError
+from celery_echomq.store.headers import H_CHORD, H_PARENT
+from celery_echomq.store.state import find_state
+
+SETTING = "echomq_chords"
+# A chord's own options that the engine reads (``chord(h, b, deadline=60)`` or
+# ``apply_async(max_active=10)``), and that never reach a task's message.
+ENGINE_OPTIONS = ("policy", "deadline", "on_deadline", "max_active")
+
+# The options of a chord's send that override its header tasks' own.
+ROUTING = ("queue", "routing_key", "exchange", "priority")
+
+_celery_run = _chord.run
+_celery_add_to_chord = Task.add_to_chord
+
+
+def on_engine(app: Any) -> bool:
+    """Whether ``app``'s chords run on the flow engine: the setting on, the extension
+    installed on the app."""
+    value = app.conf.get(SETTING, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{SETTING} must be True or False, got {value!r}")
+    return value and find_state(app) is not None
+
+
+def run(
+    self: _chord,
+    header: group,
+    body: Signature,
+    partial_args: Any,
+    app: Any = None,
+    interval: Any = None,
+    countdown: Any = 1,
+    max_retries: Any = None,
+    eager: bool = False,
+    task_id: str | None = None,
+    kwargs: dict[str, Any] | None = None,
+    header_delay: dict[str, Any] | None = None,
+    **options: Any,
+) -> Any:
+    """``chord.run`` for every chord: Celery's own unless the app's chords are on the engine."""
+    app = app or self._get_app(body)
+    if not on_engine(app):
+        return _celery_run(
+            self,
+            header,
+            body,
+            partial_args,
+            app=app,
+            interval=interval,
+            countdown=countdown,
+            max_retries=max_retries,
+            eager=eager,
+            task_id=task_id,
+            kwargs=kwargs,
+            header_delay=header_delay,
+            **options,
+        )
+    return _run_as_flow(
+        self, header, body, partial_args, app, task_id, kwargs, header_delay, options
+    )
+
+
+def _run_as_flow(
+    chord: _chord,
+    header: group,
+    body: Signature,
+    partial_args: Any,
+    app: Any,
+    task_id: str | None,
+    kwargs: dict[str, Any] | None,
+    header_delay: dict[str, Any] | None,
+    options: dict[str, Any],
+) -> Any:
+    """Celery's steps up to the header's send (the same ids, options and callbacks, so the
+    same results), then one flow of the body over the header's tasks."""
+    from celery_echomq.canvas import flow
+
+    group_id = header.options.get("task_id") or uuid()
+    root_id = body.options.get("root_id")
+    options = dict(chord.options, **options)
+    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
+    delay = dict(header_delay or {})
+    for key in ("countdown", "eta"):
+        if key not in delay and options.get(key) is not None:
+            delay[key] = options[key]
+        options.pop(key, None)
+    if options:
+        options.pop("task_id", None)
+        body = chord._add_body_callbacks(body, options)
+        body.options.update(chord._body_options(options))
+    if isinstance(body, _chain):
+        body._unroll_chords(app)
+    bodyres = body.freeze(task_id or uuid(), group_id=group_id, root_id=root_id)
+    # What travels to the header tasks (a chord's header never carries the chain after it,
+    # nor a chord of its own).
+    for name in ("chain", "chord", "task_id"):
+        options.pop(name, None)
+    header.options["task_id"] = group_id
+    header_result = header.freeze(group_id, root_id=root_id)
+    if not header.tasks:
+        # Nothing to wait for: the body runs now, as Celery runs it.
+        body.delay([])
+        bodyres.parent = header_result
+        return bodyres
+    _mark_chord(body)
+    # What the chord is sent with wins over each header task's own, as in Celery's
+    # header.apply_async(**options) (a flow's own children keep theirs).
+    for task in header.tasks:
+        task.options.update({k: v for k, v in options.items() if k in ROUTING})
+    held = flow(body, header, app=app, **engine)
+    held.apply_async(partial_args, kwargs, **{**options, **delay})
+    bodyres.parent = header_result
+    return bodyres
+
+
+def _mark_chord(body: Signature) -> None:
+    """The body's message says it stands for a chord, wherever its failure is recorded from."""
+    headers = dict(body.options.get("headers") or {})
+    headers[H_CHORD] = "1"
+    body.options["headers"] = headers
+
+
+def add_to_chord(self: Task, sig: Signature, lazy: bool = False) -> Any:
+    """``Task.add_to_chord`` for every task: on the engine, a header task (a flow child) adds
+    ``sig`` to its flow, sent now (``lazy`` too: the flow holds it from here on)."""
+    if not on_engine(self.app) or not getattr(self.request, H_PARENT, None):
+        return _celery_add_to_chord(self, sig, lazy)
+    from celery_echomq.send.fanin import add_children
+
+    added = add_children([sig], app=self.app)
+    return sig if lazy else self.app.AsyncResult(added[0])
+
+
+@functools.cache
+def patch_celery() -> None:
+    """Route Celery's chord entry points through this module, once per process: inert for
+    every app whose chords are not on the engine."""
+    _chord.run = run
+    Task.add_to_chord = add_to_chord

@@ -1,0 +1,264 @@
+"""Every chord on the flow engine by one setting (``echomq_chords = True``): unchanged code,
+the same values, ids, results and errors as Celery's own chord, and the faults that lose a
+Celery chord's fan-in, each beside the same chord with the setting off.
+
+The producer's setting (this process's app) decides where a chord it sends fans in; a
+worker's decides for the chords sent from its tasks (a chain's later chord, ``Task.replace``),
+so each test's worker runs with the same setting (``ECHOMQ_T_CHORDS``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from celery import chain, chord, group
+from celery.exceptions import ChordError, CPendingDeprecationWarning
+from celery.result import AsyncResult, GroupResult
+
+import celery_echomq
+from celery_echomq import UnknownFlowError
+from tests.helpers import Env, Worker, fast_recovery, wait_for
+
+pytestmark = pytest.mark.e2e
+
+UUID = re.compile(r"^[0-9a-f]{8}(-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
+ENGINES = ["on", "off"]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request: pytest.FixtureRequest, proj: Any) -> Iterator[str]:
+    """``on``: this process's chords on the flow engine; ``off``: Celery's own."""
+    proj.app.conf.echomq_chords = request.param == "on"
+    yield str(request.param)
+    proj.app.conf.echomq_chords = False
+
+
+def chords_env(engine: str, **extra: str) -> dict[str, str]:
+    return {"ECHOMQ_T_CHORDS": "1" if engine == "on" else "0", **extra}
+
+
+@pytest.fixture(scope="module")
+def queues(env: Env) -> Iterator[dict[str, str]]:
+    """A queue per setting, for this module alone, each with a worker of that setting."""
+    made = {name: f"ch-{name}-{uuid.uuid4().hex[:8]}" for name in ENGINES}
+    workers = [
+        Worker(env, queues=q, name=q, extra_env=chords_env(n, ECHOMQ_T_DEFAULT_QUEUE=q))
+        for n, q in made.items()
+    ]
+    yield made
+    for w in workers:
+        w.stop()
+
+
+@pytest.fixture
+def queue(queues: dict[str, str], engine: str) -> str:
+    return queues[engine]
+
+
+def held_by_engine(body_id: str) -> bool:
+    """Whether the store holds (or held) ``body_id`` as a flow's parent."""
+    try:
+        celery_echomq.dependencies(body_id)
+    except UnknownFlowError:
+        return False
+    return True
+
+
+def forms(proj: Any, queue: str) -> dict[str, Any]:
+    """Each way an app makes a chord, and the value it gives."""
+    return {
+        "chord(header)(body)": (
+            lambda: chord([proj.add.s(i, i) for i in range(4)], queue=queue)(proj.tsum.s()),
+            12,
+        ),
+        "chord(header, body).apply_async()": (
+            lambda: chord([proj.add.s(i, 1) for i in range(3)], proj.tsum.s()).apply_async(
+                queue=queue
+            ),
+            6,
+        ),
+        "group | task": (
+            lambda: (group(proj.add.s(i, 2) for i in range(3)) | proj.tsum.s()).apply_async(
+                queue=queue
+            ),
+            9,
+        ),
+        "a chord inside a chain": (
+            # The chord is sent by the worker, to its default queue: this module's.
+            lambda: chain(
+                proj.add.s(1, 1),
+                chord([proj.add.s(1), proj.add.s(2)], proj.tsum.s()),
+                proj.add.s(100),
+            ).apply_async(queue=queue),
+            107,
+        ),
+        "a chord in a chord's header": (
+            lambda: chord(
+                [chord([proj.add.s(1, 1), proj.add.s(2, 2)], proj.tsum.s()), proj.add.s(5, 5)],
+                proj.tsum.s(),
+            ).apply_async(queue=queue),
+            16,
+        ),
+        "Task.replace(chord)": (lambda: proj.replaced_by.s("chord", 3).apply_async(queue=queue), 9),
+        "add_to_chord": (
+            lambda: chord([proj.add_to_chord_all.s([1, 2, 3], 4)], proj.tsum.s()).apply_async(
+                queue=queue
+            ),
+            18,
+        ),
+    }
+
+
+@pytest.mark.parametrize("form", list(forms(None, "")))  # type: ignore[arg-type]
+def test_every_form_of_chord_gives_celerys_values_and_results(
+    proj: Any, engine: str, queue: str, form: str
+) -> None:
+    make, value = forms(proj, queue)[form]
+    res = make()
+    assert res.get(timeout=60) == value
+    assert isinstance(res, AsyncResult) and UUID.match(res.id)
+    if form in ("chord(header)(body)", "chord(header, body).apply_async()", "group | task"):
+        # The body's result, its parent the header's GroupResult of Celery's uuids, in order.
+        assert isinstance(res.parent, GroupResult) and UUID.match(res.parent.id)
+        assert all(UUID.match(r.id) for r in res.parent.results)
+        assert res.parent.get(timeout=10) == [v for v in res.parent.join(timeout=10)]
+        assert held_by_engine(res.id) is (engine == "on")
+        if engine == "on":
+            deps = celery_echomq.dependencies(res.id)
+            assert (deps.outstanding, deps.done) == (0, len(res.parent.results))
+
+
+def test_a_chord_sent_from_a_worker_follows_the_workers_setting(
+    proj: Any, engine: str, queue: str
+) -> None:
+    body_id = proj.chord_in_worker.s([1, 2, 3]).apply_async(queue=queue).get(timeout=60)
+    assert AsyncResult(body_id, app=proj.app).get(timeout=60) == 12
+    assert held_by_engine(body_id) is (engine == "on")
+
+
+def test_a_failed_header_fails_the_body_as_celerys_chord_does(
+    proj: Any, store: redis.Redis, engine: str, queue: str
+) -> None:
+    header = [proj.add.s(1, 1), proj.fail.s()]
+    c = chord(header, proj.tsum.s())
+    with pytest.warns(CPendingDeprecationWarning):  # Celery's, for a chord's link_error
+        c.link_error(proj.errback_kind.s())
+    res = c.apply_async(queue=queue)
+    failed_id = res.parent.results[1].id
+    # get() raises the failed header task's own error (the parent's, checked first).
+    with pytest.raises(proj.ExpectedException):
+        res.get(timeout=60)
+    # The body's own result is a ChordError naming the failed task, as Celery words it.
+    body = AsyncResult(res.id, app=proj.app)
+    wait_for(lambda: body.state == "FAILURE", timeout=30)
+    assert isinstance(body.result, ChordError)
+    assert str(body.result).startswith(f"Dependency {failed_id} raised ExpectedException(")
+    # The errback runs once, with the body's id, and gets a ChordError.
+    key = f"errback-kind:{res.id}"
+    wait_for(lambda: store.llen(key) >= 1, timeout=30)
+    time.sleep(0.5)
+    kinds = [k.decode() for k in store.lrange(key, 0, -1)]
+    assert len(kinds) == 1 and kinds[0].endswith("chord_error=True"), kinds
+    assert held_by_engine(res.id) is (engine == "on")
+
+
+@pytest.mark.parametrize("engine_setting", [True, False])
+def test_eager_chords_are_celerys_with_the_setting_on(proj: Any, engine_setting: bool) -> None:
+    proj.app.conf.update(task_always_eager=True, echomq_chords=engine_setting)
+    try:
+        assert chord([proj.add.s(i, i) for i in range(3)])(proj.tsum.s()).get() == 6
+        with pytest.raises(proj.ExpectedException):
+            chord([proj.add.s(1, 1), proj.fail.s()])(proj.tsum.s()).get()
+    finally:
+        proj.app.conf.update(task_always_eager=False, echomq_chords=False)
+
+
+def test_chord_options_reach_the_engine(proj: Any, queue: str, engine: str) -> None:
+    if engine == "off":
+        pytest.skip("the engine's chord options (max_active, deadline) are the engine's")
+    res = chord([proj.sleep_then.s(i, 0.2) for i in range(6)], proj.tsum.s(), max_active=2)
+    res = res.apply_async(queue=queue)
+    wait_for(lambda: held_by_engine(res.id), timeout=10)
+    assert celery_echomq.dependencies(res.id).outstanding == 6
+    assert res.get(timeout=60) == 15
+
+
+# --- The faults that lose a Celery chord's fan-in ----------------------------------------------
+#
+# Each runs beside the same chord with the setting off. There a Celery chord's body never runs:
+# the test waits a bounded time past the moment the body would have run, and asserts it did not
+# (an expected loss, not a time-out of the test). On the engine, every value reaches the body,
+# which runs once.
+
+NEVER_WAIT = 8.0  # seconds past the header's end that a lost Celery chord is given
+
+
+def body_ran(store: redis.Redis, tag: str) -> int:
+    return int(store.get(f"test:ran:collect:{tag}") or 0)
+
+
+def test_results_expiring_before_the_header_ends(
+    proj: Any, env: Env, store: redis.Redis, own_queue: Any, start_worker: Any, engine: str
+) -> None:
+    queue = str(own_queue("chx"))
+    start_worker(
+        queues=queue, concurrency=1, extra_env=chords_env(engine, ECHOMQ_T_RESULT_EXPIRES="2")
+    )
+    tag = uuid.uuid4().hex
+    header = [proj.sleep_then.s(i, 2.5) for i in range(3)]
+    res = chord(header, proj.collect.s(tag=tag)).apply_async(queue=queue)
+    if engine == "on":
+        assert res.get(timeout=60) == {"values": [0, 1, 2], "tag": tag}
+        assert body_ran(store, tag) == 1
+        return
+    time.sleep(3 * 2.5 + NEVER_WAIT)
+    assert body_ran(store, tag) == 0, "Celery's chord ran its body: the loss did not happen"
+
+
+def test_a_header_tasks_worker_killed_under_acks_late(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any, engine: str
+) -> None:
+    queue = str(own_queue("chk"))
+    late = chords_env(engine, ECHOMQ_T_ACKS_LATE="1", **fast_recovery())
+    first = start_worker(queues=queue, extra_env=late)
+    tag, hung = uuid.uuid4().hex, str(uuid.uuid4())
+    header = [proj.add.s(1, 1), proj.hang_first.s(7).set(task_id=hung)]
+    res = chord(header, proj.collect.s(tag=tag)).apply_async(queue=queue)
+    wait_for(lambda: store.exists(f"test:pid:{hung}"), timeout=60)
+    first.kill()  # SIGKILL, mid-task: its message is unacknowledged
+    start_worker(queues=queue, extra_env=late)
+    if engine == "on":
+        assert res.get(timeout=90) == {"values": [2, 7], "tag": tag}
+        assert body_ran(store, tag) == 1
+        return
+    # The Redis transport gives an unacknowledged message back after its visibility timeout
+    # (an hour by default): the chord waits that long.
+    time.sleep(3 + NEVER_WAIT)
+    assert body_ran(store, tag) == 0, "Celery's chord ran its body: the loss did not happen"
+
+
+def test_a_header_tasks_message_lost(
+    proj: Any, env: Env, store: redis.Redis, own_queue: Any, start_worker: Any, engine: str
+) -> None:
+    queue, side = str(own_queue("chl")), str(own_queue("chl-side"))
+    start_worker(queues=queue, extra_env=chords_env(engine, **fast_recovery()))
+    tag = uuid.uuid4().hex
+    # Each task names its queue (a chord's own queue option would send them all to one).
+    header = [proj.add.s(1, 1).set(queue=queue), proj.add.s(2, 2).set(queue=side)]
+    res = chord(header, proj.collect.s(tag=tag).set(queue=queue)).apply_async()
+    broker = redis.Redis.from_url(env.broker)
+    wait_for(lambda: broker.llen(side) == 1, timeout=30)
+    broker.delete(side)  # the message is lost before any worker took it
+    start_worker(queues=side, extra_env=chords_env(engine, **fast_recovery()))
+    if engine == "on":
+        assert res.get(timeout=90) == {"values": [2, 4], "tag": tag}
+        assert body_ran(store, tag) == 1
+        return
+    time.sleep(3 + NEVER_WAIT)
+    assert body_ran(store, tag) == 0, "Celery's chord ran its body: the loss did not happen"
