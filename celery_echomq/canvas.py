@@ -7,7 +7,7 @@ from copy import deepcopy
 from typing import Any
 
 from celery import current_app
-from celery.canvas import Signature, maybe_signature
+from celery.canvas import Signature, _chain, maybe_signature
 
 from celery_echomq import tracing
 from celery_echomq.result import FlowResult
@@ -238,6 +238,14 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             shape, fan = self.__dict__["_shape"] = self.shape()
             return FlowResult(self.options["task_id"], app=self._get_app(), fan_in=fan)
         return FlowResult(parent_opts["task_id"], app=self._get_app())
+
+    def link_error(self, errback: Any) -> Any:
+        """As ``chord.link_error``: the errback is the parent's. A chain parent gives it to each
+        of its steps (Celery's chain does), so the step that fails runs it with its own id; a
+        child's failure runs it once, with the flow's id."""
+        if isinstance(self.parent, _chain) and "_shape" not in self.__dict__:
+            self.parent.link_error(errback)
+        return super().link_error(errback)
 
     def clone(self, args: Any = None, kwargs: Any = None, **opts: Any) -> flow:
         """A deep copy (parent and children too); ``args`` are prepended to the partial args."""

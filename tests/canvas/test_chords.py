@@ -262,3 +262,61 @@ def test_a_header_tasks_message_lost(
         return
     time.sleep(3 + NEVER_WAIT)
     assert body_ran(store, tag) == 0, "Celery's chord ran its body: the loss did not happen"
+
+
+def test_the_stores_redis_server_restarted_mid_chord(
+    proj: Any, env: Env, store: redis.Redis, own_queue: Any, start_worker: Any, engine: str
+) -> None:
+    """One redis-server (append-only, an fsync a write) is both the result backend, where a
+    Celery chord counts its header, and the flow store; it is SIGKILLed while a header task
+    runs, and started again from its file after that task ended."""
+    from celery import Celery
+
+    from celery_echomq.embedded import RedisServer
+
+    queue = str(own_queue("chr"))
+    server = RedisServer(None, "--appendonly", "yes", "--appendfsync", "always").start()
+    restarted: RedisServer | None = None
+    try:
+        url = server.url(2)
+        side = Celery("side", set_as_current=False)
+        side.conf.update(
+            broker_url=env.broker,
+            result_backend=url,
+            echomq_redis_url=url,
+            echomq_chords=engine == "on",
+            broker_connection_retry_on_startup=True,
+        )
+        celery_echomq.install(side)
+        start_worker(
+            queues=queue,
+            extra_env=chords_env(
+                engine, ECHOMQ_T_BACKEND=url, ECHOMQ_T_STORE=url, **fast_recovery()
+            ),
+        )
+        tag, quick = uuid.uuid4().hex, str(uuid.uuid4())
+        header = [
+            side.signature("tests.proj.sleep_then", (7, 3.0)),
+            side.signature("tests.proj.add", (1, 1)).set(task_id=quick),
+        ]
+        body = side.signature("tests.proj.collect", kwargs={"tag": tag})
+        res = chord(header, body).apply_async(queue=queue)
+        wait_for(lambda: AsyncResult(quick, app=side).state == "SUCCESS", timeout=60)
+        server.proc.kill()  # type: ignore[union-attr]  # SIGKILL: Redis crashes
+        server.proc.wait()  # type: ignore[union-attr]
+        time.sleep(4.0)  # the slow header task ends while the server is down
+        restarted = RedisServer(
+            server.port, "--appendonly", "yes", "--appendfsync", "always", "--dir", server.dir
+        ).start()
+        if engine == "on":
+            assert res.get(timeout=90) == {"values": [7, 2], "tag": tag}
+            assert body_ran(redis.Redis.from_url(url), tag) == 1  # the worker's store: this one
+            return
+        time.sleep(NEVER_WAIT)
+        assert body_ran(redis.Redis.from_url(url), tag) == 0, (
+            "Celery's chord ran its body: the loss did not happen"
+        )
+    finally:
+        if restarted is not None:
+            restarted.stop()
+        server.stop()

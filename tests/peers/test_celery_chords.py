@@ -716,9 +716,8 @@ def test_chord__mutable_errback_called_by_chord_from_chain(
     fail_sig.freeze()
     chord_sig = flow(child_sig(fail_sig), (proj.identity.si(42),))
     chord_sig.link_error(errback.s())
-    # A flow's link_error runs once, with the flow's id, whatever part of its parent failed
-    # (Celery links it to each task of a chain or group body: the failed task's id).
-    expected_redis_key = keys(chord_sig.freeze().id)
+    # The chain parent's step that fails runs it, with its own id, as a chord's chain body does.
+    expected_redis_key = keys(fail_sig.id)
     with canvas_parent_failed():
         run(chord_sig, how_w).get(timeout=TIMEOUT)
     await_count(store, expected_redis_key, 1)
