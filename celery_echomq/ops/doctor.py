@@ -16,10 +16,11 @@ from typing import Any
 from celery_echomq.config import Settings, safe_url
 from celery_echomq.store import server_info
 from celery_echomq.store.connection import describe
+from celery_echomq.store.reads import queues_of
 from celery_echomq.store.results import writes_results
 from celery_echomq.store.server_info import NodeFacts
 from celery_echomq.store.state import EchoMQ
-from celery_echomq.worker.checks import CLOCK_COMMAND
+from celery_echomq.worker.checks import CLOCK_COMMAND, NOT_INSTALLED
 
 # The oldest Redis this project is tested against.
 MIN_VERSION = (6, 2)
@@ -59,6 +60,10 @@ class Facts:
     backend: str = ""
     local_clock: tuple[float, float] | None = None
     workers: dict[str, dict[str, Any]] | str = field(default_factory=dict)
+    # Every live worker's queues (Celery's own ``active_queues``, which a worker without the
+    # extension answers too), and the queues the store holds flows of.
+    consumers: dict[str, list[str]] = field(default_factory=dict)
+    store_queues: list[str] = field(default_factory=list)
 
 
 def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
@@ -78,22 +83,49 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
     facts.fast_path = writes_results(state)
     facts.backend = safe_url(str(state.app.conf.result_backend or "none"))
     facts.local_clock = server_info.clock_offset(client)
+    facts.store_queues = queues_of(state, None)
     try:
-        facts.workers = ask_workers(state.app, workers_timeout)
+        facts.workers, facts.consumers = ask_workers(state.app, workers_timeout)
     except Exception as exc:  # the broker unreachable: the workers cannot be asked
         facts.workers = f"{type(exc).__name__}: {exc}"
     return facts
 
 
-def ask_workers(app: Any, timeout: float) -> dict[str, dict[str, Any]]:
-    """Every live worker's answer to ``echomq_clock``, by worker name."""
+def ask_workers(app: Any, timeout: float) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+    """Every live worker's answer to ``echomq_clock``, and the queues each consumes (Celery's
+    ``active_queues``), by worker name. Two broadcasts from this process: a worker without the
+    extension answers the second and not the first (or with an error), and nothing else
+    needs to run for the doctor to find it."""
     with app.connection_for_write() as connection:
         # An unreachable broker: one try, not Celery's connection retries.
         connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
-        replies = app.control.broadcast(
+        clocks = app.control.broadcast(
             CLOCK_COMMAND, reply=True, timeout=timeout, connection=connection
         )
-    return {name: answer for reply in replies or [] for name, answer in reply.items()}
+        queues = app.control.broadcast(
+            "active_queues", reply=True, timeout=timeout, connection=connection
+        )
+    consumers = {
+        name: sorted(str(q.get("name")) for q in answer if isinstance(q, dict))
+        for reply in queues or []
+        for name, answer in reply.items()
+        if isinstance(answer, list)
+    }
+    return {name: answer for reply in clocks or [] for name, answer in reply.items()}, consumers
+
+
+def has_extension(answer: dict[str, Any] | None) -> bool:
+    """Whether a worker's ``echomq_clock`` answer comes from an app that called ``install``:
+    no answer, the "not installed" one, or an unknown command (a host without the package:
+    kombu answers ``KeyError('echomq_clock')``) say it does not."""
+    if not isinstance(answer, dict):
+        return False
+    error = str(answer.get("error", ""))
+    return (
+        answer.get("installed") is not False
+        and NOT_INSTALLED not in error
+        and (CLOCK_COMMAND not in error)
+    )
 
 
 def _each(nodes: list[NodeFacts], bad: dict[str, str]) -> str:
@@ -311,11 +343,13 @@ def check_clock(facts: Facts) -> Finding:
     if isinstance(facts.workers, str):
         asked = f"; workers not asked ({facts.workers})"
     else:
-        for name, answer in sorted(facts.workers.items()):
+        # A worker without the extension has no clock to measure: the workers check names it.
+        workers = {n: a for n, a in facts.workers.items() if has_extension(a)}
+        for name, answer in sorted(workers.items()):
             if "offset_ms" in answer:
                 offsets[name] = abs(float(answer["offset_ms"])) - float(answer["rtt_ms"]) / 2
-        failed = sorted(n for n, a in facts.workers.items() if "offset_ms" not in a)
-        answered = len(facts.workers) - len(failed)
+        failed = sorted(n for n, a in workers.items() if "offset_ms" not in a)
+        answered = len(workers) - len(failed)
         asked = f"; {answered} worker(s) answered" + (
             f", {', '.join(failed)} could not read the store's clock" if failed else ""
         )
@@ -335,6 +369,37 @@ def check_clock(facts: Facts) -> Finding:
     )
 
 
+def check_workers(facts: Facts) -> Finding:
+    """Every worker that consumes a queue the store holds flows of has the extension: one
+    without it runs a flow's jobs as plain tasks, whose outcome never reaches the flow."""
+    if isinstance(facts.workers, str):
+        return Finding("workers", "note", f"not asked ({facts.workers})")
+    ours = set(facts.store_queues)
+    lacking = {
+        name: sorted(ours.intersection(queues))
+        for name, queues in sorted(facts.consumers.items())
+        if ours.intersection(queues) and not has_extension(facts.workers.get(name))
+    }
+    if lacking:
+        names = "; ".join(f"{n} (queues {', '.join(q)})" for n, q in lacking.items())
+        return Finding(
+            "workers",
+            "wrong",
+            f"without celery-echomq, consuming the store's queues: {names}; such a worker runs "
+            "a flow's jobs as plain tasks, and their flows stay held until a worker with it "
+            "takes the queue",
+            "install celery-echomq on it and call celery_echomq.install(app), then restart it "
+            "(upgrade workers first, then producers)",
+        )
+    with_it = sum(1 for answer in facts.workers.values() if has_extension(answer))
+    return Finding(
+        "workers",
+        "ok",
+        f"{with_it} worker(s) with celery-echomq, none without it on a queue the store holds "
+        "flows of",
+    )
+
+
 def diagnose(facts: Facts) -> list[Finding]:
     """Every check, in the order the command prints them."""
     return [
@@ -346,6 +411,7 @@ def diagnose(facts: Facts) -> list[Finding]:
         check_mode(facts),
         check_backend(facts),
         check_clock(facts),
+        check_workers(facts),
     ]
 
 
