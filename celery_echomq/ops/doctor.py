@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_echomq.config import Settings, safe_url
+from celery_echomq.ops.fleet import Finding, ask_workers, check_workers, has_extension
 from celery_echomq.store import server_info
 from celery_echomq.store.connection import describe
 from celery_echomq.store.reads import queues_of
 from celery_echomq.store.results import writes_results
 from celery_echomq.store.server_info import NodeFacts
 from celery_echomq.store.state import EchoMQ
-from celery_echomq.worker.checks import CLOCK_COMMAND, NOT_INSTALLED
 
 # The oldest Redis this project is tested against.
 MIN_VERSION = (6, 2)
@@ -29,20 +29,6 @@ MIN_VERSION = (6, 2)
 # deadline poller's own period (worker/deadline_poller.py). Leases and deadlines in seconds
 # are timed by the store's clock alone.
 CLOCK_TOLERANCE_MS = 250.0
-
-
-@dataclass(frozen=True)
-class Finding:
-    check: str
-    status: str  # "ok", "note" or "wrong"
-    detail: str
-    change: str = ""
-
-    def line(self) -> str:
-        mark = {"ok": "ok   ", "note": "note ", "wrong": "WRONG"}[self.status]
-        return f"{mark}  {self.check}: {self.detail}" + (
-            f" -> change: {self.change}" if self.change else ""
-        )
 
 
 @dataclass
@@ -63,7 +49,7 @@ class Facts:
     # Every live worker's queues (Celery's own ``active_queues``, which a worker without the
     # extension answers too), and the queues the store holds flows of.
     consumers: dict[str, list[str]] = field(default_factory=dict)
-    store_queues: list[str] = field(default_factory=list)
+    store_queues: list[str] | str = field(default_factory=list)
 
 
 def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
@@ -83,49 +69,15 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
     facts.fast_path = writes_results(state)
     facts.backend = safe_url(str(state.app.conf.result_backend or "none"))
     facts.local_clock = server_info.clock_offset(client)
-    facts.store_queues = queues_of(state, None)
+    try:
+        facts.store_queues = queues_of(state, None)
+    except Exception as exc:  # refused to this user, or a Cluster node's MOVED: said elsewhere
+        facts.store_queues = f"{type(exc).__name__}: {exc}"
     try:
         facts.workers, facts.consumers = ask_workers(state.app, workers_timeout)
     except Exception as exc:  # the broker unreachable: the workers cannot be asked
         facts.workers = f"{type(exc).__name__}: {exc}"
     return facts
-
-
-def ask_workers(app: Any, timeout: float) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
-    """Every live worker's answer to ``echomq_clock``, and the queues each consumes (Celery's
-    ``active_queues``), by worker name. Two broadcasts from this process: a worker without the
-    extension answers the second and not the first (or with an error), and nothing else
-    needs to run for the doctor to find it."""
-    with app.connection_for_write() as connection:
-        # An unreachable broker: one try, not Celery's connection retries.
-        connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
-        clocks = app.control.broadcast(
-            CLOCK_COMMAND, reply=True, timeout=timeout, connection=connection
-        )
-        queues = app.control.broadcast(
-            "active_queues", reply=True, timeout=timeout, connection=connection
-        )
-    consumers = {
-        name: sorted(str(q.get("name")) for q in answer if isinstance(q, dict))
-        for reply in queues or []
-        for name, answer in reply.items()
-        if isinstance(answer, list)
-    }
-    return {name: answer for reply in clocks or [] for name, answer in reply.items()}, consumers
-
-
-def has_extension(answer: dict[str, Any] | None) -> bool:
-    """Whether a worker's ``echomq_clock`` answer comes from an app that called ``install``:
-    no answer, the "not installed" one, or an unknown command (a host without the package:
-    kombu answers ``KeyError('echomq_clock')``) say it does not."""
-    if not isinstance(answer, dict):
-        return False
-    error = str(answer.get("error", ""))
-    return (
-        answer.get("installed") is not False
-        and NOT_INSTALLED not in error
-        and (CLOCK_COMMAND not in error)
-    )
 
 
 def _each(nodes: list[NodeFacts], bad: dict[str, str]) -> str:
@@ -369,37 +321,6 @@ def check_clock(facts: Facts) -> Finding:
     )
 
 
-def check_workers(facts: Facts) -> Finding:
-    """Every worker that consumes a queue the store holds flows of has the extension: one
-    without it runs a flow's jobs as plain tasks, whose outcome never reaches the flow."""
-    if isinstance(facts.workers, str):
-        return Finding("workers", "note", f"not asked ({facts.workers})")
-    ours = set(facts.store_queues)
-    lacking = {
-        name: sorted(ours.intersection(queues))
-        for name, queues in sorted(facts.consumers.items())
-        if ours.intersection(queues) and not has_extension(facts.workers.get(name))
-    }
-    if lacking:
-        names = "; ".join(f"{n} (queues {', '.join(q)})" for n, q in lacking.items())
-        return Finding(
-            "workers",
-            "wrong",
-            f"without celery-echomq, consuming the store's queues: {names}; such a worker runs "
-            "a flow's jobs as plain tasks, and their flows stay held until a worker with it "
-            "takes the queue",
-            "install celery-echomq on it and call celery_echomq.install(app), then restart it "
-            "(upgrade workers first, then producers)",
-        )
-    with_it = sum(1 for answer in facts.workers.values() if has_extension(answer))
-    return Finding(
-        "workers",
-        "ok",
-        f"{with_it} worker(s) with celery-echomq, none without it on a queue the store holds "
-        "flows of",
-    )
-
-
 def diagnose(facts: Facts) -> list[Finding]:
     """Every check, in the order the command prints them."""
     return [
@@ -411,7 +332,7 @@ def diagnose(facts: Facts) -> list[Finding]:
         check_mode(facts),
         check_backend(facts),
         check_clock(facts),
-        check_workers(facts),
+        check_workers(facts.workers, facts.consumers, facts.store_queues),
     ]
 
 

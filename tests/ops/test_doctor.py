@@ -23,7 +23,8 @@ import redis
 
 from celery_echomq.config import Settings
 from celery_echomq.embedded import RedisSentinelServer, RedisServer, wait_replicated
-from celery_echomq.ops.doctor import CLOCK_TOLERANCE_MS, Facts, check_clock, check_workers
+from celery_echomq.ops.doctor import CLOCK_TOLERANCE_MS, Facts, check_clock
+from celery_echomq.ops.fleet import check_workers
 from celery_echomq.store.server_info import required_commands, script_commands
 from tests.helpers import ROOT, Env, Worker
 
@@ -273,28 +274,27 @@ def test_the_clock_check_names_the_worker_furthest_off() -> None:
 
 
 def test_the_workers_check_knows_a_host_without_the_package() -> None:
-    facts = Facts(Settings(redis_url="redis://x"), "redis://x", store_queues=["flows"])
-    facts.workers = {
+    workers: dict[str, dict[str, Any]] = {
         "new@a": {"offset_ms": 0.0, "rtt_ms": 1.0},
         "old@b": {"error": "KeyError('echomq_clock')"},  # kombu's answer: no such command
         "store-down@c": {"error": "ConnectionError: refused"},  # has it; cannot read the store
     }
-    facts.consumers = {
+    consumers = {
         "new@a": ["flows"],
         "old@b": ["flows", "mail"],
         "store-down@c": ["flows"],
         "silent@d": ["flows"],  # answers Celery's own inspect, not the extension's command
         "mailer@e": ["mail"],
     }
-    finding = check_workers(facts)
+    finding = check_workers(workers, consumers, ["flows"])
     assert finding.status == "wrong"
     assert "old@b (queues flows); silent@d (queues flows)" in finding.detail
     assert "new@a" not in finding.detail and "store-down@c" not in finding.detail
     assert "mailer@e" not in finding.detail
-    facts.consumers = {"new@a": ["flows"], "mailer@e": ["mail"]}
-    assert check_workers(facts).status == "ok"
-    facts.workers = "OperationalError: broker down"
-    assert check_workers(facts).status == "note"
+    assert (
+        check_workers(workers, {"new@a": ["flows"], "mailer@e": ["mail"]}, ["flows"]).status == "ok"
+    )
+    assert check_workers("OperationalError: broker down", consumers, ["flows"]).status == "note"
 
 
 def test_every_command_of_the_scripts_is_probed() -> None:
