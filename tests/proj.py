@@ -44,7 +44,10 @@ if os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess":
     # The fast tier's in-process worker shares this process: results still awaited when the
     # session's Redis stops are given up at once, not retried for twenty seconds at exit.
     app.conf.result_backend_transport_options = {"retry_policy": {"max_retries": 0}}
-celery_echomq.install(app)
+# ECHOMQ_T_PLAIN=1: a worker of a fleet not yet upgraded, whose app never calls install (it
+# runs a flow's jobs as plain tasks and knows no echomq remote-control command).
+if os.environ.get("ECHOMQ_T_PLAIN") != "1":
+    celery_echomq.install(app)
 
 
 def _store() -> redis.Redis:

@@ -14,12 +14,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_echomq.config import Settings, safe_url
+from celery_echomq.ops.fleet import Finding, ask_workers, check_workers, has_extension
 from celery_echomq.store import server_info
 from celery_echomq.store.connection import describe
+from celery_echomq.store.reads import queues_of
 from celery_echomq.store.results import writes_results
 from celery_echomq.store.server_info import NodeFacts
 from celery_echomq.store.state import EchoMQ
-from celery_echomq.worker.checks import CLOCK_COMMAND
 
 # The oldest Redis this project is tested against.
 MIN_VERSION = (6, 2)
@@ -28,20 +29,6 @@ MIN_VERSION = (6, 2)
 # deadline poller's own period (worker/deadline_poller.py). Leases and deadlines in seconds
 # are timed by the store's clock alone.
 CLOCK_TOLERANCE_MS = 250.0
-
-
-@dataclass(frozen=True)
-class Finding:
-    check: str
-    status: str  # "ok", "note" or "wrong"
-    detail: str
-    change: str = ""
-
-    def line(self) -> str:
-        mark = {"ok": "ok   ", "note": "note ", "wrong": "WRONG"}[self.status]
-        return f"{mark}  {self.check}: {self.detail}" + (
-            f" -> change: {self.change}" if self.change else ""
-        )
 
 
 @dataclass
@@ -59,6 +46,10 @@ class Facts:
     backend: str = ""
     local_clock: tuple[float, float] | None = None
     workers: dict[str, dict[str, Any]] | str = field(default_factory=dict)
+    # Every live worker's queues (Celery's own ``active_queues``, which a worker without the
+    # extension answers too), and the queues the store holds flows of.
+    consumers: dict[str, list[str]] = field(default_factory=dict)
+    store_queues: list[str] | str = field(default_factory=list)
 
 
 def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
@@ -79,21 +70,14 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
     facts.backend = safe_url(str(state.app.conf.result_backend or "none"))
     facts.local_clock = server_info.clock_offset(client)
     try:
-        facts.workers = ask_workers(state.app, workers_timeout)
+        facts.store_queues = queues_of(state, None)
+    except Exception as exc:  # refused to this user, or a Cluster node's MOVED: said elsewhere
+        facts.store_queues = f"{type(exc).__name__}: {exc}"
+    try:
+        facts.workers, facts.consumers = ask_workers(state.app, workers_timeout)
     except Exception as exc:  # the broker unreachable: the workers cannot be asked
         facts.workers = f"{type(exc).__name__}: {exc}"
     return facts
-
-
-def ask_workers(app: Any, timeout: float) -> dict[str, dict[str, Any]]:
-    """Every live worker's answer to ``echomq_clock``, by worker name."""
-    with app.connection_for_write() as connection:
-        # An unreachable broker: one try, not Celery's connection retries.
-        connection.ensure_connection(max_retries=1, interval_start=0, interval_step=0)
-        replies = app.control.broadcast(
-            CLOCK_COMMAND, reply=True, timeout=timeout, connection=connection
-        )
-    return {name: answer for reply in replies or [] for name, answer in reply.items()}
 
 
 def _each(nodes: list[NodeFacts], bad: dict[str, str]) -> str:
@@ -311,11 +295,13 @@ def check_clock(facts: Facts) -> Finding:
     if isinstance(facts.workers, str):
         asked = f"; workers not asked ({facts.workers})"
     else:
-        for name, answer in sorted(facts.workers.items()):
+        # A worker without the extension has no clock to measure: the workers check names it.
+        workers = {n: a for n, a in facts.workers.items() if has_extension(a)}
+        for name, answer in sorted(workers.items()):
             if "offset_ms" in answer:
                 offsets[name] = abs(float(answer["offset_ms"])) - float(answer["rtt_ms"]) / 2
-        failed = sorted(n for n, a in facts.workers.items() if "offset_ms" not in a)
-        answered = len(facts.workers) - len(failed)
+        failed = sorted(n for n, a in workers.items() if "offset_ms" not in a)
+        answered = len(workers) - len(failed)
         asked = f"; {answered} worker(s) answered" + (
             f", {', '.join(failed)} could not read the store's clock" if failed else ""
         )
@@ -346,6 +332,7 @@ def diagnose(facts: Facts) -> list[Finding]:
         check_mode(facts),
         check_backend(facts),
         check_clock(facts),
+        check_workers(facts.workers, facts.consumers, facts.store_queues),
     ]
 
 

@@ -4,7 +4,8 @@ At start (``worker_ready``) it logs one WARNING when a primary of its flow store
 evicting ``maxmemory-policy``: any policy but ``noeviction`` lets Redis delete keys when its
 memory is full, a held parent's row among them, and that flow never finishes, silently. The
 ``echomq_clock`` remote-control command answers how far this host's clock is from the store's
-(``celery echomq doctor`` asks every worker).
+(``celery echomq doctor`` asks every worker; a worker whose app never called ``install`` says
+so, which is how the doctor tells it from a worker with the extension).
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from celery_echomq.store.state import find_state
 logger = logging.getLogger("celery_echomq")
 
 CLOCK_COMMAND = "echomq_clock"
+# What a worker whose app never called ``install`` answers (the command is registered in any
+# process that imports this package, e.g. through the ``celery echomq`` CLI plugin).
+NOT_INSTALLED = "celery-echomq is not installed on this worker's app"
 
 
 def on_worker_ready(sender: Any = None, **_: Any) -> None:
@@ -51,7 +55,7 @@ def echomq_clock(state: Any) -> dict[str, Any]:
     host's) and the ``rtt_ms`` of the measure (the offset is known to within half of it)."""
     store = find_state(state.consumer.app)
     if store is None:
-        return {"error": "celery-echomq is not installed on this worker's app"}
+        return {"error": NOT_INSTALLED, "installed": False}
     try:
         offset, trip = clock_offset(store.client)
     except Exception as exc:

@@ -2,13 +2,16 @@
 and the WARNING a worker logs at start on a store that may evict keys.
 
 A good deployment is a redis-server with AOF, the result backend on the store's database,
-a worker answering for its clock. A bad one is a redis-server with ``allkeys-lru``, no
-persistence, an ACL user without EVALSHA, ``echomq_min_replicas=1`` and no replica.
+a worker answering for its clock. A fleet half upgraded has a worker whose app never calls
+``install`` on a queue the store holds flows of. A bad one is a redis-server with
+``allkeys-lru``, no persistence, an ACL user without EVALSHA, ``echomq_min_replicas=1`` and
+no replica.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import uuid
@@ -16,10 +19,12 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import redis
 
 from celery_echomq.config import Settings
 from celery_echomq.embedded import RedisSentinelServer, RedisServer, wait_replicated
 from celery_echomq.ops.doctor import CLOCK_TOLERANCE_MS, Facts, check_clock
+from celery_echomq.ops.fleet import check_workers
 from celery_echomq.store.server_info import required_commands, script_commands
 from tests.helpers import ROOT, Env, Worker
 
@@ -90,17 +95,18 @@ def test_doctor_passes_a_good_deployment_and_asks_the_workers(
     assert text.returncode == 0, text.stdout + text.stderr
     lines = text.stdout.splitlines()
     assert lines[0] == f"flow store {good['ECHOMQ_T_STORE']}"
-    assert len(lines) == 9 and all(line.startswith("ok ") for line in lines[1:]), text.stdout
+    assert len(lines) == 10 and all(line.startswith("ok ") for line in lines[1:]), text.stdout
     assert as_json.returncode == 0
     found = statuses(as_json)
     assert list(found) == [
         "memory policy", "persistence", "server version", "replicas", "ACL", "mode",
-        "result backend", "clock",
+        "result backend", "clock", "workers",
     ]  # fmt: skip
     assert {f["status"] for f in found.values()} == {"ok"}
     assert found["persistence"]["detail"].startswith("AOF")
     assert "fast path" in found["result backend"]["detail"]
     assert "1 worker(s) answered" in found["clock"]["detail"]
+    assert found["workers"]["detail"].startswith("1 worker(s) with celery-echomq")
     # The worker found nothing to warn of at its start.
     assert "maxmemory-policy" not in worker.output()
 
@@ -120,7 +126,7 @@ def test_doctor_names_what_is_wrong_and_what_to_change_with_exit_1(
     wrong = {name for name, f in found.items() if f["status"] == "wrong"}
     assert wrong == {"memory policy", "persistence", "replicas", "ACL"}
     assert found["result backend"]["status"] == "note"
-    assert {found[n]["status"] for n in ("server version", "mode", "clock")} == {"ok"}
+    assert {found[n]["status"] for n in ("server version", "mode", "clock", "workers")} == {"ok"}
     assert "allkeys-lru" in found["memory policy"]["detail"]
     assert "noeviction" in found["memory policy"]["change"]
     assert "appendonly yes" in found["persistence"]["change"]
@@ -129,7 +135,7 @@ def test_doctor_names_what_is_wrong_and_what_to_change_with_exit_1(
     assert found["ACL"]["change"] == "ACL SETUSER flows +evalsha"
     # One line per check, each wrong one with its change.
     lines = text.stdout.splitlines()[1:]
-    assert len(lines) == 8
+    assert len(lines) == 9
     assert sum(line.startswith("WRONG") for line in lines) == 4
     assert all("-> change: " in line for line in lines if line.startswith(("WRONG", "note")))
     # The doctor only read: the probe's transaction was discarded, nothing was written to the
@@ -151,6 +157,41 @@ def test_doctor_names_the_keys_a_user_may_not_touch(env: Env, good: dict[str, st
     assert acl["detail"].startswith("user 'elsewhere' may not touch the keys emq:* (")
     assert "EVALSHA" in acl["detail"] and "HSET" in acl["detail"]
     assert acl["change"] == "ACL SETUSER elsewhere ~emq:*"
+
+
+def test_doctor_names_each_worker_without_the_extension_on_a_queue_of_the_store(
+    env: Env, good: dict[str, str]
+) -> None:
+    tag = uuid.uuid4().hex[:8]
+    queue, elsewhere = f"fleet-{tag}", f"elsewhere-{tag}"
+    # A queue the store holds flows of (enqueue_flow adds each flow's queue to this set).
+    redis.Redis.from_url(good["ECHOMQ_T_STORE"]).sadd("emq:queues", queue)
+    plain = {**good, "ECHOMQ_T_PLAIN": "1"}
+    started: list[Worker] = []
+    try:
+        for name, queues, urls in (
+            (f"new-{tag}", queue, good),  # upgraded
+            (f"old-{tag}", queue, plain),  # not yet: runs the store's flows as plain tasks
+            (f"aside-{tag}", elsewhere, plain),  # not yet, but no flow goes where it listens
+        ):
+            started.append(Worker(env, queues=queues, concurrency=1, name=name, extra_env=urls))
+        text = doctor(env, **good)
+        as_json = doctor(env, "--json", **good)
+    finally:
+        for worker in started:
+            worker.stop()
+    print(f"$ celery echomq doctor\n{text.stdout}")  # what an operator reads (-s)
+    assert text.returncode == 1 and as_json.returncode == 1, text.stdout + text.stderr
+    wrong = [line for line in text.stdout.splitlines() if line.startswith("WRONG")]
+    assert len(wrong) == 1 and wrong[0].startswith("WRONG  workers: without celery-echomq")
+    assert f"old-{tag}@{socket.gethostname()} (queues {queue})" in wrong[0]
+    assert f"new-{tag}" not in wrong[0] and f"aside-{tag}" not in wrong[0]
+    assert "celery_echomq.install(app)" in wrong[0]
+    found = statuses(as_json)
+    # Only the worker with the extension has a clock to measure; the others are not "failed".
+    assert found["clock"]["status"] == "ok"
+    assert "; 1 worker(s) answered;" in found["clock"]["detail"]
+    assert "could not read" not in found["clock"]["detail"]
 
 
 def test_a_worker_warns_once_at_start_of_a_store_that_evicts(
@@ -230,6 +271,30 @@ def test_the_clock_check_names_the_worker_furthest_off() -> None:
     facts.workers = "OperationalError: broker down"
     finding = check_clock(facts)
     assert finding.status == "ok" and "workers not asked (OperationalError" in finding.detail
+
+
+def test_the_workers_check_knows_a_host_without_the_package() -> None:
+    workers: dict[str, dict[str, Any]] = {
+        "new@a": {"offset_ms": 0.0, "rtt_ms": 1.0},
+        "old@b": {"error": "KeyError('echomq_clock')"},  # kombu's answer: no such command
+        "store-down@c": {"error": "ConnectionError: refused"},  # has it; cannot read the store
+    }
+    consumers = {
+        "new@a": ["flows"],
+        "old@b": ["flows", "mail"],
+        "store-down@c": ["flows"],
+        "silent@d": ["flows"],  # answers Celery's own inspect, not the extension's command
+        "mailer@e": ["mail"],
+    }
+    finding = check_workers(workers, consumers, ["flows"])
+    assert finding.status == "wrong"
+    assert "old@b (queues flows); silent@d (queues flows)" in finding.detail
+    assert "new@a" not in finding.detail and "store-down@c" not in finding.detail
+    assert "mailer@e" not in finding.detail
+    assert (
+        check_workers(workers, {"new@a": ["flows"], "mailer@e": ["mail"]}, ["flows"]).status == "ok"
+    )
+    assert check_workers("OperationalError: broker down", consumers, ["flows"]).status == "note"
 
 
 def test_every_command_of_the_scripts_is_probed() -> None:

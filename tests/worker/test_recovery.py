@@ -38,7 +38,7 @@ from celery_echomq.store.keyspace import new_job_id
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
 from celery_echomq.worker.recovery import HOLD_MS, LEASE, leased_pass, run_pass
-from tests.helpers import KEYS, ROOT, Env, fast_recovery, logged, wait_for
+from tests.helpers import KEYS, RECOVERY_STALL, ROOT, Env, fast_recovery, logged, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -563,6 +563,63 @@ def test_a_nested_flows_unrecorded_failure_reaches_its_outer_flow(
     assert inner_failed.value.child_id == bad
     logged(w, f"recorded FAILURE of parent {inner_id} (child {bad} failed: ValueError: deep)")
     assert runs(store, tag) == runs(store, f"{tag}-inner") == 0
+
+
+# --- a fleet half upgraded: a worker without the extension on the flow's queue ------------------
+
+
+def test_children_run_by_a_worker_without_the_extension_are_credited_never_run_again(
+    proj: Any, env: Env, store: Any, queue: str, start_worker: Any
+) -> None:
+    tag = uuid.uuid4().hex
+    ids = [new_job_id() for _ in range(3)]
+    kids = [proj.counted.s(i, f"{tag}-{i}").set(task_id=cid) for i, cid in enumerate(ids)]
+    # Not yet upgraded: it runs each child as a plain task; Celery stores the child's result,
+    # and nothing reaches the flow.
+    old = start_worker(queues=queue, extra_env=fast_recovery(ECHOMQ_T_PLAIN="1"))
+    res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
+    wait_for(lambda: all(AsyncResult(cid, app=proj.app).ready() for cid in ids), timeout=60)
+    time.sleep(RECOVERY_STALL)  # past the stall timeout: to recovery, their messages are gone
+    assert row(store, queue, res.id)["state"] == "awaiting_children"
+    assert {row(store, queue, cid)["state"] for cid in ids} == {"pending"}
+
+    # A worker with the extension takes the queue beside it (a rolling upgrade, half done).
+    new = start_worker(queues=queue, extra_env=fast_recovery())
+    assert res.get(timeout=90) == {"values": [0, 1, 2], "tag": tag}
+    wait_for(lambda: row(store, queue, res.id).get("state") == "done", timeout=60)
+    for i, cid in enumerate(ids):
+        assert int(store.get(f"test:ran:counted:{tag}-{i}") or 0) == 1
+        assert old.output().count(f"tests.proj.counted[{cid}] received") == 1
+        logged(new, f"completed {cid} from its SUCCESS result")
+        assert row(store, queue, cid)["state"] == "done"
+    assert "a worker without celery-echomq ran it" in new.output()
+    assert f"re-published {ids[0]}" not in new.output()
+    assert runs(store, tag) == 1
+    assert res.children_values() == {cid: i for i, cid in enumerate(ids)}
+    assert not store.hget(KEYS.queue_key(queue, "counters"), "republished")
+
+
+def test_a_child_that_failed_on_a_worker_without_the_extension_fails_its_flow_once(
+    proj: Any, env: Env, store: Any, queue: str, start_worker: Any
+) -> None:
+    tag = uuid.uuid4().hex
+    good, bad = new_job_id(), new_job_id()
+    kids = [proj.counted.s(1, tag).set(task_id=good), proj.boom.s("old").set(task_id=bad)]
+    old = start_worker(queues=queue, extra_env=fast_recovery(ECHOMQ_T_PLAIN="1"))
+    res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
+    wait_for(lambda: all(AsyncResult(c, app=proj.app).ready() for c in (good, bad)), timeout=60)
+    old.stop()  # the upgrade replaces it: the queue is the new worker's alone
+
+    new = start_worker(queues=queue, extra_env=fast_recovery())
+    with pytest.raises(FlowFailed) as failed:
+        res.get(timeout=90)
+    assert failed.value.child_id == bad
+    logged(new, f"failed {bad} from its FAILURE result")
+    logged(new, f"completed {good} from its SUCCESS result")
+    assert int(store.get(f"test:ran:counted:{tag}") or 0) == 1
+    assert f"tests.proj.boom[{bad}] received" not in new.output()
+    assert runs(store, tag) == 0  # the parent never ran
+    assert row(store, queue, bad)["state"] == "failed"
 
 
 # --- the lease --------------------------------------------------------------------------------

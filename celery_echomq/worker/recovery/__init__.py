@@ -20,7 +20,9 @@ a prefetched message) must never be taken for a lost one. So every repair acts o
 :func:`~.sweep.run_pass` looks at every queue in ``emq:queues`` and repairs what the evidence
 shows:
 
-(a) a pending child whose message is gone: re-published from its stored payload;
+(a) a pending child whose message is gone: re-published from its stored payload; unless
+    Celery's result backend holds its final state (a worker without the extension ran it as
+    a plain task, and would run it again): then settled from that result, as in (b);
 (b) a job whose holder's lease lapsed: Celery's result backend says how its body ended:
     SUCCESS -> complete it with that value, FAILURE -> fail it (the child's policy applies),
     anything else -> re-publish it. A job handed over to a replacement (``Task.replace``) is

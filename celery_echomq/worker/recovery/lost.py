@@ -2,6 +2,12 @@
 
 A job is taken for lost only on evidence (the queue's claim marks, or a broker that reports
 the queue empty) seen twice, :data:`~.common.HOLD_MS` apart.
+
+Before it is re-published, Celery's result backend is read: a job still pending in the store
+whose body has a final state there was run by a worker without the extension (a worker with
+it claims the job before its body runs, so its row is never pending then). Re-publishing it
+would run the body again, on that same worker as likely as not; it is settled from that result
+instead, as (b) settles a job whose holder's lease lapsed, and its flow goes on.
 """
 
 from __future__ import annotations
@@ -11,22 +17,32 @@ import logging
 from datetime import datetime, timezone
 from typing import Any
 
+from celery import states
+
 from celery_echomq import tracing
 from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.send.start import publish
 from celery_echomq.store.codec import read_stored
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import Headers, parent_ref
-from celery_echomq.store.replies import Status
+from celery_echomq.store.headers import H_NEXT, Headers, parent_ref
+from celery_echomq.store.replies import STARTED, Status
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.worker.claims import new_token
 from celery_echomq.worker.recovery.common import (
     BUDGET,
     HOLD_MS,
+    STORE_ERRORS,
     decode_job,
     guarded,
     keep_locator,
     now_ms,
     overdue,
+)
+from celery_echomq.worker.recovery.stalled import (
+    Lapsed,
+    backend_outcome,
+    complete_from_result,
+    fail_from_result,
 )
 
 logger = logging.getLogger("celery_echomq")
@@ -158,11 +174,64 @@ def _maybe_lost(
             return None  # a delayed message, not a late one (yet)
         if not (seen.overtaken(since, _priority(job)) or seen.empty()):
             return None  # waiting behind jobs of a higher priority, or in a backlog
+        ran, line = _ran_without_extension(state, queue, job_id, job, is_parent)
+        if ran:
+            return line
     if not _confirmed(state, queue, job_id, suspect, now):
         return None
     if is_parent:
         return _redispatch(state, queue, job_id, now, since, stall)
     return _republish_pending(state, queue, job_id, now, since, job)
+
+
+def _ran_without_extension(
+    state: EchoMQ, queue: str, job_id: str, job: dict[str, Any], is_parent: bool
+) -> tuple[bool, str | None]:
+    """``(True, line)`` when the job must not be re-published: its body already ran outside
+    the extension and has a final state in the result backend (it is settled from it here), or
+    the backend cannot be read now (the next pass looks again). ``(False, None)``: no such
+    evidence, the job may be re-published."""
+    if "nested" in job:
+        return False, None  # a nested flow's entry: no body of its own, nothing in the backend
+    try:
+        status, result = backend_outcome(state, job_id)
+    except STORE_ERRORS:
+        raise
+    except Exception as exc:
+        # A body that may have run cannot be told from a lost message: wait, as (b) does.
+        logger.warning("echomq recovery: result backend unreadable for %s: %s", job_id, exc)
+        return True, None
+    if status not in (states.SUCCESS, states.FAILURE):
+        return False, None
+    # The transition a worker with the extension makes before it runs a body, then the one it
+    # makes after: the claim refuses a job taken meanwhile, the token makes the completion the
+    # claim's own, so two passes at once settle it once.
+    token = new_token()
+    claimed, _, _ = state.scripts.claim(
+        queue, job_id, token, state.settings.stall_ms, priority=_priority(job)
+    )
+    if claimed not in STARTED:
+        return True, None
+    headers = Headers.of_job(job)
+    lapsed = Lapsed(
+        state,
+        queue,
+        job_id,
+        token,
+        is_parent=is_parent,
+        parent=parent_ref(headers),
+        next_step=str(getattr(headers, H_NEXT, None) or ""),
+        replaced_by="",
+    )
+    settled = (
+        complete_from_result(lapsed, result)
+        if status == states.SUCCESS
+        else fail_from_result(lapsed, result)
+    )
+    return True, (
+        f"{settled}; it was pending, never claimed: a worker without celery-echomq ran it "
+        "(not re-published, which would run it again)"
+    )
 
 
 def _confirmed(state: EchoMQ, queue: str, job_id: str, suspect: Any, now: int) -> bool:

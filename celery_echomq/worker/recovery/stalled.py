@@ -49,7 +49,7 @@ from celery_echomq.worker.settle import (
 logger = logging.getLogger("celery_echomq")
 
 
-def _backend_outcome(state: EchoMQ, job_id: str) -> tuple[str | None, Any]:
+def backend_outcome(state: EchoMQ, job_id: str) -> tuple[str | None, Any]:
     """The job's status and result in Celery's result backend; (None, None) if it keeps none
     that this process can read."""
     backend = state.app.backend
@@ -113,7 +113,7 @@ def _unhand(state: EchoMQ, queue: str, job_id: str) -> str | None:
 
 
 @dataclass(frozen=True)
-class _Lapsed:
+class Lapsed:
     """A job whose holder's lease lapsed (or that handed over to a replacement): what settling
     it needs."""
 
@@ -144,7 +144,7 @@ def _repair_active(
         state.scripts.extend(queue, [job_id], state.settings.stall_ms)
         return None
     headers = Headers.of_job(job)
-    lapsed = _Lapsed(
+    lapsed = Lapsed(
         state,
         queue,
         job_id,
@@ -155,7 +155,7 @@ def _repair_active(
         replaced_by=replaced_by,
     )
     try:
-        status, result = _backend_outcome(state, replaced_by or job_id)
+        status, result = backend_outcome(state, replaced_by or job_id)
     except STORE_ERRORS:
         raise
     except Exception as exc:
@@ -166,9 +166,9 @@ def _repair_active(
     if replaced_by and replaced_by != job_id and status in (states.SUCCESS, states.FAILURE):
         _resolve_replaced(state, job_id, status, result)
     if status == states.SUCCESS:
-        return _complete_from_result(lapsed, result)
+        return complete_from_result(lapsed, result)
     if status == states.FAILURE:
-        return _fail_from_result(lapsed, result)
+        return fail_from_result(lapsed, result)
     if replaced_by:
         return _await_replacement(lapsed)
     return _republish(lapsed, status)
@@ -183,7 +183,7 @@ def _resolve_replaced(state: EchoMQ, job_id: str, status: str | None, result: An
         state.app.backend.mark_as_failure(job_id, result)
 
 
-def _complete_from_result(lapsed: _Lapsed, result: Any) -> str:
+def complete_from_result(lapsed: Lapsed, result: Any) -> str:
     # The body finished and stored its result (or its replacement did); only the success
     # signal's transition was lost. The token makes this the very completion the signal
     # would have made.
@@ -202,13 +202,13 @@ def _complete_from_result(lapsed: _Lapsed, result: Any) -> str:
     return f"{queue}: completed {job_id} from {whose} SUCCESS result ({done})"
 
 
-def _fail_from_result(lapsed: _Lapsed, result: Any) -> str:
+def fail_from_result(lapsed: Lapsed, result: Any) -> str:
     error = error_text(result) if isinstance(result, BaseException) else str(result)
     failed = _settle_failure(lapsed, error)
     return f"{lapsed.queue}: failed {lapsed.job_id} from its FAILURE result ({failed}): {error}"
 
 
-def _settle_failure(lapsed: _Lapsed, error: str) -> Any:
+def _settle_failure(lapsed: Lapsed, error: str) -> Any:
     return settle_failure(
         lapsed.state,
         lapsed.queue,
@@ -220,7 +220,7 @@ def _settle_failure(lapsed: _Lapsed, error: str) -> Any:
     )
 
 
-def _await_replacement(lapsed: _Lapsed) -> str | None:
+def _await_replacement(lapsed: Lapsed) -> str | None:
     """A replacement that has not finished: looked at again next pass, or failed once when
     its outcome can never be read here."""
     state, queue, job_id = lapsed.state, lapsed.queue, lapsed.job_id
@@ -242,7 +242,7 @@ def _await_replacement(lapsed: _Lapsed) -> str | None:
     return None
 
 
-def _republish(lapsed: _Lapsed, status: str | None) -> str | None:
+def _republish(lapsed: Lapsed, status: str | None) -> str | None:
     """No outcome in the backend: the body never finished; the job is pending again and
     re-published."""
     state, queue, job_id = lapsed.state, lapsed.queue, lapsed.job_id
@@ -317,7 +317,7 @@ def _record_failed_parent(
     """Finish what the worker that failed this parent did not: the FAILURE in Celery's result
     backend (with the errbacks), then, for a nested flow, the failure of its outer flow's child.
     """
-    status, _ = _backend_outcome(state, parent_id)
+    status, _ = backend_outcome(state, parent_id)
     now_state, payload = state.client.hmget(
         state.keys.job_key(queue, parent_id), "state", "payload"
     )
