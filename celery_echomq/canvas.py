@@ -11,6 +11,7 @@ from celery.canvas import Signature, maybe_signature
 
 from celery_echomq import tracing
 from celery_echomq.result import FlowResult
+from celery_echomq.send.arguments import check_keywords, check_order
 from celery_echomq.send.children import child_signatures
 from celery_echomq.send.errbacks import give_errbacks, with_errbacks
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
@@ -84,6 +85,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         task: str = FLOW_TASK,
         **options: Any,
     ) -> None:
+        check_keywords(options)
+        check_order(parent, children)
         parent_sig = maybe_signature(parent, app=app)
         if not isinstance(parent_sig, Signature):
             raise TypeError(f"flow parent must be a signature, got {type(parent).__name__}")
