@@ -46,6 +46,9 @@ class Settings:
     # None: no Redis URL was found on an app installed with task_always_eager, where flows
     # run in process; the first use of the store raises ``missing_url_error()``.
     redis_url: str | None
+    # The setting the URL was read from (echomq_redis_url, broker_url or result_backend), for
+    # errors about it.
+    url_setting: str = "echomq_redis_url"
     key_prefix: str = "emq"
     stall_timeout: float = 30.0
     result_ttl: int = 86400
@@ -220,11 +223,11 @@ def _transport_options(conf: Any, url_setting: str, url: str) -> dict[str, Any]:
     return options
 
 
-def _redis_url(conf: Any) -> tuple[str, dict[str, Any]]:
+def _redis_url(conf: Any) -> tuple[str, str, dict[str, Any]]:
     for name in ("echomq_redis_url", "broker_url", "result_backend"):
         url = conf.get(name)
         if isinstance(url, str) and url.startswith(REDIS_SCHEMES):
-            return url, _transport_options(conf, name, url)
+            return url, name, _transport_options(conf, name, url)
         if name == "echomq_redis_url" and url:
             raise ConfigError(
                 f"echomq_redis_url={safe_url(str(url))!r} is not a Redis URL; allowed schemes: "
@@ -294,8 +297,9 @@ def _flag(conf: Any, name: str, default: bool) -> bool:
 def read_settings(conf: Any) -> Settings:
     accept = conf.get("accept_content") or ("json",)
     url: str | None
+    setting = "echomq_redis_url"
     try:
-        url, options = _redis_url(conf)
+        url, setting, options = _redis_url(conf)
     except ConfigError:
         # An eager app runs flows in process and needs no store; an explicit
         # echomq_redis_url that is not a Redis URL is still refused.
@@ -304,6 +308,7 @@ def read_settings(conf: Any) -> Settings:
         url, options = None, {}
     return Settings(
         redis_url=url,
+        url_setting=setting,
         transport_options=options,
         store_retry_timeout=_non_negative(conf, "echomq_store_retry_timeout", 20.0),
         min_replicas=_replicas(conf),

@@ -35,6 +35,7 @@ from redis.exceptions import (
     ClusterDownError,
     MasterDownError,
     ReadOnlyError,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -47,6 +48,7 @@ from celery_echomq.config import (
     parse_sentinel_url,
     safe_url,
 )
+from celery_echomq.errors import ConfigError
 
 logger = logging.getLogger("celery_echomq.store")
 # A worker's logging shows the retry notice; where nothing is configured (a CLI command), it is
@@ -263,7 +265,7 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
         min_other_sentinels=int(options.get("min_other_sentinels") or 0),
         sentinel_kwargs=sentinel_kwargs,
     )
-    return sentinel.master_for(  # type: ignore[no-any-return,no-untyped-call]
+    client = sentinel.master_for(  # type: ignore[no-untyped-call]
         str(options["master_name"]),
         redis_class=redis.Redis,
         db=url.db,
@@ -271,6 +273,32 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
         health_check_interval=30,
         **kwargs,
     )
+    return _checked_select(client, settings)  # type: ignore[no-any-return]
+
+
+def _checked_select(client: Any, settings: Settings) -> Any:
+    """``client`` whose connections turn the server's refusal of the URL's database (``ERR DB
+    index is out of range``) into a ConfigError naming the setting: no retry waits it out."""
+    pool = client.connection_pool
+    base = pool.connection_class
+    where = f"{settings.url_setting}={safe_url(settings.redis_url or '')!r}"
+
+    class Checked(base):  # type: ignore[valid-type,misc]
+        def on_connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                super().on_connect_check_health(*args, **kwargs)
+            except ResponseError as exc:
+                if "DB index" not in str(exc):
+                    raise
+                self.disconnect()
+                raise ConfigError(
+                    f"{where}: the server has no database {getattr(self, 'db', '?')} "
+                    f"(Redis: {exc}); name one below its `databases` setting (16 by default)"
+                ) from None
+
+    Checked.__name__ = Checked.__qualname__ = base.__name__
+    pool.connection_class = Checked
+    return client
 
 
 def make_client(settings: Settings | str) -> Any:
@@ -299,12 +327,13 @@ def make_client(settings: Settings | str) -> Any:
         url = "rediss://" + url[len("redis://") :]
     if url.startswith("unix://"):
         kwargs = {k: v for k, v in kwargs.items() if not k.startswith("ssl_")}
-    return redis.Redis.from_url(
+    client = redis.Redis.from_url(
         url,
         retry=DeadlineRetry(settings.store_retry_timeout),
         health_check_interval=30,
         **kwargs,
     )
+    return _checked_select(client, settings)
 
 
 def describe(settings: Settings) -> str:
