@@ -163,6 +163,14 @@ def confirm_replicated(
         )
 
 
+def _queue_of(keys: Sequence[str]) -> str:
+    """The queue whose slot a script's first key is on (``emq:{queue}:...``), else ""."""
+    first = text(keys[0]) if keys else ""
+    start, end = first.find("{"), first.find("}")
+    own = 0 <= start < end and first[:start].count(":") == 1
+    return first[start + 1 : end] if own else ""
+
+
 class ScriptRunner:
     """Runs the transition scripts on one Redis client: EVALSHA (EVAL on NOSCRIPT), resent
     through a failover, WAIT for replicas where a transition must survive one."""
@@ -238,7 +246,7 @@ class ScriptRunner:
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         except redis.ResponseError as exc:
-            raised = server_error(exc)
+            raised = server_error(exc, _queue_of(keys))
             if (
                 isinstance(raised, FlowExistsError)
                 and name in ("enqueue_flow", "open_flow")

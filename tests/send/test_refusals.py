@@ -164,3 +164,18 @@ def test_a_chords_order_of_arguments_is_refused_saying_the_parent_comes_first(
     # One signature as the children of a signature parent still gets the list hint.
     with pytest.raises(TypeError, match="wrap it in a list"):
         flow(proj.tsum.s(), proj.add.s(1, 1))
+
+
+def test_a_flow_sent_again_is_refused_naming_its_queue(
+    proj: Any, own_queue: Any, store: redis.Redis
+) -> None:
+    queue = own_queue("exists")
+    sig = flow(proj.tsum.s(), [proj.add.s(1, 2)], queue=queue)
+    sig.freeze()
+    sig.apply_async()
+    before = sorted(store.keys(f"emq:{{{queue}}}:*"))
+    with pytest.raises(FlowExistsError) as info:
+        sig.apply_async()
+    assert f"already exists in Redis, on queue {queue!r}" in str(info.value)
+    assert "'?'" not in str(info.value)
+    assert sorted(store.keys(f"emq:{{{queue}}}:*")) == before
