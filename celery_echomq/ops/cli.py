@@ -120,7 +120,8 @@ def show(
     type=click.Choice(list(STATES)),
     default="failed",
     show_default=True,
-    help="Which flows: held (awaiting children), failed, done, cancelled, or recent (any).",
+    help="Which flows: failed (the default: what needs a look), held (awaiting children), "
+    "done, cancelled, or recent (every flow, in any state).",
 )
 @click.option("--queue", default=None, metavar="Q", help="Only flows of this queue.")
 @click.option("--task", default=None, metavar="NAME", help="Only flows whose parent task is "
@@ -144,6 +145,9 @@ def list_command(
 ) -> None:
     """List flows, newest first: id, task, state, children done/total, age.
 
+    Without --state, only the failed flows (what needs a look); --state recent lists every
+    flow, in any state.
+
     Reads the store's indexes (each queue's recent-flow index; its failed set for failed
     flows), never a scan: a page costs the same whatever the store holds. A page may hold
     fewer flows than --limit while more remain: follow the cursor it prints.
@@ -157,6 +161,8 @@ def list_command(
             click.echo(line)
     else:
         click.echo(f"no {wanted} flows" + (" on this page" if after else ""))
+        if wanted != "recent" and not after:
+            click.echo("(--state recent lists every flow, in any state)")
     if after:
         click.echo(f"more: echomq list --state {wanted} --cursor {after}")
 

@@ -225,3 +225,19 @@ def test_a_retried_child_is_no_longer_a_failed_one(proj: Any, state: EchoMQ, que
     assert celery_echomq.failed_children(parent, app=proj.app, queue=queue) == {}
     finish(state.scripts, queue, parent, bad)
     assert read() == (0, 2, 0, 0)
+
+
+def test_list_without_state_says_it_lists_failed_flows_and_how_to_list_every_one(
+    queue: str,
+) -> None:
+    from tests.helpers import echomq
+
+    usage = echomq("list", "--help").stdout
+    assert "Without --state, only the failed flows" in " ".join(usage.split())
+    assert "recent (every flow, in any state)" in " ".join(usage.split())
+    empty = echomq("list", "--queue", queue)
+    assert empty.exit_code == 0, empty.output
+    assert empty.stdout.splitlines() == [
+        "no failed flows",
+        "(--state recent lists every flow, in any state)",
+    ]
