@@ -347,3 +347,38 @@ def test_retry_of_a_flow_whose_keys_expired_in_part_is_refused(
     with pytest.raises(NotRepairableError, match=f"children {bad2}"):
         res.retry()
     assert snapshot(store, res.id, ok, bad1, bad2) == before
+
+
+def test_release_revoke_names_the_running_children_it_cannot_stop_and_terminate_stops_them(
+    proj: Any, worker: Any, store: redis.Redis, gate: str
+) -> None:
+    tag = uuid.uuid4().hex
+    fast, slow = with_id(proj.add.s(1, 1)), with_id(proj.gated.s(5, gate))
+    res = flow(proj.collect.s(tag=tag), [fast, slow]).apply_async()
+    wait_for(lambda: state_of(store, id_of(slow)) == "active", 60)
+    wait_for(lambda: state_of(store, id_of(fast)) == "done", 60)
+    alone = echomq("release", "--terminate", res.id)
+    assert alone.exit_code == 2 and "--terminate goes with --revoke" in alone.stderr
+    assert state_of(store, res.id) == "awaiting_children"  # nothing changed
+
+    out = echomq("release", "--revoke", res.id)
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines()[0] == (
+        f"flow {res.id}: released with 1 value(s); 1 child(ren) outstanding, 0 revoked; "
+        "1 already running, not revoked (a revoke stops only children not started; a running "
+        "one finishes and is recorded): add --terminate to stop them"
+    )
+    assert settle(res) == {"values": [2], "tag": tag}
+
+    tag = uuid.uuid4().hex
+    fast, slow = with_id(proj.add.s(1, 1)), with_id(proj.gated.s(6, gate + "-t"))
+    res = flow(proj.collect.s(tag=tag), [fast, slow]).apply_async()
+    wait_for(lambda: state_of(store, id_of(slow)) == "active", 60)
+    wait_for(lambda: state_of(store, id_of(fast)) == "done", 60)
+    outcome = json.loads(echomq("release", "--revoke", "--terminate", "--json", res.id).stdout)
+    assert outcome["running"] == outcome["terminated"] == [id_of(slow)]
+    assert settle(res) == {"values": [2], "tag": tag}
+    # Its process is signalled: the child never returns its value.
+    wait_for(lambda: state_of(store, id_of(slow)) not in ("active", "pending"), 60)
+    assert state_of(store, id_of(slow)) != "done"
+    assert id_of(slow) not in res.children_values()
