@@ -28,6 +28,7 @@ from celery_echomq.send.shapes import FLOW_TASK, normal_flow
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.start import start_flow
 from celery_echomq.send.window import check_max_active, window_of
+from celery_echomq.store.connection import bounded
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec, stamp
 from celery_echomq.store.headers import H_QUEUE
 from celery_echomq.store.keyspace import new_job_id
@@ -272,8 +273,13 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             # As chord.apply_async does: run in this process, send nothing.
             return self.apply(args, kwargs, task_id=task_id, on_exists=on_exists, **options)
         state = get_state(app)
+        settings = state.settings
+        bound = settings.producer_timeout
         try:
-            return self._send(app, state, args, kwargs, task_id, options, on_exists)
+            if bound is None:
+                return self._send(app, state, args, kwargs, task_id, options, on_exists)
+            with bounded(bound, "echomq_producer_timeout"):
+                return self._send(app, state, args, kwargs, task_id, options, on_exists)
         except RecursionError:
             raise too_deep(state.settings.max_depth) from None
 

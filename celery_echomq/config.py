@@ -64,6 +64,10 @@ class Settings:
     # How long a command or transition keeps retrying a store that is unreachable, read-only
     # or loading (a failover in progress) before it raises StoreUnavailableError.
     store_retry_timeout: float = 20.0
+    # The same bound for a producer starting a flow (apply_async, delay, a flow sent from a
+    # task): a web request waits this long at most for an unreachable store. None: the same
+    # as store_retry_timeout.
+    producer_timeout: float | None = None
     # WAIT for this many replicas after every transition that must survive a failover.
     min_replicas: int = 0
     min_replicas_timeout: float = 1.0
@@ -273,6 +277,10 @@ def _non_negative(conf: Any, name: str, default: float) -> float:
     return number
 
 
+def _optional_non_negative(conf: Any, name: str) -> float | None:
+    return None if conf.get(name) is None else _non_negative(conf, name, 0.0)
+
+
 def _replicas(conf: Any) -> int:
     value = conf.get("echomq_min_replicas")
     if value is None:
@@ -311,6 +319,7 @@ def read_settings(conf: Any) -> Settings:
         url_setting=setting,
         transport_options=options,
         store_retry_timeout=_non_negative(conf, "echomq_store_retry_timeout", 20.0),
+        producer_timeout=_optional_non_negative(conf, "echomq_producer_timeout"),
         min_replicas=_replicas(conf),
         min_replicas_timeout=_positive(conf, "echomq_min_replicas_timeout", 1.0),
         key_prefix=str(conf.get("echomq_key_prefix") or "emq"),

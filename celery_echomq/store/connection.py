@@ -18,12 +18,13 @@ count one event twice).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, overload
 
 import redis
@@ -112,6 +113,26 @@ def backoff(failures: int, base: float = 0.05, cap: float = 1.0) -> float:
     return delay / 2 + random.uniform(0, delay / 2)
 
 
+@contextlib.contextmanager
+def bounded(seconds: float, setting: str) -> Iterator[None]:
+    """Within the block, this thread's store commands retry for ``seconds`` (named by
+    ``setting`` in errors) instead of their own bound: a producer's (echomq_producer_timeout),
+    which a web request that starts a flow waits for, rather than a worker's."""
+    outer = getattr(_local, "bound", None)
+    _local.bound = (seconds, setting)
+    try:
+        yield
+    finally:
+        _local.bound = outer
+
+
+def bound_of(timeout: float, setting: str = "echomq_store_retry_timeout") -> tuple[float, str]:
+    """How long a command that would retry for ``timeout`` retries here, and the setting that
+    says so (a :func:`bounded` block's, else ``setting``)."""
+    bound = getattr(_local, "bound", None)
+    return bound if bound is not None else (timeout, setting)
+
+
 def call_until(
     timeout: float,
     do: Callable[[], T],
@@ -124,6 +145,7 @@ def call_until(
     Inside ``do()`` every other retry loop of this module makes one attempt only, so a
     command is bounded by the outermost loop's ``timeout``, not by a product of nested ones.
     """
+    timeout, _ = bound_of(timeout)
     deadline = time.monotonic() + timeout
     failures = 0
     while True:

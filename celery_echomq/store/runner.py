@@ -240,9 +240,10 @@ class ScriptRunner:
             logger.warning("echomq: %s; its reply is followed", exc)
             return exc.reply
         except store.CLUSTER_RETRYABLE as exc:
+            seconds, setting = store.bound_of(self.retry_timeout)
             raise StoreConnectionError(
                 f"the flow store is unavailable: {name} failed, retried for up to "
-                f"echomq_store_retry_timeout={self.retry_timeout:g} s "
+                f"{setting}={seconds:g} s "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         except redis.ResponseError as exc:
