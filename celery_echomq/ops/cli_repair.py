@@ -64,10 +64,15 @@ def forget(ctx: click.Context, job_id: str, force: bool, as_json: bool) -> None:
     if as_json:
         emit_json(
             {"forgotten": job_id, "jobs": done.jobs, "unfinished": done.unfinished,
-             "keys": done.keys}
+             "keys": done.keys, "kept": done.kept}
         )  # fmt: skip
         return
     click.echo(f"forgot flow {job_id}: {len(done.jobs)} job(s), {len(done.keys)} key(s) deleted")
+    if done.kept:
+        click.echo(
+            f"kept {len(done.kept)} cancelled child row(s), cut down to their state, until they "
+            "expire: a message of theirs still queued is turned away, never run"
+        )
     if done.unfinished:
         click.echo(f"warning: {len(done.unfinished)} job(s) had not finished", err=True)
 
