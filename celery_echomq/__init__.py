@@ -117,3 +117,9 @@ def install(app: Any) -> EchoMQ:
     app.steps["worker"].add(RecoveryStep)
     app.steps["worker"].add(DeadlineStep)
     return state
+
+
+def __dir__() -> list[str]:
+    """What ``dir(celery_echomq)`` lists: the public names, not what this module imports for
+    its own use (``annotations``, ``Any``, ``install_state``)."""
+    return sorted([*__all__, "__version__"])

@@ -11,6 +11,7 @@ from celery.canvas import Signature, _chain, maybe_signature
 
 from celery_echomq import tracing
 from celery_echomq.result import FlowResult
+from celery_echomq.send.arguments import check_keywords, check_order
 from celery_echomq.send.children import child_signatures
 from celery_echomq.send.errbacks import give_errbacks, with_errbacks
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
@@ -27,6 +28,7 @@ from celery_echomq.send.shapes import FLOW_TASK, normal_flow
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.start import start_flow
 from celery_echomq.send.window import check_max_active, window_of
+from celery_echomq.store.connection import bounded
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec, stamp
 from celery_echomq.store.headers import H_QUEUE
 from celery_echomq.store.keyspace import new_job_id
@@ -84,6 +86,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         task: str = FLOW_TASK,
         **options: Any,
     ) -> None:
+        check_keywords(options)
+        check_order(parent, children)
         parent_sig = maybe_signature(parent, app=app)
         if not isinstance(parent_sig, Signature):
             raise TypeError(f"flow parent must be a signature, got {type(parent).__name__}")
@@ -277,8 +281,13 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             # As chord.apply_async does: run in this process, send nothing.
             return self.apply(args, kwargs, task_id=task_id, on_exists=on_exists, **options)
         state = get_state(app)
+        settings = state.settings
+        bound = settings.producer_timeout
         try:
-            return self._send(app, state, args, kwargs, task_id, options, on_exists)
+            if bound is None:
+                return self._send(app, state, args, kwargs, task_id, options, on_exists)
+            with bounded(bound, "echomq_producer_timeout"):
+                return self._send(app, state, args, kwargs, task_id, options, on_exists)
         except RecursionError:
             raise too_deep(state.settings.max_depth) from None
 

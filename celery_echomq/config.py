@@ -46,6 +46,9 @@ class Settings:
     # None: no Redis URL was found on an app installed with task_always_eager, where flows
     # run in process; the first use of the store raises ``missing_url_error()``.
     redis_url: str | None
+    # The setting the URL was read from (echomq_redis_url, broker_url or result_backend), for
+    # errors about it.
+    url_setting: str = "echomq_redis_url"
     key_prefix: str = "emq"
     stall_timeout: float = 30.0
     result_ttl: int = 86400
@@ -61,6 +64,10 @@ class Settings:
     # How long a command or transition keeps retrying a store that is unreachable, read-only
     # or loading (a failover in progress) before it raises StoreUnavailableError.
     store_retry_timeout: float = 20.0
+    # The same bound for a producer starting a flow (apply_async, delay, a flow sent from a
+    # task): a web request waits this long at most for an unreachable store. None: the same
+    # as store_retry_timeout.
+    producer_timeout: float | None = None
     # WAIT for this many replicas after every transition that must survive a failover.
     min_replicas: int = 0
     min_replicas_timeout: float = 1.0
@@ -220,11 +227,11 @@ def _transport_options(conf: Any, url_setting: str, url: str) -> dict[str, Any]:
     return options
 
 
-def _redis_url(conf: Any) -> tuple[str, dict[str, Any]]:
+def _redis_url(conf: Any) -> tuple[str, str, dict[str, Any]]:
     for name in ("echomq_redis_url", "broker_url", "result_backend"):
         url = conf.get(name)
         if isinstance(url, str) and url.startswith(REDIS_SCHEMES):
-            return url, _transport_options(conf, name, url)
+            return url, name, _transport_options(conf, name, url)
         if name == "echomq_redis_url" and url:
             raise ConfigError(
                 f"echomq_redis_url={safe_url(str(url))!r} is not a Redis URL; allowed schemes: "
@@ -270,6 +277,10 @@ def _non_negative(conf: Any, name: str, default: float) -> float:
     return number
 
 
+def _optional_non_negative(conf: Any, name: str) -> float | None:
+    return None if conf.get(name) is None else _non_negative(conf, name, 0.0)
+
+
 def _replicas(conf: Any) -> int:
     value = conf.get("echomq_min_replicas")
     if value is None:
@@ -294,8 +305,9 @@ def _flag(conf: Any, name: str, default: bool) -> bool:
 def read_settings(conf: Any) -> Settings:
     accept = conf.get("accept_content") or ("json",)
     url: str | None
+    setting = "echomq_redis_url"
     try:
-        url, options = _redis_url(conf)
+        url, setting, options = _redis_url(conf)
     except ConfigError:
         # An eager app runs flows in process and needs no store; an explicit
         # echomq_redis_url that is not a Redis URL is still refused.
@@ -304,8 +316,10 @@ def read_settings(conf: Any) -> Settings:
         url, options = None, {}
     return Settings(
         redis_url=url,
+        url_setting=setting,
         transport_options=options,
         store_retry_timeout=_non_negative(conf, "echomq_store_retry_timeout", 20.0),
+        producer_timeout=_optional_non_negative(conf, "echomq_producer_timeout"),
         min_replicas=_replicas(conf),
         min_replicas_timeout=_positive(conf, "echomq_min_replicas_timeout", 1.0),
         key_prefix=str(conf.get("echomq_key_prefix") or "emq"),

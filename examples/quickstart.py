@@ -10,6 +10,7 @@ the children's progress and the parent's result. Everything stops when it ends.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -72,13 +73,18 @@ def main() -> int:
             print("parent result:", res.get(timeout=60))
             released = [line for line in log.read_text().splitlines() if "echomq:" in line]
             print("worker log:", *(line.split("] ", 1)[-1] for line in released), sep="\n  ")
+            # The operator's view of this flow, while its store still runs.
+            show = ["celery", "-A", "quickstart", "echomq", "show", res.id]
+            print(f"\n$ {' '.join(show)}")
+            sys.stdout.flush()
+            subprocess.run([sys.executable, "-m", *show], cwd=here, env=env, check=False)
             print(
-                "\nTry next, on your own app and Redis (this redis-server stops now):",
-                f"  celery -A proj echomq show {res.id}   # the flow as a tree",
+                "\nThis redis-server, its flow and the worker stop now. Try next, on your own "
+                "app (proj.py in the README's Use) with its Redis and a worker running:",
                 "  celery -A proj echomq list --state recent   # flows, newest first",
-                f"  celery -A proj echomq watch {res.id}   # live progress",
+                "  celery -A proj echomq show JOBID            # a flow as a tree",
+                "  celery -A proj echomq watch JOBID           # live progress",
                 "  pip install 'celery-echomq[dashboard]' && celery -A proj echomq dashboard",
-                "  (where proj is the module that calls celery_echomq.install(app))",
                 sep="\n",
             )
             return 0

@@ -373,6 +373,12 @@ class ExpectedException(Exception):
 
 
 @app.task
+def size(value: str) -> int:
+    """The length of ``value``: a small value from a large argument."""
+    return len(value)
+
+
+@app.task
 def identity(x: Any) -> Any:
     return x
 

@@ -31,6 +31,14 @@ def test_quickstart_prints_the_parents_result() -> None:
     assert "parent result: {'pages': 8, 'total': 140, 'values': [0, 1, 4, 9, 16, 25, 36, 49]}" in (
         out.stdout
     )
+    # The flow's tree is shown while its store runs; what it suggests after names no flow or
+    # store that is gone when it ends.
+    flow_id = re.search(r"^flow (JOB\w+): parent held", out.stdout, re.M)
+    assert flow_id is not None
+    shown, after = out.stdout.split("Try next", 1)
+    assert f"$ celery -A quickstart echomq show {flow_id[1]}" in shown
+    assert f"flow {flow_id[1]}  quickstart.merge  done" in shown and "done=8/8" in shown
+    assert flow_id[1] not in after and "JOBID" in after and "proj.py in the README" in after
 
 
 def test_fanout_fetches_every_page_and_merges_the_word_counts() -> None:

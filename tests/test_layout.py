@@ -298,3 +298,12 @@ def test_every_link_between_the_docs_reaches_its_file_and_heading() -> None:
             elif anchor and linked.suffix == ".md" and anchor not in anchors(linked):
                 broken.append(f"{where} no such heading")
     assert broken == [], "links that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_dir_of_the_package_lists_its_public_names_and_not_its_imports() -> None:
+    import celery_echomq
+
+    names = dir(celery_echomq)
+    assert "annotations" not in names and "Any" not in names
+    assert set(celery_echomq.__all__) <= set(names)
+    assert all(hasattr(celery_echomq, name) for name in names)

@@ -42,8 +42,10 @@ from celery_echomq.ops.listing import MAX_LIMIT, STATES, queue_stats, read_flows
 from celery_echomq.ops.pages import FILTERS, MAX_PAGE, PAGE, read_flow
 from celery_echomq.ops.progress import render_progress
 from celery_echomq.ops.rendering import render_rows, render_tree, show_every
-from celery_echomq.ops.views import node_dict, tree_json
+from celery_echomq.ops.views import FINISHED, node_dict, tree_json
 from celery_echomq.store.connection import describe
+from celery_echomq.store.server_info import replicas_of
+from celery_echomq.store.state import EchoMQ
 
 __all__ = ["echomq", "node_dict", "render_progress", "render_tree"]
 
@@ -111,6 +113,28 @@ def show(
     if more and node.flow and (node.flow.failed or node.flow.ignored) and only is None:
         failed = node.flow.failed + node.flow.ignored
         click.echo(f"{failed} failed: echomq show {job_id} --state failed")
+    waits = replication_wait(state, node.queue, job_id, node.state)
+    if waits:
+        click.echo(waits)
+
+
+def replication_wait(state: EchoMQ, queue: str, job_id: str, job_state: str) -> str:
+    """Why an unfinished flow waits when its slot's primary has fewer replicas than
+    ``echomq_min_replicas`` (every transition's WAIT falls short: a claimed body is deferred
+    to recovery, again and again), and what heals it; "" when it does not."""
+    wanted = state.settings.min_replicas
+    if not wanted or job_state in FINISHED:
+        return ""
+    address, replicas = replicas_of(state.client, state.keys.job_key(queue, job_id))
+    if replicas >= wanted:
+        return ""
+    return (
+        f"waiting: the primary of this flow's slot ({address}) has {replicas} replica(s) "
+        f"connected, fewer than echomq_min_replicas={wanted}: each transition's WAIT falls "
+        "short, so every claimed job's body is deferred to recovery and its attempts grow. "
+        f"Heals once that primary has {wanted} replica(s) connected (attach one, e.g. to a "
+        "master left without its replica by a failover), or with echomq_min_replicas lowered"
+    )
 
 
 @echomq.command(name="list")
@@ -120,7 +144,8 @@ def show(
     type=click.Choice(list(STATES)),
     default="failed",
     show_default=True,
-    help="Which flows: held (awaiting children), failed, done, cancelled, or recent (any).",
+    help="Which flows: failed (the default: what needs a look), held (awaiting children), "
+    "done, cancelled, or recent (every flow, in any state).",
 )
 @click.option("--queue", default=None, metavar="Q", help="Only flows of this queue.")
 @click.option("--task", default=None, metavar="NAME", help="Only flows whose parent task is "
@@ -144,6 +169,9 @@ def list_command(
 ) -> None:
     """List flows, newest first: id, task, state, children done/total, age.
 
+    Without --state, only the failed flows (what needs a look); --state recent lists every
+    flow, in any state.
+
     Reads the store's indexes (each queue's recent-flow index; its failed set for failed
     flows), never a scan: a page costs the same whatever the store holds. A page may hold
     fewer flows than --limit while more remain: follow the cursor it prints.
@@ -157,6 +185,8 @@ def list_command(
             click.echo(line)
     else:
         click.echo(f"no {wanted} flows" + (" on this page" if after else ""))
+        if wanted != "recent" and not after:
+            click.echo("(--state recent lists every flow, in any state)")
     if after:
         click.echo(f"more: echomq list --state {wanted} --cursor {after}")
 

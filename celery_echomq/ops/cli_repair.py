@@ -64,10 +64,15 @@ def forget(ctx: click.Context, job_id: str, force: bool, as_json: bool) -> None:
     if as_json:
         emit_json(
             {"forgotten": job_id, "jobs": done.jobs, "unfinished": done.unfinished,
-             "keys": done.keys}
+             "keys": done.keys, "kept": done.kept}
         )  # fmt: skip
         return
     click.echo(f"forgot flow {job_id}: {len(done.jobs)} job(s), {len(done.keys)} key(s) deleted")
+    if done.kept:
+        click.echo(
+            f"kept {len(done.kept)} cancelled child row(s), cut down to their state, until they "
+            "expire: a message of theirs still queued is turned away, never run"
+        )
     if done.unfinished:
         click.echo(f"warning: {len(done.unfinished)} job(s) had not finished", err=True)
 
@@ -182,11 +187,19 @@ def retry(
 
 @click.command()
 @click.argument("job_id")
-@click.option("--revoke", is_flag=True, help="Also revoke the children still outstanding.")
+@click.option(
+    "--revoke", is_flag=True, help="Also revoke the children not started (running ones finish)."
+)
+@click.option(
+    "--terminate",
+    is_flag=True,
+    help="With --revoke: also terminate the children already running, as Celery's "
+    "revoke --terminate does.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the outcome as JSON.")
 @click.pass_context
 @plain_errors
-def release(ctx: click.Context, job_id: str, revoke: bool, as_json: bool) -> None:
+def release(ctx: click.Context, job_id: str, revoke: bool, terminate: bool, as_json: bool) -> None:
     """Run the held parent of flow JOB_ID now, with the values its children returned so far.
 
     As under policy continue, children that complete later are recorded but never release it
@@ -194,8 +207,11 @@ def release(ctx: click.Context, job_id: str, revoke: bool, as_json: bool) -> Non
     """
     from celery_echomq.ops.release import release_flow
 
+    if terminate and not revoke:
+        raise click.UsageError("--terminate goes with --revoke (release --revoke --terminate)")
     state = cli_state(ctx)
-    outcome = release_flow(state, job_id, revoke=revoke)
+    outcome = release_flow(state, job_id, revoke=revoke, terminate=terminate)
+    running = len(outcome.running)
     _report_repair(
         state,
         job_id,
@@ -203,5 +219,12 @@ def release(ctx: click.Context, job_id: str, revoke: bool, as_json: bool) -> Non
         as_json,
         f"flow {job_id}: released with {outcome.values} value(s); "
         f"{outcome.left} child(ren) outstanding"
-        + (f", {len(outcome.revoked)} revoked" if revoke else ""),
+        + (f", {len(outcome.revoked)} revoked" if revoke else "")
+        + (f", {running} running terminated" if outcome.terminated else "")
+        + (
+            f"; {running} already running, not revoked (a revoke stops only children not "
+            "started; a running one finishes and is recorded): add --terminate to stop them"
+            if running and not outcome.terminated
+            else ""
+        ),
     )

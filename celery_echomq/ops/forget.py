@@ -4,6 +4,13 @@ A flow of any size is deleted a chunk of children (``echomq_chunk_size``) at a t
 from its parent's index, each nested flow before the chunk that lists it, and its parent's
 own keys last: a forget cut short leaves the parent and what is left of its index, so the
 same forget run again finishes it. Big keys go with UNLINK (freed off Redis's main thread).
+
+A cancelled child's message may still wait in its queue (a queue no worker consumed when it
+was revoked, a countdown, a worker that missed Celery's revoke broadcast). Its row is what
+turns that message away (the claim finds it cancelled), and a message whose row is gone runs
+as a plain task; so a cancelled child's row is not deleted but cut down to what the claim
+reads (its state and parent), expiring when the row would have: forgetting a flow never lets
+a cancelled job run that keeping it would have stopped.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ class Forgotten:
     jobs: list[str] = field(default_factory=list)
     unfinished: list[str] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
+    # Cancelled children whose rows were cut down to what turns their messages away.
+    kept: list[str] = field(default_factory=list)
 
 
 def forget_flow(state: EchoMQ, node: JobNode) -> Forgotten:
@@ -84,36 +93,61 @@ def _forget_children(state: EchoMQ, queue: str, ids: list[str], done: Forgotten)
     pipe = client.pipeline(transaction=False)
     found = [cid for cid in ids if cid in where]
     for cid in found:
-        pipe.hget(keys.job_key(where[cid], cid), "state")
+        row = keys.job_key(where[cid], cid)
+        pipe.hmget(row, "state", "parent")
+        pipe.pttl(row)
         pipe.exists(keys.flow_keys(where[cid], cid)[0], keys.children_key(where[cid], cid))
     answers = iter(pipe.execute())
     plain: dict[str, list[str]] = {}
+    kept: dict[str, dict[str, tuple[str, int]]] = {}
+    ttl_ms = state.settings.result_ttl * 1000
     for cid in found:
-        child_state, nested = text(next(answers)) or "missing", next(answers)
+        (raw_state, parent), pttl, nested = next(answers), next(answers), next(answers)
+        child_state = text(raw_state) or "missing"
         if nested:
             _forget(state, where[cid], cid, child_state, done)
             continue
         done.jobs.append(cid)
         if child_state not in FINISHED:
             done.unfinished.append(cid)
+        if child_state == "cancelled" and parent is not None:
+            # Its message may still be queued: the row that turns it away stays, cut down.
+            kept.setdefault(where[cid], {})[cid] = (text(parent), pttl if pttl > 0 else ttl_ms)
         plain.setdefault(where[cid], []).append(cid)
     for child_queue, cids in plain.items():
         names = [keys.job_key(child_queue, cid) for cid in cids]
-        _delete(state, child_queue, names, cids, False, done)
+        _delete(state, child_queue, names, cids, False, done, kept.get(child_queue, {}))
 
 
 def _delete(
-    state: EchoMQ, queue: str, names: list[str], ids: list[str], held: bool, done: Forgotten
+    state: EchoMQ,
+    queue: str,
+    names: list[str],
+    ids: list[str],
+    held: bool,
+    done: Forgotten,
+    kept: dict[str, tuple[str, int]] | None = None,
 ) -> None:
+    """UNLINK ``names`` and take ``ids`` out of the queue's sets, in one MULTI; the rows of
+    ``kept`` (cancelled children: id -> (parent, ms to live)) are written back as tombstones
+    (state and parent alone) in the same MULTI."""
     keys = state.keys
     pipe = state.client.pipeline(transaction=True)
     for name in names:
         pipe.exists(name)  # to report only the keys that were there
     pipe.unlink(*names)
+    for cid, (parent, ttl) in (kept or {}).items():
+        row = keys.job_key(queue, cid)
+        pipe.hset(row, mapping={"state": "cancelled", "parent": parent})
+        pipe.pexpire(row, ttl)
+        done.kept.append(cid)
     for set_name in JOB_SETS:
         pipe.zrem(keys.queue_key(queue, set_name), *ids)
     if held:
         # A held parent forgotten (--force) leaves the queue's count of held parents.
         pipe.hincrby(keys.queue_key(queue, "counters"), "held", -1)
     existed = pipe.execute()[: len(names)]
-    done.keys.extend(name for name, there in zip(names, existed, strict=True) if there)
+    rows = {keys.job_key(queue, cid) for cid in kept or {}}
+    done.keys.extend(
+        name for name, there in zip(names, existed, strict=True) if there and name not in rows
+    )

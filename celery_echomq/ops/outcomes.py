@@ -28,3 +28,7 @@ class ReleaseOutcome:
     revoked: tuple[str, ...] = field(default=())  # of those, the ones revoked (--revoke)
     state: str = "pending"  # the parent's state after the release
     left: int = 0  # how many children were unsettled when it was released (its counter)
+    # Of ``outstanding``, the ones already running, which a revoke does not stop (they finish
+    # and are recorded), unless ``terminate`` signalled their processes (``terminated``).
+    running: tuple[str, ...] = field(default=())
+    terminated: tuple[str, ...] = field(default=())

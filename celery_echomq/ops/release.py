@@ -52,7 +52,9 @@ class _Revoked:
     revoked: list[str] = field(default_factory=list)
 
 
-def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> ReleaseOutcome:
+def release_flow(
+    state: EchoMQ, job_id: str, *, revoke: bool = False, terminate: bool = False
+) -> ReleaseOutcome:
     """Run the held parent of flow ``job_id`` now, with the values completed so far.
 
     As under policy ``continue``: children that complete later are still recorded in the
@@ -60,7 +62,9 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
     the children that have not started, on every slot alike (Celery's revoke; their rows
     become cancelled, so no delivery runs them and nothing counts them), as BullMQ's
     ``removeUnprocessedChildren``: running ones finish and are recorded. Raises
-    :class:`NotRepairableError` (nothing changed) unless the parent is held.
+    :class:`NotRepairableError` (nothing changed) unless the parent is held. ``terminate``
+    (with ``revoke``): the children already running are revoked with ``terminate=True`` too,
+    as Celery's ``revoke --terminate``; without it they are named in the outcome's ``running``.
 
     The outcome's ``left`` is how many children were unsettled when it was released (its
     counter); ``outstanding`` names them where ``revoke`` read every child, else is empty.
@@ -77,7 +81,7 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
     if fan_in:
         # Its parent is a chain, a group, a chord or a flow: what waits for the flow's own
         # children is the job that holds them (see send/shapes.py); that is what runs now.
-        return release_flow(state, fan_in, revoke=revoke)
+        return release_flow(state, fan_in, revoke=revoke, terminate=terminate)
     if node.state != "awaiting_children":
         raise NotRepairableError(
             f"flow {job_id} is {node.state}; nothing changed: {RELEASE_ALLOWS}",
@@ -90,6 +94,9 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
         _release(state, node, [])
     dispatch_parent(state, node.queue, node.id)
     revoked = tuple(done.revoked) if done else ()
+    running = tuple(c for c in done.outstanding if c not in set(revoked)) if done else ()
+    if running and terminate:
+        state.app.control.revoke(list(running), terminate=True)
     logger.info(
         "echomq: flow %s released by an operator with %d values; %d children outstanding, "
         "%d revoked",
@@ -102,6 +109,8 @@ def release_flow(state: EchoMQ, job_id: str, *, revoke: bool = False) -> Release
         revoked=revoked,
         state=flow_root(state, job_id, node.queue).node.state,
         left=left,
+        running=running,
+        terminated=running if terminate else (),
     )
 
 

@@ -26,7 +26,14 @@ from celery_echomq.errors import FlowExistsError, OnExistsError
 from celery_echomq.send.entries import child_queue, first_job
 from celery_echomq.send.plan import Plan, child_id
 from celery_echomq.send.shared import check_ids
-from celery_echomq.store.codec import STORED_FIELDS, Delta, Stored, load_job, stored_of
+from celery_echomq.store.codec import (
+    STORED_FIELDS,
+    Delta,
+    Stored,
+    TemplateMissingError,
+    load_job,
+    stored_of,
+)
 from celery_echomq.store.connection import text
 from celery_echomq.store.replies import Status
 from celery_echomq.store.script_values import ParentRef
@@ -66,6 +73,8 @@ class Joined:
 
 def describe(job: Any) -> str:
     """``task(args, kwargs)`` of a job dict, as an error names it."""
+    if job is None:
+        return "a finished job whose message (64 KiB or more) was dropped, so it cannot be compared"
     if not isinstance(job, dict):
         return repr(job)
     args = ", ".join(
@@ -104,7 +113,10 @@ def _read(state: EchoMQ, wanted: list[tuple[str, str]]) -> list[tuple[str, Any] 
             found.append(None)
             continue
         stored = stored_of(*row[1:])
-        job = load_job(state, queue, job_id, stored, templates) if stored is not None else None
+        try:
+            job = load_job(state, queue, job_id, stored, templates) if stored is not None else None
+        except TemplateMissingError:
+            job = None  # a finished flow's large template, dropped (complete.lua)
         found.append((text(row[0]), job))
     return found
 

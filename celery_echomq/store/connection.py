@@ -18,12 +18,13 @@ count one event twice).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, overload
 
 import redis
@@ -35,6 +36,7 @@ from redis.exceptions import (
     ClusterDownError,
     MasterDownError,
     ReadOnlyError,
+    ResponseError,
     SlotNotCoveredError,
     TryAgainError,
 )
@@ -47,6 +49,7 @@ from celery_echomq.config import (
     parse_sentinel_url,
     safe_url,
 )
+from celery_echomq.errors import ConfigError
 
 logger = logging.getLogger("celery_echomq.store")
 # A worker's logging shows the retry notice; where nothing is configured (a CLI command), it is
@@ -110,6 +113,26 @@ def backoff(failures: int, base: float = 0.05, cap: float = 1.0) -> float:
     return delay / 2 + random.uniform(0, delay / 2)
 
 
+@contextlib.contextmanager
+def bounded(seconds: float, setting: str) -> Iterator[None]:
+    """Within the block, this thread's store commands retry for ``seconds`` (named by
+    ``setting`` in errors) instead of their own bound: a producer's (echomq_producer_timeout),
+    which a web request that starts a flow waits for, rather than a worker's."""
+    outer = getattr(_local, "bound", None)
+    _local.bound = (seconds, setting)
+    try:
+        yield
+    finally:
+        _local.bound = outer
+
+
+def bound_of(timeout: float, setting: str = "echomq_store_retry_timeout") -> tuple[float, str]:
+    """How long a command that would retry for ``timeout`` retries here, and the setting that
+    says so (a :func:`bounded` block's, else ``setting``)."""
+    bound = getattr(_local, "bound", None)
+    return bound if bound is not None else (timeout, setting)
+
+
 def call_until(
     timeout: float,
     do: Callable[[], T],
@@ -122,6 +145,7 @@ def call_until(
     Inside ``do()`` every other retry loop of this module makes one attempt only, so a
     command is bounded by the outermost loop's ``timeout``, not by a product of nested ones.
     """
+    timeout, _ = bound_of(timeout)
     deadline = time.monotonic() + timeout
     failures = 0
     while True:
@@ -263,7 +287,7 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
         min_other_sentinels=int(options.get("min_other_sentinels") or 0),
         sentinel_kwargs=sentinel_kwargs,
     )
-    return sentinel.master_for(  # type: ignore[no-any-return,no-untyped-call]
+    client = sentinel.master_for(  # type: ignore[no-untyped-call]
         str(options["master_name"]),
         redis_class=redis.Redis,
         db=url.db,
@@ -271,6 +295,32 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
         health_check_interval=30,
         **kwargs,
     )
+    return _checked_select(client, settings)  # type: ignore[no-any-return]
+
+
+def _checked_select(client: Any, settings: Settings) -> Any:
+    """``client`` whose connections turn the server's refusal of the URL's database (``ERR DB
+    index is out of range``) into a ConfigError naming the setting: no retry waits it out."""
+    pool = client.connection_pool
+    base = pool.connection_class
+    where = f"{settings.url_setting}={safe_url(settings.redis_url or '')!r}"
+
+    class Checked(base):  # type: ignore[valid-type,misc]
+        def on_connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                super().on_connect_check_health(*args, **kwargs)
+            except ResponseError as exc:
+                if "DB index" not in str(exc):
+                    raise
+                self.disconnect()
+                raise ConfigError(
+                    f"{where}: the server has no database {getattr(self, 'db', '?')} "
+                    f"(Redis: {exc}); name one below its `databases` setting (16 by default)"
+                ) from None
+
+    Checked.__name__ = Checked.__qualname__ = base.__name__
+    pool.connection_class = Checked
+    return client
 
 
 def make_client(settings: Settings | str) -> Any:
@@ -299,12 +349,13 @@ def make_client(settings: Settings | str) -> Any:
         url = "rediss://" + url[len("redis://") :]
     if url.startswith("unix://"):
         kwargs = {k: v for k, v in kwargs.items() if not k.startswith("ssl_")}
-    return redis.Redis.from_url(
+    client = redis.Redis.from_url(
         url,
         retry=DeadlineRetry(settings.store_retry_timeout),
         health_check_interval=30,
         **kwargs,
     )
+    return _checked_select(client, settings)
 
 
 def describe(settings: Settings) -> str:

@@ -85,8 +85,9 @@ UNSETTLED = frozenset(
 )
 
 
-def server_error(exc: redis.ResponseError) -> Exception:
-    """The Python error for a script's error reply (others come back unchanged)."""
+def server_error(exc: redis.ResponseError, queue: str = "") -> Exception:
+    """The Python error for a script's error reply (others come back unchanged); ``queue``:
+    the one whose slot the script ran on, named where the reply names none."""
     message = str(exc)
     if message.startswith("EMQKIND"):
         return KindError(message)
@@ -95,13 +96,14 @@ def server_error(exc: redis.ResponseError) -> Exception:
     if message.startswith("EMQEXISTS"):
         # "EMQEXISTS <id>": a row on the script's own slot; "EMQEXISTS <id> <queue>": the id
         # is another queue's (includes/taken.lua).
-        _, job_id, queue = [*message.split(" ", 2), "?", ""][:3]
-        return exists_error(job_id, queue)
+        parts = message.split(" ", 2)
+        job_id = parts[1] if len(parts) > 1 else "?"
+        return exists_error(job_id, parts[2] if len(parts) > 2 else queue)
     return exc
 
 
 def exists_error(job_id: str, queue: str = "") -> FlowExistsError:
-    """The refusal of an id that names a job already (on ``queue``, when another's)."""
+    """The refusal of an id that names a job already, on ``queue`` when it is known."""
     where = f", on queue {queue!r}; an id names one job in the whole store, and" if queue else ";"
     return FlowExistsError(
         f"job id {job_id!r} already exists in Redis{where} a flow never overwrites a job "

@@ -163,6 +163,14 @@ def confirm_replicated(
         )
 
 
+def _queue_of(keys: Sequence[str]) -> str:
+    """The queue whose slot a script's first key is on (``emq:{queue}:...``), else ""."""
+    first = text(keys[0]) if keys else ""
+    start, end = first.find("{"), first.find("}")
+    own = 0 <= start < end and first[:start].count(":") == 1
+    return first[start + 1 : end] if own else ""
+
+
 class ScriptRunner:
     """Runs the transition scripts on one Redis client: EVALSHA (EVAL on NOSCRIPT), resent
     through a failover, WAIT for replicas where a transition must survive one."""
@@ -232,13 +240,14 @@ class ScriptRunner:
             logger.warning("echomq: %s; its reply is followed", exc)
             return exc.reply
         except store.CLUSTER_RETRYABLE as exc:
+            seconds, setting = store.bound_of(self.retry_timeout)
             raise StoreConnectionError(
                 f"the flow store is unavailable: {name} failed, retried for up to "
-                f"echomq_store_retry_timeout={self.retry_timeout:g} s "
+                f"{setting}={seconds:g} s "
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         except redis.ResponseError as exc:
-            raised = server_error(exc)
+            raised = server_error(exc, _queue_of(keys))
             if (
                 isinstance(raised, FlowExistsError)
                 and name in ("enqueue_flow", "open_flow")

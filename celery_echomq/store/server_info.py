@@ -236,3 +236,14 @@ def sentinel_view(client: Any) -> tuple[str, list[tuple[str, dict[str, Any] | st
         except (redis.RedisError, OSError) as exc:
             views.append((where, f"{type(exc).__name__}: {exc}"))
     return name, views
+
+
+def replicas_of(client: Any, key: str) -> tuple[str, int]:
+    """``(address, replicas connected)`` of the primary that serves ``key`` (on a Cluster:
+    the master of its slot), from INFO replication."""
+    if isinstance(client, RedisCluster):
+        node = client.get_node_from_key(key)  # type: ignore[no-untyped-call]
+        info = client.get_redis_connection(node).info("replication")
+        return f"{node.host}:{node.port}", int(info.get("connected_slaves", 0))
+    (address, primary), *_ = primaries(client)
+    return address, int(primary.info("replication").get("connected_slaves", 0))

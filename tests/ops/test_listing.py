@@ -225,3 +225,38 @@ def test_a_retried_child_is_no_longer_a_failed_one(proj: Any, state: EchoMQ, que
     assert celery_echomq.failed_children(parent, app=proj.app, queue=queue) == {}
     finish(state.scripts, queue, parent, bad)
     assert read() == (0, 2, 0, 0)
+
+
+def test_list_without_state_says_it_lists_failed_flows_and_how_to_list_every_one(
+    queue: str,
+) -> None:
+    from tests.helpers import echomq
+
+    usage = echomq("list", "--help").stdout
+    assert "Without --state, only the failed flows" in " ".join(usage.split())
+    assert "recent (every flow, in any state)" in " ".join(usage.split())
+    empty = echomq("list", "--queue", queue)
+    assert empty.exit_code == 0, empty.output
+    assert empty.stdout.splitlines() == [
+        "no failed flows",
+        "(--state recent lists every flow, in any state)",
+    ]
+
+
+def test_show_says_why_a_flow_waits_on_too_few_replicas_and_what_heals_it(
+    proj: Any, own_queue: Any, env: Any
+) -> None:
+    from celery_echomq import flow
+    from tests.helpers import echomq_process
+
+    queue = own_queue("replicas")
+    res = flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async(queue=queue)  # no worker: held
+    waiting = echomq_process(env, "show", res.id, ECHOMQ_T_MIN_REPLICAS="1")
+    assert waiting.returncode == 0, waiting.stderr
+    last = " ".join(waiting.stdout.splitlines()[-1].split())
+    assert last.startswith("waiting: the primary of this flow's slot (")
+    assert "has 0 replica(s) connected, fewer than echomq_min_replicas=1" in last
+    assert "Heals once that primary has 1 replica(s) connected" in last
+    # Without the setting, or once the flow is finished, nothing of the kind.
+    plain = echomq_process(env, "show", res.id)
+    assert plain.returncode == 0 and "waiting:" not in plain.stdout

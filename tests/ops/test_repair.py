@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,7 @@ import redis
 from celery_echomq import FlowFailed, FlowResult, NotRepairableError, flow, get_state
 from celery_echomq.ops.repair import release_flow, retry_flow
 from tests.helpers import (
+    KEYS,
     Env,
     echomq,
     echomq_process,
@@ -347,3 +349,65 @@ def test_retry_of_a_flow_whose_keys_expired_in_part_is_refused(
     with pytest.raises(NotRepairableError, match=f"children {bad2}"):
         res.retry()
     assert snapshot(store, res.id, ok, bad1, bad2) == before
+
+
+def test_release_revoke_names_the_running_children_it_cannot_stop_and_terminate_stops_them(
+    proj: Any, worker: Any, store: redis.Redis, gate: str
+) -> None:
+    tag = uuid.uuid4().hex
+    fast, slow = with_id(proj.add.s(1, 1)), with_id(proj.gated.s(5, gate))
+    res = flow(proj.collect.s(tag=tag), [fast, slow]).apply_async()
+    wait_for(lambda: state_of(store, id_of(slow)) == "active", 60)
+    wait_for(lambda: state_of(store, id_of(fast)) == "done", 60)
+    alone = echomq("release", "--terminate", res.id)
+    assert alone.exit_code == 2 and "--terminate goes with --revoke" in alone.stderr
+    assert state_of(store, res.id) == "awaiting_children"  # nothing changed
+
+    out = echomq("release", "--revoke", res.id)
+    assert out.exit_code == 0, out.output
+    assert out.stdout.splitlines()[0] == (
+        f"flow {res.id}: released with 1 value(s); 1 child(ren) outstanding, 0 revoked; "
+        "1 already running, not revoked (a revoke stops only children not started; a running "
+        "one finishes and is recorded): add --terminate to stop them"
+    )
+    assert settle(res) == {"values": [2], "tag": tag}
+
+    tag = uuid.uuid4().hex
+    fast, slow = with_id(proj.add.s(1, 1)), with_id(proj.gated.s(6, gate + "-t"))
+    res = flow(proj.collect.s(tag=tag), [fast, slow]).apply_async()
+    wait_for(lambda: state_of(store, id_of(slow)) == "active", 60)
+    wait_for(lambda: state_of(store, id_of(fast)) == "done", 60)
+    outcome = json.loads(echomq("release", "--revoke", "--terminate", "--json", res.id).stdout)
+    assert outcome["running"] == outcome["terminated"] == [id_of(slow)]
+    assert settle(res) == {"values": [2], "tag": tag}
+    # Its process is signalled: the child never returns its value.
+    wait_for(lambda: state_of(store, id_of(slow)) not in ("active", "pending"), 60)
+    assert state_of(store, id_of(slow)) != "done"
+    assert id_of(slow) not in res.children_values()
+
+
+def test_forget_of_a_cancelled_flow_never_lets_its_queued_children_run(
+    proj: Any, start_worker: Any, store: redis.Redis, env: Env
+) -> None:
+    """Children cancelled while their messages wait in a queue no worker consumes: after the
+    flow is forgotten, a worker that takes the queue turns them away, as before the forget."""
+    queue = f"forgotten{uuid.uuid4().hex[:6]}"
+    tag = uuid.uuid4().hex
+    kids = [with_id(proj.counted.s(i, tag)) for i in range(3)]
+    res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
+    broker = redis.Redis.from_url(env.broker)
+    assert broker.llen(queue) == 3
+    assert echomq("cancel", res.id).exit_code == 0
+    out = echomq("forget", res.id)
+    assert out.exit_code == 0, out.output
+    assert "kept 3 cancelled child row(s)" in out.stdout
+    assert [k for k in store.scan_iter(match=f"*{res.id}*") if b"celery-task-meta" not in k] == []
+    for kid in kids:  # all that is left of each child: what turns its message away
+        row = store.hgetall(KEYS.job_key(queue, id_of(kid)))
+        assert row == {b"state": b"cancelled", b"parent": res.id.encode()}
+        assert 0 < store.ttl(KEYS.job_key(queue, id_of(kid))) <= 86400
+
+    start_worker(queues=queue)
+    wait_for(lambda: broker.llen(queue) == 0, 60)
+    time.sleep(2)  # the deliveries claimed and dropped
+    assert ran(store, f"counted:{tag}") == 0 and ran(store, f"collect:{tag}") == 0

@@ -8,6 +8,7 @@ the flow's queue has no key, no message, and ``emq:queues`` does not name it.
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -125,3 +126,56 @@ def test_a_nested_flow_refused_inside_takes_back_its_outer_level_and_locator(
     # The other flow is untouched.
     assert store.hgetall(f"emq:{{{queue}}}:{taken}") == held
     assert store.get(f"emq:loc:{{{first.id}}}") == queue.encode()
+
+
+@pytest.mark.parametrize("keyword", ["max_activ", "polcy", "deadlines"])
+def test_an_unknown_keyword_is_refused_naming_it_and_the_allowed_ones(
+    proj: Any, own_queue: Any, env: Any, store: redis.Redis, keyword: str
+) -> None:
+    queue = own_queue("unknown-keyword")
+    broker = redis.Redis.from_url(env.broker)
+    child_id = "JOB" + uuid.uuid4().hex
+    with pytest.raises(TypeError) as info:
+        flow(proj.tsum.s(), [proj.add.s(1, 1).set(task_id=child_id)], queue=queue, **{keyword: 10})
+    message = str(info.value)
+    assert f"unknown keyword argument(s) {keyword!r}" in message
+    for allowed in ("max_active", "policy", "deadline", "queue", "countdown", "options={...}"):
+        assert allowed in message
+    untouched(store, broker, queue, [child_id])
+    # Celery's message options and its own copies (clone, JSON) are still taken.
+    made = flow(proj.tsum.s(), [proj.add.s(1, 1)], queue=queue, countdown=1, max_active=2)
+    assert made.clone().options == {"queue": queue, "countdown": 1}
+    assert made.clone().max_active == 2
+    assert flow.from_dict(json.loads(json.dumps(made))).options == made.options
+
+
+@pytest.mark.parametrize("header", ["group", "list", "tuple"])
+def test_a_chords_order_of_arguments_is_refused_saying_the_parent_comes_first(
+    proj: Any, header: str
+) -> None:
+    tasks = [proj.add.s(1, 1), proj.add.s(2, 2)]
+    first: Any = {"group": group(tasks), "list": tasks, "tuple": tuple(tasks)}[header]
+    with pytest.raises(TypeError) as info:
+        flow(first, proj.tsum.s())
+    message = str(info.value)
+    assert "takes the parent first" in message
+    assert "reverse of chord(header, body)" in message
+    assert "wrap it in a list" not in message
+    # One signature as the children of a signature parent still gets the list hint.
+    with pytest.raises(TypeError, match="wrap it in a list"):
+        flow(proj.tsum.s(), proj.add.s(1, 1))
+
+
+def test_a_flow_sent_again_is_refused_naming_its_queue(
+    proj: Any, own_queue: Any, store: redis.Redis
+) -> None:
+    queue = own_queue("exists")
+    sig = flow(proj.tsum.s(), [proj.add.s(1, 2)], queue=queue)
+    sig.freeze()
+    sig.apply_async()
+    before = sorted(store.keys(f"emq:{{{queue}}}:*"))
+    with pytest.raises(FlowExistsError) as info:
+        sig.apply_async()
+    assert f"already exists in Redis, on queue {queue!r}" in str(info.value)
+    assert "'?'" not in str(info.value)
+    assert sorted(store.keys(f"emq:{{{queue}}}:*")) == before

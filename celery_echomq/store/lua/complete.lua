@@ -111,6 +111,38 @@ local window_arg = windowed and 13 or 0
 -- ZREM gives was_active: exactly one completion per active->done transition gets 1.
 local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'done')
+-- A finished job's message is read again by nothing its flow's readers need but show, which
+-- prints its task and arguments. One of 64 KiB or more is cut down now, rather than kept for
+-- the result TTL: its task stays, its arguments become a marker ('dropped': the size cut).
+-- A child's own message (payload or delta); a flow parent's template of its children's
+-- messages once it is done with no child failed (none can be retried), never its own
+-- payload, which on_exists='join' compares. Only a JSON message is cut (the app's default
+-- serializer); any other stays whole.
+local big = 65536
+local function cut(field, whole)
+  local size = redis.call('HSTRLEN', KEYS[1], field)
+  if size < big then
+    return
+  end
+  local stored = redis.call('HGET', KEYS[1], field)
+  if string.sub(stored, 1, 1) ~= '{' then
+    return
+  end
+  local task = string.match(string.sub(stored, 1, 300), '^{"task": ?"([^"]*)"')
+  if whole and not task then
+    return
+  end
+  local mark = '"args": ["<dropped: ' .. size .. ' bytes>"], "kwargs": {}'
+  local head = task and ('{"task": "' .. task .. '", ') or '{'
+  redis.call('HSET', KEYS[1], field, head .. mark .. (whole and ', "options": {}}' or '}'),
+    'dropped', size)
+end
+if not is_parent then
+  cut('payload', true)
+  cut('delta', false)
+elseif not failed_children then
+  cut('template', true)
+end
 if not is_parent then
   expire_keys(ttl, {KEYS[1]})
 elseif failed_children then
