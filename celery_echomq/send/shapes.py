@@ -113,9 +113,7 @@ def _with_callbacks(parent: Signature, held: tuple[Signature, str]) -> tuple[Sig
     for key in (*CALLBACKS, STEP_ERRBACKS):
         if key in parent.options:
             node.options[key] = merge_callbacks(node.options.get(key), parent.options[key])
-    if parent.options.get("chain"):
-        # The rest of a Celery chain the canvas was sent in (a chord sent by chain.run): it
-        # follows the canvas's value, which the flow standing for it gives.
+    if parent.options.get("chain"):  # the rest of the Celery chain it was sent in: after it
         node.options["chain"] = parent.options["chain"]
     return held
 
