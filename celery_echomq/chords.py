@@ -21,6 +21,7 @@ import functools
 from typing import Any
 
 from celery.app.task import Task
+from celery.backends.redis import RedisBackend
 from celery.canvas import Signature, _chain, _chord, group
 from celery.utils import uuid
 
@@ -135,6 +136,11 @@ def _run_as_flow(
     for task in header.tasks:
         task.options.update({k: v for k, v in options.items() if k in ROUTING})
     held = flow(body, header, app=app, **engine)
+    if isinstance(app.backend, RedisBackend):
+        for result in header_result.results:
+            # What Celery's send of each header task does first: Redis's result backend
+            # listens (pub/sub) for each header task's result from now on.
+            app.backend.on_task_call(None, result.id)
     held.apply_async(partial_args, kwargs, **{**options, **delay})
     bodyres.parent = header_result
     return bodyres

@@ -28,7 +28,7 @@ from celery import states
 from celery_echomq.config import Settings
 from celery_echomq.errors import FlowClosedError, FlowFailed
 from celery_echomq.result import EagerFlowResult, FanIn
-from celery_echomq.send.errbacks import errbacks_left, with_errbacks
+from celery_echomq.send.errbacks import errbacks_left, ran_by_child, with_errbacks
 from celery_echomq.send.fanin import IN_PROCESS
 from celery_echomq.send.join import EAGER_JOIN, check_on_exists, eager_joined, eager_ran
 from celery_echomq.send.plan import (
@@ -224,6 +224,8 @@ class _Level:
             if k in CALLBACKS
         }
         self.parent_res: Any = None
+        # The errors of the children that failed, by id (what their tasks raised).
+        self.errors: dict[str, BaseException] = {}
         self.silent = set(plan.silent)
         self.root = str(plan.parent["options"].get("root_id") or plan.parent_id)
         self.growing = Growing(
@@ -297,6 +299,8 @@ class _Level:
             ok, data = _outcome(res)
             # A chain's failure is its failed step's, named by its own id (as on a worker).
             settled = cid if ok or "steps" not in job else str(res.id)
+            if not ok and isinstance(getattr(res, "result", None), BaseException):
+                self.errors[settled] = res.result
             # A child still running when the deadline passed finishes and is recorded.
             cut = self.passed([cid], i)
             if self.fanin.settle(settled, ok, data, child.options.get("parent_policy")):
@@ -323,9 +327,15 @@ class _Level:
                 app,
             )
         failure = fanin.failure or FlowFailed(f"flow {plan.parent_id}: never released")
-        _record_failure(app, plan, sig, failure)
+        child = failure.child_id or ""
+        exc: BaseException = failure
+        if child and (plan.single or ran_by_child(plan.parent, child)):
+            # A chain's step held on the step before it, or a group parent's task: that
+            # task's own error, as a chord's chain or group body raises it (as on a worker).
+            exc = self.errors.get(child) or failure
+        _record_failure(app, plan, sig, exc, child)
         return EagerFlowResult(
-            plan.parent_id, failure, states.FAILURE, None, sig.parent.task, fanin, app
+            plan.parent_id, exc, states.FAILURE, None, sig.parent.task, fanin, app
         )
 
 
@@ -408,7 +418,7 @@ def _run_steps(
     return res
 
 
-def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None:
+def _record_failure(app: Any, plan: Plan, sig: Any, failure: BaseException, child: str) -> None:
     """What a worker does for a parent failed by its child, as Celery's eager trace does for a
     failed task: run its ``link_error`` callbacks; store it only with
     ``task_store_eager_result``."""
@@ -417,7 +427,7 @@ def _record_failure(app: Any, plan: Plan, sig: Any, failure: FlowFailed) -> None
 
     # A group parent's tasks, or a chain parent's steps, ran its errbacks themselves
     # (send/errbacks.py).
-    left = errbacks_left(plan.parent, failure.child_id or "")
+    left = errbacks_left(plan.parent, child)
     request = Context(
         id=plan.parent_id,
         task=sig.parent.task,

@@ -15,10 +15,11 @@ from typing import Any
 from celery_echomq import tracing
 from celery_echomq.errors import FlowFailed
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
-from celery_echomq.send.errbacks import errbacks_left
+from celery_echomq.send.errbacks import errbacks_left, ran_by_child
 from celery_echomq.send.freed import publish_freed
+from celery_echomq.store.codec import load_job
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import H_CHORD, H_PARENT, H_PARENT_QUEUE
+from celery_echomq.store.headers import H_CHORD, H_NEXT, H_PARENT, H_PARENT_QUEUE
 from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
@@ -73,9 +74,37 @@ def record_failure(
     state.app.backend.mark_as_failure(job_id, exc, request=request, call_errbacks=call_errbacks)
 
 
+def own_error(state: EchoMQ, job_id: str) -> BaseException | None:
+    """The exception a failed job's worker stored in Celery's result backend, if it did."""
+    try:
+        meta = state.app.backend.get_task_meta(job_id)
+    except Exception:
+        return None  # the backend cannot say: the flow's own error stands
+    result = meta.get("result")
+    return result if meta.get("status") == "FAILURE" and isinstance(result, BaseException) else None
+
+
+def fail_later_steps(state: EchoMQ, queue: str, next_step: str, exc: BaseException) -> None:
+    """A chain's step failed: store its error for each step after it, as Celery's chain does,
+    so that the chain's result (its last step's) raises it. The steps' rows name the next."""
+    seen: set[str] = set()
+    while next_step and next_step not in seen:
+        seen.add(next_step)
+        payload = state.client.hget(state.keys.job_key(queue, next_step), "payload")
+        if payload is None:
+            return
+        state.app.backend.store_result(next_step, exc, "FAILURE")
+        try:
+            job = load_job(state, queue, next_step, payload)
+        except Exception:
+            return  # a payload this worker cannot read names no further step
+        headers = (job.get("options") or {}).get("headers") or {}
+        next_step = str(headers.get(H_NEXT) or "")
+
+
 def parent_failed(
     state: EchoMQ, queue: str, parent_id: str, child_id: str, error: str
-) -> tuple[FlowFailed, ParentRef | None]:
+) -> tuple[BaseException, ParentRef | None]:
     """Record FAILURE for a parent whose child failed under ``fail``, and run its errbacks.
 
     Returns the error and, for a nested flow, where its own parent lives (the failure is
@@ -84,7 +113,14 @@ def parent_failed(
     payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
     job = state.loads(payload) if payload else {"task": None, "options": {}}
     headers = (job.get("options") or {}).get("headers") or {}
-    exc = FlowFailed.of_child(parent_id, child_id, error, chord=bool(headers.get(H_CHORD)))
+    exc: BaseException = FlowFailed.of_child(
+        parent_id, child_id, error, chord=bool(headers.get(H_CHORD))
+    )
+    if job.get("single") or ran_by_child(job, child_id):
+        # A chain's step held on the step before it, or a group parent's task: that task's
+        # own error, as a chord's chain or group body raises it (Celery's chain stores it
+        # for every task after the one that failed).
+        exc = own_error(state, child_id) or exc
     # A group parent's tasks, or a chain parent's steps, ran its errbacks themselves
     # (send/errbacks.py).
     left = errbacks_left(job, child_id)

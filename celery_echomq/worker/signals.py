@@ -15,7 +15,7 @@ from typing import Any
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals
 from celery.app.task import Task
-from celery.exceptions import Ignore
+from celery.exceptions import Ignore, TaskRevokedError
 
 from celery_echomq import tracing
 from celery_echomq.errors import ReplicationError
@@ -42,7 +42,7 @@ from celery_echomq.store.state import EchoMQ, find_state
 from celery_echomq.worker.checks import on_worker_ready
 from celery_echomq.worker.claims import claim, new_token, warn_no_row
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
-from celery_echomq.worker.settle import error_text, settle_failure, settle_success
+from celery_echomq.worker.settle import error_text, fail_later_steps, settle_failure, settle_success
 
 logger = logging.getLogger("celery_echomq")
 
@@ -190,6 +190,10 @@ def on_failure(
         return
     if tracing.ON:
         tracing.record_child(state, task_id, parent_ref(request))
+    next_step = getattr(request, H_NEXT, None)
+    if next_step and exception is not None and not isinstance(exception, TaskRevokedError):
+        # Before the flow hears of it: a chord's result checks its header's results first.
+        fail_later_steps(state, getattr(request, H_QUEUE), str(next_step), exception)
     settle_failure(
         state,
         getattr(request, H_QUEUE),

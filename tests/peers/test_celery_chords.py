@@ -7,14 +7,12 @@ tests/proj.py. The assertions on values and errors are the original's, except wh
 differs on purpose, which the test says where it does:
 
 - A child's failure fails the flow with ``FlowFailed``, whose message carries the child's
-  ``ExcType: message``; a chord raises the child's own exception (or ``ChordError``). A
-  task parent's own failure is its own exception, as a chord body's is; a chain parent that
-  fails before its last task, and a group parent, raise FlowFailed too (each of their tasks
-  is a flow job of its own), where a chord's chain or group body raises the task's error.
-  Every such assertion is written ``with flow_failed()`` (a child failed) or ``with
-  canvas_parent_failed()`` (a task of a chain or group parent failed), where Celery's test
-  has ``pytest.raises(ExpectedException)`` or ``ChordError``: the helper's name is the
-  comment, at each place.
+  ``ExcType: message`` (``FlowFailed`` is a ``ChordError``); a chord's ``get()`` raises the
+  child's own exception. A parent's own failure is its own exception, as a chord body's
+  is: a task parent's, and the failed task's of a chain or group parent. Every such
+  assertion is written ``with flow_failed()`` (a child failed) or ``with
+  canvas_parent_failed()`` (a task of a chain or group parent failed, Celery's own
+  assertion), where Celery's test has ``pytest.raises(ExpectedException)`` or ``ChordError``.
 - ``link_error`` on the flow whose parent is a group runs once per failing task of that
   group, with that task's id, as a chord's does; when a child fails the flow before its
   parent runs, it runs once, with the flow's id, whatever the parent is (a chord calls it
@@ -125,9 +123,11 @@ def flow_failed() -> Iterator[Any]:
 
 @contextmanager
 def canvas_parent_failed() -> Iterator[Any]:
-    """The block raises FlowFailed for a task of the flow's chain or group parent that ran
-    ``fail`` (a chord's chain or group body raises the task's ExpectedException itself)."""
-    with flow_failed() as info:
+    """The block raises the ExpectedException of the task of the flow's chain or group parent
+    that ran ``fail``, as a chord's chain or group body does."""
+    from tests.proj import ExpectedException
+
+    with pytest.raises(ExpectedException) as info:
         yield info
 
 
