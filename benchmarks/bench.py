@@ -878,6 +878,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="only the chain-children section (no held, BullMQ, KxN sizes or plain tasks)",
     )
+    p.add_argument(
+        "--enqueue-only",
+        action="store_true",
+        help="only enqueue vs BullMQ's FlowProducer (no worker, held, KxN sizes, chains or "
+        "plain tasks)",
+    )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench-*.json)")
     p.add_argument("--max-seconds", type=int, default=1500, help="stop everything after this long")
     args = p.parse_args(argv)
@@ -899,6 +905,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--chains-only and --no-chains exclude each other")
     if args.chains_only:
         args.sizes, args.no_held, args.no_bullmq, args.no_plain = [], True, True, True
+    if args.enqueue_only:
+        args.sizes, args.chains, args.no_held, args.no_plain = [], [], True, True
     if args.no_chains:
         args.chains = []
     return args
