@@ -18,6 +18,7 @@ the chain rows as information.
     python3 dev.py bench --quick         # a smoke run (smaller sizes, 2 rounds: several minutes)
     python benchmarks/bench.py --sizes 20x50,2x1000 --rounds 5
     python benchmarks/bench.py --chains-only --chains 50x3,200x3   # the chain section alone
+    python3 dev.py bench --enqueue-only --rounds 9   # enqueue vs BullMQ alone (about a minute)
 
 Every number is taken side by side: the modes run interleaved (the order rotates each round)
 against the same worker, and the report gives medians and the per-round paired ratios, since
@@ -878,6 +879,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="only the chain-children section (no held, BullMQ, KxN sizes or plain tasks)",
     )
+    p.add_argument(
+        "--enqueue-only",
+        action="store_true",
+        help="only enqueue vs BullMQ's FlowProducer (no worker, held, KxN sizes, chains or "
+        "plain tasks)",
+    )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench-*.json)")
     p.add_argument("--max-seconds", type=int, default=1500, help="stop everything after this long")
     args = p.parse_args(argv)
@@ -899,6 +906,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--chains-only and --no-chains exclude each other")
     if args.chains_only:
         args.sizes, args.no_held, args.no_bullmq, args.no_plain = [], True, True, True
+    if args.enqueue_only:
+        args.sizes, args.chains, args.no_held, args.no_plain = [], [], True, True
     if args.no_chains:
         args.chains = []
     return args
@@ -1003,8 +1012,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         if args.sizes:
             log(f"bench: {' / '.join(modes)} against one worker")
-        worker = Worker(base, "celery")
-        stack.callback(worker.stop)
+        # The KxN sizes and the chain section run against one worker (none for --enqueue-only).
+        worker = Worker(base, "celery") if args.sizes or args.chains else None
+        if worker is not None:
+            stack.callback(worker.stop)
         queues: dict[str, str] = {}
         traced_worker: Worker | None = None
         if TRACED in modes:
@@ -1037,7 +1048,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             t_chains = time.time()
             report["chains"] = versus_chains(admin, waiter, args.chains, args.chain_rounds, hook)
             report["chains_elapsed_s"] = round(time.time() - t_chains, 1)
-        worker.stop()
+        if worker is not None:
+            worker.stop()
 
         if not args.no_plain:
             log("bench: plain tasks, worker with install vs without (interleaved)")

@@ -6,9 +6,11 @@ are checked against all of it with no window between the check and the rows' lan
 
 - On a store of one server, where a script may read every key, the enqueue script checks
   its ids itself (``includes/taken.lua``), in the same atomic step that writes them and
-  registers their queues: nothing more is sent, and a store of one queue reads one SMEMBERS.
+  registers their queues: nothing more is sent, and no command per child is run (a
+  variadic EXISTS per 500 keys), on up to four other queues whatever the flow's size.
 - Elsewhere (a Redis Cluster, whose scripts see one slot; a flow written in chunks; children
-  added to a running flow), :func:`claim_ids` first claims each id for its queue
+  added to a running flow; a check the script finds too wide, ``EMQWIDE``),
+  :func:`claim_ids` first claims each id for its queue
   (``emq:id:{JOB...}``, SET NX, on the id's own slot) and then looks for its rows on every
   registered queue: two enqueues of one id on two queues cannot both pass, as one of them
   finds the other's claim, and a claim lives only until its enqueue has landed or been

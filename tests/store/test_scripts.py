@@ -12,6 +12,7 @@ from celery_echomq.errors import FlowExistsError
 from celery_echomq.store.codec import Delta
 from celery_echomq.store.keyspace import Keyspace, new_job_id
 from celery_echomq.store.loader import TRANSITIONS, load_source
+from celery_echomq.store.replies import WideCheck
 from celery_echomq.store.scripts import ParentRef, Scripts
 from tests.helpers import KEYS, LEASE, TTL, enqueue, run_child
 
@@ -320,6 +321,34 @@ def test_enqueue_of_a_thousand_children_spans_every_slice(
     clash = [(new_job_id(), b"x") for _ in range(999)] + [(children[-1], b"y")]
     with pytest.raises(FlowExistsError, match=children[-1]):
         scripts.enqueue_flow(queue, new_job_id(), b"p", clash)
+    assert db.dbsize() == before
+
+
+def test_a_thousand_ids_are_checked_against_a_few_other_queues_in_the_script(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    """One id, one job, on a store of one server: a flow of 1,000 children checks its ids on
+    up to four other queues in its own enqueue script (no claim, no round trip of its own);
+    on more, with more than 1,000 keys to look up, it leaves the check to the host."""
+    others = [queue + s for s in "bcd"]
+    db.sadd(KEYS.queues_key(), queue, *others)
+    taken = new_job_id()
+    db.hset(KEYS.job_key(others[-1], taken), "state", "pending")
+    children = [(new_job_id(), b"c") for _ in range(999)]
+    before = db.dbsize()
+    with pytest.raises(FlowExistsError, match=taken) as refused:
+        scripts.enqueue_flow_at(queue, new_job_id(), b"p", [*children, (taken, b"c")], check=True)
+    assert others[-1] in str(refused.value)
+    assert db.dbsize() == before
+    parent = new_job_id()
+    scripts.enqueue_flow_at(queue, parent, b"p", children, check=True)
+    assert db.get(f"{KEYS.job_key(queue, parent)}:dependencies") == b"999"
+    assert db.keys("emq:id:*") == []
+    db.sadd(KEYS.queues_key(), *(queue + s for s in "ef"))
+    before = db.dbsize()
+    with pytest.raises(WideCheck):
+        wide = [(new_job_id(), b"c") for _ in range(300)]
+        scripts.enqueue_flow_at(queue, new_job_id(), b"p", wide, check=True)
     assert db.dbsize() == before
 
 

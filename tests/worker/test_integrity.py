@@ -314,6 +314,7 @@ def test_two_flows_made_at_once_on_two_new_queues_never_share_an_id(
         kids.append(proj.add.s(3, 3).set(task_id=job_id(), queue=own_queue("new-c")))
     if path == "wide":  # too many ids x queues for its script to check: the host checks
         kids += [proj.add.s(i, i) for i in range(999)]  # 1000 children, one enqueue_flow
+        store.sadd("emq:queues", *(own_queue(f"wide-{i}") for i in range(5)))  # > 4 others
     parent = proj.tsum.s().set(task_id=job_id(), queue=second_q)
     with pytest.raises(FlowExistsError, match=f"already exists in Redis, on queue '{first_q}'"):
         flow(parent, kids).apply_async(queue=second_q)

@@ -5,11 +5,15 @@
 -- host's claim step, see send/ids.py), or a row on any queue of the registry but ``own``
 -- (``parts[1] .. queue .. parts[2] .. id``). ``parts`` come from store/keyspace.py, the
 -- only place a key's form is written. Returns the EMQEXISTS error reply for the first id
--- taken, else nil. One variadic EXISTS per slice of keys: nothing per queue on a store of
--- one queue but one SMEMBERS. A check wider than CHECK_MAX keys (ids x queues) would hold
--- the server for milliseconds: before any lookup, "EMQWIDE" tells the host to claim the ids
--- and check them itself (send/ids.py), then call again without the check.
+-- taken, else nil. One SMEMBERS, then one variadic EXISTS per slice of keys: a key per id
+-- for the claims, and one per id and other queue (none on a store of one queue).
+-- The rows of other queues are looked up here when there are at most CHECK_QUEUES of them
+-- (a few keys per id, of the order of what the script writes per child, however large the
+-- flow), or at most CHECK_MAX keys in all. A wider check would hold the server for
+-- milliseconds: before any lookup, "EMQWIDE" tells the host to claim the ids and check them
+-- itself (send/ids.py), then call again without the check.
 local CHECK_MAX = 1000
+local CHECK_QUEUES = 4
 -- The first i whose keys[i] exists and, when ``value`` is given, holds another value than it.
 local function _first_taken(keys, value)
   local SLICE_IDS = 500
@@ -37,8 +41,14 @@ local function taken_elsewhere(registry, parts, own, ids)
   if #ids == 0 then
     return nil
   end
-  if redis.call('SCARD', registry) * #ids > CHECK_MAX then
-    return redis.error_reply('EMQWIDE ' .. #ids .. ' ids')
+  local others = {}
+  for _, queue in ipairs(redis.call('SMEMBERS', registry)) do
+    if queue ~= own then
+      others[#others + 1] = queue
+    end
+  end
+  if #others > CHECK_QUEUES and #others * #ids > CHECK_MAX then
+    return redis.error_reply('EMQWIDE ' .. #ids .. ' ids x ' .. #others .. ' queues')
   end
   local claims = {}
   for i = 1, #ids do
@@ -48,16 +58,14 @@ local function taken_elsewhere(registry, parts, own, ids)
   if hit then
     return redis.error_reply('EMQEXISTS ' .. ids[hit] .. ' ' .. queue)
   end
-  for _, other in ipairs(redis.call('SMEMBERS', registry)) do
-    if other ~= own then
-      local rows = {}
-      for i = 1, #ids do
-        rows[i] = parts[1] .. other .. parts[2] .. row_of(ids[i])
-      end
-      hit = _first_taken(rows, nil)
-      if hit then
-        return redis.error_reply('EMQEXISTS ' .. ids[hit] .. ' ' .. other)
-      end
+  for _, other in ipairs(others) do
+    local rows = {}
+    for i = 1, #ids do
+      rows[i] = parts[1] .. other .. parts[2] .. row_of(ids[i])
+    end
+    hit = _first_taken(rows, nil)
+    if hit then
+      return redis.error_reply('EMQEXISTS ' .. ids[hit] .. ' ' .. other)
     end
   end
   return nil
