@@ -41,6 +41,7 @@ from celery_echomq.ops.cancel import cancel_flow
 from celery_echomq.ops.dashboard.guard import Exposure, Guard
 from celery_echomq.ops.dashboard.metrics import registry_for
 from celery_echomq.ops.dashboard.overview import read_overview
+from celery_echomq.ops.dashboard.timeline import KINDS, build_timeline
 from celery_echomq.ops.listing import STATES
 from celery_echomq.ops.pages import FILTERS, PAGE, read_flow
 from celery_echomq.ops.rendering import seconds, short
@@ -157,6 +158,8 @@ class Dashboard:
             job_id=request.path_params["job_id"],
             node=node,
             failed=failed,
+            timeline=build_timeline(self.state, node) if node else None,
+            kinds=KINDS,
             filters=FILTERS,
             query=request.url.query,
             problem=problem,
