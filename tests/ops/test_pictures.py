@@ -102,3 +102,41 @@ def test_a_flows_timeline_draws_each_child_as_a_bar_of_its_state_then_the_parent
     )
     assert widths[0] <= widths[1] + 2
     shot(browser, "timeline-done.png")
+
+
+def test_a_failed_childs_traceback_and_its_retry_from_its_row_then_retry_all_failed(
+    proj: Any, worker: Any, store: redis.Redis, serve: Any, browser: Any
+) -> None:
+    from selenium.webdriver.common.by import By
+
+    flags = [f"test:flag:{uuid.uuid4().hex}" for _ in range(3)]
+    bad = [
+        with_id(proj.flaky.s(i, flag).set(parent_policy="ignore")) for i, flag in enumerate(flags)
+    ]
+    res = flow(proj.tsum.s(), [with_id(proj.add.s(1, 1)), *bad]).apply_async()
+    assert res.get(timeout=60) == 2  # the failures ignored
+    site = serve(allow_actions=True)
+    browser.get(f"{site.url}/flows/{res.id}")
+    first = id_of(bad[0])
+    details = wait_for(lambda: browser.find_elements(By.ID, f"traceback-{first}"), timeout=30)
+    details[0].find_element(By.TAG_NAME, "summary").click()
+    text = details[0].text
+    assert "Traceback (most recent call last)" in text and "ValueError" in text
+    assert "flaky" in text  # Celery's own, as the result backend keeps it
+    shot(browser, "failures.png", height=900)
+
+    store.set(flags[0], 1)  # fixed: retry that one child from its row
+    browser.find_element(By.ID, f"retry-child-{first}").click()
+    note = wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)[0].text
+    assert f"child {first} retried: 1 published again" in note
+    wait_for(lambda: state_of(store, first) == "done", timeout=60)
+    assert state_of(store, id_of(bad[1])) == "failed"
+
+    store.set(flags[1], 1)
+    store.set(flags[2], 1)
+    browser.get(f"{site.url}/flows/{res.id}")
+    browser.find_element(By.ID, "retry-all").click()
+    note = wait_for(lambda: browser.find_elements(By.ID, "note"), timeout=30)[0].text
+    assert "2 failed child(ren) published again" in note
+    for job in bad[1:]:
+        wait_for(lambda job=job: state_of(store, id_of(job)) == "done", timeout=60)
