@@ -140,3 +140,92 @@ def test_a_failed_childs_traceback_and_its_retry_from_its_row_then_retry_all_fai
     assert "2 failed child(ren) published again" in note
     for job in bad[1:]:
         wait_for(lambda job=job: state_of(store, id_of(job)) == "done", timeout=60)
+
+
+def test_the_home_page_draws_rates_per_minute_from_the_workers_samples_and_metrics_agree(
+    proj: Any, worker: Any, store: redis.Redis, serve: Any, browser: Any
+) -> None:
+    import time
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from celery_echomq import get_state
+    from celery_echomq.store.pulse import sample
+
+    ring = KEYS.queue_key("celery", "minutes")
+    assert flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async().get(timeout=60) == 2
+    # The worker's recovery loop samples the queue's counters once a minute.
+    wait_for(lambda: store.hlen(ring) > 0, timeout=30)
+    store.delete(ring)
+    # Three minutes gone by, each sampled with what the store counted by then: the same
+    # writer as the worker's, given the minute (the test cannot wait three).
+    state = get_state(proj.app)
+    now = time.time()
+    sample(state, ["celery"], now=now - 180)
+    for i in range(2):
+        assert flow(proj.tsum.s(), [proj.add.s(i, 1)]).apply_async().get(timeout=60) == i + 1
+    failing = flow(proj.tsum.s(), [proj.boom.s("no")]).apply_async()
+    wait_for(lambda: state_of(store, failing.id) == "failed", timeout=60)
+    sample(state, ["celery"], now=now - 120)
+    sample(state, ["celery"], now=now - 60)
+
+    site = serve()
+    browser.get(site.url + "/")
+    chart = "#chart-celery-{} figcaption b"
+
+    def peak(name: str) -> str:
+        found: str = browser.find_element("id", f"chart-celery-{name}").text
+        return found.split("peak ")[1]
+
+    assert peak("flows_released") == "2"  # both flows released in that minute
+    assert peak("flows_failed") == "1" and peak("children_failed") == "1"
+    for name in ("flows_released", "flows_failed", "children_failed", "held", "pending"):
+        svg = browser.find_elements("css selector", f"#chart-celery-{name} svg polyline")
+        assert len(svg) == 1
+        assert browser.find_element("css selector", chart.format(name)).text != ""
+    release = browser.find_element("id", "release-celery").text
+    assert "recent flows released" in release and "p50" in release and "p99" in release
+    shot(browser, "rates.png", height=560)
+
+    metrics = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(httpx.get(site.url + "/metrics").text)
+        for s in family.samples
+    }
+    assert (("echomq_per_minute", (("queue", "celery"), ("series", "held")))) in metrics
+    p50 = metrics[("echomq_flow_release_seconds", (("quantile", "0.5"), ("queue", "celery")))]
+    assert 0 <= p50 < 60
+
+
+def test_the_workers_page_names_each_worker_its_extension_clock_offset_and_last_pass(
+    env: Any, proj: Any, worker: Any, store: redis.Redis, serve: Any, browser: Any
+) -> None:
+    from tests.helpers import Worker
+
+    assert flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async().get(timeout=60) == 2
+    # The recovery loop records each pass it runs.
+    wait_for(lambda: store.hlen("emq:workers") > 0, timeout=30)
+    plain = Worker(
+        env, concurrency=1, name=f"old-{uuid.uuid4().hex[:6]}", extra_env={"ECHOMQ_T_PLAIN": "1"}
+    )
+    try:
+        site = serve()
+        browser.get(site.url + "/workers")
+        rows = browser.execute_script(
+            "return Array.from(document.querySelectorAll('#workers tr.worker')).map(r => ["
+            "r.dataset.name, r.dataset.extension, r.className,"
+            "r.querySelector('.offset').textContent,"
+            "r.querySelector('.pass').textContent]);"
+        )
+        by_name = {row[0].split("@")[0]: row for row in rows}
+        ours = by_name["session"]
+        assert ours[1] == "yes" and "wrong" not in ours[2]
+        assert " ms" in ours[3]  # its clock's offset from the store's
+        assert "UTC" in ours[4] and "ago" in ours[4]  # its last recovery pass
+        old = by_name[plain.name]
+        assert old[1] == "no" and "wrong" in old[2]  # consumes celery without the extension
+        assert old[3] == "-" and old[4] == "-"
+        shot(browser, "workers.png", height=420)
+    finally:
+        plain.stop()

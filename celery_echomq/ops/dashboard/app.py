@@ -5,6 +5,7 @@
                             without JavaScript); ?state=failed|done|...&cursor=...&count=...
     /flows/<JOBID>/live     the same page alone, what the page's script polls to redraw it
     /api/flows/<JOBID>      the same JSON as ``celery echomq show --json JOBID`` (same query)
+    /workers                the workers: the extension, clock offset, last recovery pass
     /metrics                Prometheus text (see metrics.py)
     POST /flows/<JOBID>/cancel|retry|release   only with --allow-actions (else 403)
 
@@ -184,6 +185,12 @@ class Dashboard:
             return _json_error(status, problem)
         return Response(tree_json(node, indent=None), media_type="application/json")
 
+    def workers(self, request: Request) -> Response:
+        from celery_echomq.ops.dashboard.workers import read_workers
+
+        rows, problem = read_workers(self.state)
+        return self._page(request, "workers.html", workers=rows, problem=problem)
+
     def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -339,6 +346,7 @@ def make_app(
         Route("/flows/{job_id}", dash.flow_page),
         Route("/flows/{job_id}/live", dash.live),
         Route("/api/flows/{job_id}", dash.api_flow),
+        Route("/workers", dash.workers),
         Route("/metrics", dash.metrics),
         Route("/flows/{job_id}/{action:str}", dash.action, methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
