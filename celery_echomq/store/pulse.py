@@ -2,11 +2,12 @@
 its counters, and per worker its last recovery pass.
 
 Written by each worker's recovery loop, never by the scripts (a succeeding child costs no
-command more): once a minute, per queue it consumes, one pipelined round trip reads the
-queue's counters hash and state-set sizes and writes them as that minute's sample
-(``HSETNX``: the first worker of the minute writes it, the others' is a no-op), then drops
-the sample ``RING`` minutes older (``HDEL``). O(1) per write, at most ``RING`` fields per
-queue. A rate is the difference of two samples over the minutes between them.
+command more): once a minute, for the queues it consumes, one pipelined round trip reads
+each queue's counters hash and state-set sizes, and one writes them as that minute's sample
+(``HSETNX``: the first worker of the minute writes it, the others' is a no-op) and drops the
+sample ``RING`` minutes older (``HDEL``). O(1) per write, at most ``RING`` fields per queue;
+the ring expires two hours after its last sample. A rate is the difference of two samples
+over the minutes between them.
 
 Each pass the loop runs also sets its worker's field in ``{prefix}:workers`` (name -> JSON:
 when, the queues, the pid), a hash that expires a week after its last write.
@@ -63,6 +64,7 @@ def sample(state: EchoMQ, queues: Iterable[str], now: float | None = None) -> in
         key = minutes_key(state, queue)
         pipe.hsetnx(key, str(minute), json.dumps(found, separators=(",", ":")))
         pipe.hdel(key, str(minute - RING))
+        pipe.expire(key, 2 * RING * 60)  # gone two hours after the last worker sampled it
     pipe.execute()
     return minute
 

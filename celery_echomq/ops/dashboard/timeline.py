@@ -72,7 +72,8 @@ def build_timeline(state: EchoMQ, root: JobNode) -> Timeline | None:
     """The timeline of ``root``'s page of children (None for a job that is no flow)."""
     if root.flow is None:
         return None
-    # A nested flow's bar begins at its own enqueue: one ZSCORE each, the page's at most.
+    # A nested flow's bar begins at its own enqueue (one ZSCORE each, the page's at most), or,
+    # not indexed on its own (enqueued with its outer flow), at the outer flow's.
     nested = [c for c in root.children if c.flow is not None]
     pipe = state.client.pipeline(transaction=False)
     for job in (root, *nested):
@@ -88,7 +89,9 @@ def build_timeline(state: EchoMQ, root: JobNode) -> Timeline | None:
         # A linked chain: each step in order, the first as the child's row, the rest under it.
         rows.extend((step, i > 0) for i, step in enumerate(child.steps or (child,)))
     spans = [(node, step, *_times(node, enqueued, now)) for node, step in rows]
-    spans = [(n, st, min(s, int(began[n.id])) if n.id in began else s, e) for n, st, s, e in spans]
+    spans = [
+        (n, st, min(s, int(began.get(n.id, enqueued))) if n.flow else s, e) for n, st, s, e in spans
+    ]
     parent = _times(root, enqueued, now) if root.started_ms or root.finished else None
     ends = [end for *_, end in spans] + ([parent[1]] if parent else [])
     start = min([enqueued] + [s for *_, s, _ in spans])
