@@ -229,3 +229,31 @@ def test_the_workers_page_names_each_worker_its_extension_clock_offset_and_last_
         shot(browser, "workers.png", height=420)
     finally:
         plain.stop()
+
+
+def test_the_timeline_tells_waiting_from_running_then_cancelled_and_draws_one_page(
+    proj: Any, worker: Any, store: redis.Redis, gate: str, serve: Any, browser: Any
+) -> None:
+    slow = with_id(proj.gated.s(1, gate))
+    rest = [with_id(proj.add.s(i, 1)) for i in range(3)]
+    res = flow(proj.tsum.s(), [slow, *rest], max_active=1).apply_async()
+    wait_for(lambda: state_of(store, id_of(slow)) == "active", timeout=60)
+    site = serve(allow_actions=True)
+    browser.get(f"{site.url}/flows/{res.id}")
+    wait_for(lambda: bars(browser).get(id_of(slow)) == "running", timeout=30)
+    seen = bars(browser)
+    assert [seen[id_of(job)] for job in rest] == ["waiting"] * 3  # the window's waiting ones
+    shot(browser, "timeline-waiting.png")
+
+    browser.find_element("id", "action-cancel").click()
+    wait_for(lambda: bars(browser).get(id_of(rest[0])) == "cancelled", timeout=30)
+    assert [bars(browser)[id_of(job)] for job in rest] == ["cancelled"] * 3
+    shot(browser, "timeline-cancelled.png")
+
+    # A big flow draws the page of children in view, never the tree.
+    big = flow(proj.tsum.s(), [proj.add.s(i, 0) for i in range(120)]).apply_async()
+    assert big.get(timeout=120) == sum(range(120))
+    browser.get(f"{site.url}/flows/{big.id}")
+    drawn = wait_for(lambda: bars(browser), timeout=30)
+    assert len(drawn) == 50 + 1 and drawn[big.id] == "done"  # a page of 50, and the parent
+    assert set(drawn.values()) == {"done"}

@@ -83,7 +83,9 @@ def build_timeline(state: EchoMQ, root: JobNode) -> Timeline | None:
     score, began = scores[0], {c.id: s for c, s in zip(nested, scores[1:], strict=True) if s}
     now = int(secs) * 1000 + int(micros) // 1000
     known = [t for n in (root, *root.children) for t in (n.started_ms, n.finished_ms) if t]
-    enqueued = int(score) if score is not None else min(known, default=now)
+    # Its index's score, or the first start seen where that is later (a flow sealed after
+    # its first children started, a window's).
+    enqueued = min(([int(score)] if score is not None else []) + known, default=now)
     rows: list[tuple[JobNode, bool]] = []
     for child in root.children:
         # A linked chain: each step in order, the first as the child's row, the rest under it.
