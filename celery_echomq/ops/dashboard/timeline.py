@@ -87,10 +87,19 @@ def build_timeline(state: EchoMQ, root: JobNode) -> Timeline | None:
     # its first children started, a window's).
     enqueued = min(([int(score)] if score is not None else []) + known, default=now)
     rows: list[tuple[JobNode, bool]] = []
+    handed: dict[str, int] = {}  # a chain's step: the start of the step after it
     for child in root.children:
         # A linked chain: each step in order, the first as the child's row, the rest under it.
         rows.extend((step, i > 0) for i, step in enumerate(child.steps or (child,)))
+        for step, after in zip(child.steps, child.steps[1:], strict=False):
+            if after.started_ms is not None:
+                handed[step.id] = after.started_ms
     spans = [(node, step, *_times(node, enqueued, now)) for node, step in rows]
+    # A done step's end is not kept (its result is its next step's input): the next's start.
+    spans = [
+        (n, st, s, handed[n.id] if n.finished_ms is None and n.id in handed else e)
+        for n, st, s, e in spans
+    ]
     spans = [
         (n, st, min(s, int(began.get(n.id, enqueued))) if n.flow else s, e) for n, st, s, e in spans
     ]
