@@ -9,6 +9,11 @@ sample ``RING`` minutes older (``HDEL``). O(1) per write, at most ``RING`` field
 the ring expires two hours after its last sample. A rate is the difference of two samples
 over the minutes between them.
 
+Children done are tallied in the process that completed them (a dict, no command), and the
+tally of a minute is added to the ring (``HINCRBY`` of the field ``<minute>:done``) by that
+process's first completion of a later minute: one command per process and minute, whatever
+the number of children (a process idle since keeps its last minute's tally until its next).
+
 Each pass the loop runs also sets its worker's field in ``{prefix}:workers`` (name -> JSON:
 when, the queues, the pid), a hash that expires a week after its last write.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -63,10 +69,31 @@ def sample(state: EchoMQ, queues: Iterable[str], now: float | None = None) -> in
         found.update(pending=int(pending), active=int(active))
         key = minutes_key(state, queue)
         pipe.hsetnx(key, str(minute), json.dumps(found, separators=(",", ":")))
-        pipe.hdel(key, str(minute - RING))
+        pipe.hdel(key, str(minute - RING), f"{minute - RING}:done")
         pipe.expire(key, 2 * RING * 60)  # gone two hours after the last worker sampled it
     pipe.execute()
     return minute
+
+
+_tally: dict[tuple[int, str], int] = {}  # (minute, queue) -> children done, not yet added
+_tally_lock = threading.Lock()
+
+
+def note_done(state: EchoMQ, queue: str, now: float | None = None) -> None:
+    """A child of a flow on ``queue`` completed: tallied, and earlier minutes' tallies added
+    to their queues' rings."""
+    minute = int((time.time() if now is None else now) // 60)
+    with _tally_lock:
+        _tally[(minute, queue)] = _tally.get((minute, queue), 0) + 1
+        due = {k: v for k, v in _tally.items() if k[0] < minute}
+        for k in due:
+            del _tally[k]
+    if not due:
+        return
+    pipe = state.client.pipeline(transaction=False)
+    for (then, name), count in due.items():
+        pipe.hincrby(minutes_key(state, name), f"{then}:done", count)
+    pipe.execute()
 
 
 def record_pass(state: EchoMQ, name: str, queues: Iterable[str] | None) -> None:
@@ -94,14 +121,21 @@ def read_passes(state: EchoMQ) -> dict[str, dict[str, Any]]:
 class Minute:
     minute: int  # minutes since the epoch
     values: dict[str, int]
+    done: int = 0  # children done in that minute (the workers' tallies added so far)
 
 
 def read_minutes(state: EchoMQ, queue: str) -> list[Minute]:
-    """The queue's samples, oldest first (at most ``RING``)."""
-    found = []
-    for minute, raw in state.client.hgetall(minutes_key(state, queue)).items():
+    """The queue's samples, oldest first (at most ``RING``), each with its minute's tally
+    of children done."""
+    samples: dict[int, dict[str, int]] = {}
+    done: dict[int, int] = {}
+    for field, raw in state.client.hgetall(minutes_key(state, queue)).items():
+        name = str(text(field))
         try:
-            found.append(Minute(int(text(minute) or 0), json.loads(str(text(raw)))))
+            if name.endswith(":done"):
+                done[int(name[: -len(":done")])] = int(text(raw) or 0)
+            else:
+                samples[int(name)] = json.loads(str(text(raw)))
         except ValueError:
             continue
-    return sorted(found, key=lambda m: m.minute)
+    return [Minute(m, samples[m], done.get(m, 0)) for m in sorted(samples)]

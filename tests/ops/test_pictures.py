@@ -151,7 +151,7 @@ def test_the_home_page_draws_rates_per_minute_from_the_workers_samples_and_metri
     from prometheus_client.parser import text_string_to_metric_families
 
     from celery_echomq import get_state
-    from celery_echomq.store.pulse import sample
+    from celery_echomq.store.pulse import note_done, sample
 
     ring = KEYS.queue_key("celery", "minutes")
     assert flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async().get(timeout=60) == 2
@@ -169,6 +169,12 @@ def test_the_home_page_draws_rates_per_minute_from_the_workers_samples_and_metri
     wait_for(lambda: state_of(store, failing.id) == "failed", timeout=60)
     sample(state, ["celery"], now=now - 120)
     sample(state, ["celery"], now=now - 60)
+    # Children done are tallied where they complete; a minute's tally goes to the ring at
+    # that process's first completion of a later minute (here, this process's).
+    for _ in range(7):
+        note_done(state, "celery", now=now - 120)
+    note_done(state, "celery", now=now - 60)
+    assert int(store.hget(ring, f"{int((now - 120) // 60)}:done") or 0) >= 7
 
     site = serve()
     browser.get(site.url + "/")
@@ -180,7 +186,8 @@ def test_the_home_page_draws_rates_per_minute_from_the_workers_samples_and_metri
 
     assert peak("flows_released") == "2"  # both flows released in that minute
     assert peak("flows_failed") == "1" and peak("children_failed") == "1"
-    for name in ("flows_released", "flows_failed", "children_failed", "held", "pending"):
+    assert int(peak("children_done")) >= 7
+    for name in ("flows_released", "flows_failed", "children_done", "children_failed", "held"):
         svg = browser.find_elements("css selector", f"#chart-celery-{name} svg polyline")
         assert len(svg) == 1
         assert browser.find_element("css selector", chart.format(name)).text != ""

@@ -21,6 +21,7 @@ from celery_echomq.store.state import EchoMQ
 SERIES = (
     ("flows_released", "flows released / min", ("released",), True),
     ("flows_failed", "flows failed / min", ("failed_fail",), True),
+    ("children_done", "children done / min", (), True),
     (
         "children_failed",
         "children failed / min",
@@ -60,6 +61,12 @@ def series_of(samples: list[Minute]) -> list[Series]:
     out = []
     for name, title, fields, rate in SERIES:
         values: list[tuple[int, float]] = []
+        if name == "children_done":  # not a counter: each minute's tally, as the workers add
+            values = [(s.minute, float(s.done)) for s in samples]
+            points, peak = _points(values, first, span)
+            last = values[-1][1] if values else None
+            out.append(Series(name, title, tuple(values), points, last, peak))
+            continue
         for before, after in pairwise(samples if rate else []):
             then = sum(before.values.get(f, 0) for f in fields)
             now = sum(after.values.get(f, 0) for f in fields)
