@@ -8,6 +8,7 @@ process dies in between.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from celery_echomq.send.freed import publish_freed
 from celery_echomq.store.codec import load_job
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_CHORD, H_NEXT, H_PARENT, H_PARENT_QUEUE
+from celery_echomq.store.pulse import note_done
 from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
@@ -222,6 +224,9 @@ def settle_success(
     )
     if freed:
         publish_freed(state, queue, freed)
+    if parent is not None and status in (Status.RELEASED, Status.CREDITED, Status.STAGED):
+        with contextlib.suppress(Exception):  # the dashboard's tally: never the job's concern
+            note_done(state, queue)
     if status is Status.FORGED:
         logger.warning(
             "echomq: completion of %s refused: parent %s is not the job's own", job_id, parent
@@ -272,6 +277,9 @@ def settle_failure(
     )
     if freed:
         publish_freed(state, queue, freed)
+    if parent is not None and status in (Status.RELEASED, Status.CREDITED, Status.STAGED):
+        with contextlib.suppress(Exception):  # the dashboard's tally: never the job's concern
+            note_done(state, queue)
     if status is Status.FORGED:
         logger.warning(
             "echomq: failure of %s refused: parent %s is not the job's own", job_id, parent

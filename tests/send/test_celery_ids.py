@@ -307,8 +307,9 @@ class Probe:
 
 
 # A lease of the store's (emq:lease:<name>) or of a queue's (emq:{<queue>}:lease:<name>, the
-# recovery pass's): the session's worker takes and gives them back whenever it likes.
-LEASE = re.compile(rb"emq:(\{[^}]*\}:)?lease:")
+# recovery pass's): the session's worker takes and gives them back whenever it likes; and what
+# its recovery loop records for the dashboard (emq:workers, a queue's per-minute samples).
+LEASE = re.compile(rb"emq:((\{[^}]*\}:)?lease:|workers$|\{[^}]*\}:minutes$)")
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@
                             without JavaScript); ?state=failed|done|...&cursor=...&count=...
     /flows/<JOBID>/live     the same page alone, what the page's script polls to redraw it
     /api/flows/<JOBID>      the same JSON as ``celery echomq show --json JOBID`` (same query)
+    /workers                the workers: the extension, clock offset, last recovery pass
     /metrics                Prometheus text (see metrics.py)
     POST /flows/<JOBID>/cancel|retry|release   only with --allow-actions (else 403)
 
@@ -41,15 +42,17 @@ from celery_echomq.ops.cancel import cancel_flow
 from celery_echomq.ops.dashboard.guard import Exposure, Guard
 from celery_echomq.ops.dashboard.metrics import registry_for
 from celery_echomq.ops.dashboard.overview import read_overview
+from celery_echomq.ops.dashboard.timeline import KINDS, build_timeline
+from celery_echomq.ops.dashboard.tracebacks import failed_jobs, tracebacks
 from celery_echomq.ops.listing import STATES
-from celery_echomq.ops.pages import FILTERS, PAGE, read_flow
+from celery_echomq.ops.pages import FILTERS, PAGE, iter_children, read_flow
 from celery_echomq.ops.rendering import seconds, short
 from celery_echomq.ops.views import FINISHED, JobNode, tree_json
 from celery_echomq.store.state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")
 HERE = Path(__file__).resolve().parent
-ACTIONS = ("cancel", "retry", "release")
+ACTIONS = ("cancel", "retry", "release", "retry-child", "retry-failed")
 
 
 def _when(ms: int | None) -> str:
@@ -157,6 +160,9 @@ class Dashboard:
             job_id=request.path_params["job_id"],
             node=node,
             failed=failed,
+            timeline=build_timeline(self.state, node) if node else None,
+            kinds=KINDS,
+            tracebacks=tracebacks(self.state, failed_jobs((node, failed))),
             filters=FILTERS,
             query=request.url.query,
             problem=problem,
@@ -179,6 +185,12 @@ class Dashboard:
             return _json_error(status, problem)
         return Response(tree_json(node, indent=None), media_type="application/json")
 
+    def workers(self, request: Request) -> Response:
+        from celery_echomq.ops.dashboard.workers import read_workers
+
+        rows, problem = read_workers(self.state)
+        return self._page(request, "workers.html", workers=rows, problem=problem)
+
     def metrics(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -198,6 +210,9 @@ class Dashboard:
             return PlainTextResponse(refused, status_code=403)
         # The store calls block: run them off the event loop, as Starlette runs sync routes.
         do = self._handlers()[action]
+        if action == "retry-child":  # the child of the row the button is on
+            child = str(form.get("child") or "")
+            do = lambda job_id: self._retry_child(job_id, child)  # noqa: E731
         try:
             note = await run_in_threadpool(do, job_id)
         except EchoMQError as exc:  # a refusal (NotRepairableError...), a bad or unknown id
@@ -221,7 +236,13 @@ class Dashboard:
         return ""
 
     def _handlers(self) -> dict[str, Callable[[str], str]]:
-        return {"cancel": self._cancel, "retry": self._retry, "release": self._release}
+        return {
+            "cancel": self._cancel,
+            "retry": self._retry,
+            "release": self._release,
+            "retry-child": self._retry,  # replaced by _retry_child, with the form's child
+            "retry-failed": self._retry_failed,
+        }
 
     def _cancel(self, job_id: str) -> str:
         before = read_flow(self.state, job_id, count=1, with_result=False)
@@ -248,6 +269,38 @@ class Dashboard:
         return (
             f"flow {job_id} retried: {len(done.republished)} child(ren) published again; "
             f"parent {done.state}"
+        )
+
+    def _retry_child(self, job_id: str, child: str) -> str:
+        from celery_echomq.ops.repair import retry_flow
+
+        if not child:
+            raise EchoMQError("which child? the form names none")
+        done = retry_flow(self.state, job_id, child=child)
+        return (
+            f"child {child} retried: {len(done.republished)} published again; parent {done.state}"
+        )
+
+    def _retry_failed(self, job_id: str) -> str:
+        """Every failed child of the flow, whatever its policy: those failed under ``fail``
+        as the retry button does, then each other one on its own (a page at a time)."""
+        from celery_echomq.ops.repair import retry_flow
+
+        node = read_flow(self.state, job_id, count=1, with_result=False)
+        republished = 0
+        if "retry" in allowed_actions(node):
+            republished += len(retry_flow(self.state, job_id).republished)
+        # Read first, then retried: a retry takes a child out of the set being paged.
+        ids = [
+            c.id for c in iter_children(self.state, job_id, only="failed") if c.state == "failed"
+        ]
+        for child in ids:
+            republished += len(retry_flow(self.state, job_id, child=child).republished)
+        if not republished:
+            raise EchoMQError(f"flow {job_id} has no failed child to retry")
+        after = read_flow(self.state, job_id, count=1, with_result=False)
+        return (
+            f"flow {job_id}: {republished} failed child(ren) published again; parent {after.state}"
         )
 
     def _release(self, job_id: str) -> str:
@@ -293,6 +346,7 @@ def make_app(
         Route("/flows/{job_id}", dash.flow_page),
         Route("/flows/{job_id}/live", dash.live),
         Route("/api/flows/{job_id}", dash.api_flow),
+        Route("/workers", dash.workers),
         Route("/metrics", dash.metrics),
         Route("/flows/{job_id}/{action:str}", dash.action, methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),

@@ -3,7 +3,8 @@
 Nothing is kept in the dashboard process: gauges are the queues' state-set sizes and the
 count of held parents, counters are the fields the scripts increment in each queue's
 ``emq:{q}:counters`` hash (monotonic: only the scripts write them, and only upwards). One
-pipelined round trip per scrape, five commands per queue.
+pipelined round trip per scrape, five commands per queue; then, per queue, the ring of
+per-minute samples (store/pulse.py) and one page of recent flows for the release times.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from celery_echomq.ops.dashboard.overview import queue_names, read_counts
+from celery_echomq.ops.dashboard.charts import percentiles, read_series, release_times
+from celery_echomq.ops.dashboard.overview import PAGE, queue_names, read_counts
+from celery_echomq.ops.listing import read_flows
 from celery_echomq.store.state import EchoMQ
 
 POLICIES = ("fail", "ignore", "remove", "continue")
@@ -73,6 +76,32 @@ class EchoMQCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         yield failures
+        yield from self._over_time(names)
+
+    def _over_time(self, names: list[str]) -> Iterator[Metric]:
+        """What the home page's charts draw: each series' latest per-minute value (from the
+        workers' samples), and the release times of the newest page of recent flows."""
+        minute = GaugeMetricFamily(
+            "echomq_per_minute",
+            "The latest minute's value of each of the dashboard's series over time (rates "
+            "per minute between the workers' samples; held, pending, active as sampled)",
+            labels=["queue", "series"],
+        )
+        release = GaugeMetricFamily(
+            "echomq_flow_release_seconds",
+            "From a flow's enqueue to its parent's release, over the newest recent flows "
+            "released (nearest-rank quantiles)",
+            labels=["queue", "quantile"],
+        )
+        for name in names:
+            for series in read_series(self.state, name):
+                if series.last is not None:
+                    minute.add_metric([name, series.name], series.last)
+            rows, _ = read_flows(self.state, "recent", name, None, PAGE, None)
+            for quantile, ms in percentiles(release_times(self.state, rows)).items():
+                release.add_metric([name, str(quantile)], ms / 1000)
+        yield minute
+        yield release
 
 
 def registry_for(state: EchoMQ) -> CollectorRegistry:

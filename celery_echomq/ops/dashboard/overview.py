@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from celery_echomq.ops.dashboard.charts import Series, percentiles, read_series, release_times
 from celery_echomq.ops.listing import FlowRow, read_flows
 from celery_echomq.store.connection import text
 from celery_echomq.store.state import EchoMQ
@@ -50,6 +51,9 @@ class QueueView:
     indexed: int  # flows in the recent index
     counters: dict[str, int]
     lists: dict[str, FlowList] = field(default_factory=dict)
+    series: list[Series] = field(default_factory=list)  # rates over time (charts.py)
+    release: dict[float, int] = field(default_factory=dict)  # quantile -> ms, recent flows
+    released: int = 0  # how many of the recent flows in view those quantiles are of
 
 
 def _int(value: Any) -> int:
@@ -99,6 +103,8 @@ def read_overview(
         for wanted in (only,) if only else LISTS:
             rows, more = read_flows(state, wanted, name, None, PAGE, cursor)
             lists[wanted] = FlowList(wanted, rows, more)
+        recent = lists.get("recent")
+        times = release_times(state, recent.rows) if recent else []
         views.append(
             QueueView(
                 queue=name,
@@ -109,6 +115,9 @@ def read_overview(
                 indexed=cards[3],
                 counters=counters,
                 lists=lists,
+                series=read_series(state, name) if only is None else [],
+                release=percentiles(times),
+                released=len(times),
             )
         )
     return views

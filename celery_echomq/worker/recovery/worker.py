@@ -17,6 +17,7 @@ from celery import bootsteps
 
 from celery_echomq.send.start import publish
 from celery_echomq.store.headers import H_QUEUE
+from celery_echomq.store.pulse import record_pass, sample
 from celery_echomq.store.reads import queues_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ, find_state
@@ -155,7 +156,9 @@ class RecoveryLoop:
         # lease of a live job lapse.
         self.renew_every = min(settings.recovery_interval, settings.stall_timeout / 3)
         self.tick = min(TICK, self.renew_every)
+        self.name = name
         self._held: dict[str, Held] = {}
+        self._sampled = 0  # the last minute this loop sampled the queues' counters (pulse.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -225,9 +228,23 @@ class RecoveryLoop:
                 next_pass = time.monotonic() + self.interval
                 try:
                     leased_pass(self.state, self.holder, self.queues())
+                    record_pass(self.state, self.name, self.queues())
                 except Exception as exc:
                     logger.warning("echomq recovery: pass failed: %s: %s", type(exc).__name__, exc)
+            self._pulse()
             self._stop.wait(self.tick)
+
+    def _pulse(self) -> None:
+        """Once a minute: that minute's sample of the counters of the queues this worker
+        consumes (the dashboard's rates over time)."""
+        if int(time.time() // 60) == self._sampled:
+            return
+        try:
+            queues = queues_of(self.state, self.queues())
+            if queues:  # else again at the next tick: a first flow makes its queue known
+                self._sampled = sample(self.state, queues)
+        except Exception as exc:
+            logger.debug("echomq recovery: could not sample the counters: %s", exc)
 
 
 class RecoveryStep(bootsteps.StartStopStep):  # type: ignore[misc]

@@ -1,0 +1,110 @@
+"""The home page's rates over time, per queue, from the ring of per-minute samples the
+workers keep (store/pulse.py), and the time from a flow's enqueue to its parent's release.
+
+One HGETALL of at most ``pulse.RING`` fields per queue for the series; for the release
+times, one pipelined HGET of ``dispatched`` per flow of the recent-flow page already read
+(its rows carry their enqueue time): O(page), whatever the store holds. Drawn as inline SVG
+polylines by the template (points computed here, in a 0..100 box).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+from celery_echomq.ops.listing import FlowRow
+from celery_echomq.store.connection import text
+from celery_echomq.store.pulse import Minute, read_minutes
+from celery_echomq.store.state import EchoMQ
+
+# (name, what it says, how it is read from two samples: a counter's rate or a gauge)
+SERIES = (
+    ("flows_released", "flows released / min", ("released",), True),
+    ("flows_failed", "flows failed / min", ("failed_fail",), True),
+    ("children_done", "children done / min", (), True),
+    (
+        "children_failed",
+        "children failed / min",
+        ("failed_fail", "failed_ignore", "failed_remove", "failed_continue"),
+        True,
+    ),
+    ("held", "held parents", ("held",), False),
+    ("pending", "waiting jobs (pending)", ("pending",), False),
+    ("active", "running jobs", ("active",), False),
+)
+QUANTILES = (0.5, 0.9, 0.99)
+
+
+@dataclass(frozen=True)
+class Series:
+    name: str
+    title: str
+    values: tuple[tuple[int, float], ...]  # (minute, value)
+    points: str  # "x,y x,y ..." in a 100 x 40 box, for an SVG polyline
+    last: float | None
+    peak: float
+
+
+def _points(values: list[tuple[int, float]], first: int, span: int) -> tuple[str, float]:
+    peak = max((v for _, v in values), default=0.0)
+    top = peak or 1.0
+    pts = " ".join(f"{100 * (m - first) / span:.2f},{40 - 38 * v / top:.2f}" for m, v in values)
+    return pts, peak
+
+
+def series_of(samples: list[Minute]) -> list[Series]:
+    """Each series over the samples: a counter's increase per minute between consecutive
+    samples (a gap spread over its minutes; a counter that went down, a restored store,
+    counts from zero), a gauge as sampled."""
+    first = samples[0].minute if samples else 0
+    span = max((samples[-1].minute - first) if samples else 1, 1)
+    out = []
+    for name, title, fields, rate in SERIES:
+        values: list[tuple[int, float]] = []
+        if name == "children_done":  # not a counter: each minute's tally, as the workers add
+            values = [(s.minute, float(s.done)) for s in samples]
+            points, peak = _points(values, first, span)
+            last = values[-1][1] if values else None
+            out.append(Series(name, title, tuple(values), points, last, peak))
+            continue
+        for before, after in pairwise(samples if rate else []):
+            then = sum(before.values.get(f, 0) for f in fields)
+            now = sum(after.values.get(f, 0) for f in fields)
+            gap = max(after.minute - before.minute, 1)
+            values.append((after.minute, max(now - then, 0) / gap))
+        if not rate:
+            values = [(s.minute, float(sum(s.values.get(f, 0) for f in fields))) for s in samples]
+        points, peak = _points(values, first, span)
+        out.append(
+            Series(name, title, tuple(values), points, values[-1][1] if values else None, peak)
+        )
+    return out
+
+
+def read_series(state: EchoMQ, queue: str) -> list[Series]:
+    return series_of(read_minutes(state, queue))
+
+
+def release_times(state: EchoMQ, rows: list[FlowRow]) -> list[int]:
+    """From enqueue to release, in ms, of the flows among ``rows`` that were released."""
+    timed = [r for r in rows if r.enqueued_ms is not None]
+    if not timed:
+        return []
+    pipe = state.client.pipeline(transaction=False)
+    for row in timed:
+        pipe.hget(state.keys.job_key(row.queue, row.id), "dispatched")
+    out = []
+    for row, raw in zip(timed, pipe.execute(), strict=True):
+        found = text(raw)
+        if found and row.enqueued_ms is not None:
+            out.append(max(0, int(found) - row.enqueued_ms))
+    return sorted(out)
+
+
+def percentiles(values: list[int]) -> dict[float, int]:
+    """The nearest-rank percentiles of sorted ``values`` (none when empty)."""
+    if not values:
+        return {}
+    return {
+        q: values[min(len(values) - 1, max(0, round(q * len(values) + 0.5) - 1))] for q in QUANTILES
+    }
