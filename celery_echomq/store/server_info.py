@@ -61,6 +61,7 @@ SCRIPT_COMMANDS: dict[str, tuple[str, ...]] = {
     "DECR": ("K",),
     "HEXISTS": ("K", "f"),
     "HINCRBY": ("K", "f", "1"),
+    "HSTRLEN": ("K", "f"),
     "INCR": ("K",),
     "INCRBY": ("K", "1"),
     "LPOP": ("K",),
