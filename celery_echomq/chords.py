@@ -18,6 +18,7 @@ Eager chords (``task_always_eager``, ``chord.apply``) are Celery's: nothing is h
 from __future__ import annotations
 
 import functools
+from copy import deepcopy
 from typing import Any
 
 from celery.app.task import Task
@@ -26,7 +27,7 @@ from celery.canvas import Signature, _chain, _chord, group
 from celery.utils import uuid
 
 from celery_echomq.errors import ConfigError
-from celery_echomq.store.headers import H_CHORD, H_PARENT
+from celery_echomq.store.headers import CHORD_OPTION, H_PARENT
 from celery_echomq.store.state import find_state
 
 SETTING = "echomq_chords"
@@ -130,7 +131,10 @@ def _run_as_flow(
         body.delay([])
         bodyres.parent = header_result
         return bodyres
-    _mark_chord(body)
+    # What the engine records when the header fails: Celery's own error handling of this body
+    # (its errbacks, a group body's tasks, the chain after it), from the body as sent; a chain
+    # body's steps are flow jobs that run their errbacks themselves.
+    chord_body = "1" if isinstance(body, _chain) else deepcopy(dict(body))
     # What the chord is sent with wins over each header task's own, as in Celery's
     # header.apply_async(**options) (a flow's own children keep theirs).
     for task in header.tasks:
@@ -141,16 +145,9 @@ def _run_as_flow(
             # What Celery's send of each header task does first: Redis's result backend
             # listens (pub/sub) for each header task's result from now on.
             app.backend.on_task_call(None, result.id)
-    held.apply_async(partial_args, kwargs, **{**options, **delay})
+    held.apply_async(partial_args, kwargs, **{**options, **delay, CHORD_OPTION: chord_body})
     bodyres.parent = header_result
     return bodyres
-
-
-def _mark_chord(body: Signature) -> None:
-    """The body's message says it stands for a chord, wherever its failure is recorded from."""
-    headers = dict(body.options.get("headers") or {})
-    headers[H_CHORD] = "1"
-    body.options["headers"] = headers
 
 
 def add_to_chord(self: Task, sig: Signature, lazy: bool = False) -> Any:

@@ -9,7 +9,7 @@ from celery.canvas import Signature
 
 from celery_echomq.errors import PolicyError
 from celery_echomq.send.signatures import CALLBACKS, STEP_ERRBACKS, merge_callbacks
-from celery_echomq.store.headers import CARRIED, H_RESULT, RESERVED
+from celery_echomq.store.headers import H_RESULT, RESERVED
 from celery_echomq.store.keyspace import check_id, check_queue, new_job_id
 
 POLICIES = ("fail", "ignore", "remove", "continue")
@@ -70,10 +70,10 @@ def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -
             # Both run, as a chord runs its body's own callbacks and those it was sent with.
             opts[name] = merge_callbacks(sig.options[name], options[name])
     given = opts.get("headers") or {}
-    if any(str(name).startswith(RESERVED) and name not in CARRIED for name in given):
+    if any(str(name).startswith(RESERVED) for name in given):
         # The flow's own headers are the plan's alone: one a signature brings (copied from a
         # request, or from untrusted JSON) must not name another flow's job.
-        given = {k: v for k, v in given.items() if not str(k).startswith(RESERVED) or k in CARRIED}
+        given = {k: v for k, v in given.items() if not str(k).startswith(RESERVED)}
     opts["headers"] = {**given, **headers}
     job = {
         "task": sig.task,

@@ -31,14 +31,15 @@ H_HANDED = "echomq_h"
 # "1": the store writes this job's result into Celery's result backend when the job completes
 # (the message says ignore_result, so Celery's trace writes none; see results.py).
 H_RESULT = "echomq_r"
-# "1" on the parent of a flow that stands for a chord (``echomq_chords``, see chords.py): its
-# failure is worded as Celery words a chord's.
+# On the parent of a flow that stands for a chord (``echomq_chords``, see chords.py): the
+# chord's body as Celery would send it (its failure is then Celery's, from the body), or "1"
+# for a chain body (the failure only worded as Celery words a chord's).
 H_CHORD = "echomq_c"
+# The apply_async option by which chords.py hands a flow that value.
+CHORD_OPTION = "echomq_chord"
 
 # The prefix of every header above: reserved for the plan's own.
 RESERVED = "echomq_"
-# The reserved headers a signature may bring: they name no job, only how an error is worded.
-CARRIED = frozenset({H_CHORD})
 
 
 class Headers:

@@ -118,6 +118,16 @@ def parent_failed(
     exc: BaseException = FlowFailed.of_child(
         parent_id, child_id, error, chord=bool(headers.get(H_CHORD))
     )
+    outer = headers.get(H_PARENT)
+    outer_ref = ParentRef(outer, headers.get(H_PARENT_QUEUE) or queue) if outer else None
+    body = headers.get(H_CHORD)
+    if isinstance(body, dict):
+        # A chord on the engine: Celery's own handling of a failed header, from its body.
+        from celery import signature
+
+        state.app.backend.chord_error_from_stack(signature(body, app=state.app), exc)
+        logger.info("echomq: chord body %s failed: child %s failed: %s", parent_id, child_id, error)
+        return exc, outer_ref
     if job.get("single") or ran_by_child(job, child_id):
         # A chain's step held on the step before it, or a group parent's task: that task's
         # own error, as a chord's chain or group body raises it (Celery's chain stores it
@@ -129,8 +139,7 @@ def parent_failed(
     job = {**job, "options": {**(job.get("options") or {}), "link_error": left}}
     record_failure(state, parent_id, exc, job, call_errbacks=bool(left))
     logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
-    outer = headers.get(H_PARENT)
-    return exc, ParentRef(outer, headers.get(H_PARENT_QUEUE) or queue) if outer else None
+    return exc, outer_ref
 
 
 def credit_remote(
