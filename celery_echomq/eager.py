@@ -27,7 +27,7 @@ from celery import states
 
 from celery_echomq.config import Settings
 from celery_echomq.errors import FlowClosedError, FlowFailed
-from celery_echomq.result import EagerFlowResult, FanIn
+from celery_echomq.result import EagerFlowResult, FanIn, QuorumFanIn
 from celery_echomq.send.errbacks import errbacks_left, with_errbacks
 from celery_echomq.send.fanin import IN_PROCESS
 from celery_echomq.send.join import EAGER_JOIN, check_on_exists, eager_joined, eager_ran
@@ -41,6 +41,7 @@ from celery_echomq.send.plan import (
     plan_flow,
     too_deep,
 )
+from celery_echomq.send.quorum import quorum_of
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
@@ -167,6 +168,7 @@ def apply_flow(
     check_depth(plan, limit)
     stamp(plan, sig.kwargs)
     window_of(plan, sig.kwargs)  # refused as on a worker; run in order, one child at a time
+    quorum_of(plan, sig.kwargs)  # refused as on a worker
     seen: dict[str, FanIn] = {}
     started = STARTED.set((time.monotonic(), time.time()))
     joining = EAGER_JOIN.set(joins)
@@ -217,7 +219,18 @@ class _Level:
         # Children added while this runs are appended to the entries, and to child_ids (the
         # order the parent gets their values in).
         self.child_ids = plan.child_ids()
-        self.fanin = seen[plan.parent_id] = FanIn(plan.parent_id, len(self.child_ids), plan.policy)
+        quorum = int(plan.parent.get("quorum") or 0)
+        self.fanin = seen[plan.parent_id] = (
+            QuorumFanIn(
+                plan.parent_id,
+                len(self.child_ids),
+                plan.policy,
+                quorum=quorum,
+                total=len(self.child_ids),
+            )
+            if quorum
+            else FanIn(plan.parent_id, len(self.child_ids), plan.policy)
+        )
         self.parent_options = {
             k: merge_callbacks(sig.parent.options[k], v) if k in sig.parent.options else v
             for k, v in options.items()
@@ -303,6 +316,8 @@ class _Level:
                 self.run_parent()
             if cut:
                 break
+            if isinstance(self.fanin, QuorumFanIn) and not self.fanin.waiting:
+                break  # a quorum met or lost: the children not started never run
 
     def result(self) -> EagerFlowResult:
         app, sig, plan, fanin, parent_res = (

@@ -15,6 +15,7 @@ FLOW_KEYWORDS = (
     "deadline",
     "on_deadline",
     "max_active",
+    "quorum",
     "args",
     "app",
     "task",

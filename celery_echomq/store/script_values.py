@@ -41,6 +41,8 @@ class ParentRef:
 
     id: str
     queue: str
+    # "K/N": the parent is released by the K-th success of its N children (a quorum); ''.
+    quorum: str = ""
 
 
 @dataclass(frozen=True)

@@ -516,6 +516,8 @@ class Scripts:
         keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
         if next_step and hand_ms:
             argv.append(str(hand_ms))  # the next step handed out active, leased
+        elif parent is not None and parent.quorum:
+            argv += ["", parent.quorum]  # released by a quorum of its children (ARGV[16])
         if result is not None:
             keys.append(result.key)
 
@@ -601,6 +603,8 @@ class Scripts:
         # Its other parents' edges (on_exists="join"): the index and :parents, last.
         argv.append(str(len(keys) + 1))
         keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
+        if parent is not None and parent.quorum and not remote:
+            argv.append(parent.quorum)  # released by a quorum of its children (ARGV[11])
         reply = window_freed(self._run("fail", keys, argv), freed)
         return status_of(reply[0]), text(reply[1]), len(reply) > 2
 

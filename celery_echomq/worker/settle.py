@@ -17,8 +17,9 @@ from celery_echomq.errors import FlowFailed
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
 from celery_echomq.send.errbacks import errbacks_left
 from celery_echomq.send.freed import publish_freed
+from celery_echomq.send.quorum import cut_rest
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import H_CHORD, H_PARENT, H_PARENT_QUEUE
+from celery_echomq.store.headers import H_CHORD, outer_ref
 from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
@@ -85,14 +86,18 @@ def parent_failed(
     job = state.loads(payload) if payload else {"task": None, "options": {}}
     headers = (job.get("options") or {}).get("headers") or {}
     exc = FlowFailed.of_child(parent_id, child_id, error, chord=bool(headers.get(H_CHORD)))
+    if job.get("quorum"):
+        # Fewer than its quorum can still succeed: the script's words, and the rest cut.
+        said = state.client.hget(state.keys.job_key(queue, parent_id), "error")
+        exc = FlowFailed(f"flow {parent_id}: {text(said or '')}", child_id, error, parent_id)
+        cut_rest(state, job)
     # A group parent's tasks, or a chain parent's steps, ran its errbacks themselves
     # (send/errbacks.py).
     left = errbacks_left(job, child_id)
     job = {**job, "options": {**(job.get("options") or {}), "link_error": left}}
     record_failure(state, parent_id, exc, job, call_errbacks=bool(left))
     logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
-    outer = headers.get(H_PARENT)
-    return exc, ParentRef(outer, headers.get(H_PARENT_QUEUE) or queue) if outer else None
+    return exc, outer_ref(headers, queue)
 
 
 def credit_remote(

@@ -47,6 +47,9 @@
 --          message takes it by writing the token a claim would (HSETNX, see
 --          worker/handoff.py), in place of the claim script ('' or absent: made pending)
 --
+-- ARGV[16] optional: "K/N", the job's flow is released by the K-th success of its N children
+--          (flow(..., quorum=K), includes/quorum.lua); '' or absent: by the last of them
+--
 -- Reply: {status} or, when ARGV[8] == '1', {status, written}: written '1' when this call
 -- wrote the result (the job's one active -> done transition), else '' (the host stores it the
 -- way Celery would, which never overwrites a SUCCESS); whatever ARGV[8], written ends in '+'
@@ -70,6 +73,7 @@
 --   "forged"      ARGV[5] is not the row's own parent, or ARGV[12] its own next step (a
 --                 message's headers named another): nothing changed
 --   "<state>"     the job is not active (done, failed, pending, ...): nothing changed
+--   "released" or "credited" under a quorum: the K-th success, or one before it
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "expire"
@@ -205,7 +209,7 @@ end
 -- completion never re-enters it.
 if ARGV[5] ~= '' and was_active == 1 then
   local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
-    pending = KEYS[9], counters = KEYS[10]}
+    pending = KEYS[9], counters = KEYS[10], quorum = ARGV[16]}
   local settled = settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]
   if settled == 'released' and (ARGV[11] or '') ~= '' then
     -- The one completion that released the parent publishes it: no dispatch call after.
