@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from celery_echomq import FlowFailed, flow
-from tests.helpers import KEYS, run, wait_for
+from tests.helpers import KEYS, echomq, run
 
 TIMEOUT = 60
 
@@ -60,6 +60,8 @@ def test_ten_children_three_needed(proj: Any, how: str, store: redis.Redis) -> N
     assert states[:3] == ["done"] * 3
     assert states[3:].count("cancelled") == 7 - sum(runs[3:])
     assert set(states[3:]) <= {"done", "cancelled"}
+    shown = echomq("show", parent).output
+    assert "quorum=3" in shown and "done=3/10" in shown
 
 
 def test_quorum_impossible_fails_at_once(proj: Any, how: str, store: redis.Redis) -> None:
@@ -99,6 +101,3 @@ def test_quorum_of_all_is_a_plain_flow(proj: Any, how: str) -> None:
     res = run(flow(proj.tsum.s(), [proj.add.s(i, 0) for i in range(4)], quorum=4), how)
     assert res.get(timeout=TIMEOUT) == 6
 
-
-def wait_ran(store: redis.Redis, tag: str, x: int) -> None:
-    wait_for(lambda: ran(store, tag, x), timeout=TIMEOUT)
