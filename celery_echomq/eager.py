@@ -41,7 +41,7 @@ from celery_echomq.send.plan import (
     plan_flow,
     too_deep,
 )
-from celery_echomq.send.quorum import quorum_of
+from celery_echomq.send.quorum import quorum_of, refuse_growth
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
@@ -71,6 +71,7 @@ class Growing:
                 self.plan.parent_id,
                 state,
             )
+        refuse_growth(self.plan.parent)
         added = Plan(queue=self.plan.queue, parent_id=self.plan.parent_id, parent={})
         # Added children take no partial arguments, as on a worker.
         # A chain of tasks among them is held step by step, as on a worker (see grow.py).

@@ -71,6 +71,17 @@ def quorum_of(plan: Any, kwargs: dict[str, Any]) -> None:
         _headers(job["nested"]["parent"] if "nested" in job else job)[H_QUORUM] = mark
 
 
+def refuse_growth(job: dict[str, Any]) -> None:
+    """Refuse children added to a flow released by a quorum (``job``: its parent's stored
+    job): its children's messages carry the N of "K of N", fixed when it was sent."""
+    if job.get("quorum"):
+        raise ValueError(
+            f"flow {(job.get('options') or {}).get('task_id')}: a flow with "
+            f"quorum={job['quorum']} takes no added children (its quorum counts the children "
+            "it was sent with); allowed: add_children to a flow without a quorum"
+        )
+
+
 def quorum_values(state: EchoMQ, job: dict[str, Any], stored: dict[str, Any]) -> list[Any]:
     """The values a parent released by a quorum gets: those of the children credited while it
     waited, in the order they succeeded (its ``:quorum`` list)."""

@@ -101,3 +101,12 @@ def test_quorum_of_all_is_a_plain_flow(proj: Any, how: str) -> None:
     res = run(flow(proj.tsum.s(), [proj.add.s(i, 0) for i in range(4)], quorum=4), how)
     assert res.get(timeout=TIMEOUT) == 6
 
+
+def test_a_quorum_flow_takes_no_added_children(proj: Any, worker: Any, store: redis.Redis) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    res = flow(proj.tsum.s(), [proj.gated.s(1, gate), proj.gated.s(2, gate)], quorum=1)
+    res = res.apply_async()
+    with pytest.raises(ValueError, match="takes no added children"):
+        res.add_children([proj.add.s(1, 1)])
+    store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT) in (1, 2)
