@@ -24,7 +24,7 @@ from celery_echomq.send.join import (
     shared_in_canvas,
 )
 from celery_echomq.send.plan import check_depth, plan_flow, too_deep
-from celery_echomq.send.quorum import check_quorum, quorum_of
+from celery_echomq.send.quorum import check_quorum, check_reduce, fan_in_of
 from celery_echomq.send.shapes import FLOW_TASK, normal_flow
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.start import start_flow
@@ -69,8 +69,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
     ``policy`` is what a child's final failure means for the parent unless the child sets its
     own with ``sig.set(parent_policy=...)``: ``fail``, ``ignore``, ``remove`` or ``continue``.
     ``max_active``: at most that many children published or running at once, the others
-    published in order as earlier ones finish. ``quorum``: the parent runs at the K-th
-    success, with those K values in order of success; the rest are cancelled (docs/flows.md).
+    published in order as earlier ones finish. ``quorum``: the parent runs at the K-th success;
+    ``reduce``: it gets the values folded as they arrive (see docs/flows.md).
     """
 
     def __init__(
@@ -84,6 +84,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         on_deadline: str = "fail",
         max_active: int | None = None,
         quorum: int | None = None,
+        reduce: Any = None,
         args: Iterable[Any] | None = None,
         app: Any = None,
         task: str = FLOW_TASK,
@@ -119,11 +120,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             # Kept by the job that holds these children (see store/deadlines.py): JSON-safe.
             own["deadline"] = spec
             own["on_deadline"] = on_deadline
-        if max_active is not None:
-            # At most this many children out at once (send/window.py).
-            own["max_active"] = max_active
-        if quorum is not None:
-            own["quorum"] = quorum  # released by this many successes (send/quorum.py)
+        # A window (send/window.py), a quorum (send/quorum.py), a reducer (send/reducers.py).
+        fan_in = {"max_active": max_active, "quorum": quorum, "reduce": check_reduce(reduce)}
+        own.update((k, v) for k, v in fan_in.items() if v is not None)
         super().__init__(
             task,
             tuple(args or ()),
@@ -146,6 +145,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             on_deadline=kwargs.get("on_deadline", "fail"),
             max_active=kwargs.get("max_active"),
             quorum=kwargs.get("quorum"),
+            reduce=kwargs.get("reduce"),
             args=d.get("args"),
             app=app,
             options=dict(d.get("options") or {}),
@@ -269,6 +269,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             on_deadline=self.on_deadline,
             max_active=self.max_active,
             quorum=self.kwargs.get("quorum"),
+            reduce=self.kwargs.get("reduce"),
             args=(*tuple(args or ()), *self.args),
             app=self._app,
             options={**deepcopy(self.options), **opts},
@@ -352,7 +353,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         check_depth(plan, state.settings.max_depth)
         stamp(plan, shape.kwargs)  # its deadline, kept by the job that holds its children
         window_of(plan, shape.kwargs)  # its window, kept there too
-        quorum_of(plan, shape.kwargs)  # its quorum, kept there and on its children
+        fan_in_of(plan, shape.kwargs)  # its quorum or reducer, kept there and on its children
         if fan and fan != plan.parent_id:
             # What operators' repairs follow from the flow's id to its children (release).
             plan.parent["fan_in"] = fan

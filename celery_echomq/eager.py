@@ -41,7 +41,8 @@ from celery_echomq.send.plan import (
     plan_flow,
     too_deep,
 )
-from celery_echomq.send.quorum import quorum_of, refuse_growth
+from celery_echomq.send.quorum import fan_in_of, refuse_growth
+from celery_echomq.send.reducers import empty, fold
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
@@ -169,7 +170,7 @@ def apply_flow(
     check_depth(plan, limit)
     stamp(plan, sig.kwargs)
     window_of(plan, sig.kwargs)  # refused as on a worker; run in order, one child at a time
-    quorum_of(plan, sig.kwargs)  # refused as on a worker
+    fan_in_of(plan, sig.kwargs)  # its quorum or reducer, refused as on a worker
     seen: dict[str, FanIn] = {}
     started = STARTED.set((time.monotonic(), time.time()))
     joining = EAGER_JOIN.set(joins)
@@ -250,6 +251,8 @@ class _Level:
             ],
         )
         self.deadline = _deadline_of(plan)
+        self.reducer: list[Any] | None = plan.parent.get("reduce")
+        self.acc: Any = empty(self.reducer) if self.reducer is not None else None
 
     def run(self) -> EagerFlowResult:
         """The children in order, the parent once released; the flow's result."""
@@ -268,6 +271,8 @@ class _Level:
         values = self.fanin.released_values(
             [cid for cid in self.child_ids if cid not in self.silent]
         )
+        if self.reducer is not None:
+            values = self.acc  # the parent's first argument: the accumulator
         IN_PROCESS.readable[plan.parent_id] = self.fanin
         try:
             with under_root(self.root):
@@ -309,6 +314,11 @@ class _Level:
             finally:
                 IN_PROCESS.current.reset(token)
             ok, data = _outcome(res)
+            if ok and self.reducer is not None:  # folded as reduce.lua folds it, or failed
+                try:
+                    self.acc = fold(self.reducer, self.acc, data)
+                except ValueError as exc:
+                    ok, data = False, f"ReduceError: {exc}"
             # A chain's failure is its failed step's, named by its own id (as on a worker).
             settled = cid if ok or "steps" not in job else str(res.id)
             # A child still running when the deadline passed finishes and is recorded.

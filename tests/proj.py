@@ -678,3 +678,9 @@ def hedge(x: int, tag: str, delay: float = 0.0) -> int:
     time.sleep(delay)
     _store().rpush(f"test:hedge:{tag}", x)
     return x
+
+
+@app.task
+def echo(value: Any) -> Any:
+    """Return ``value`` as is (a child whose value a flow's reducer folds)."""
+    return value

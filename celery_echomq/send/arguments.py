@@ -16,6 +16,7 @@ FLOW_KEYWORDS = (
     "on_deadline",
     "max_active",
     "quorum",
+    "reduce",
     "args",
     "app",
     "task",

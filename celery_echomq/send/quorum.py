@@ -15,6 +15,8 @@ import logging
 from typing import Any
 
 from celery_echomq.send.entries import child_queue
+from celery_echomq.send.reducers import check_reduce as check_reduce  # for canvas.py
+from celery_echomq.send.reducers import reduce_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_QUEUE, H_QUORUM
 from celery_echomq.store.state import EchoMQ
@@ -80,6 +82,12 @@ def refuse_growth(job: dict[str, Any]) -> None:
             f"quorum={job['quorum']} takes no added children (its quorum counts the children "
             "it was sent with); allowed: add_children to a flow without a quorum"
         )
+
+
+def fan_in_of(plan: Any, kwargs: dict[str, Any]) -> None:
+    """A planned level's quorum and reducer (send/reducers.py), from its flow's ``kwargs``."""
+    quorum_of(plan, kwargs)
+    reduce_of(plan, kwargs)
 
 
 def quorum_values(state: EchoMQ, job: dict[str, Any], stored: dict[str, Any]) -> list[Any]:

@@ -37,6 +37,9 @@ H_CHORD = "echomq_c"
 # "K/N" on every child of a flow released by a quorum (``flow(..., quorum=K)``): the K-th of
 # its N children to succeed releases the parent (store/lua/includes/quorum.lua).
 H_QUORUM = "echomq_k"
+# The reducer (JSON) on every child of a flow whose values are folded as they arrive
+# (``flow(..., reduce=R)``, send/reducers.py, store/lua/includes/reduce.lua).
+H_REDUCE = "echomq_x"
 
 # The prefix of every header above: reserved for the plan's own.
 RESERVED = "echomq_"
@@ -67,6 +70,7 @@ def parent_ref(headers: Any) -> ParentRef | None:
         str(parent_id),
         str(getattr(headers, H_PARENT_QUEUE, None) or getattr(headers, H_QUEUE)),
         str(getattr(headers, H_QUORUM, None) or ""),
+        str(getattr(headers, H_REDUCE, None) or ""),
     )
 
 
@@ -78,5 +82,8 @@ def outer_ref(headers: dict[str, Any], queue: str) -> ParentRef | None:
     if not outer:
         return None
     return ParentRef(
-        str(outer), str(headers.get(H_PARENT_QUEUE) or queue), str(headers.get(H_QUORUM) or "")
+        str(outer),
+        str(headers.get(H_PARENT_QUEUE) or queue),
+        str(headers.get(H_QUORUM) or ""),
+        str(headers.get(H_REDUCE) or ""),
     )

@@ -191,6 +191,10 @@ def settle_success(
     )
     if freed:
         publish_freed(state, queue, freed)
+    if status is Status.UNFOLDABLE and handed is not None:
+        # Its flow's reducer cannot fold its value: the child fails, under its policy.
+        reason = f"ReduceError: {text(handed[1]['reason'])}"
+        return settle_failure(state, queue, job_id, token, reason, is_parent, parent)
     if status is Status.FORGED:
         logger.warning(
             "echomq: completion of %s refused: parent %s is not the job's own", job_id, parent

@@ -85,3 +85,24 @@ def test_failed_at_once_when_the_quorum_cannot_be_met(db: redis.Redis, scripts: 
     assert db.zscore(KEYS.queue_key(ref.queue, "failed"), ref.id) is not None
     assert complete(scripts, ref, kids[3], tokens[kids[3]], b"3") is Status.CREDITED
     assert db.hget(KEYS.job_key(ref.queue, ref.id), "state") == b"failed"
+
+
+def test_a_reducer_folds_each_child_once(db: redis.Redis, scripts: Scripts) -> None:
+    queue = "q" + uuid.uuid4().hex[:8]
+    parent, kids = new_job_id(), [new_job_id() for _ in range(3)]
+    scripts.enqueue_flow(queue, parent, b"p", [(k, b"c") for k in kids])
+    ref = ParentRef(parent, queue, "", '["sum"]')
+    tokens = {k: "t-" + uuid.uuid4().hex for k in kids}
+    for k in kids:
+        scripts.claim(queue, k, tokens[k], LEASE)
+    row = KEYS.job_key(queue, parent)
+    assert complete(scripts, ref, kids[0], tokens[kids[0]], b"5") is Status.CREDITED
+    complete(scripts, ref, kids[0], tokens[kids[0]], b"5")  # delivered again: not folded
+    assert db.hget(row, "acc") == b"5"
+    # A value it cannot fold: refused before any write; the child is still active.
+    before = {k: db.dump(k) for k in db.keys("*")}
+    assert complete(scripts, ref, kids[1], tokens[kids[1]], b'"x"') is Status.UNFOLDABLE
+    assert {k: db.dump(k) for k in db.keys("*")} == before
+    assert db.hget(KEYS.job_key(queue, kids[1]), "state") == b"active"
+    assert complete(scripts, ref, kids[2], tokens[kids[2]], b"2.5") is Status.CREDITED
+    assert db.hget(row, "acc") == b"7.5"

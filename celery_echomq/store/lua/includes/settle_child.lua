@@ -8,11 +8,12 @@
 -- caller has already made sure this runs once per child (the child's was_active, or the
 -- parent's :settled set).
 --
--- parent   {id, row, deps, processed, ignored, pending, failed, settled, counters, quorum}: the
---          parent's id and keys (settled: its :settled hash on the cross-slot path, else nil;
+-- parent   {id, row, deps, processed, ignored, pending, failed, settled, counters, quorum, acc}:
+--          the parent's id and keys (settled: its :settled hash on the cross-slot path, else nil;
 --          counters: its queue's counters hash, which counts releases, parents held and
 --          failed children per policy; quorum: "K/N" for a flow released by its K-th
---          success of N children, includes/quorum.lua, else nil or '')
+--          success of N children, includes/quorum.lua, else nil or ''; acc: the parent's
+--          accumulator with this child's value folded in, includes/reduce.lua, else nil)
 -- outcome  'done' (data: the child's value) or 'failed' (data: "ExcType: message")
 -- policy   the failed child's parent_policy; '' reads the flow's default from the parent row
 --
@@ -43,6 +44,10 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
   if outcome == 'done' then
     policy = ''
     redis.call('HSET', parent.processed, child_id, data)
+    if parent.acc then
+      -- Its value folded by the flow's reducer (includes/reduce.lua): once, as it is credited.
+      redis.call('HSET', parent.row, 'acc', parent.acc)
+    end
   else
     local found
     policy, found = record_failed(parent, child_id, data, policy)
