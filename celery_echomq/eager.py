@@ -327,8 +327,8 @@ class _Level:
                 self.run_parent()
             if cut:
                 break
-            if isinstance(self.fanin, QuorumFanIn) and not self.fanin.waiting:
-                break  # a quorum met or lost: the children not started never run
+            if isinstance(self.fanin, QuorumFanIn) and self.parent_res is not None:
+                break  # its quorum met: the children not started never run
 
     def result(self) -> EagerFlowResult:
         app, sig, plan, fanin, parent_res = (

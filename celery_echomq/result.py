@@ -248,8 +248,8 @@ class QuorumFanIn(FanIn):
     failed: int = 0
 
     def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
-        if ok and not self.waiting:
-            return False  # finished after the quorum: not counted
+        if ok and not self.waiting and self.failure is None:
+            return False  # finished after the quorum was met: not counted
         if ok:
             self.values[child_id] = data
         else:

@@ -17,7 +17,6 @@ from celery_echomq.errors import FlowFailed
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
 from celery_echomq.send.errbacks import errbacks_left
 from celery_echomq.send.freed import publish_freed
-from celery_echomq.send.quorum import cut_rest
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_CHORD, outer_ref
 from celery_echomq.store.replies import UNSETTLED, Status
@@ -87,10 +86,10 @@ def parent_failed(
     headers = (job.get("options") or {}).get("headers") or {}
     exc = FlowFailed.of_child(parent_id, child_id, error, chord=bool(headers.get(H_CHORD)))
     if job.get("quorum"):
-        # Fewer than its quorum can still succeed: the script's words, and the rest cut.
+        # Fewer than its quorum can still succeed: the script's words. Its other children
+        # go on, as under policy fail (a retry counts their successes).
         said = state.client.hget(state.keys.job_key(queue, parent_id), "error")
         exc = FlowFailed(f"flow {parent_id}: {text(said or '')}", child_id, error, parent_id)
-        cut_rest(state, job)
     # A group parent's tasks, or a chain parent's steps, ran its errbacks themselves
     # (send/errbacks.py).
     left = errbacks_left(job, child_id)

@@ -77,6 +77,21 @@ def test_quorum_impossible_fails_at_once(proj: Any, how: str, store: redis.Redis
     assert int(store.get(f"test:ran:collect:{tag}") or 0) == 0
 
 
+def test_quorum_lost_then_retried(proj: Any, worker: Any, store: redis.Redis) -> None:
+    """Two of three fail: the quorum of 2 is lost; retried with the fault gone, the failed
+    children run again and the parent runs once with 2 values."""
+    flag, tag = f"test:flag:{uuid.uuid4().hex}", uuid.uuid4().hex
+    kids = [proj.flaky.s(1, flag), proj.flaky.s(2, flag), proj.add.s(3, 0)]
+    res = flow(proj.collect.s(tag=tag), kids, quorum=2).apply_async()
+    with pytest.raises(FlowFailed, match="quorum not met"):
+        res.get(timeout=TIMEOUT)
+    store.set(flag, 1)
+    res.retry()
+    got = res.get(timeout=TIMEOUT)
+    assert len(got["values"]) == 2 and 3 in got["values"]
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 1
+
+
 def test_quorum_with_policy_ignore(proj: Any, how: str, store: redis.Redis) -> None:
     """Failures under ignore shrink what can still succeed; the quorum is met by the rest."""
     tag = uuid.uuid4().hex

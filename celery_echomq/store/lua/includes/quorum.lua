@@ -27,9 +27,10 @@ end
 
 -- settle_quorum(parent, child_id, outcome, data, policy, ttl): settle_child for a flow
 -- released by a quorum (flow(..., quorum=K)), parent.quorum "K/N". Each success credited while
--- the parent waits is kept in :processed and its id appended to '<row>:quorum' (the order
--- of success, which the parent's values follow); the K-th releases the parent, here. A success
--- after that (a child already running) is finished on its own row and not counted. A failure,
+-- the parent waits (or is failed, which a retry may undo) is kept in :processed and its id
+-- appended to '<row>:quorum' (the order of success, which the parent's values follow); the K-th
+-- releases the parent, here. A success after the release (a child already running) is
+-- finished on its own row and not counted. A failure,
 -- whatever its policy but continue, is one child fewer that can succeed: when fewer than K can
 -- still succeed the parent fails at once, its 'error' saying how many succeeded and how many
 -- were needed; continue releases it at once, as without a quorum. Every settled child counts
@@ -40,12 +41,13 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
   need, total = tonumber(need), tonumber(total)
   local order = parent.row .. ':quorum'
   if outcome == 'done' then
-    if redis.call('HGET', parent.row, 'state') ~= 'awaiting_children' then
+    local state = redis.call('HGET', parent.row, 'state')
+    if state ~= 'awaiting_children' and state ~= 'failed' then
       return {'credited', ''}
     end
     redis.call('HSET', parent.processed, child_id, data)
     redis.call('DECR', parent.deps)
-    if redis.call('RPUSH', order, child_id) < need then
+    if redis.call('RPUSH', order, child_id) < need or state == 'failed' then
       return {'credited', ''}
     end
     release_parent(parent.row, parent.pending, parent.id, parent.counters)
@@ -66,6 +68,7 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
     return {'released', policy}
   end
   local failed = redis.call('HINCRBY', parent.row, 'quorum_failed', 1)
+  redis.call('HSET', parent.row, 'quorum', need) -- what a retry (retry_flow.lua) reads
   if total - failed >= need then
     return {'credited', policy}
   end
