@@ -125,3 +125,20 @@ def test_a_quorum_flow_takes_no_added_children(proj: Any, worker: Any, store: re
         res.add_children([proj.add.s(1, 1)])
     store.set(gate, 1)
     assert res.get(timeout=TIMEOUT) in (1, 2)
+
+
+def test_a_nested_flow_is_one_child_of_a_quorum(proj: Any, how: str) -> None:
+    kids = [flow(proj.tsum.s(), [proj.add.s(1, 1), proj.add.s(2, 2)]), proj.boom.s("no")]
+    kids.append(proj.add.s(10, 0))
+    res = run(flow(proj.tsum.s(), kids, quorum=2), how)
+    assert res.get(timeout=TIMEOUT) == 16
+
+
+def test_a_quorum_with_a_window(proj: Any, how: str, store: redis.Redis) -> None:
+    """One child out at a time: the quorum met at the second, the eight waiting never run."""
+    tag = uuid.uuid4().hex
+    kids = [proj.hedge.s(i, tag) for i in range(10)]
+    res = run(flow(proj.collect.s(tag=tag), kids, quorum=2, max_active=1), how)
+    assert res.get(timeout=TIMEOUT)["values"] == [0, 1]
+    time.sleep(0.5)
+    assert [ran(store, tag, i) for i in range(10)] == [1, 1] + [0] * 8

@@ -228,6 +228,9 @@ if ARGV[5] ~= '' and was_active == 1 then
   local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
     pending = KEYS[9], counters = KEYS[10], quorum = ARGV[16], acc = acc}
   local settled = settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]
+  if settled == 'released' and (parent.quorum or '') ~= '' then
+    window_arg = 0 -- its quorum met: the children waiting for a slot are cut, none goes out
+  end
   if settled == 'released' and (ARGV[11] or '') ~= '' then
     -- The one completion that released the parent publishes it: no dispatch call after.
     local payload = redis.call('HGET', parent.row, 'payload')
