@@ -24,6 +24,7 @@ from celery_echomq.send.join import (
     shared_in_canvas,
 )
 from celery_echomq.send.plan import check_depth, plan_flow, too_deep
+from celery_echomq.send.quorum import check_quorum, check_reduce, fan_in_of
 from celery_echomq.send.shapes import FLOW_TASK, normal_flow
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.start import start_flow
@@ -68,7 +69,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
     ``policy`` is what a child's final failure means for the parent unless the child sets its
     own with ``sig.set(parent_policy=...)``: ``fail``, ``ignore``, ``remove`` or ``continue``.
     ``max_active``: at most that many children published or running at once, the others
-    published in order as earlier ones finish (see docs/flows.md).
+    published in order as earlier ones finish. ``quorum``: the parent runs at the K-th success;
+    ``reduce``: it gets the values folded as they arrive (see docs/flows.md).
     """
 
     def __init__(
@@ -81,6 +83,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         deadline: Any = None,
         on_deadline: str = "fail",
         max_active: int | None = None,
+        quorum: int | None = None,
+        reduce: Any = None,
         args: Iterable[Any] | None = None,
         app: Any = None,
         task: str = FLOW_TASK,
@@ -100,6 +104,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         spec = deadline_spec(deadline)
         check_on_deadline(on_deadline)
         check_max_active(max_active)
+        check_quorum(quorum)
         for child in child_sigs:
             if "parent_policy" in child.options:
                 check_policy(child.options["parent_policy"], f"child {child.task!r}")
@@ -115,9 +120,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             # Kept by the job that holds these children (see store/deadlines.py): JSON-safe.
             own["deadline"] = spec
             own["on_deadline"] = on_deadline
-        if max_active is not None:
-            # At most this many children out at once (send/window.py).
-            own["max_active"] = max_active
+        # A window (send/window.py), a quorum (send/quorum.py), a reducer (send/reducers.py).
+        fan_in = {"max_active": max_active, "quorum": quorum, "reduce": check_reduce(reduce)}
+        own.update((k, v) for k, v in fan_in.items() if v is not None)
         super().__init__(
             task,
             tuple(args or ()),
@@ -139,6 +144,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             deadline=kwargs.get("deadline"),
             on_deadline=kwargs.get("on_deadline", "fail"),
             max_active=kwargs.get("max_active"),
+            quorum=kwargs.get("quorum"),
+            reduce=kwargs.get("reduce"),
             args=d.get("args"),
             app=app,
             options=dict(d.get("options") or {}),
@@ -261,6 +268,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             deadline=self.deadline,
             on_deadline=self.on_deadline,
             max_active=self.max_active,
+            quorum=self.kwargs.get("quorum"),
+            reduce=self.kwargs.get("reduce"),
             args=(*tuple(args or ()), *self.args),
             app=self._app,
             options={**deepcopy(self.options), **opts},
@@ -345,6 +354,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         check_depth(plan, state.settings.max_depth)
         stamp(plan, shape.kwargs)  # its deadline, kept by the job that holds its children
         window_of(plan, shape.kwargs)  # its window, kept there too
+        fan_in_of(plan, shape.kwargs)  # its quorum or reducer, kept there and on its children
         if fan and fan != plan.parent_id:
             # What operators' repairs follow from the flow's id to its children (release).
             plan.parent["fan_in"] = fan

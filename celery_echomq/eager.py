@@ -27,7 +27,7 @@ from celery import states
 
 from celery_echomq.config import Settings
 from celery_echomq.errors import FlowClosedError, FlowFailed
-from celery_echomq.result import EagerFlowResult, FanIn
+from celery_echomq.result import EagerFlowResult, FanIn, QuorumFanIn
 from celery_echomq.send.errbacks import errbacks_left, ran_by_child, with_errbacks
 from celery_echomq.send.fanin import IN_PROCESS
 from celery_echomq.send.join import EAGER_JOIN, check_on_exists, eager_joined, eager_ran
@@ -41,6 +41,8 @@ from celery_echomq.send.plan import (
     plan_flow,
     too_deep,
 )
+from celery_echomq.send.quorum import fan_in_of, refuse_growth
+from celery_echomq.send.reducers import empty, fold
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
@@ -70,6 +72,7 @@ class Growing:
                 self.plan.parent_id,
                 state,
             )
+        refuse_growth(self.plan.parent)
         added = Plan(queue=self.plan.queue, parent_id=self.plan.parent_id, parent={})
         # Added children take no partial arguments, as on a worker.
         # A chain of tasks among them is held step by step, as on a worker (see grow.py).
@@ -167,6 +170,7 @@ def apply_flow(
     check_depth(plan, limit)
     stamp(plan, sig.kwargs)
     window_of(plan, sig.kwargs)  # refused as on a worker; run in order, one child at a time
+    fan_in_of(plan, sig.kwargs)  # its quorum or reducer, refused as on a worker
     seen: dict[str, FanIn] = {}
     started = STARTED.set((time.monotonic(), time.time()))
     joining = EAGER_JOIN.set(joins)
@@ -217,7 +221,18 @@ class _Level:
         # Children added while this runs are appended to the entries, and to child_ids (the
         # order the parent gets their values in).
         self.child_ids = plan.child_ids()
-        self.fanin = seen[plan.parent_id] = FanIn(plan.parent_id, len(self.child_ids), plan.policy)
+        quorum = int(plan.parent.get("quorum") or 0)
+        self.fanin = seen[plan.parent_id] = (
+            QuorumFanIn(
+                plan.parent_id,
+                len(self.child_ids),
+                plan.policy,
+                quorum=quorum,
+                total=len(self.child_ids),
+            )
+            if quorum
+            else FanIn(plan.parent_id, len(self.child_ids), plan.policy)
+        )
         self.parent_options = {
             k: merge_callbacks(sig.parent.options[k], v) if k in sig.parent.options else v
             for k, v in options.items()
@@ -238,6 +253,8 @@ class _Level:
             ],
         )
         self.deadline = _deadline_of(plan)
+        self.reducer: list[Any] | None = plan.parent.get("reduce")
+        self.acc: Any = empty(self.reducer) if self.reducer is not None else None
 
     def run(self) -> EagerFlowResult:
         """The children in order, the parent once released; the flow's result."""
@@ -256,6 +273,8 @@ class _Level:
         values = self.fanin.released_values(
             [cid for cid in self.child_ids if cid not in self.silent]
         )
+        if self.reducer is not None:
+            values = self.acc  # the parent's first argument: the accumulator
         IN_PROCESS.readable[plan.parent_id] = self.fanin
         try:
             with under_root(self.root):
@@ -297,6 +316,11 @@ class _Level:
             finally:
                 IN_PROCESS.current.reset(token)
             ok, data = _outcome(res)
+            if ok and self.reducer is not None:  # folded as reduce.lua folds it, or failed
+                try:
+                    self.acc = fold(self.reducer, self.acc, data)
+                except ValueError as exc:
+                    ok, data = False, f"ReduceError: {exc}"
             # A chain's failure is its failed step's, named by its own id (as on a worker).
             settled = cid if ok or "steps" not in job else str(res.id)
             if not ok and isinstance(getattr(res, "result", None), BaseException):
@@ -307,6 +331,8 @@ class _Level:
                 self.run_parent()
             if cut:
                 break
+            if isinstance(self.fanin, QuorumFanIn) and self.parent_res is not None:
+                break  # its quorum met: the children not started never run
 
     def result(self) -> EagerFlowResult:
         app, sig, plan, fanin, parent_res = (

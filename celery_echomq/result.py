@@ -238,6 +238,48 @@ class FanIn:
         return [self.values[cid] for cid in child_ids if cid in self.values]
 
 
+@dataclass
+class QuorumFanIn(FanIn):
+    """A flow's fan-in released by its ``quorum``-th success (includes/quorum.lua): the values
+    kept in the order they succeeded; a failure is one child fewer that can succeed."""
+
+    quorum: int = 0
+    total: int = 0
+    failed: int = 0
+
+    def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
+        if ok and not self.waiting and self.failure is None:
+            return False  # finished after the quorum was met: not counted
+        if ok:
+            self.values[child_id] = data
+        else:
+            policy = policy or self.policy
+            (self.ignored if policy == "ignore" else self.failures)[child_id] = data
+        self.outstanding -= 1
+        self.credited += 1
+        if not self.waiting:
+            return False
+        if ok or policy == "continue":
+            self.waiting = len(self.values) < self.quorum and policy != "continue"
+            return not self.waiting
+        self.failed += 1
+        if self.total - self.failed < self.quorum:
+            self.waiting = False
+            self.failure = FlowFailed(
+                f"flow {self.parent_id}: quorum not met: {len(self.values)} of {self.total} "
+                f"children succeeded, {self.quorum} needed ({self.failed} failed; the last, "
+                f"{child_id}: {data})",
+                child_id,
+                str(data),
+                self.parent_id,
+            )
+        return False
+
+    def released_values(self, child_ids: Sequence[str]) -> list[Any]:
+        """In the order they succeeded."""
+        return list(self.values.values())
+
+
 class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
     """A flow's result after an eager run: the parent's outcome and the flow's reads, in
     memory. ``get()`` returns the parent's value, or raises what a worker's result would."""

@@ -668,3 +668,19 @@ def chord_in_worker(xs: list[int]) -> Any:
     from celery import chord
 
     return chord([add.s(x, x) for x in xs])(tsum.s()).id
+
+
+@app.task
+def hedge(x: int, tag: str, delay: float = 0.0) -> int:
+    """A replica's answer (flow(..., quorum=K)): sleep ``delay``, then return x; counts each
+    run under ``hedge:<tag>:<x>`` and appends x to ``test:hedge:<tag>`` as it finishes."""
+    mark(f"hedge:{tag}:{x}")
+    time.sleep(delay)
+    _store().rpush(f"test:hedge:{tag}", x)
+    return x
+
+
+@app.task
+def echo(value: Any) -> Any:
+    """Return ``value`` as is (a child whose value a flow's reducer folds)."""
+    return value

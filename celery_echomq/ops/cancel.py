@@ -20,7 +20,7 @@ from celery_echomq.errors import FlowCancelled
 from celery_echomq.ops.cancel_shared import cut_shared
 from celery_echomq.ops.pages import child_positions
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
+from celery_echomq.store.headers import H_PARENT, outer_ref
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -268,5 +268,5 @@ def _record_cancelled(
     outer = headers.get(H_PARENT)
     if settle and outer:
         # Cancelled on its own: to the flow it belongs to, a child that failed.
-        ref = ParentRef(str(outer), str(headers.get(H_PARENT_QUEUE) or queue))
+        ref = outer_ref(headers, queue) or ParentRef(str(outer), queue)
         settle_failure(state, queue, parent_id, "", f"FlowCancelled: {exc}", True, ref, carry=True)

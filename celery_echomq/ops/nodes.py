@@ -27,6 +27,7 @@ class FlowInfo:
     failed_child: str | None  # the child whose failure under policy "fail" failed the flow
     max_active: int | None = None  # its window: the most children out at once (None: none)
     waiting: int = 0  # children waiting for a slot of that window
+    quorum: int | None = None  # the successes that release its parent (None: every child)
 
 
 @dataclass(frozen=True)

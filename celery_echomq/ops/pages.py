@@ -86,8 +86,8 @@ def read_flow(
     where = locate(state, job_id, queue, verify=True)
     root, info, row = _root(state, where, job_id)
     if info is not None:
-        size, waiting = window_counts(state, where, job_id, row["payload"])
-        info = replace(info, max_active=size, waiting=waiting)
+        size, waiting, quorum = window_counts(state, where, job_id, row["payload"])
+        info = replace(info, max_active=size, waiting=waiting, quorum=quorum)
         ids, after = _page_ids(state, where, job_id, row, cursor, count, only)
         children = _children(state, where, row, info, ids)
         page = ChildPage(only=only, cursor=cursor, next_cursor=after, count=count)

@@ -73,6 +73,8 @@ def job_line(node: JobNode, color: bool) -> str:
         parts.append(f"failed={f.failed}  ignored={f.ignored}  default-policy={f.policy}")
         if f.max_active is not None:
             parts.append(f"max_active={f.max_active}  waiting={f.waiting}")
+        if f.quorum is not None:
+            parts.append(f"quorum={f.quorum}")
     if node.runtime_ms is not None:
         parts.append(f"runtime={seconds(node.runtime_ms)}")
     if node.has_value:

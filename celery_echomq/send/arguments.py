@@ -15,6 +15,8 @@ FLOW_KEYWORDS = (
     "deadline",
     "on_deadline",
     "max_active",
+    "quorum",
+    "reduce",
     "args",
     "app",
     "task",

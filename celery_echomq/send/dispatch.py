@@ -15,6 +15,8 @@ from typing import Any
 from celery_echomq import tracing
 from celery_echomq.send.plan import parent_args, valued
 from celery_echomq.send.publish import send_jobs
+from celery_echomq.send.quorum import cut_rest, quorum_values
+from celery_echomq.send.reducers import accumulated
 from celery_echomq.store.codec import with_input
 from celery_echomq.store.headers import H_HANDED, H_SINCE
 from celery_echomq.store.script_values import Handed
@@ -87,10 +89,18 @@ def publish_handed(state: EchoMQ, parent_id: str, handed: Handed, released_by: s
     that released it): its payload with its children's values as its arguments."""
     payload, stored = handed
     job = state.loads(payload)
-    values = [state.loads(stored[cid]) for cid in valued(job) if cid in stored]
+    values: Any
+    if job.get("quorum"):
+        values = quorum_values(state, job, stored)
+    elif job.get("reduce"):
+        values = accumulated(state, job)  # its first argument: the accumulator
+    else:
+        values = [state.loads(stored[cid]) for cid in valued(job) if cid in stored]
     job["args"] = parent_args(job, values)
     if released_by:
         job["options"]["parent_id"] = released_by
     with tracing.job_context(job):
         send_jobs(state.app, [job])
-    logger.info("echomq: parent %s dispatched with %d values", parent_id, len(values))
+    logger.info("echomq: parent %s dispatched", parent_id)
+    if job.get("quorum"):
+        cut_rest(state, job)  # the children not started never run

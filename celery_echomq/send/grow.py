@@ -37,6 +37,7 @@ from celery_echomq.send.plan import (
     plan_children,
     set_root,
 )
+from celery_echomq.send.quorum import refuse_growth
 from celery_echomq.send.start import publish, start_flow
 from celery_echomq.send.window import windowed
 from celery_echomq.store.connection import text
@@ -128,6 +129,7 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
         fresh = [j for j in plan.children if child_id(j) not in listed]
         if not fresh:
             return []
+        refuse_growth(job)
         size = windowed(job, parent.queue, fresh)
         root = (job.get("options") or {}).get("root_id")
         if root:

@@ -33,6 +33,7 @@ from celery_echomq.send.jobs import (
     route_queue,
 )
 from celery_echomq.send.links import queue_runs
+from celery_echomq.send.quorum import fan_in_of
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.send.shared import check_ids
 from celery_echomq.send.window import window_of
@@ -337,6 +338,7 @@ def _nested(
     )
     stamp(inner, child.kwargs)  # its own deadline, if it has one
     window_of(inner, child.kwargs)  # its own window, if it has one
+    fan_in_of(inner, child.kwargs)  # its own quorum or reducer, if it has one
     return inner
 
 

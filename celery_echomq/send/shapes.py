@@ -125,9 +125,8 @@ def _own(sig: Signature) -> Any:
 def _as_flow(sig: Any) -> dict[str, Any]:
     """What a flow hands the job that holds its own children: its policy, whether it takes
     one value, its id, and its deadline options and window (kept by that job)."""
-    timing = {
-        k: sig.kwargs[k] for k in ("deadline", "on_deadline", "max_active") if k in sig.kwargs
-    }
+    keys = ("deadline", "on_deadline", "max_active", "quorum", "reduce")
+    timing = {k: sig.kwargs[k] for k in keys if k in sig.kwargs}
     return {"policy": sig.policy, "single": sig.single, "own_id": _own(sig), "timing": timing}
 
 

@@ -37,6 +37,12 @@ H_RESULT = "echomq_r"
 H_CHORD = "echomq_c"
 # The apply_async option by which chords.py hands a flow that value.
 CHORD_OPTION = "echomq_chord"
+# "K/N" on every child of a flow released by a quorum (``flow(..., quorum=K)``): the K-th of
+# its N children to succeed releases the parent (store/lua/includes/quorum.lua).
+H_QUORUM = "echomq_k"
+# The reducer (JSON) on every child of a flow whose values are folded as they arrive
+# (``flow(..., reduce=R)``, send/reducers.py, store/lua/includes/reduce.lua).
+H_REDUCE = "echomq_x"
 
 # The prefix of every header above: reserved for the plan's own.
 RESERVED = "echomq_"
@@ -62,5 +68,23 @@ def parent_ref(headers: Any) -> ParentRef | None:
     if not parent_id:
         return None
     return ParentRef(
-        str(parent_id), str(getattr(headers, H_PARENT_QUEUE, None) or getattr(headers, H_QUEUE))
+        str(parent_id),
+        str(getattr(headers, H_PARENT_QUEUE, None) or getattr(headers, H_QUEUE)),
+        str(getattr(headers, H_QUORUM, None) or ""),
+        str(getattr(headers, H_REDUCE, None) or ""),
+    )
+
+
+def outer_ref(headers: dict[str, Any], queue: str) -> ParentRef | None:
+    """Where the flow a nested flow's parent belongs to lives, from that parent's stored
+    headers (``queue``: its own, where the outer flow's keys are unless the headers name
+    another); None for a flow nested in none."""
+    outer = headers.get(H_PARENT)
+    if not outer:
+        return None
+    return ParentRef(
+        str(outer),
+        str(headers.get(H_PARENT_QUEUE) or queue),
+        str(headers.get(H_QUORUM) or ""),
+        str(headers.get(H_REDUCE) or ""),
     )

@@ -51,6 +51,7 @@ class Status(StrEnum):
     CREDITED = "credited"
     STAGED = "staged"
     ADVANCED = "advanced"  # complete: a chain's step, the next one made pending
+    UNFOLDABLE = "unfoldable"  # complete: its flow's reducer cannot fold the value; no write
     PARENT_FAILED = "parent_failed"
     DUPLICATE = "duplicate"
     FINISHED = "finished"

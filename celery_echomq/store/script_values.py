@@ -41,6 +41,10 @@ class ParentRef:
 
     id: str
     queue: str
+    # "K/N": the parent is released by the K-th success of its N children (a quorum); ''.
+    quorum: str = ""
+    # The reducer its children's values are folded with (JSON, send/reducers.py); ''.
+    reduce: str = ""
 
 
 @dataclass(frozen=True)

@@ -516,6 +516,9 @@ class Scripts:
         keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
         if next_step and hand_ms:
             argv.append(str(hand_ms))  # the next step handed out active, leased
+        elif parent is not None and (parent.quorum or parent.reduce):
+            # Released by a quorum of its children (ARGV[16]); its values folded (ARGV[17]).
+            argv += ["", parent.quorum, parent.reduce]
         if result is not None:
             keys.append(result.key)
 
@@ -529,6 +532,8 @@ class Scripts:
         status, written, shared = status_of(reply[0]), flag.startswith("1"), flag.endswith("+")
         if status is Status.ADVANCED:
             return status, written, (reply[2], {"since": reply[3]}), shared
+        if status is Status.UNFOLDABLE:  # what the flow's reducer could not fold, and why
+            return status, False, (b"", {"reason": text(reply[2])}), False
         handed = None
         if status is Status.RELEASED and len(reply) > 2 and parent is not None:
             handed = self._handed(parent, reply[2:], inline_max)
@@ -601,6 +606,8 @@ class Scripts:
         # Its other parents' edges (on_exists="join"): the index and :parents, last.
         argv.append(str(len(keys) + 1))
         keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
+        if parent is not None and parent.quorum and not remote:
+            argv.append(parent.quorum)  # released by a quorum of its children (ARGV[11])
         reply = window_freed(self._run("fail", keys, argv), freed)
         return status_of(reply[0]), text(reply[1]), len(reply) > 2
 
@@ -668,7 +675,9 @@ class Scripts:
     def _handed(self, parent: ParentRef, reply: list[Any], inline_max: int) -> Handed:
         """A parent to publish, from hand_out's reply: its payload and its children's values
         (read in chunks of ``inline_max`` where the script left them out)."""
-        if text(reply[1]) == "scan":
+        if text(reply[1]) == "scan" and parent.reduce:
+            values: dict[str, Any] = {}  # its parent gets the accumulator, not the values
+        elif text(reply[1]) == "scan":
             _, processed, _ = self.keys.flow_keys(parent.queue, parent.id)
             values = {text(k): v for k, v in self.client.hscan_iter(processed, count=inline_max)}
         else:

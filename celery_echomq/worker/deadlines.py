@@ -22,7 +22,7 @@ from celery_echomq.store import deadlines as store
 from celery_echomq.store.connection import text
 from celery_echomq.store.deadline_spec import exceeded
 from celery_echomq.store.deadlines import Fired
-from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE
+from celery_echomq.store.headers import H_PARENT, outer_ref
 from celery_echomq.store.reads import indexed_children, scan_queues
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -232,7 +232,7 @@ def _carry(
     if outer:
         # A nested flow failed by its deadline is a failed child of its outer flow, under
         # its own parent_policy (fail.lua carries it once).
-        ref = ParentRef(str(outer), str(headers.get(H_PARENT_QUEUE) or queue))
+        ref = outer_ref(headers, queue) or ParentRef(str(outer), queue)
         settle_failure(state, queue, parent_id, "", error_text(exc), True, ref, carry=True)
 
 

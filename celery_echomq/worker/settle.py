@@ -20,7 +20,7 @@ from celery_echomq.send.errbacks import errbacks_left, ran_by_child
 from celery_echomq.send.freed import publish_freed
 from celery_echomq.store.codec import load_job
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import H_CHORD, H_NEXT, H_PARENT, H_PARENT_QUEUE
+from celery_echomq.store.headers import H_CHORD, H_NEXT, outer_ref
 from celery_echomq.store.pulse import note_done
 from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
@@ -118,8 +118,7 @@ def parent_failed(
     exc: BaseException = FlowFailed.of_child(
         parent_id, child_id, error, chord=bool(headers.get(H_CHORD))
     )
-    outer = headers.get(H_PARENT)
-    outer_ref = ParentRef(outer, headers.get(H_PARENT_QUEUE) or queue) if outer else None
+    outer = outer_ref(headers, queue)
     body = headers.get(H_CHORD)
     if isinstance(body, dict):
         # A chord on the engine: Celery's own handling of a failed header, from its body.
@@ -127,8 +126,13 @@ def parent_failed(
 
         state.app.backend.chord_error_from_stack(signature(body, app=state.app), exc)
         logger.info("echomq: chord body %s failed: child %s failed: %s", parent_id, child_id, error)
-        return exc, outer_ref
-    if job.get("single") or ran_by_child(job, child_id):
+        return exc, outer
+    if job.get("quorum"):
+        # Fewer than its quorum can still succeed: the script's words. Its other children
+        # go on, as under policy fail (a retry counts their successes).
+        said = state.client.hget(state.keys.job_key(queue, parent_id), "error")
+        exc = FlowFailed(f"flow {parent_id}: {text(said or '')}", child_id, error, parent_id)
+    elif job.get("single") or ran_by_child(job, child_id):
         # A chain's step held on the step before it, or a group parent's task: that task's
         # own error, as a chord's chain or group body raises it (Celery's chain stores it
         # for every task after the one that failed).
@@ -139,7 +143,7 @@ def parent_failed(
     job = {**job, "options": {**(job.get("options") or {}), "link_error": left}}
     record_failure(state, parent_id, exc, job, call_errbacks=bool(left))
     logger.info("echomq: parent %s failed: child %s failed: %s", parent_id, child_id, error)
-    return exc, outer_ref
+    return exc, outer
 
 
 def credit_remote(
@@ -233,6 +237,10 @@ def settle_success(
     )
     if freed:
         publish_freed(state, queue, freed)
+    if status is Status.UNFOLDABLE and handed is not None:
+        # Its flow's reducer cannot fold its value: the child fails, under its policy.
+        reason = f"ReduceError: {text(handed[1]['reason'])}"
+        return settle_failure(state, queue, job_id, token, reason, is_parent, parent)
     if parent is not None and status in (Status.RELEASED, Status.CREDITED, Status.STAGED):
         with contextlib.suppress(Exception):  # the dashboard's tally: never the job's concern
             note_done(state, queue)

@@ -47,6 +47,12 @@
 --          message takes it by writing the token a claim would (HSETNX, see
 --          worker/handoff.py), in place of the claim script ('' or absent: made pending)
 --
+-- ARGV[16] optional: "K/N", the job's flow is released by the K-th success of its N children
+--          (flow(..., quorum=K), includes/quorum.lua); '' or absent: by the last of them
+-- ARGV[17] optional: the reducer (JSON) the job's flow folds its children's values with
+--          (flow(..., reduce=R), includes/reduce.lua), into the parent row's 'acc' as it
+--          credits this child; '' or absent: none
+--
 -- Reply: {status} or, when ARGV[8] == '1', {status, written}: written '1' when this call
 -- wrote the result (the job's one active -> done transition), else '' (the host stores it the
 -- way Celery would, which never overwrites a SUCCESS); whatever ARGV[8], written ends in '+'
@@ -70,6 +76,9 @@
 --   "forged"      ARGV[5] is not the row's own parent, or ARGV[12] its own next step (a
 --                 message's headers named another): nothing changed
 --   "<state>"     the job is not active (done, failed, pending, ...): nothing changed
+--   "released" or "credited" under a quorum: the K-th success, or one before it
+--   "unfoldable"  {"unfoldable", '', reason}: the flow's reducer cannot fold this value;
+--                 nothing written (the host fails the child with the reason, under its policy)
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "expire"
@@ -78,6 +87,7 @@
 --- @include "hand_out"
 --- @include "window"
 --- @include "join"
+--- @include "reduce"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
@@ -105,6 +115,17 @@ if stepping then
     return {'forged'}
   end
   failed_children = is_parent or nil
+end
+-- A value its flow's reducer folds, checked before any write (an active child's parent is
+-- on this slot: ARGV[7] is '0' for a reducer's children, which send/reducers.py refuses
+-- elsewhere); written into the parent's 'acc' only where it is credited, once.
+local acc
+if (ARGV[17] or '') ~= '' and ARGV[5] ~= '' and next_id == '' and ARGV[7] ~= '1' then
+  local reason
+  acc, reason = fold_value(ARGV[17], redis.call('HGET', KEYS[6], 'acc'), ARGV[6])
+  if not acc then
+    return {'unfoldable', '', reason}
+  end
 end
 local ttl = tonumber(ARGV[3])
 local window_arg = windowed and 13 or 0
@@ -205,8 +226,11 @@ end
 -- completion never re-enters it.
 if ARGV[5] ~= '' and was_active == 1 then
   local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
-    pending = KEYS[9], counters = KEYS[10]}
+    pending = KEYS[9], counters = KEYS[10], quorum = ARGV[16], acc = acc}
   local settled = settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]
+  if settled == 'released' and (parent.quorum or '') ~= '' then
+    window_arg = 0 -- its quorum met: the children waiting for a slot are cut, none goes out
+  end
   if settled == 'released' and (ARGV[11] or '') ~= '' then
     -- The one completion that released the parent publishes it: no dispatch call after.
     local payload = redis.call('HGET', parent.row, 'payload')

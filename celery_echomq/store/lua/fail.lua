@@ -36,6 +36,9 @@
 -- ARGV[10]  optional: i, where KEYS[i] is the queue's index of joined jobs to credit and
 --           KEYS[i + 1] the job's :parents (includes/join.lua), after the keys above and
 --           the window's ('' or absent: none)
+-- ARGV[11]  optional: "K/N", the parent is released by the K-th success of its N children
+--           (includes/quorum.lua): this failure is one child fewer that can succeed, and
+--           fails the parent ("parent_failed") once fewer than K can ('' or absent: none)
 --
 -- A chain's step but its last (its row has 'next') expires the steps after it with its own row
 -- (includes/chain_rest.lua: their rows, on this slot, named after its own).
@@ -130,6 +133,7 @@ if not KEYS[8] or edges_at == 8 then
   return reply({'failed', ''})
 end
 local parent = {id = ARGV[6], row = KEYS[8], deps = KEYS[9], processed = KEYS[10],
-  ignored = KEYS[11], pending = KEYS[12], failed = KEYS[13], counters = KEYS[14]}
+  ignored = KEYS[11], pending = KEYS[12], failed = KEYS[13], counters = KEYS[14],
+  quorum = ARGV[11]}
 return window_reply(reply(settle_child(parent, ARGV[1], 'failed', ARGV[3], policy, ttl)),
   window_arg, ttl)

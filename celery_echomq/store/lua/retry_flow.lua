@@ -36,6 +36,8 @@
 --                ("failed" for a parent whose own body failed or that was abandoned),
 --                or it is held and none of the named children could be retried
 --                ("awaiting_children"), or it is pending, active, done, cancelled, missing
+-- Under a quorum (the row's 'quorum', includes/quorum.lua) each child retried counts as
+-- failed no more, and the parent is released when K children have succeeded.
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
 --- @include "expire"
@@ -55,7 +57,10 @@ local refused = gate_ids(1, 1) or gate_ids(3, #ARGV)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'failed_child', 'policy')
+local row = redis.call('HMGET', KEYS[1], 'state', 'failed_child', 'policy', 'quorum')
+-- A flow released by a quorum (includes/quorum.lua): each child retried is one failure fewer,
+-- and outstanding again; the parent is released by its K-th success, not by its counter.
+local need = tonumber(row[4] or '')
 local state = row[1]
 if state == 'failed' and not row[2] then
   return {'failed'}
@@ -81,6 +86,11 @@ for i = 1, n do
     redis.call('HDEL', KEYS[5], cid)
     unrecord(cid)
     repend(child, cid, KEYS[6], KEYS[7], now, reply)
+    if need then
+      redis.call('HINCRBY', KEYS[1], 'quorum_failed', -1)
+      redis.call('HINCRBY', KEYS[1], 'credited_failed', -1)
+      redis.call('INCR', KEYS[2])
+    end
   end
 end
 local others = #ARGV - 2 - n
@@ -98,7 +108,8 @@ if state == 'failed' then
   redis.call('ZREM', KEYS[7], ARGV[1])
   persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
 end
-if tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
+if need and redis.call('LLEN', KEYS[1] .. ':quorum') >= need
+    or not need and tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
   release_parent(KEYS[1], KEYS[6], ARGV[1], KEYS[8])
   reply[1] = 'released'
 end

@@ -18,9 +18,8 @@ from celery_echomq.store.connection import text
 from celery_echomq.store.headers import (
     H_FLOW,
     H_NEXT,
-    H_PARENT,
-    H_PARENT_QUEUE,
     Headers,
+    outer_ref,
     parent_ref,
 )
 from celery_echomq.store.replies import Status
@@ -359,8 +358,7 @@ def _outer_ref(state: EchoMQ, queue: str, parent_id: str, payload: Any) -> Paren
     if job is None:
         return None
     headers = (job.get("options") or {}).get("headers") or {}
-    outer = headers.get(H_PARENT)
-    return ParentRef(str(outer), str(headers.get(H_PARENT_QUEUE) or queue)) if outer else None
+    return outer_ref(headers, queue)
 
 
 def mark_abandoned(

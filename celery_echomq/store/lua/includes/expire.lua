@@ -4,13 +4,15 @@
 -- A parent's indexes for operators' pages: '<its row>:children', the list of its children
 -- by position (written with them: enqueue_flow, grow_flow, the host on the chunked path), and
 -- '<its row>:failures', the ids of its children failed under fail, remove or continue
--- (settle_child); '<its row>:window' and ':slots', its window (includes/window.lua).
+-- (settle_child); '<its row>:window' and ':slots', its window (includes/window.lua);
+-- '<its row>:quorum', its successes in order under a quorum (includes/quorum.lua).
 -- Their names are derived from the flow's ':dependencies' (the same hash
 -- tag, so the same slot): they expire and persist wherever it does, and no caller passes them.
 local function indexes_of(key)
   if string.sub(key, -13) == ':dependencies' then
     local row = string.sub(key, 1, -14)
-    return {row .. ':children', row .. ':failures', row .. ':window', row .. ':slots'}
+    return {row .. ':children', row .. ':failures', row .. ':window', row .. ':slots',
+      row .. ':quorum'}
   end
   return {}
 end

@@ -1,16 +1,19 @@
 --- @include "expire"
 --- @include "now_ms"
 --- @include "release_parent"
+--- @include "quorum"
 -- settle_child(parent, child_id, outcome, data, policy, ttl): the fan-in, on the parent's
 -- slot. Every script that counts a finished child toward its parent calls this: complete and
 -- fail when the parent shares the child's slot, credit for a child of another slot. The
 -- caller has already made sure this runs once per child (the child's was_active, or the
 -- parent's :settled set).
 --
--- parent   {id, row, deps, processed, ignored, pending, failed, settled, counters}: the
---          parent's id and keys (settled: its :settled hash on the cross-slot path, else nil;
+-- parent   {id, row, deps, processed, ignored, pending, failed, settled, counters, quorum, acc}:
+--          the parent's id and keys (settled: its :settled hash on the cross-slot path, else nil;
 --          counters: its queue's counters hash, which counts releases, parents held and
---          failed children per policy)
+--          failed children per policy; quorum: "K/N" for a flow released by its K-th
+--          success of N children, includes/quorum.lua, else nil or ''; acc: the parent's
+--          accumulator with this child's value folded in, includes/reduce.lua, else nil)
 -- outcome  'done' (data: the child's value) or 'failed' (data: "ExcType: message")
 -- policy   the failed child's parent_policy; '' reads the flow's default from the parent row
 --
@@ -30,6 +33,9 @@
 --   "credited"       counted; the parent still waits, or no longer waits
 --   "parent_failed"  policy fail: the parent is failed (the host records FAILURE for it)
 local function settle_child(parent, child_id, outcome, data, policy, ttl)
+  if (parent.quorum or '') ~= '' then
+    return settle_quorum(parent, child_id, outcome, data, policy, ttl)
+  end
   -- Whether the parent still waits, read only where the answer matters (one command less
   -- for every child that neither fails under 'fail' nor can release the parent).
   local function waiting()
@@ -38,22 +44,13 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
   if outcome == 'done' then
     policy = ''
     redis.call('HSET', parent.processed, child_id, data)
+    if parent.acc then
+      -- Its value folded by the flow's reducer (includes/reduce.lua): once, as it is credited.
+      redis.call('HSET', parent.row, 'acc', parent.acc)
+    end
   else
-    if policy == '' then
-      policy = redis.call('HGET', parent.row, 'policy') or 'fail'
-    end
-    -- One command per failed child, none per completed one.
-    redis.call('HINCRBY', parent.counters, 'failed_' .. policy, 1)
-    local found = redis.call('HGET', parent.row, 'state')
-    -- Not on a row that is gone (an expired or forgotten flow): that would leave a row behind.
-    if found and policy ~= 'ignore'
-        and redis.call('HSET', parent.row, 'failed:' .. child_id, data) == 1 then
-      redis.call('HINCRBY', parent.row, 'failed_children', 1)
-      -- The same ids in a hash of their own, '<row>:failures' (id -> 1; named from the row,
-      -- on its slot, expiring with the flow: see 'expire'): a page of failed children is an
-      -- HSCAN of it, never of the row, whose payload a huge flow's scan would copy.
-      redis.call('HSET', parent.row .. ':failures', child_id, 1)
-    end
+    local found
+    policy, found = record_failed(parent, child_id, data, policy)
     if policy == 'fail' then
       if found ~= 'awaiting_children' then
         return {'credited', policy}

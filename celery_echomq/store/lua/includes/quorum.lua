@@ -1,0 +1,83 @@
+--- @include "expire"
+--- @include "now_ms"
+--- @include "release_parent"
+-- record_failed(parent, child_id, data, policy): what the flow keeps of a child failed for
+-- good, whatever its policy: the queue's count of failures per policy, and under ignore the
+-- error in :ignored (the caller writes it), under the others the parent row's field
+-- 'failed:<child id>' (with 'failed_children' counting them, and '<row>:failures'). Returns
+-- the policy ('' read as the flow's default) and the parent's state (nil: the row is gone).
+local function record_failed(parent, child_id, data, policy)
+  if policy == '' then
+    policy = redis.call('HGET', parent.row, 'policy') or 'fail'
+  end
+  -- One command per failed child, none per completed one.
+  redis.call('HINCRBY', parent.counters, 'failed_' .. policy, 1)
+  local found = redis.call('HGET', parent.row, 'state')
+  -- Not on a row that is gone (an expired or forgotten flow): that would leave a row behind.
+  if found and policy ~= 'ignore'
+      and redis.call('HSET', parent.row, 'failed:' .. child_id, data) == 1 then
+    redis.call('HINCRBY', parent.row, 'failed_children', 1)
+    -- The same ids in a hash of their own, '<row>:failures' (id -> 1; named from the row,
+    -- on its slot, expiring with the flow: see 'expire'): a page of failed children is an
+    -- HSCAN of it, never of the row, whose payload a huge flow's scan would copy.
+    redis.call('HSET', parent.row .. ':failures', child_id, 1)
+  end
+  return policy, found
+end
+
+-- settle_quorum(parent, child_id, outcome, data, policy, ttl): settle_child for a flow
+-- released by a quorum (flow(..., quorum=K)), parent.quorum "K/N". Each success credited while
+-- the parent waits (or is failed, which a retry may undo) is kept in :processed and its id
+-- appended to '<row>:quorum' (the order of success, which the parent's values follow); the K-th
+-- releases the parent, here. A success after the release (a child already running) is
+-- finished on its own row and not counted. A failure,
+-- whatever its policy but continue, is one child fewer that can succeed: when fewer than K can
+-- still succeed the parent fails at once, its 'error' saying how many succeeded and how many
+-- were needed; continue releases it at once, as without a quorum. Every settled child counts
+-- its :dependencies down (what show and dependencies() read as outstanding).
+-- Returns what settle_child returns.
+local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
+  local need, total = string.match(parent.quorum, '^(%d+)/(%d+)$')
+  need, total = tonumber(need), tonumber(total)
+  local order = parent.row .. ':quorum'
+  if outcome == 'done' then
+    local state = redis.call('HGET', parent.row, 'state')
+    if state ~= 'awaiting_children' and state ~= 'failed' then
+      return {'credited', ''}
+    end
+    redis.call('HSET', parent.processed, child_id, data)
+    redis.call('DECR', parent.deps)
+    if redis.call('RPUSH', order, child_id) < need or state == 'failed' then
+      return {'credited', ''}
+    end
+    release_parent(parent.row, parent.pending, parent.id, parent.counters)
+    return {'released', ''}
+  end
+  local found
+  policy, found = record_failed(parent, child_id, data, policy)
+  if policy == 'ignore' then
+    redis.call('HSET', parent.ignored, child_id, data)
+  end
+  redis.call('DECR', parent.deps)
+  redis.call('HINCRBY', parent.row, 'credited_failed', 1)
+  if found ~= 'awaiting_children' then
+    return {'credited', policy}
+  end
+  if policy == 'continue' then
+    release_parent(parent.row, parent.pending, parent.id, parent.counters)
+    return {'released', policy}
+  end
+  local failed = redis.call('HINCRBY', parent.row, 'quorum_failed', 1)
+  redis.call('HSET', parent.row, 'quorum', need) -- what a retry (retry_flow.lua) reads
+  if total - failed >= need then
+    return {'credited', policy}
+  end
+  local succeeded = redis.call('LLEN', order)
+  redis.call('HSET', parent.row, 'state', 'failed', 'failed_child', child_id, 'error',
+    'quorum not met: ' .. succeeded .. ' of ' .. total .. ' children succeeded, ' .. need
+    .. ' needed (' .. failed .. ' failed; the last, ' .. child_id .. ': ' .. data .. ')')
+  redis.call('ZADD', parent.failed, now_ms(), parent.id)
+  redis.call('HINCRBY', parent.counters, 'held', -1)
+  expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored})
+  return {'parent_failed', policy}
+end

@@ -1,0 +1,144 @@
+"""A flow released by a quorum of its children, ``flow(parent, children, quorum=K)``: the
+parent runs once, at the K-th success, with the K values in the order they succeeded; the
+children not started are cancelled and never run; a quorum that can no longer be met fails
+the flow at once (send/quorum.py, store/lua/includes/quorum.lua), on a worker and eagerly."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+
+from celery_echomq import FlowFailed, flow
+from tests.helpers import KEYS, echomq, run
+
+TIMEOUT = 60
+
+
+def ran(store: redis.Redis, tag: str, x: int) -> int:
+    return int(store.get(f"test:ran:hedge:{tag}:{x}") or 0)
+
+
+def finished(store: redis.Redis, tag: str) -> list[int]:
+    return [int(v) for v in store.lrange(f"test:hedge:{tag}", 0, -1)]
+
+
+def test_ten_children_three_needed(proj: Any, how: str, store: redis.Redis) -> None:
+    """3 of 10 succeed fast, 7 sleep: the parent runs once with the first 3 values in the order
+    they succeeded; the children not started never run; one already running finishes and is
+    not counted."""
+    tag = uuid.uuid4().hex
+    # The three fast ones finish ~0.3 s apart (in an order of their own on two processes).
+    kids = [proj.hedge.s(i, tag, (0.6, 0.3, 0.0)[i] if i < 3 else 2.0) for i in range(10)]
+    res = run(flow(proj.collect.s(tag=tag), kids, quorum=3), how)
+    got = res.get(timeout=TIMEOUT)
+    assert got["tag"] == tag
+    assert got["values"] == finished(store, tag)[:3]
+    assert sorted(got["values"]) == [0, 1, 2]
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 1
+    if how == "apply":
+        assert [ran(store, tag, i) for i in range(10)] == [1, 1, 1] + [0] * 7
+        return
+    time.sleep(2.5)  # any slow child that was running finishes meanwhile
+    runs = [ran(store, tag, i) for i in range(10)]
+    assert runs[:3] == [1, 1, 1]
+    assert sum(runs[3:]) <= 2  # at most the worker's two processes' worth started
+    assert max(runs) == 1
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 1
+    assert res.children_values() is not None
+    # The cancelled ones are cancelled on their rows; none is pending any more.
+    parent = res.id
+    children = [
+        x.decode() for x in store.lrange(KEYS.job_key("celery", parent) + ":children", 0, -1)
+    ]
+    states = [
+        (store.hget(KEYS.job_key("celery", cid), "state") or b"").decode() for cid in children
+    ]
+    assert states[:3] == ["done"] * 3
+    assert states[3:].count("cancelled") == 7 - sum(runs[3:])
+    assert set(states[3:]) <= {"done", "cancelled"}
+    shown = echomq("show", parent).output
+    assert "quorum=3" in shown and "done=3/10" in shown
+
+
+def test_quorum_impossible_fails_at_once(proj: Any, how: str, store: redis.Redis) -> None:
+    """4 children, 3 needed, 2 fail: at the second failure the flow fails, saying how many
+    succeeded and how many were needed; the parent never runs."""
+    tag = uuid.uuid4().hex
+    kids = [proj.boom.s("no"), proj.hedge.s(1, tag), proj.boom.s("no"), proj.hedge.s(3, tag)]
+    res = run(flow(proj.collect.s(tag=tag), kids, quorum=3), how)
+    with pytest.raises(FlowFailed) as err:
+        res.get(timeout=TIMEOUT)
+    assert "quorum not met" in str(err.value)
+    assert "of 4 children succeeded, 3 needed (2 failed" in str(err.value)
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 0
+
+
+def test_quorum_lost_then_retried(proj: Any, worker: Any, store: redis.Redis) -> None:
+    """Two of three fail: the quorum of 2 is lost; retried with the fault gone, the failed
+    children run again and the parent runs once with 2 values."""
+    flag, tag = f"test:flag:{uuid.uuid4().hex}", uuid.uuid4().hex
+    kids = [proj.flaky.s(1, flag), proj.flaky.s(2, flag), proj.add.s(3, 0)]
+    res = flow(proj.collect.s(tag=tag), kids, quorum=2).apply_async()
+    with pytest.raises(FlowFailed, match="quorum not met"):
+        res.get(timeout=TIMEOUT)
+    store.set(flag, 1)
+    res.retry()
+    got = res.get(timeout=TIMEOUT)
+    assert len(got["values"]) == 2 and 3 in got["values"]
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 1
+
+
+def test_quorum_with_policy_ignore(proj: Any, how: str, store: redis.Redis) -> None:
+    """Failures under ignore shrink what can still succeed; the quorum is met by the rest."""
+    tag = uuid.uuid4().hex
+    kids = [proj.boom.s("a"), proj.hedge.s(1, tag), proj.boom.s("b"), proj.hedge.s(3, tag)]
+    res = run(flow(proj.collect.s(tag=tag), kids, quorum=2, policy="ignore"), how)
+    got = res.get(timeout=TIMEOUT)
+    assert sorted(got["values"]) == [1, 3]
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 1
+
+
+def test_quorum_refusals(proj: Any) -> None:
+    with pytest.raises(ValueError, match="quorum"):
+        flow(proj.tsum.s(), [proj.add.s(1, 1)], quorum=0)
+    with pytest.raises(ValueError, match="can never be met"):
+        flow(proj.tsum.s(), [proj.add.s(1, 1)], quorum=2).apply()
+    sig = flow(proj.tsum.s(), [proj.add.s(1, 1), proj.add.s(2, 2)], quorum=1)
+    assert flow.from_dict(dict(sig)).kwargs["quorum"] == 1
+    assert sig.clone().kwargs["quorum"] == 1
+
+
+def test_quorum_of_all_is_a_plain_flow(proj: Any, how: str) -> None:
+    res = run(flow(proj.tsum.s(), [proj.add.s(i, 0) for i in range(4)], quorum=4), how)
+    assert res.get(timeout=TIMEOUT) == 6
+
+
+def test_a_quorum_flow_takes_no_added_children(proj: Any, worker: Any, store: redis.Redis) -> None:
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    res = flow(proj.tsum.s(), [proj.gated.s(1, gate), proj.gated.s(2, gate)], quorum=1)
+    res = res.apply_async()
+    with pytest.raises(ValueError, match="takes no added children"):
+        res.add_children([proj.add.s(1, 1)])
+    store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT) in (1, 2)
+
+
+def test_a_nested_flow_is_one_child_of_a_quorum(proj: Any, how: str) -> None:
+    kids = [flow(proj.tsum.s(), [proj.add.s(1, 1), proj.add.s(2, 2)]), proj.boom.s("no")]
+    kids.append(proj.add.s(10, 0))
+    res = run(flow(proj.tsum.s(), kids, quorum=2), how)
+    assert res.get(timeout=TIMEOUT) == 16
+
+
+def test_a_quorum_with_a_window(proj: Any, how: str, store: redis.Redis) -> None:
+    """One child out at a time: the quorum met at the second, the eight waiting never run."""
+    tag = uuid.uuid4().hex
+    kids = [proj.hedge.s(i, tag) for i in range(10)]
+    res = run(flow(proj.collect.s(tag=tag), kids, quorum=2, max_active=1), how)
+    assert res.get(timeout=TIMEOUT)["values"] == [0, 1]
+    time.sleep(0.5)
+    assert [ran(store, tag, i) for i in range(10)] == [1, 1] + [0] * 8

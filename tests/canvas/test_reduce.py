@@ -1,0 +1,73 @@
+"""A flow whose children's values are folded as they arrive, ``flow(parent, children,
+reduce=R)``: the parent gets the accumulator as its first argument; a value the reducer cannot
+fold fails that child under its policy; ``children_values()`` still reads the children's own
+values (send/reducers.py, store/lua/includes/reduce.lua), on a worker and eagerly."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import pytest
+
+from celery_echomq import FlowFailed, flow
+from tests.helpers import run
+
+TIMEOUT = 60
+
+DICTS = [{"id": 1, "s": 5}, {"id": 2, "s": 9}, {"id": 3, "s": 1}, {"id": 4, "s": 9}]
+
+# reducer -> (the children's values, the accumulator the parent gets)
+CASES: dict[str, tuple[Any, list[Any], Any]] = {
+    "count": ("count", [1, 2, 3, 4], 4),
+    "sum": ("sum", [1, 2, 3, 4.5], 10.5),
+    "min": ("min", [3, -2, 7], -2),
+    "max": ("max", [3, -2, 7], 7),
+    "merge": ("merge", [{"a": 1, "b": 1}, {"b": 2}, {"c": 3}], {"a": 1, "b": 2, "c": 3}),
+    "top": (("top", 2, "s"), DICTS, [{"id": 2, "s": 9}, {"id": 4, "s": 9}]),
+    "list": (("list", 2), [[1], {"x": None}, "three"], [[1], {"x": None}]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_reducer(proj: Any, how: str, case: str) -> None:
+    reducer, values, expected = CASES[case]
+    tag = uuid.uuid4().hex
+    kids = [proj.echo.s(v) for v in values]
+    if case in ("merge", "list", "top"):
+        # In order: a later child's keys, the first n, the earlier of equals, both ways.
+        res = run(flow(proj.collect.s(tag=tag), kids, reduce=reducer, max_active=1), how)
+    else:
+        res = run(flow(proj.collect.s(tag=tag), kids, reduce=reducer), how)
+    got = res.get(timeout=TIMEOUT)
+    assert got == {"values": expected, "tag": tag}
+    # The children's own values, still kept.
+    assert sorted(map(repr, res.children_values().values())) == sorted(map(repr, values))
+
+
+def test_a_value_it_cannot_fold_fails_the_child(proj: Any, how: str) -> None:
+    kids = [proj.echo.s(1), proj.echo.s("x"), proj.echo.s(2)]
+    res = run(flow(proj.tsum.s(), kids, reduce="sum"), how)
+    with pytest.raises(FlowFailed) as err:
+        res.get(timeout=TIMEOUT)
+    assert 'ReduceError: sum folds numbers, not "x"' in str(err.value)
+
+
+def test_a_value_it_cannot_fold_under_ignore(proj: Any, how: str) -> None:
+    tag = uuid.uuid4().hex
+    kids = [proj.echo.s(1), proj.echo.s("x"), proj.echo.s(2)]
+    res = run(flow(proj.collect.s(tag=tag), kids, reduce="sum", policy="ignore"), how)
+    assert res.get(timeout=TIMEOUT) == {"values": 3, "tag": tag}
+    (reason,) = res.ignored_failures().values()
+    assert reason == 'ReduceError: sum folds numbers, not "x"'
+
+
+def test_refusals(proj: Any) -> None:
+    for bad in ("avg", ("top", 0, "s"), ("list",), ("top", 2), 3):
+        with pytest.raises(ValueError, match="reduce"):
+            flow(proj.tsum.s(), [proj.add.s(1, 1)], reduce=bad)
+    sig = flow(proj.tsum.s(), [proj.add.s(1, 1)], reduce=("top", 2, "s"))
+    assert flow.from_dict(dict(sig)).kwargs["reduce"] == ["top", 2, "s"]
+    assert sig.clone().kwargs["reduce"] == ["top", 2, "s"]
+    with pytest.raises(ValueError, match="not supported"):
+        flow(proj.tsum.s(), [proj.add.s(1, 1)], reduce="sum", quorum=1).apply()

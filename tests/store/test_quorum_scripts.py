@@ -1,0 +1,108 @@
+"""The quorum's fan-in called script by script (store/lua/includes/quorum.lua): the K-th
+success releases the parent once, whatever is delivered twice or stale; the order of success
+is kept; a failure that leaves fewer than K possible fails the parent at once. A real Redis,
+no worker."""
+
+from __future__ import annotations
+
+import uuid
+
+import redis
+
+from celery_echomq.store.keyspace import new_job_id
+from celery_echomq.store.replies import Status
+from celery_echomq.store.scripts import ParentRef, Scripts
+from tests.helpers import KEYS
+
+TTL = 600
+LEASE = 60_000
+
+
+def start(scripts: Scripts, n: int, need: int) -> tuple[ParentRef, list[str]]:
+    queue = "q" + uuid.uuid4().hex[:8]
+    parent, kids = new_job_id(), [new_job_id() for _ in range(n)]
+    scripts.enqueue_flow(queue, parent, b"p", [(k, b"c") for k in kids])
+    return ParentRef(parent, queue, f"{need}/{n}"), kids
+
+
+def complete(scripts: Scripts, ref: ParentRef, kid: str, token: str, value: bytes) -> Status:
+    return scripts.complete(
+        ref.queue, kid, token, ttl=TTL, is_parent=False, parent=ref, value=value
+    )
+
+
+def order(db: redis.Redis, ref: ParentRef) -> list[bytes]:
+    return list(db.lrange(KEYS.job_key(ref.queue, ref.id) + ":quorum", 0, -1))
+
+
+def test_released_once_at_the_kth_success_under_redelivery(
+    db: redis.Redis, scripts: Scripts
+) -> None:
+    ref, kids = start(scripts, 5, 2)
+    tokens = {k: "t-" + uuid.uuid4().hex for k in kids}
+    for k in kids:
+        assert scripts.claim(ref.queue, k, tokens[k], LEASE)[0] is Status.CLAIMED
+    assert complete(scripts, ref, kids[3], tokens[kids[3]], b"3") is Status.CREDITED
+    # The same completion delivered again, and a stale one: neither is counted.
+    assert complete(scripts, ref, kids[3], tokens[kids[3]], b"3") is not Status.RELEASED
+    scripts.claim(ref.queue, kids[1], "t-new", LEASE, force=True)
+    assert complete(scripts, ref, kids[1], tokens[kids[1]], b"1") is Status.STALE
+    assert order(db, ref) == [kids[3].encode()]
+    assert complete(scripts, ref, kids[1], "t-new", b"1") is Status.RELEASED
+    row = KEYS.job_key(ref.queue, ref.id)
+    assert db.hget(row, "state") == b"pending"
+    assert order(db, ref) == [kids[3].encode(), kids[1].encode()]
+    # A child running when the quorum was met finishes, uncounted.
+    assert complete(scripts, ref, kids[0], tokens[kids[0]], b"0") is Status.CREDITED
+    assert db.hget(row, "state") == b"pending"
+    assert db.hgetall(KEYS.job_key(ref.queue, ref.id) + ":processed") == {
+        kids[3].encode(): b"3",
+        kids[1].encode(): b"1",
+    }
+    assert db.hget(KEYS.job_key(ref.queue, kids[0]), "state") == b"done"
+    assert int(db.hget(KEYS.queue_key(ref.queue, "counters"), "released") or 0) == 1
+
+
+def test_failed_at_once_when_the_quorum_cannot_be_met(db: redis.Redis, scripts: Scripts) -> None:
+    ref, kids = start(scripts, 4, 3)
+    db.hset(KEYS.job_key(ref.queue, ref.id), "policy", "remove")
+    tokens = {k: "t-" + uuid.uuid4().hex for k in kids}
+    for k in kids:
+        scripts.claim(ref.queue, k, tokens[k], LEASE)
+    assert complete(scripts, ref, kids[0], tokens[kids[0]], b"0") is Status.CREDITED
+
+    def fail(kid: str) -> Status:
+        return scripts.fail(
+            ref.queue, kid, tokens[kid], "ValueError: no", ttl=TTL, is_parent=False, parent=ref
+        )[0]
+
+    assert fail(kids[1]) is Status.CREDITED  # 3 can still succeed
+    assert fail(kids[1]) is not Status.PARENT_FAILED  # a repeat changes nothing
+    assert fail(kids[2]) is Status.PARENT_FAILED  # 2 can: fewer than 3
+    error = db.hget(KEYS.job_key(ref.queue, ref.id), "error")
+    assert error is not None
+    assert error.startswith(b"quorum not met: 1 of 4 children succeeded, 3 needed (2 failed")
+    assert db.zscore(KEYS.queue_key(ref.queue, "failed"), ref.id) is not None
+    assert complete(scripts, ref, kids[3], tokens[kids[3]], b"3") is Status.CREDITED
+    assert db.hget(KEYS.job_key(ref.queue, ref.id), "state") == b"failed"
+
+
+def test_a_reducer_folds_each_child_once(db: redis.Redis, scripts: Scripts) -> None:
+    queue = "q" + uuid.uuid4().hex[:8]
+    parent, kids = new_job_id(), [new_job_id() for _ in range(3)]
+    scripts.enqueue_flow(queue, parent, b"p", [(k, b"c") for k in kids])
+    ref = ParentRef(parent, queue, "", '["sum"]')
+    tokens = {k: "t-" + uuid.uuid4().hex for k in kids}
+    for k in kids:
+        scripts.claim(queue, k, tokens[k], LEASE)
+    row = KEYS.job_key(queue, parent)
+    assert complete(scripts, ref, kids[0], tokens[kids[0]], b"5") is Status.CREDITED
+    complete(scripts, ref, kids[0], tokens[kids[0]], b"5")  # delivered again: not folded
+    assert db.hget(row, "acc") == b"5"
+    # A value it cannot fold: refused before any write; the child is still active.
+    before = {k: db.dump(k) for k in db.keys("*")}
+    assert complete(scripts, ref, kids[1], tokens[kids[1]], b'"x"') is Status.UNFOLDABLE
+    assert {k: db.dump(k) for k in db.keys("*")} == before
+    assert db.hget(KEYS.job_key(queue, kids[1]), "state") == b"active"
+    assert complete(scripts, ref, kids[2], tokens[kids[2]], b"2.5") is Status.CREDITED
+    assert db.hget(row, "acc") == b"7.5"
