@@ -251,9 +251,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         return FlowResult(parent_opts["task_id"], app=self._get_app())
 
     def link_error(self, errback: Any) -> Any:
-        """As ``chord.link_error``: the errback is the parent's. A chain parent gives it to each
-        of its steps (Celery's chain does), so the step that fails runs it with its own id; a
-        child's failure runs it once, with the flow's id."""
+        """As ``chord.link_error`` (the parent's): a chain parent's step that fails runs it with
+        its own id, as Celery's chain does; a child's failure once, with the flow's id."""
         if isinstance(self.parent, _chain) and "_shape" not in self.__dict__:
             self.parent.link_error(errback)
         return super().link_error(errback)
@@ -358,8 +357,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         if fan and fan != plan.parent_id:
             # What operators' repairs follow from the flow's id to its children (release).
             plan.parent["fan_in"] = fan
-        if chord is not None:
-            # A chord on the engine (chords.py): its parent's message says so, alone.
+        if chord is not None:  # a chord on the engine (chords.py): its parent's message alone
             plan.parent["options"].setdefault("headers", {})[H_CHORD] = chord
         joined = {}
         if on_exists == "join":
