@@ -42,10 +42,9 @@ from celery_echomq.ops.listing import MAX_LIMIT, STATES, queue_stats, read_flows
 from celery_echomq.ops.pages import FILTERS, MAX_PAGE, PAGE, read_flow
 from celery_echomq.ops.progress import render_progress
 from celery_echomq.ops.rendering import render_rows, render_tree, show_every
-from celery_echomq.ops.views import FINISHED, node_dict, tree_json
+from celery_echomq.ops.replication import replication_wait
+from celery_echomq.ops.views import node_dict, tree_json
 from celery_echomq.store.connection import describe
-from celery_echomq.store.server_info import replicas_of
-from celery_echomq.store.state import EchoMQ
 
 __all__ = ["echomq", "node_dict", "render_progress", "render_tree"]
 
@@ -116,25 +115,6 @@ def show(
     waits = replication_wait(state, node.queue, job_id, node.state)
     if waits:
         click.echo(waits)
-
-
-def replication_wait(state: EchoMQ, queue: str, job_id: str, job_state: str) -> str:
-    """Why an unfinished flow waits when its slot's primary has fewer replicas than
-    ``echomq_min_replicas`` (every transition's WAIT falls short: a claimed body is deferred
-    to recovery, again and again), and what heals it; "" when it does not."""
-    wanted = state.settings.min_replicas
-    if not wanted or job_state in FINISHED:
-        return ""
-    address, replicas = replicas_of(state.client, state.keys.job_key(queue, job_id))
-    if replicas >= wanted:
-        return ""
-    return (
-        f"waiting: the primary of this flow's slot ({address}) has {replicas} replica(s) "
-        f"connected, fewer than echomq_min_replicas={wanted}: each transition's WAIT falls "
-        "short, so every claimed job's body is deferred to recovery and its attempts grow. "
-        f"Heals once that primary has {wanted} replica(s) connected (attach one, e.g. to a "
-        "master left without its replica by a failover), or with echomq_min_replicas lowered"
-    )
 
 
 @echomq.command(name="list")

@@ -229,12 +229,17 @@ def test_the_retry_button_runs_a_failed_flow_again(
     browser.get(f"{site.url}/flows/{res.id}")
     wait_for(lambda: node_state(browser, res.id) == "failed", timeout=30)
     assert "ValueError: flag" in line_of(browser, id_of(bad))
+    # The progress bar is full (every child settled) and says the flow failed: not green.
+    bar = browser.find_element(By.ID, "bar")
+    assert bar.get_attribute("class") == "failed"
+    assert bar.value_of_css_property("accent-color") == "rgb(229, 57, 53)"
 
     store.set(flag, 1)  # what made the child fail is fixed: retry it from the page
     browser.find_element(By.ID, "action-retry").click()
     assert "1 child(ren) published again" in wait_for(lambda: text_of(browser, "note"), timeout=30)
     wait_for(lambda: node_state(browser, res.id) == "done", timeout=60)
     assert node_state(browser, id_of(bad)) == "done"
+    assert browser.find_element(By.ID, "bar").get_attribute("class") == "done"
     assert "attempts=2" in line_of(browser, id_of(bad)) and "value=5" in line_of(
         browser, id_of(bad)
     )
@@ -627,3 +632,35 @@ def test_the_live_tree_lists_a_chain_childs_steps_and_the_one_that_runs(
         assert html.count(f'id="job-{sid}"') == 1  # each step once, the last too
     store.set(gate, 1)
     assert res.get(timeout=60) == 3
+
+
+def test_a_flows_page_says_why_it_waits_on_too_few_replicas_and_what_heals_it(
+    proj: Any, env: Any, own_queue: Any, serve: Any
+) -> None:
+    from celery import Celery
+
+    import celery_echomq
+    from tests.helpers import Served
+
+    queue = own_queue("replicas")
+    res = flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async(queue=queue)  # no worker: held
+    # The same store, read by a deployment that asks each transition for one replica: this
+    # private redis-server has none.
+    strict = Celery("strict", set_as_current=False)
+    strict.conf.update(
+        broker_url=env.broker, result_backend=env.backend, echomq_redis_url=env.store
+    )
+    strict.conf.echomq_min_replicas = 1
+    celery_echomq.install(strict)
+    site = Served(strict, allow_actions=False)
+    try:
+        page = httpx.get(f"{site.url}/flows/{res.id}", timeout=30).text
+    finally:
+        site.stop()
+    found = re.search(r'<p class="error" id="waiting">([^<]*)</p>', page)
+    assert found, page[-2000:]
+    assert "has 0 replica(s) connected, fewer than echomq_min_replicas=1" in found.group(1)
+    assert "Heals once that primary has 1 replica(s) connected" in found.group(1)
+    # The deployment that asks for none: nothing of the kind.
+    plain = httpx.get(f"{serve().url}/flows/{res.id}", timeout=30).text
+    assert 'id="waiting"' not in plain

@@ -47,6 +47,7 @@ from celery_echomq.ops.dashboard.tracebacks import failed_jobs, tracebacks
 from celery_echomq.ops.listing import STATES
 from celery_echomq.ops.pages import FILTERS, PAGE, iter_children, read_flow
 from celery_echomq.ops.rendering import seconds, short
+from celery_echomq.ops.replication import replication_wait
 from celery_echomq.ops.views import FINISHED, JobNode, tree_json
 from celery_echomq.store.state import EchoMQ, get_state
 
@@ -161,6 +162,7 @@ class Dashboard:
             node=node,
             failed=failed,
             timeline=build_timeline(self.state, node) if node else None,
+            waiting=replication_wait(self.state, node.queue, node.id, node.state) if node else "",
             kinds=KINDS,
             tracebacks=tracebacks(self.state, failed_jobs((node, failed))),
             filters=FILTERS,
