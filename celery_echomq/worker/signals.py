@@ -85,7 +85,13 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         # The body waits instead: its lease lapses and recovery re-publishes the job, from
         # whatever store survives.
         _skip.add(task_id)
-        logger.warning("echomq: %s; the body of %s is deferred to recovery", exc, task_id)
+        logger.warning(
+            "echomq: %s; the body of %s is deferred to recovery, and runs once the primary has "
+            "%d replica(s) connected (or echomq_min_replicas is lowered)",
+            exc,
+            task_id,
+            exc.wanted,
+        )
         return
     if status in STARTED:
         _started(task, task_id, token)

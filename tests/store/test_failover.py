@@ -572,7 +572,8 @@ def test_min_replicas_a_claim_not_replicated_defers_the_body_to_recovery(
         )
         try:
             try:
-                logged(worker, f"the body of {child} is deferred to recovery")
+                logged(worker, f"the body of {child} is deferred to recovery, and runs once")
+                assert "the primary has 1 replica(s) connected" in worker.output()
                 assert runs_in_log(worker.log)[child] == 0
             finally:
                 os.kill(replica.proc.pid, signal.SIGCONT)
