@@ -9,6 +9,7 @@ so each test's worker runs with the same setting (``ECHOMQ_T_CHORDS``).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
@@ -23,7 +24,7 @@ from celery.result import AsyncResult, GroupResult
 
 import celery_echomq
 from celery_echomq import UnknownFlowError
-from tests.helpers import Env, Worker, fast_recovery, wait_for
+from tests.helpers import Env, Worker, echomq, fast_recovery, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -166,6 +167,33 @@ def test_a_failed_header_fails_the_body_as_celerys_chord_does(
     kinds = [k.decode() for k in store.lrange(key, 0, -1)]
     assert len(kinds) == 1 and kinds[0].endswith("chord_error=True"), kinds
     assert held_by_engine(res.id) is (engine == "on")
+
+
+def test_show_and_retry_reach_a_chord_on_the_engine_by_its_bodys_id(
+    proj: Any, store: redis.Redis, queues: dict[str, str], proj_chords_on: None
+) -> None:
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    res = chord([proj.add.s(1, 1), proj.flaky.s(5, flag)], proj.tsum.s()).apply_async(
+        queue=queues["on"]
+    )
+    with pytest.raises(ValueError, match="not set"):  # the header task's own error
+        res.get(timeout=60)
+    shown = echomq("show", res.id, "--json")
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["state"] == "failed"
+    store.set(flag, 1)
+    retried = echomq("retry", res.id)
+    assert retried.exit_code == 0, retried.output
+    # The body's own result, failed by the header, runs again: Celery's AsyncResult sees it.
+    wait_for(lambda: AsyncResult(res.id, app=proj.app).state == "SUCCESS", timeout=60)
+    assert AsyncResult(res.id, app=proj.app).result == 7
+
+
+@pytest.fixture
+def proj_chords_on(proj: Any) -> Iterator[None]:
+    proj.app.conf.echomq_chords = True
+    yield
+    proj.app.conf.echomq_chords = False
 
 
 @pytest.mark.parametrize("engine_setting", [True, False])
