@@ -197,7 +197,10 @@ def on_failure(
     if tracing.ON:
         tracing.record_child(state, task_id, parent_ref(request))
     next_step = getattr(request, H_NEXT, None)
-    if next_step and exception is not None and not isinstance(exception, TaskRevokedError):
+    # Not for a pool process lost or past its time limit (the main process reports it): the
+    # step may have completed in the store before it died, and its next step runs on.
+    revoked = isinstance(exception, TaskRevokedError)
+    if next_step and exception is not None and not lost and not revoked:
         # Before the flow hears of it: a chord's result checks its header's results first.
         fail_later_steps(state, getattr(request, H_QUEUE), str(next_step), exception)
     settle_failure(
