@@ -18,10 +18,10 @@ from celery_echomq.errors import FlowFailed
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
 from celery_echomq.send.errbacks import errbacks_left, ran_by_child
 from celery_echomq.send.freed import publish_freed
-from celery_echomq.store.codec import load_job
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import H_CHORD, H_NEXT, outer_ref
+from celery_echomq.store.headers import H_CHORD, outer_ref
 from celery_echomq.store.pulse import note_done
+from celery_echomq.store.reads import steps_after
 from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
@@ -89,19 +89,8 @@ def own_error(state: EchoMQ, job_id: str) -> BaseException | None:
 def fail_later_steps(state: EchoMQ, queue: str, next_step: str, exc: BaseException) -> None:
     """A chain's step failed: store its error for each step after it, as Celery's chain does,
     so that the chain's result (its last step's) raises it. The steps' rows name the next."""
-    seen: set[str] = set()
-    while next_step and next_step not in seen:
-        seen.add(next_step)
-        payload = state.client.hget(state.keys.job_key(queue, next_step), "payload")
-        if payload is None:
-            return
-        state.app.backend.store_result(next_step, exc, "FAILURE")
-        try:
-            job = load_job(state, queue, next_step, payload)
-        except Exception:
-            return  # a payload this worker cannot read names no further step
-        headers = (job.get("options") or {}).get("headers") or {}
-        next_step = str(headers.get(H_NEXT) or "")
+    for step in steps_after(state, queue, next_step):
+        state.app.backend.store_result(step, exc, "FAILURE")
 
 
 def parent_failed(
