@@ -31,7 +31,7 @@ from celery_echomq.send.start import start_flow
 from celery_echomq.send.window import check_max_active, window_of
 from celery_echomq.store.connection import bounded
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec, stamp
-from celery_echomq.store.headers import CHORD_OPTION, H_CHORD, H_QUEUE
+from celery_echomq.store.headers import H_QUEUE, chord_headers
 from celery_echomq.store.keyspace import new_job_id
 from celery_echomq.store.results import writes_results
 from celery_echomq.store.script_values import ParentRef
@@ -309,7 +309,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         options: dict[str, Any],
         on_exists: str = "raise",
     ) -> FlowResult:
-        chord = options.pop(CHORD_OPTION, None)
+        chord = chord_headers(options)
         shape, fan = self.shape(shared=on_exists == "join")
         if task_id is not None and shape is not self and "_shape" not in self.__dict__:
             shape, fan = _shaped(self.clone(task_id=task_id))
@@ -357,8 +357,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         if fan and fan != plan.parent_id:
             # What operators' repairs follow from the flow's id to its children (release).
             plan.parent["fan_in"] = fan
-        if chord is not None:  # a chord on the engine (chords.py): its parent's message alone
-            plan.parent["options"].setdefault("headers", {})[H_CHORD] = chord
+        if chord:  # a chord on the engine (chords.py): its parent's message alone
+            plan.parent["options"].setdefault("headers", {}).update(chord)
         joined = {}
         if on_exists == "join":
             if existing_flow(state, plan):

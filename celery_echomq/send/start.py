@@ -27,7 +27,7 @@ from celery_echomq.send.join import Joined, joins_by_level
 from celery_echomq.send.plan import Plan, child_id, child_queue, first_job, row_ids
 from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.deadlines import arm_levels, disarm
-from celery_echomq.store.headers import H_SINCE, H_STORE
+from celery_echomq.store.headers import H_SINCE, H_STORE, is_open_header
 from celery_echomq.store.replies import Status, WideCheck
 from celery_echomq.store.script_values import BrokerPushes
 from celery_echomq.store.state import EchoMQ, get_state
@@ -108,7 +108,10 @@ def _prepare(state: EchoMQ, plan: Plan, joined: dict[str, Joined]) -> _Start:
     cluster = isinstance(state.client, RedisCluster)
     joins = joins_by_level(plan, joined)
     chunk = state.settings.chunk_size
-    chunked = [level.chunked(chunk) or bool(joins[level.parent_id]) for level in levels]
+    chunked = [
+        level.chunked(chunk) or bool(joins[level.parent_id]) or is_open_header(level.parent)
+        for level in levels
+    ]
     queues = {level.queue for level in levels}
     queues.update(child_queue(job) for level in levels for job in level.children)
     return _Start(
