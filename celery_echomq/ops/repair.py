@@ -27,7 +27,6 @@ from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.send.join import against_own_flow
 from celery_echomq.send.start import publish
 from celery_echomq.store.codec import Stored, load_job
-from celery_echomq.store.headers import H_NEXT
 from celery_echomq.store.reads import steps_after
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ
@@ -196,18 +195,13 @@ class _Retry:
             load_job(self.state, self.queue_of[cid], cid, stored, templates)
             for cid, stored in against_own_flow(self.state, self.payloads, self.queue_of)
         ]
-        # A retried chain step's later steps keep the error its failure stored for them: gone
+        # A retried chain step's later steps hold the error its failure stored for them: gone
         # too, or recovery would read one of them as failed before it ran again.
-        later = [step for cid, job in zip(ids, jobs, strict=True) for step in self._after(cid, job)]
-        _forget_results(self.state, later)
+        for cid, job in zip(ids, jobs, strict=True):
+            _forget_results(self.state, steps_after(self.state, self.queue_of[cid], job))
         publish(self.state.app, jobs)
         self.republished += ids
         self.payloads = []
-
-    def _after(self, job_id: str, job: Any) -> Iterable[str]:
-        """The chain steps after ``job`` (none unless it is a chain's step)."""
-        headers = (job.get("options") or {}).get("headers") or {}
-        return steps_after(self.state, self.queue_of[job_id], str(headers.get(H_NEXT) or ""))
 
     def finish(self) -> None:
         """Publish what is left, then dispatch the parents the levels freed."""

@@ -271,10 +271,15 @@ def queues_of(state: EchoMQ, queues: Iterable[str] | None) -> list[str]:
     return valid
 
 
-def steps_after(state: Any, queue: str, step: str) -> Iterator[str]:
+def steps_after(state: Any, queue: str, job: dict[str, Any]) -> Iterator[str]:
+    """The chain steps after ``job`` (none unless it is a chain's step): see steps_from."""
+    return steps_from(state, queue, str(_headers(job).get(H_NEXT) or ""))
+
+
+def steps_from(state: Any, queue: str, step: str) -> Iterator[str]:
     """``step`` and each chain step after it that the store keeps on ``queue``, in order:
-    each step's row names the next (:data:`H_NEXT`). Stops at a row that is gone or whose
-    payload this process cannot read (it names no further step)."""
+    each step names the next (:data:`H_NEXT`). Stops at a row that is gone or whose payload
+    this process cannot read (it names no further step)."""
     seen: set[str] = set()
     while step and step not in seen:
         seen.add(step)
@@ -286,5 +291,8 @@ def steps_after(state: Any, queue: str, step: str) -> Iterator[str]:
             job = load_job(state, queue, step, payload)
         except Exception:
             return
-        headers = (job.get("options") or {}).get("headers") or {}
-        step = str(headers.get(H_NEXT) or "")
+        step = str(_headers(job).get(H_NEXT) or "")
+
+
+def _headers(job: dict[str, Any]) -> dict[str, Any]:
+    return dict((job.get("options") or {}).get("headers") or {})

@@ -21,7 +21,7 @@ from celery_echomq.send.freed import publish_freed
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_CHORD, outer_ref
 from celery_echomq.store.pulse import note_done
-from celery_echomq.store.reads import steps_after
+from celery_echomq.store.reads import steps_from
 from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
@@ -89,7 +89,7 @@ def own_error(state: EchoMQ, job_id: str) -> BaseException | None:
 def fail_later_steps(state: EchoMQ, queue: str, next_step: str, exc: BaseException) -> None:
     """A chain's step failed: store its error for each step after it, as Celery's chain does,
     so that the chain's result (its last step's) raises it. The steps' rows name the next."""
-    for step in steps_after(state, queue, next_step):
+    for step in steps_from(state, queue, next_step):
         state.app.backend.store_result(step, exc, "FAILURE")
 
 
