@@ -264,3 +264,61 @@ def test_the_timeline_tells_waiting_from_running_then_cancelled_and_draws_one_pa
     drawn = wait_for(lambda: bars(browser), timeout=30)
     assert len(drawn) == 50 + 1 and drawn[big.id] == "done"  # a page of 50, and the parent
     assert set(drawn.values()) == {"done"}
+
+
+def test_the_children_waiting_in_a_window_are_counted_sampled_and_drawn_beside_the_held(
+    proj: Any,
+    start_worker: Any,
+    own_queue: Any,
+    store: redis.Redis,
+    gate: str,
+    serve: Any,
+    browser: Any,
+) -> None:
+    import time
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from celery_echomq import get_state
+    from celery_echomq.store.pulse import read_minutes, sample
+
+    name = own_queue("window")
+    start_worker(queues=name, concurrency=2)
+    site = serve()
+    state = get_state(proj.app)
+
+    def gauge() -> float:
+        text = httpx.get(site.url + "/metrics").text
+        found = {
+            (s.name, s.labels.get("queue")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        return found[("echomq_window_waiting", name)]
+
+    kids = [with_id(proj.gated.s(i, gate)) for i in range(10)]
+    res = flow(proj.tsum.s(), kids, max_active=2).apply_async(queue=name)
+    wait_for(lambda: store.zcard(KEYS.queue_key(name, "active")) == 2, timeout=60)
+    assert gauge() == 8  # two running, eight waiting for a slot
+    now = time.time()
+    sample(state, [name], now=now - 120)
+    store.set(gate, 1)
+    assert res.get(timeout=60) == sum(range(10))
+    assert gauge() == 0
+    sample(state, [name], now=now - 60)
+    waiting = {m.minute: m.values["window_waiting"] for m in read_minutes(state, name)}
+    assert waiting[int((now - 120) // 60)] == 8 and waiting[int((now - 60) // 60)] == 0
+
+    browser.get(site.url + "/")
+    figures = browser.execute_script(
+        f"return Array.from(document.querySelectorAll('#charts-{name} figure.chart'))"
+        ".map(f => f.id);"
+    )
+    held = figures.index(f"chart-{name}-held")
+    assert figures[held + 1] == f"chart-{name}-window_waiting"  # drawn beside the held
+    caption = browser.find_element("id", f"chart-{name}-window_waiting").text
+    assert caption.startswith("waiting in windows") and "peak 8" in caption
+    count = browser.find_element("css selector", f"#queue-{name} .count-window-waiting").text
+    assert count == "0"
+    shot(browser, "window-waiting.png", height=560)
