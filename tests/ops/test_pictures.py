@@ -103,6 +103,20 @@ def test_a_flows_timeline_draws_each_child_as_a_bar_of_its_state_then_the_parent
     assert widths[0] <= widths[1] + 2
     shot(browser, "timeline-done.png")
 
+    # The nested flow's one bar spans its whole run: from its enqueue, before its children
+    # started, not from its own parent's run at its end.
+    from celery_echomq import get_state
+    from celery_echomq.ops.dashboard.timeline import build_timeline
+    from celery_echomq.ops.pages import read_flow
+
+    state = get_state(proj.app)
+    line = build_timeline(state, read_flow(state, res.id, with_result=False))
+    assert line is not None
+    nested = next(bar for bar in line.bars if bar.id == inner.id)
+    began = line.start_ms + nested.x * line.span_ms / 100
+    inner_children = read_flow(state, inner.id, with_result=False).children
+    assert began <= min(c.started_ms or 0 for c in inner_children) + 1
+
 
 def test_a_failed_childs_traceback_and_its_retry_from_its_row_then_retry_all_failed(
     proj: Any, worker: Any, store: redis.Redis, serve: Any, browser: Any
