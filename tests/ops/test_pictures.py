@@ -195,7 +195,7 @@ def test_the_home_page_draws_rates_per_minute_from_the_workers_samples_and_metri
     chart = "#chart-celery-{} figcaption b"
 
     def peak(name: str) -> str:
-        found: str = browser.find_element("id", f"chart-celery-{name}").text
+        found: str = browser.find_element("css selector", f"#chart-celery-{name} figcaption").text
         return found.split("peak ")[1]
 
     assert peak("flows_released") == "2"  # both flows released in that minute
@@ -207,6 +207,9 @@ def test_the_home_page_draws_rates_per_minute_from_the_workers_samples_and_metri
         assert browser.find_element("css selector", chart.format(name)).text != ""
     release = browser.find_element("id", "release-celery").text
     assert "recent flows released" in release and "p50" in release and "p99" in release
+    # Each chart's time axis names its first and last sampled minute.
+    axis = browser.find_element("css selector", "#chart-celery-held .axis-x").text.split()
+    assert len(axis) == 3 and axis[2] == "UTC" and axis[0] != axis[1]
     shot(browser, "rates.png", height=560)
 
     metrics = {
@@ -331,7 +334,7 @@ def test_the_children_waiting_in_a_window_are_counted_sampled_and_drawn_beside_t
     )
     held = figures.index(f"chart-{name}-held")
     assert figures[held + 1] == f"chart-{name}-window_waiting"  # drawn beside the held
-    caption = browser.find_element("id", f"chart-{name}-window_waiting").text
+    caption = browser.find_element("css selector", f"#chart-{name}-window_waiting figcaption").text
     assert caption.startswith("waiting in windows") and "peak 8" in caption
     count = browser.find_element("css selector", f"#queue-{name} .count-window-waiting").text
     assert count == "0"
