@@ -167,7 +167,7 @@ def _pictures(port: int, shown: str, running: Any, out: Path) -> None:
             time.sleep(0.1)
         shot(driver, f"{site}/flows/{running.id}", out / "timeline-window.png", 1200, "#timeline")
         shot(driver, f"{site}/flows/{shown}", out / "timeline.png", 1200, "#timeline")
-        shot(driver, f"{site}/", out / "charts.png", 1200, ".release")
+        shot(driver, f"{site}/", out / "charts.png", 1400, ".release")
         shot(driver, f"{site}/workers", out / "workers.png", 1200, "table")
     finally:
         driver.quit()

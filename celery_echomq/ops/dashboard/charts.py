@@ -71,7 +71,10 @@ def series_of(samples: list[Minute]) -> list[Series]:
     for name, title, fields, rate in SERIES:
         values: list[tuple[int, float]] = []
         if name == "children_done":  # not a counter: each minute's tally, as the workers add
-            values = [(s.minute, float(s.done)) for s in samples]
+            # them; the newest sampled minute's is still being added (each process adds a
+            # minute's at its first completion of a later one): drawn once the next is sampled,
+            # never as a drop to 0.
+            values = [(s.minute, float(s.done)) for s in samples[:-1]]
             points, peak = _points(values, first, span)
             last = values[-1][1] if values else None
             out.append(Series(name, title, tuple(values), points, last, peak, *axis))
