@@ -355,6 +355,11 @@ def _rollback(state: EchoMQ, written: Written) -> None:
             bool(parent_id)
             and state.client.hget(keys.job_key(queue, parent_id), "state") == b"awaiting_children"
         )
+        # Children written waiting for a slot of the flow's window leave its queue's count.
+        for start in range(0, len(child_ids), state.settings.chunk_size):
+            state.scripts.drop_waiting(
+                queue, parent_id, child_ids[start : start + state.settings.chunk_size]
+            )
         pipe = state.client.pipeline(transaction=False)
         for cid in child_ids:
             pipe.delete(keys.job_key(queue, cid))
