@@ -28,6 +28,12 @@ logger = logging.getLogger("celery_echomq")
 Written = list[tuple[str, str, list[str]]]
 
 
+def takes_chunked_path(level: Plan, chunk_size: int, joins: dict[str, Joined]) -> bool:
+    """Whether ``level`` starts open/add/seal: too many children for one script, children on
+    other slots, jobs it joins, or a chord's header read as it yields (sealed by its sender)."""
+    return level.chunked(chunk_size) or bool(joins) or is_open_header(level.parent)
+
+
 def enqueue_chunked(
     state: EchoMQ,
     level: Plan,
