@@ -92,10 +92,11 @@ def fan_in_of(plan: Any, kwargs: dict[str, Any]) -> None:
 
 def quorum_values(state: EchoMQ, job: dict[str, Any], stored: dict[str, Any]) -> list[Any]:
     """The values a parent released by a quorum gets: those of the children credited while it
-    waited, in the order they succeeded (its ``:quorum`` list)."""
+    waited, in the order they succeeded (its ``:quorum`` list), at most K (a retry of a flow
+    failed by its deadline may find more counted meanwhile)."""
     queue = str(_headers(job).get(H_QUEUE) or "")
     key = state.keys.job_key(queue, str(job["options"]["task_id"])) + ":quorum"
-    order = [text(cid) for cid in state.client.lrange(key, 0, -1)]
+    order = [text(cid) for cid in state.client.lrange(key, 0, int(job["quorum"]) - 1)]
     return [state.loads(stored[cid]) for cid in order if cid in stored]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from celery_echomq import FlowFailed, flow
+from celery_echomq import FlowDeadlineExceeded, FlowFailed, flow
 from tests.helpers import KEYS, echomq, run
 
 TIMEOUT = 60
@@ -142,3 +142,58 @@ def test_a_quorum_with_a_window(proj: Any, how: str, store: redis.Redis) -> None
     assert res.get(timeout=TIMEOUT)["values"] == [0, 1]
     time.sleep(0.5)
     assert [ran(store, tag, i) for i in range(10)] == [1, 1] + [0] * 8
+
+
+def _deadline_flow(proj: Any, tag: str, on_deadline: str) -> Any:
+    """quorum=3 of 4: two quick children, two still running when the 1 s deadline passes
+    (they hold both of the worker's processes, as eagerly the first of them holds the run)."""
+    kids = [proj.add.s(1, 1), proj.add.s(2, 2), proj.sleep_then.s(3, 2.5)]
+    kids.append(proj.sleep_then.s(4, 2.5))
+    return flow(proj.collect.s(tag=tag), kids, quorum=3, deadline=1, on_deadline=on_deadline)
+
+
+def test_a_deadline_continue_releases_with_fewer_than_k(
+    proj: Any, how: str, store: redis.Redis
+) -> None:
+    """on_deadline="continue": the parent runs once with the 2 successes so far, in the order
+    they succeeded; the children that finish after are recorded, not counted."""
+    tag = uuid.uuid4().hex
+    res = run(_deadline_flow(proj, tag, "continue"), how)
+    got = res.get(timeout=TIMEOUT)
+    assert sorted(got["values"]) == [2, 4]
+    if how == "apply_async":
+        order = store.lrange(KEYS.job_key("celery", res.id) + ":quorum", 0, -1)
+        values = res.children_values()
+        assert got["values"] == [values[cid.decode()] for cid in order]
+        time.sleep(2.5)  # the running children finish meanwhile
+    else:
+        assert got["values"] == [2, 4]  # eagerly, they succeed in the children's order
+    assert sorted(res.children_values().values()) == [2, 4]
+    assert res.dependencies().done == 2
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 1
+
+
+def test_a_deadline_fail_fails_a_quorum_not_met(proj: Any, how: str, store: redis.Redis) -> None:
+    """on_deadline="fail" (the default too): the flow fails with the deadline's error, naming
+    the children outstanding; the parent never runs."""
+    tag = uuid.uuid4().hex
+    res = run(_deadline_flow(proj, tag, "fail"), how)
+    with pytest.raises(FlowDeadlineExceeded) as err:
+        res.get(timeout=TIMEOUT)
+    assert "passed its deadline with 2 children outstanding" in str(err.value)
+    assert err.value.count == 2
+    time.sleep(0.5 if how == "apply" else 2.5)
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 0
+
+
+def test_a_quorum_with_a_reducer_folds_the_k_successes(
+    proj: Any, how: str, store: redis.Redis
+) -> None:
+    """quorum=2, reduce="sum": the parent gets the sum of the two values that met the quorum
+    (one child at a time: the first two)."""
+    tag = uuid.uuid4().hex
+    kids = [proj.hedge.s(i, tag) for i in (1, 10, 100, 1000)]
+    res = run(flow(proj.collect.s(tag=tag), kids, quorum=2, reduce="sum", max_active=1), how)
+    assert res.get(timeout=TIMEOUT)["values"] == 11
+    time.sleep(0.5)
+    assert [ran(store, tag, i) for i in (1, 10, 100, 1000)] == [1, 1, 0, 0]
