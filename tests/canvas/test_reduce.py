@@ -5,14 +5,17 @@ values (send/reducers.py, store/lua/includes/reduce.lua), on a worker and eagerl
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
+import httpx
 import pytest
+import redis
 from celery.result import AsyncResult
 
 from celery_echomq import FlowFailed, ReduceError, flow
-from tests.helpers import run
+from tests.helpers import echomq, run, state_of, wait_for
 
 TIMEOUT = 60
 
@@ -99,3 +102,30 @@ def test_a_refused_childs_own_result_is_its_failure(
     assert isinstance(error, ReduceError)
     assert str(error) == 'max folds numbers, not dict {"x": 1}'
     assert res.ignored_failures() == {ids[1]: f"ReduceError: {error}"}
+
+
+def test_show_and_the_dashboard_give_the_reducer_and_its_accumulator(
+    proj: Any, worker: Any, store: redis.Redis, serve: Any
+) -> None:
+    """A held flow with reduce="sum": show (text and --json) and the dashboard's flow page
+    name the reducer and the accumulator so far, as they give the quorum."""
+    gate, tag = f"test:gate:{uuid.uuid4().hex}", uuid.uuid4().hex
+    try:
+        kids = [proj.echo.s(4), proj.echo.s(3), proj.gated.s(5, gate)]
+        ids = [kid.freeze().id for kid in kids]
+        res = flow(proj.collect.s(tag=tag), kids, reduce="sum").apply_async()
+        wait_for(lambda: state_of(store, ids[2]) == "active", timeout=60)
+        wait_for(lambda: res.dependencies().done == 2, timeout=60)
+        shown = echomq("show", res.id)
+        assert shown.exit_code == 0, shown.output
+        assert "done=2/3" in shown.stdout and "reduce=sum  acc=7" in shown.stdout
+        tree = json.loads(echomq("show", "--json", res.id).stdout)
+        assert (tree["flow"]["reduce"], tree["flow"]["acc"]) == (["sum"], 7)
+        page = httpx.get(f"{serve().url}/flows/{res.id}/live")
+        assert page.status_code == 200 and "reduce=sum acc=7" in page.text
+        top = flow(proj.collect.s(), [proj.echo.s({"s": 1})], reduce=("top", 2, "s"))
+        held = json.loads(echomq("show", "--json", top.apply_async().id).stdout)
+        assert held["flow"]["reduce"] == ["top", 2, "s"]
+    finally:
+        store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT) == {"values": 12, "tag": tag}
