@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 import redis
+from celery.result import AsyncResult
 
 from celery_echomq import FlowDeadlineExceeded, FlowFailed, flow
-from tests.helpers import KEYS, echomq, run
+from tests.helpers import KEYS, echomq, run, state_of, wait_for
 
 TIMEOUT = 60
 
@@ -197,3 +198,43 @@ def test_a_quorum_with_a_reducer_folds_the_k_successes(
     assert res.get(timeout=TIMEOUT)["values"] == 11
     time.sleep(0.5)
     assert [ran(store, tag, i) for i in (1, 10, 100, 1000)] == [1, 1, 0, 0]
+
+
+def test_a_quorum_across_queues(
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    """Children on other queues than the parent's: their successes are counted on the
+    parent's slot (credit.lua, passed the quorum), the K-th releases the parent, and the
+    children not started are cancelled on their own slots; a quorum lost there fails the
+    flow at once."""
+    main, side, idle = own_queue("quorum"), own_queue("side"), own_queue("idle")
+    start_worker(queues=f"{main},{side}")  # nothing consumes idle: its children never start
+    tag = uuid.uuid4().hex
+    kids = [proj.add.s(1, 1).set(queue=side), proj.add.s(2, 2).set(queue=side)]
+    kids += [proj.add.s(3, 3).set(queue=idle), proj.add.s(4, 4).set(queue=idle)]
+    ids = [kid.freeze().id for kid in kids]
+    res = flow(proj.collect.s(tag=tag), kids, quorum=2).apply_async(queue=main)
+    assert sorted(res.get(timeout=TIMEOUT)["values"]) == [2, 4]
+    wait_for(lambda: [state_of(store, cid, idle) for cid in ids[2:]] == ["cancelled"] * 2)
+    assert [state_of(store, cid, side) for cid in ids[:2]] == ["done", "done"]
+    wait_for(lambda: AsyncResult(ids[2], app=proj.app).state == "REVOKED")
+
+    lost = [proj.boom.s("a").set(queue=side), proj.boom.s("b").set(queue=side)]
+    lost.append(proj.add.s(5, 5).set(queue=main))
+    failed = flow(proj.collect.s(tag=tag), lost, quorum=2).apply_async(queue=main)
+    with pytest.raises(FlowFailed, match=r"quorum not met: .* of 3 children succeeded, 2 needed"):
+        failed.get(timeout=TIMEOUT)
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 1
+
+    # Retried with the fault gone, the failed children of the other queue count again.
+    flag = f"test:flag:{uuid.uuid4().hex}"
+    again = [proj.flaky.s(1, flag).set(queue=side), proj.flaky.s(2, flag).set(queue=side)]
+    again.append(proj.add.s(3, 0).set(queue=main))
+    retried = flow(proj.collect.s(tag=tag), again, quorum=2).apply_async(queue=main)
+    with pytest.raises(FlowFailed, match="quorum not met"):
+        retried.get(timeout=TIMEOUT)
+    store.set(flag, 1)
+    retried.retry()
+    got = retried.get(timeout=TIMEOUT)["values"]
+    assert len(got) == 2 and 3 in got
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 2

@@ -63,6 +63,9 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
       return {'credited', ''}
     end
     release_parent(parent.row, parent.pending, parent.id, parent.counters)
+    if parent.settled then
+      redis.call('EXPIRE', parent.settled, ttl)
+    end
     return {'released', ''}
   end
   local found
@@ -77,6 +80,9 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
   end
   if policy == 'continue' then
     release_parent(parent.row, parent.pending, parent.id, parent.counters)
+    if parent.settled then
+      redis.call('EXPIRE', parent.settled, ttl)
+    end
     return {'released', policy}
   end
   local failed = redis.call('HINCRBY', parent.row, 'quorum_failed', 1)
@@ -90,6 +96,7 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
     .. ' needed (' .. failed .. ' failed; the last, ' .. child_id .. ': ' .. data .. ')')
   redis.call('ZADD', parent.failed, now_ms(), parent.id)
   redis.call('HINCRBY', parent.counters, 'held', -1)
-  expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored})
+  expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored,
+    parent.settled})
   return {'parent_failed', policy}
 end
