@@ -238,3 +238,31 @@ def test_a_quorum_across_queues(
     got = retried.get(timeout=TIMEOUT)["values"]
     assert len(got) == 2 and 3 in got
     assert int(store.get(f"test:ran:collect:{tag}") or 0) == 2
+
+
+def test_a_quorum_met_after_its_deadline_failed_it_is_released_by_a_retry(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    """Failed by its deadline with 1 of 2 successes, a child not started cut; both running
+    children succeed after it (counted for a retry); retried with a new deadline, the parent
+    runs at once (the cut child, pending again, still blocked) with the first 2 in order of
+    success, not 3."""
+    from celery_echomq import get_state, retry_flow
+
+    tag, gate, late = uuid.uuid4().hex, f"test:gate:{uuid.uuid4().hex}", uuid.uuid4().hex
+    try:
+        try:
+            kids = [proj.add.s(1, 1), proj.gated.s(5, gate), proj.gated.s(7, gate)]
+            kids.append(proj.gated.s(9, f"test:gate:{late}"))  # waits: both processes busy
+            res = flow(proj.collect.s(tag=tag), kids, quorum=2, deadline=1).apply_async()
+            with pytest.raises(FlowDeadlineExceeded):
+                res.get(timeout=TIMEOUT)
+        finally:
+            store.set(gate, 1)
+        wait_for(lambda: len(res.children_values()) == 3)
+        retry_flow(get_state(proj.app), res.id, deadline=30)
+        got = type(res)(res.id, app=proj.app).get(timeout=TIMEOUT)["values"]
+    finally:
+        store.set(f"test:gate:{late}", 1)
+    assert got[0] == 2 and got[1] in (5, 7) and len(got) == 2
+    assert int(store.get(f"test:ran:collect:{tag}") or 0) == 1
