@@ -647,9 +647,10 @@ class Scripts:
             self.keys.queue_key(parent.queue, "failed"),
             self.keys.queue_key(parent.queue, "counters"),
         ]
-        status, applied = self._run(
-            "credit", keys, [parent.id, child_id, outcome, data, policy, str(ttl)]
-        )
+        argv = [parent.id, child_id, outcome, data, policy, str(ttl)]
+        if parent.quorum:
+            argv.append(parent.quorum)  # released by a quorum of its children (ARGV[7])
+        status, applied = self._run("credit", keys, argv)
         return status_of(status), text(applied)
 
     def retry(self, queue: str, job_id: str, token: str, due_in_ms: int = 0) -> Status:

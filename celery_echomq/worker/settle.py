@@ -196,6 +196,7 @@ def settle_success(
     unwritten: Callable[[], None] | None = None,
     next_step: str = "",
     since: int | None = None,
+    refused: Callable[[str], None] | None = None,
 ) -> Status:
     """A job succeeded: complete it and credit its parent (on whichever slot it lives).
 
@@ -208,7 +209,9 @@ def settle_success(
     its own pending score, which only spares its claim the claim marks, see claim.lua). The
     next step is handed out active, under a lease of the stall timeout: its first delivery
     takes it without a claim (``take_handed``), and recovery makes it pending again if no
-    delivery took it before the lease lapsed (``stalled.py``)."""
+    delivery took it before the lease lapsed (``stalled.py``). ``refused``: stores the
+    child's FAILURE with the reason its flow's reducer gave for not folding its value (the
+    worker's own check, send/reducers.py's ``refusal``, says the same first)."""
     freed: list[Freed] = []
     status, written, handed, shared = state.scripts.complete_settling(
         queue,
@@ -228,8 +231,12 @@ def settle_success(
         publish_freed(state, queue, freed)
     if status is Status.UNFOLDABLE and handed is not None:
         # Its flow's reducer cannot fold its value: the child fails, under its policy.
-        reason = f"ReduceError: {text(handed[1]['reason'])}"
-        return settle_failure(state, queue, job_id, token, reason, is_parent, parent)
+        reason = text(handed[1]["reason"])
+        if refused is not None:
+            refused(reason)
+        return settle_failure(
+            state, queue, job_id, token, f"ReduceError: {reason}", is_parent, parent
+        )
     if parent is not None and status in (Status.RELEASED, Status.CREDITED, Status.STAGED):
         with contextlib.suppress(Exception):  # the dashboard's tally: never the job's concern
             note_done(state, queue)
