@@ -42,6 +42,7 @@ CHORD_OPTION = "echomq_chord"
 # last. A producer that stops before the seal leaves an incomplete header: recovery fails it.
 H_OPEN = "echomq_o"
 OPEN_OPTION = "echomq_open"
+CHORD_OPTIONS = (CHORD_OPTION, OPEN_OPTION)
 # "K/N" on every child of a flow released by a quorum (``flow(..., quorum=K)``): the K-th of
 # its N children to succeed releases the parent (store/lua/includes/quorum.lua).
 H_QUORUM = "echomq_k"

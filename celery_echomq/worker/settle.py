@@ -16,7 +16,7 @@ from typing import Any
 from celery_echomq import tracing
 from celery_echomq.errors import FlowFailed
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
-from celery_echomq.send.errbacks import errbacks_left, ran_by_child
+from celery_echomq.send.errbacks import FAN, errbacks_left, ran_by_child
 from celery_echomq.send.freed import publish_freed
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_CHORD, outer_ref
@@ -115,6 +115,10 @@ def parent_failed(
 
         state.app.backend.chord_error_from_stack(signature(body, app=state.app), exc)
         logger.info("echomq: chord body %s failed: child %s failed: %s", parent_id, child_id, error)
+        return exc, outer
+    if body == FAN and child_id == job.get("fan_in"):
+        # A chord whose header another job held: that job's failure ran Celery's handling.
+        record_failure(state, parent_id, exc, job, call_errbacks=False)
         return exc, outer
     if job.get("quorum"):
         # Fewer than its quorum can still succeed: the script's words. Its other children
