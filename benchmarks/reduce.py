@@ -7,6 +7,7 @@ change.
 
     python benchmarks/reduce.py                    # 100,000 children
     python benchmarks/reduce.py --children 1000000
+    python benchmarks/reduce.py --children 1000000 --only sum   # one mode
 
 One private redis-server on loopback per mode. Reported per mode: the parent's first
 argument as its message would carry it (JSON bytes: the list of N values, or the
@@ -100,8 +101,13 @@ def measure(children: int, reducer: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--children", type=int, default=100_000)
+    parser.add_argument(
+        "--only", choices=("list", "sum"), help="one mode: the plain list of values, or sum"
+    )
     args = parser.parse_args(argv)
     for reducer in ("", "sum"):
+        if args.only and args.only != (reducer or "list"):
+            continue
         print(json.dumps(measure(args.children, reducer)), flush=True)
     return 0
 
