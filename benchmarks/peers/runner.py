@@ -161,6 +161,8 @@ class PeerRun:
     seconds: float
     redis_cpu_s: float
     commands: int
+    by_command: dict[str, int]
+    usec_by_command: dict[str, int]
 
     @property
     def rate(self) -> float:
@@ -169,6 +171,11 @@ class PeerRun:
     @property
     def cpu_ms_per_1000(self) -> float:
         return self.redis_cpu_s * 1e6 / self.children
+
+
+def command_usec(admin: Any) -> dict[str, int]:
+    stats = admin.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()}
 
 
 def redis_cpu(admin: Any) -> float:
@@ -215,18 +222,21 @@ def one_run(
     target.signal(signal.SIGCONT)
     try:
         bench.settle(admin, limit=2.0)
-        cpu0, cmds0 = redis_cpu(admin), bench.command_counts(admin)
+        cpu0, cmds0, usec0 = redis_cpu(admin), bench.command_counts(admin), command_usec(admin)
         if isinstance(target, Celery):
             seconds = target.run(CELERY_PEERS[peer], size)
         else:
             seconds = target.run(size)
         # The work after the last value (acks, the parent's own completion) belongs to the run.
         bench.settle(admin, limit=2.0)
-        cpu1, cmds1 = redis_cpu(admin), bench.command_counts(admin)
+        cpu1, cmds1, usec1 = redis_cpu(admin), bench.command_counts(admin), command_usec(admin)
     finally:
         target.signal(signal.SIGSTOP)
-    commands = sum(bench.command_delta(cmds0, cmds1).values())
-    return PeerRun(peer, size.label, rnd, size.total, seconds, cpu1 - cpu0, commands)
+    delta = bench.command_delta(cmds0, cmds1)
+    usec = {n: v - usec0.get(n, 0) for n, v in usec1.items() if n in delta}
+    return PeerRun(
+        peer, size.label, rnd, size.total, seconds, cpu1 - cpu0, sum(delta.values()), delta, usec
+    )
 
 
 def summarize(
@@ -256,6 +266,47 @@ def summarize(
             }
         out[size.label] = row
     return out
+
+
+def where_commands_go(runs: list[PeerRun], size: str, peers: Sequence[str]) -> dict[str, Any]:
+    """Per command name, each Celery mode's commands and the microseconds Redis spent in them
+    (INFO commandstats: a script's commands counted inside its EVALSHA too), per 1,000
+    children, the median over the rounds."""
+    out: dict[str, dict[str, tuple[float, float]]] = {}
+    for peer in peers:
+        mine = [r for r in runs if r.peer == peer and r.size == size]
+        names = {n for r in mine for n in r.by_command}
+        out[peer] = {
+            n: (
+                med([r.by_command.get(n, 0) * 1000 / r.children for r in mine]),
+                med([r.usec_by_command.get(n, 0) * 1000 / r.children for r in mine]),
+            )
+            for n in names
+        }
+    return out
+
+
+def render_commands(table: dict[str, dict[str, tuple[float, float]]], size: str) -> str:
+    """Calls and Redis microseconds per 1,000 children, by command (evalsha's microseconds
+    include its scripts' own commands, listed on their rows too)."""
+    peers = list(table)
+    zero = (0.0, 0.0)
+    names = sorted(
+        {n for row in table.values() for n in row},
+        key=lambda n: -max(r.get(n, zero)[0] for r in table.values()),
+    )
+    head = f"{'per 1,000 children ' + size:<26}" + "".join(
+        f"{p + ' calls · us':>26}" for p in peers
+    )
+    lines = [head, "-" * len(head)]
+    for name in names:
+        if max(table[p].get(name, zero)[0] for p in peers) < 5:
+            continue
+        cells = (table[p].get(name, zero) for p in peers)
+        lines.append(f"{name:<26}" + "".join(f"{f'{c:,.0f} · {u:,.0f}':>26}" for c, u in cells))
+    totals = (sum(c for c, _ in table[p].values()) for p in peers)
+    lines.append(f"{'total calls':<26}" + "".join(f"{t:>26,.0f}" for t in totals))
+    return "\n".join(lines)
 
 
 def render(summary: dict[str, Any], peers: Sequence[str]) -> str:
@@ -334,6 +385,14 @@ def main(
     report["runs"] = [asdict(r) for r in runs]
     report["summary"] = summarize(runs, peers, sizes)
     print(render(report["summary"], peers))
+    celery_modes = [p for p in CELERY_PEERS if p in peers]
+    report["commands"] = {}
+    for size in sizes:
+        table = where_commands_go(runs, size.label, celery_modes)
+        report["commands"][size.label] = table
+        if celery_modes:
+            print()
+            print(render_commands(table, size.label))
     path = out or bench.HERE / "results" / time.strftime("peers-%Y%m%d-%H%M%S.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str))
