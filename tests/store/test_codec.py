@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, register, unregister
 
