@@ -60,7 +60,8 @@ def peers_python() -> Path | str:
     wanted = REQUIREMENTS.read_text()
     if python.is_file() and stamp.is_file() and stamp.read_text() == wanted:
         return python
-    log(f"bench --peers: installing {', '.join(wanted.split())} into {VENV}")
+    pins = [line for line in wanted.splitlines() if line and not line.startswith("#")]
+    log(f"bench --peers: installing {', '.join(pins)} into {VENV}")
     made = subprocess.run(
         [sys.executable, "-m", "venv", str(VENV)], capture_output=True, text=True, check=False
     )
@@ -369,10 +370,17 @@ def main(
                 target.signal(signal.SIGSTOP)
         for peer in peers:  # warm up: scripts loaded, connections made, pools forked
             one_run(admin, peer, bench.Size(4, 5), -1, celery, drivers)
+        active = list(peers)
         for size in sizes:
             for rnd in range(rounds):
-                for peer in bench.rotated(peers, rnd):
-                    run = one_run(admin, peer, size, rnd, celery, drivers)
+                for peer in bench.rotated(list(active), rnd):
+                    try:
+                        run = one_run(admin, peer, size, rnd, celery, drivers)
+                    except RuntimeError as exc:  # a peer that fails leaves the others running
+                        log(f"bench --peers: {peer} dropped: {exc}")
+                        report.setdefault("dropped", {})[peer] = str(exc)
+                        active.remove(peer)
+                        continue
                     runs.append(run)
                     log(
                         f"  {size.label:<8} round {rnd} {peer:<24} e2e {run.rate:>7,.0f} ch/s  "
