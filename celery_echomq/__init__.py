@@ -29,6 +29,7 @@ from celery_echomq.errors import (
     NotRepairableError,
     OnExistsError,
     PolicyError,
+    ReduceError,
     ReplicationError,
     StoreUnavailableError,
 )
@@ -70,6 +71,7 @@ __all__ = [
     "NotRepairableError",
     "OnExistsError",
     "PolicyError",
+    "ReduceError",
     "ReleaseOutcome",
     "ReplicationError",
     "RetryOutcome",

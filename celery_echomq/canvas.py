@@ -13,7 +13,7 @@ from celery_echomq import tracing
 from celery_echomq.result import FlowResult
 from celery_echomq.send.arguments import check_keywords, check_order
 from celery_echomq.send.children import child_signatures
-from celery_echomq.send.errbacks import give_errbacks, with_errbacks
+from celery_echomq.send.errbacks import give_errbacks, mark_chord, with_errbacks
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
 from celery_echomq.send.jobs import check_policy
 from celery_echomq.send.join import (
@@ -31,7 +31,7 @@ from celery_echomq.send.start import start_flow
 from celery_echomq.send.window import check_max_active, window_of
 from celery_echomq.store.connection import bounded
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec, stamp
-from celery_echomq.store.headers import CHORD_OPTION, H_CHORD, H_QUEUE
+from celery_echomq.store.headers import CHORD_OPTIONS, H_QUEUE
 from celery_echomq.store.keyspace import new_job_id
 from celery_echomq.store.results import writes_results
 from celery_echomq.store.script_values import ParentRef
@@ -309,7 +309,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         options: dict[str, Any],
         on_exists: str = "raise",
     ) -> FlowResult:
-        chord = options.pop(CHORD_OPTION, None)
+        chord = {name: options.pop(name) for name in CHORD_OPTIONS if name in options}
         shape, fan = self.shape(shared=on_exists == "join")
         if task_id is not None and shape is not self and "_shape" not in self.__dict__:
             shape, fan = _shaped(self.clone(task_id=task_id))
@@ -357,8 +357,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         if fan and fan != plan.parent_id:
             # What operators' repairs follow from the flow's id to its children (release).
             plan.parent["fan_in"] = fan
-        if chord is not None:  # a chord on the engine (chords.py): its parent's message alone
-            plan.parent["options"].setdefault("headers", {})[H_CHORD] = chord
+        mark_chord(plan, fan, chord)  # a chord on the engine (chords.py)
         joined = {}
         if on_exists == "join":
             if existing_flow(state, plan):

@@ -25,10 +25,13 @@ from celery.app.task import Task
 from celery.backends.redis import RedisBackend
 from celery.canvas import Signature, _chain, _chord, group
 from celery.utils import uuid
+from celery.utils.functional import _regen
 
 from celery_echomq.errors import ConfigError
-from celery_echomq.store.headers import CHORD_OPTION, H_PARENT
-from celery_echomq.store.state import find_state
+from celery_echomq.store.headers import CHORD_OPTION, H_PARENT, OPEN_OPTION
+from celery_echomq.store.replies import Status
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import find_state, get_state
 
 SETTING = "echomq_chords"
 # A chord's own options that the engine reads (``chord(h, b, deadline=60)`` or
@@ -125,29 +128,85 @@ def _run_as_flow(
     for name in ("chain", "chord", "task_id"):
         options.pop(name, None)
     header.options["task_id"] = group_id
-    header_result = header.freeze(group_id, root_id=root_id)
+    # A generator's tasks are frozen as it is read (a GroupResult made now would read it
+    # whole), so the GroupResult is made after the send, as Celery makes it.
+    _, results = header._freeze_group_tasks(_id=group_id, root_id=root_id)
     if not header.tasks:
         # Nothing to wait for: the body runs now, as Celery runs it.
         body.delay([])
-        bodyres.parent = header_result
+        bodyres.parent = app.GroupResult(group_id, results)
         return bodyres
     # What the engine records when the header fails: Celery's own error handling of this body
     # (its errbacks, a group body's tasks, the chain after it), from the body as sent; a chain
     # body's steps are flow jobs that run their errbacks themselves.
     chord_body = "1" if isinstance(body, _chain) else deepcopy(dict(body))
-    # What the chord is sent with wins over each header task's own, as in Celery's
-    # header.apply_async(**options) (a flow's own children keep theirs).
-    for task in header.tasks:
-        task.options.update({k: v for k, v in options.items() if k in ROUTING})
-    held = flow(body, header, app=app, **engine)
-    if isinstance(app.backend, RedisBackend):
-        for result in header_result.results:
-            # What Celery's send of each header task does first: Redis's result backend
-            # listens (pub/sub) for each header task's result from now on.
-            app.backend.on_task_call(None, result.id)
-    held.apply_async(partial_args, kwargs, **{**options, **delay, CHORD_OPTION: chord_body})
-    bodyres.parent = header_result
+    send = {**options, **delay, CHORD_OPTION: chord_body}
+    if isinstance(header.tasks, _regen):
+        _send_as_read(app, body, header, results, engine, partial_args, kwargs, send)
+    else:
+        for task, result in zip(header.tasks, results, strict=True):
+            _routed(app, task, result, send)
+        held = flow(body, header, app=app, **engine)
+        held.apply_async(partial_args, kwargs, **send)
+    bodyres.parent = app.GroupResult(group_id, results)
     return bodyres
+
+
+def _routed(app: Any, task: Signature, result: Any, send: dict[str, Any]) -> Signature:
+    """A header task with what the chord is sent with over its own routing (as in Celery's
+    header.apply_async(**options); a flow's own children keep theirs), its result listened
+    for from now on, as Celery's send of it does (Redis's result backend, by pub/sub)."""
+    task.options.update({k: v for k, v in send.items() if k in ROUTING})
+    if isinstance(app.backend, RedisBackend):
+        app.backend.on_task_call(None, result.id)
+    return task
+
+
+def _send_as_read(
+    app: Any,
+    body: Signature,
+    header: group,
+    results: Any,
+    engine: dict[str, Any],
+    partial_args: Any,
+    kwargs: dict[str, Any] | None,
+    send: dict[str, Any],
+) -> None:
+    """A header that is a generator, sent as it yields, as Celery sends it: the flow opens
+    with the first task and stays open while each further task is added, then is sealed.
+    A generator that raises fails the flow at once (nothing after it is sent)."""
+    from celery_echomq.canvas import flow
+    from celery_echomq.send.dispatch import dispatch_parent
+    from celery_echomq.send.grow import grow
+    from celery_echomq.store.reads import locate
+    from celery_echomq.worker.recovery.unfinished import abandon_open_flow
+
+    state = get_state(app)
+    # Each task is frozen (its id given) by the header's results as they are read.
+    tasks = (_routed(app, t, r, send) for t, r in zip(header.tasks, results, strict=True))
+    held = flow(body, [next(tasks)], app=app, **engine)
+    result = held.apply_async(partial_args, kwargs, **{**send, OPEN_OPTION: True})
+    # The job that holds the flow's children: the body, or a chain body's first step.
+    hint = result.flow_queue if result.fan_in == result.id else None
+    parent = ParentRef(result.fan_in, locate(state, result.fan_in, hint))
+    open_key = state.keys.queue_key(parent.queue, "open")
+    try:
+        for task in tasks:
+            grow(
+                state,
+                parent,
+                [task.clone(partial_args, kwargs) if partial_args or kwargs else task],
+            )
+            # A producer still reading is alive: recovery waits a stall timeout from here.
+            seconds, micros = state.client.time()
+            state.client.zadd(open_key, {parent.id: seconds * 1000 + micros // 1000}, xx=True)
+    except BaseException as exc:
+        reason = f"its chord's header raised {exc!r} while it was read"
+        payload = state.client.hget(state.keys.job_key(parent.queue, parent.id), "payload")
+        abandon_open_flow(state, parent.queue, parent.id, reason, payload, now=True)
+        raise
+    if state.scripts.seal_flow(parent.queue, parent.id) is Status.RELEASED:
+        dispatch_parent(state, parent.queue, parent.id)
 
 
 def add_to_chord(self: Task, sig: Signature, lazy: bool = False) -> Any:

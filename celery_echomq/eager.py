@@ -26,7 +26,7 @@ from typing import Any
 from celery import states
 
 from celery_echomq.config import Settings
-from celery_echomq.errors import FlowClosedError, FlowFailed
+from celery_echomq.errors import FlowClosedError, FlowFailed, ReduceError
 from celery_echomq.result import EagerFlowResult, FanIn, QuorumFanIn
 from celery_echomq.send.errbacks import errbacks_left, ran_by_child, with_errbacks
 from celery_echomq.send.fanin import IN_PROCESS
@@ -48,6 +48,7 @@ from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
 from celery_echomq.send.window import window_of
 from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
+from celery_echomq.store.headers import H_REDUCE, H_RESULT
 from celery_echomq.store.state import find_state
 from celery_echomq.worker.settle import error_text
 
@@ -316,23 +317,36 @@ class _Level:
             finally:
                 IN_PROCESS.current.reset(token)
             ok, data = _outcome(res)
+            # A child still running when the deadline passed finishes and is recorded; its
+            # value is not the released parent's (nor folded into its accumulator).
+            cut = self.passed([cid], i)
             if ok and self.reducer is not None:  # folded as reduce.lua folds it, or failed
-                try:
-                    self.acc = fold(self.reducer, self.acc, data)
-                except ValueError as exc:
-                    ok, data = False, f"ReduceError: {exc}"
+                ok, data = self.fold(cid, job, data)
             # A chain's failure is its failed step's, named by its own id (as on a worker).
             settled = cid if ok or "steps" not in job else str(res.id)
             if not ok and isinstance(getattr(res, "result", None), BaseException):
                 self.errors[settled] = res.result
-            # A child still running when the deadline passed finishes and is recorded.
-            cut = self.passed([cid], i)
             if self.fanin.settle(settled, ok, data, child.options.get("parent_policy")):
                 self.run_parent()
             if cut:
                 break
             if isinstance(self.fanin, QuorumFanIn) and self.parent_res is not None:
                 break  # its quorum met: the children not started never run
+
+    def fold(self, cid: str, job: dict[str, Any], value: Any) -> tuple[bool, Any]:
+        """``value`` folded into the accumulator (as reduce.lua folds it), or the child failed
+        with the reason; its result stored as its worker stores it (_run_child kept Celery's
+        trace from storing a SUCCESS before this), under ``task_store_eager_result``."""
+        assert self.reducer is not None
+        try:
+            self.acc = fold(self.reducer, self.acc, value)
+        except ValueError as exc:
+            error = ReduceError(str(exc))
+            self.errors[cid] = error
+            _store_child(self.app, cid, job, error)
+            return False, error_text(error)
+        _store_child(self.app, cid, job, value)
+        return True, value
 
     def result(self) -> EagerFlowResult:
         app, sig, plan, fanin, parent_res = (
@@ -386,8 +400,33 @@ def _run_child(
     if joined is not None:
         return joined
     run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
+    # A child of a flow with a reducer stores its result once its value is folded (_Level's
+    # fold), as on a worker: Celery's trace stores none.
+    held = {"ignore_result": True} if _held(job) else {}
     with under_root(root):
-        return eager_ran(cid, job, run.apply(task_id=cid, throw=False))
+        return eager_ran(cid, job, run.apply(task_id=cid, throw=False, **held))
+
+
+def _held(job: dict[str, Any]) -> bool:
+    """Whether a child's result waits for its flow's reducer (send/reducers.py marks it)."""
+    headers = (job.get("options") or {}).get("headers") or {}
+    return bool(headers.get(H_REDUCE) and headers.get(H_RESULT))
+
+
+def _store_child(app: Any, cid: str, job: dict[str, Any], outcome: Any) -> None:
+    """A folded child's result, SUCCESS or (``outcome`` a ReduceError) FAILURE, stored as
+    Celery's eager trace would have stored it: only with ``task_store_eager_result``."""
+    from celery.app.task import Context
+
+    task = app.tasks.get(str(job.get("task")))
+    if not _held(job) or task is None or task.ignore_result or not task.store_eager_result:
+        return
+    request = Context(id=cid, task=task.name, args=job.get("args", []), is_eager=True)
+    if isinstance(outcome, BaseException):
+        request.errbacks = job["options"].get("link_error")
+        app.backend.mark_as_failure(cid, outcome, request=request)
+    else:
+        app.backend.store_result(cid, outcome, states.SUCCESS, request=request)
 
 
 class _Lineage:

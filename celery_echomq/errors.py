@@ -143,6 +143,12 @@ class DeadlineError(EchoMQError, ValueError):
     sent)."""
 
 
+class ReduceError(EchoMQError, ValueError):
+    """A flow child's value its flow's reducer (``flow(..., reduce=R)``) cannot fold: the
+    child's own failure (its Celery result's), named by the reducer and the value's type, as
+    in ``sum folds numbers, not str "x"``. Its policy decides what it means for the flow."""
+
+
 class FlowCancelled(FlowError, TaskRevokedError):  # type: ignore[misc]
     """The flow was cancelled (``FlowResult.revoke()``, ``echomq cancel|revoke``); the parent
     will never run. Its result's state is ``REVOKED``, and this is also Celery's

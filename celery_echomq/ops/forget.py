@@ -64,10 +64,10 @@ def _forget(state: EchoMQ, queue: str, parent_id: str, parent_state: str, done: 
     for cid, _ in child_positions(state, queue, parent_id, batch=chunk):
         part.append(cid)
         if len(part) == chunk:
-            _forget_children(state, queue, part, done)
+            _forget_children(state, queue, parent_id, part, done)
             part = []
     if part:
-        _forget_children(state, queue, part, done)
+        _forget_children(state, queue, parent_id, part, done)
     names = [
         keys.job_key(queue, parent_id),
         *keys.flow_keys(queue, parent_id),
@@ -85,24 +85,28 @@ def _forget(state: EchoMQ, queue: str, parent_id: str, parent_state: str, done: 
         done.keys.append(locator)
 
 
-def _forget_children(state: EchoMQ, queue: str, ids: list[str], done: Forgotten) -> None:
+def _forget_children(
+    state: EchoMQ, queue: str, parent_id: str, ids: list[str], done: Forgotten
+) -> None:
     """One chunk of a parent's children: nested flows first (each a flow to forget), then
-    the plain children's rows, per queue."""
+    the plain children's rows, per queue; those still waiting for a slot of the flow's window
+    by a script that counts them out of the queue's children waiting in windows."""
     keys, client = state.keys, state.client
     where = where_children(state, queue, ids)
     pipe = client.pipeline(transaction=False)
     found = [cid for cid in ids if cid in where]
     for cid in found:
         row = keys.job_key(where[cid], cid)
-        pipe.hmget(row, "state", "parent")
+        pipe.hmget(row, "state", "parent", "chain")
         pipe.pttl(row)
         pipe.exists(keys.flow_keys(where[cid], cid)[0], keys.children_key(where[cid], cid))
     answers = iter(pipe.execute())
     plain: dict[str, list[str]] = {}
     kept: dict[str, dict[str, tuple[str, int]]] = {}
+    waiting: dict[str, list[str]] = {}
     ttl_ms = state.settings.result_ttl * 1000
     for cid in found:
-        (raw_state, parent), pttl, nested = next(answers), next(answers), next(answers)
+        (raw_state, parent, chain), pttl, nested = next(answers), next(answers), next(answers)
         child_state = text(raw_state) or "missing"
         if nested:
             _forget(state, where[cid], cid, child_state, done)
@@ -113,7 +117,12 @@ def _forget_children(state: EchoMQ, queue: str, ids: list[str], done: Forgotten)
         if child_state == "cancelled" and parent is not None:
             # Its message may still be queued: the row that turns it away stays, cut down.
             kept.setdefault(where[cid], {})[cid] = (text(parent), pttl if pttl > 0 else ttl_ms)
+        if child_state == "waiting" and chain is None:
+            waiting.setdefault(where[cid], []).append(cid)
         plain.setdefault(where[cid], []).append(cid)
+    for child_queue, cids in waiting.items():
+        dropped = state.scripts.drop_waiting(child_queue, parent_id, cids)
+        done.keys.extend(keys.job_key(child_queue, cid) for cid in dropped)
     for child_queue, cids in plain.items():
         names = [keys.job_key(child_queue, cid) for cid in cids]
         _delete(state, child_queue, names, cids, False, done, kept.get(child_queue, {}))

@@ -28,6 +28,8 @@ class FlowInfo:
     max_active: int | None = None  # its window: the most children out at once (None: none)
     waiting: int = 0  # children waiting for a slot of that window
     quorum: int | None = None  # the successes that release its parent (None: every child)
+    reduce: list[Any] | None = None  # its reducer (["sum"], ["top", 3, "score"]; None: none)
+    acc: Any = None  # with a reducer: the children's values folded so far
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from celery_echomq.ops.views import (
     _with_steps,
     node_of,
 )
-from celery_echomq.ops.windows import window_counts
+from celery_echomq.ops.windows import with_fan_in
 from celery_echomq.store.connection import text
 from celery_echomq.store.reads import FAILED_PREFIX, counts_of, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
@@ -86,8 +86,7 @@ def read_flow(
     where = locate(state, job_id, queue, verify=True)
     root, info, row = _root(state, where, job_id)
     if info is not None:
-        size, waiting, quorum = window_counts(state, where, job_id, row["payload"])
-        info = replace(info, max_active=size, waiting=waiting, quorum=quorum)
+        info = with_fan_in(state, where, job_id, row["payload"], info)
         ids, after = _page_ids(state, where, job_id, row, cursor, count, only)
         children = _children(state, where, row, info, ids)
         page = ChildPage(only=only, cursor=cursor, next_cursor=after, count=count)

@@ -75,6 +75,9 @@ def job_line(node: JobNode, color: bool) -> str:
             parts.append(f"max_active={f.max_active}  waiting={f.waiting}")
         if f.quorum is not None:
             parts.append(f"quorum={f.quorum}")
+        if f.reduce is not None:
+            name = f.reduce[0] if len(f.reduce) == 1 else repr(tuple(f.reduce))
+            parts.append(f"reduce={name}  acc={short(f.acc)}")
     if node.runtime_ms is not None:
         parts.append(f"runtime={seconds(node.runtime_ms)}")
     if node.has_value:

@@ -27,6 +27,7 @@ from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.send.join import against_own_flow
 from celery_echomq.send.start import publish
 from celery_echomq.store.codec import Stored, load_job
+from celery_echomq.store.reads import steps_after
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ
 
@@ -194,6 +195,10 @@ class _Retry:
             load_job(self.state, self.queue_of[cid], cid, stored, templates)
             for cid, stored in against_own_flow(self.state, self.payloads, self.queue_of)
         ]
+        # A retried chain step's later steps hold the error its failure stored for them: gone
+        # too, or recovery would read one of them as failed before it ran again.
+        for cid, job in zip(ids, jobs, strict=True):
+            _forget_results(self.state, steps_after(self.state, self.queue_of[cid], job))
         publish(self.state.app, jobs)
         self.republished += ids
         self.payloads = []

@@ -16,6 +16,7 @@ from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.send.encoding import Encoded
 from celery_echomq.send.join import Joined, join_level
 from celery_echomq.send.plan import Plan, child_queue, row_ids
+from celery_echomq.store.headers import is_open_header
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -25,6 +26,12 @@ logger = logging.getLogger("celery_echomq")
 # What a start wrote so far, level by level: (queue, parent id or '', row ids), what a
 # refusal takes back.
 Written = list[tuple[str, str, list[str]]]
+
+
+def takes_chunked_path(level: Plan, chunk_size: int, joins: dict[str, Joined]) -> bool:
+    """Whether ``level`` starts open/add/seal: too many children for one script, children on
+    other slots, jobs it joins, or a chord's header read as it yields (sealed by its sender)."""
+    return level.chunked(chunk_size) or bool(joins) or is_open_header(level.parent)
 
 
 def enqueue_chunked(
@@ -77,6 +84,9 @@ def enqueue_chunked(
             seconds, micros = state.client.time()
             state.client.zadd(open_key, {level.parent_id: seconds * 1000 + micros // 1000}, xx=True)
     settled = join_level(state, level, joined) if joined else []
+    if is_open_header(level.parent):
+        # A chord's header read as it yields: its producer adds the rest, then seals.
+        return settled
     if scripts.seal_flow(level.queue, level.parent_id) is Status.RELEASED:
         # Every child was a joined job that had finished: released by the seal.
         dispatch_parent(state, level.queue, level.parent_id)

@@ -90,10 +90,10 @@ def publish_handed(state: EchoMQ, parent_id: str, handed: Handed, released_by: s
     payload, stored = handed
     job = state.loads(payload)
     values: Any
-    if job.get("quorum"):
-        values = quorum_values(state, job, stored)
-    elif job.get("reduce"):
+    if job.get("reduce"):
         values = accumulated(state, job)  # its first argument: the accumulator
+    elif job.get("quorum"):
+        values = quorum_values(state, job, stored)
     else:
         values = [state.loads(stored[cid]) for cid in valued(job) if cid in stored]
     job["args"] = parent_args(job, values)

@@ -19,8 +19,13 @@ from typing import Any
 from celery.canvas import Signature
 from celery.utils.functional import maybe_list
 
+from celery_echomq.send.plan import Plan
 from celery_echomq.send.shapes import COLLECT_TASK, _plain
 from celery_echomq.send.signatures import merge_callbacks
+from celery_echomq.store.headers import H_CHORD, chord_headers
+
+# The H_CHORD of a chord's flow parent whose header another job of the flow holds.
+FAN = "fan"
 
 
 def _is_flow(node: Any) -> bool:
@@ -88,3 +93,17 @@ def ran_by_child(job: dict[str, Any], child_id: str) -> bool:
     """Whether a parent failed by ``child_id`` had its errbacks run already: a collect failed
     by one of its group's tasks, which carried them (see :func:`give_errbacks`)."""
     return job.get("task") == COLLECT_TASK and child_id not in (job.get("silent") or ())
+
+
+def mark_chord(plan: Plan, fan: str | None, options: dict[str, Any]) -> None:
+    """Mark a flow that stands for a chord (chords.py passes ``options`` saying so) on the job
+    that holds its header, whose failure runs Celery's own handling of the chord's body (and
+    so its errbacks). Where that job is not the flow's parent (a group, chord or chain body),
+    the parent is marked ``fan``: failed by that job, it runs no errback again."""
+    marks = chord_headers(options)
+    if not marks:
+        return
+    held = next(lv for lv in plan.levels(True) if lv.parent_id == (fan or plan.parent_id))
+    held.parent["options"].setdefault("headers", {}).update(marks)
+    if held.parent is not plan.parent:
+        plan.parent["options"].setdefault("headers", {})[H_CHORD] = FAN

@@ -1,8 +1,10 @@
 """A flow released by a quorum of its children (``flow(parent, children, quorum=K)``).
 
-Planned here: the parent's stored job keeps ``quorum`` (K), and every child's message the
-header :data:`H_QUORUM` (``"K/N"``), which its worker passes to the script that settles it
-(store/lua/includes/quorum.lua). That script releases the parent at the K-th success, in
+Planned here: the parent's stored job keeps ``quorum`` (K) and the queues of its children on
+other slots (``quorum_queues``), and every child's message the header :data:`H_QUORUM`
+(``"K/N"``), which its worker passes to the script that settles it
+(store/lua/includes/quorum.lua; a child of another slot is credited by credit.lua, passed the
+same). That script releases the parent at the K-th success, in
 order of success, and fails it at once when fewer than K can still succeed. What follows a
 release or a failure is done here too: the parent gets the K values in the order they
 succeeded (:func:`quorum_values`), and the children not yet started are cancelled
@@ -61,13 +63,11 @@ def quorum_of(plan: Any, kwargs: dict[str, Any]) -> None:
                 f"flow {plan.parent_id}: quorum={need} takes tasks and flows as children, not "
                 "a chain of tasks; allowed: wrap the chain in a flow of its own, or no quorum"
             )
-        if child_queue(job) != plan.queue:
-            raise ValueError(
-                f"flow {plan.parent_id}: quorum={need} needs its children on its parent's "
-                f"queue {plan.queue!r} (the successes are counted on its slot); "
-                f"{child_queue(job)!r} is another"
-            )
     plan.parent["quorum"] = need
+    # The queues of its children on other slots than its own: where cut_rest cancels them.
+    elsewhere = sorted({child_queue(job) for job in plan.children} - {plan.queue})
+    if elsewhere:
+        plan.parent["quorum_queues"] = elsewhere
     mark = f"{need}/{total}"
     for job in plan.children:
         _headers(job["nested"]["parent"] if "nested" in job else job)[H_QUORUM] = mark
@@ -92,10 +92,11 @@ def fan_in_of(plan: Any, kwargs: dict[str, Any]) -> None:
 
 def quorum_values(state: EchoMQ, job: dict[str, Any], stored: dict[str, Any]) -> list[Any]:
     """The values a parent released by a quorum gets: those of the children credited while it
-    waited, in the order they succeeded (its ``:quorum`` list)."""
+    waited, in the order they succeeded (its ``:quorum`` list), at most K (a retry of a flow
+    failed by its deadline may find more counted meanwhile)."""
     queue = str(_headers(job).get(H_QUEUE) or "")
     key = state.keys.job_key(queue, str(job["options"]["task_id"])) + ":quorum"
-    order = [text(cid) for cid in state.client.lrange(key, 0, -1)]
+    order = [text(cid) for cid in state.client.lrange(key, 0, int(job["quorum"]) - 1)]
     return [state.loads(stored[cid]) for cid in order if cid in stored]
 
 
@@ -108,14 +109,17 @@ def cut_rest(state: EchoMQ, job: dict[str, Any]) -> list[str]:
     children = [str(cid) for cid in job.get("children") or ()]
     chunk = state.settings.chunk_size
     cut: list[str] = []
-    for start in range(0, len(children), chunk):
-        cut += state.scripts.cancel_elsewhere(
-            queue,
-            parent_id,
-            children[start : start + chunk],
-            ttl=state.settings.result_ttl,
-            started=False,
-        )
+    # On each slot its children live on, one script call per chunk (a row another slot holds
+    # is not there: left alone).
+    for where in (queue, *(str(q) for q in job.get("quorum_queues") or ())):
+        for start in range(0, len(children), chunk):
+            cut += state.scripts.cancel_elsewhere(
+                where,
+                parent_id,
+                children[start : start + chunk],
+                ttl=state.settings.result_ttl,
+                started=False,
+            )
     for start in range(0, len(cut), chunk):  # Celery's result of each: REVOKED
         state.app.control.revoke(cut[start : start + chunk])
     if cut:

@@ -20,6 +20,7 @@ import json
 from typing import Any
 
 from celery_echomq.send.entries import child_queue
+from celery_echomq.send.jobs import mark_for_store
 from celery_echomq.store.headers import H_QUEUE, H_REDUCE
 from celery_echomq.store.state import EchoMQ
 
@@ -56,15 +57,15 @@ def empty(spec: list[Any]) -> Any:
 
 def reduce_of(plan: Any, kwargs: dict[str, Any]) -> None:
     """Give a planned level its reducer (from its flow signature's ``kwargs``): kept on its
-    parent's stored job and on every child's message; refuse one the store cannot fold."""
+    parent's stored job and on every child's message; refuse one the store cannot fold.
+
+    Each child is sent for the store to write its result (:func:`mark_for_store`, unless its
+    options decide ``ignore_result`` themselves): Celery's trace then stores no SUCCESS before
+    its worker learns whether the value can be folded, and a value refused is stored as the
+    child's FAILURE (a :class:`~celery_echomq.errors.ReduceError`), never after a SUCCESS."""
     spec = check_reduce(kwargs.get("reduce"))
     if spec is None:
         return
-    if kwargs.get("quorum") is not None:
-        raise ValueError(
-            f"flow {plan.parent_id}: reduce and quorum together are not supported; "
-            "allowed: one of them"
-        )
     for job in plan.children:
         if "steps" in job or child_queue(job) != plan.queue:
             raise ValueError(
@@ -77,49 +78,70 @@ def reduce_of(plan: Any, kwargs: dict[str, Any]) -> None:
     for job in plan.children:
         target = job["nested"]["parent"] if "nested" in job else job
         target["options"].setdefault("headers", {})[H_REDUCE] = mark
+        mark_for_store(target)
 
 
-def _shown(value: Any) -> str:
-    """A value as the reason for a refusal names it: its JSON, cut at 80 characters."""
-    try:
-        return json.dumps(value)[:80]
-    except (TypeError, ValueError):
-        return repr(value)[:80]
+def _shown(value: Any, raw: str | None) -> str:
+    """A value as the reason for a refusal names it: its type and JSON (``raw``: as it was
+    encoded), cut at 80 characters (what reduce.lua says of the same value)."""
+    if raw is None:
+        try:
+            raw = json.dumps(value)
+        except (TypeError, ValueError):
+            raw = repr(value)
+    return f"{type(value).__name__} {raw[:80]}"
 
 
-def _number(value: Any, name: str, shown: Any = None) -> float:
+def _number(value: Any, name: str, raw: str | None) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name} folds numbers, not {_shown(value if shown is None else shown)}")
+        raise ValueError(f"{name} folds numbers, not {_shown(value, raw)}")
     return value
 
 
-def fold(spec: list[Any], acc: Any, value: Any) -> Any:
+def fold(spec: list[Any], acc: Any, value: Any, raw: str | None = None) -> Any:
     """``acc`` with ``value`` folded in (what reduce.lua does); ValueError: the reason
-    ``value`` cannot be folded."""
+    ``value`` (encoded as ``raw``, if given) cannot be folded."""
     name = spec[0]
     if name == "count":
         return acc + 1
     if name == "sum":
-        return acc + _number(value, "sum")
+        return acc + _number(value, "sum", raw)
     if name in ("min", "max"):
-        v = _number(value, name)
+        v = _number(value, name, raw)
         if acc is None:
             return v
         return min(acc, v) if name == "min" else max(acc, v)
     if name == "merge":
         if not isinstance(value, dict):
-            raise ValueError(f"merge folds dicts, not {_shown(value)}")
+            raise ValueError(f"merge folds dicts, not {_shown(value, raw)}")
         return {**acc, **value}
     if name == "list":
         return acc if len(acc) >= spec[1] else [*acc, value]
     key = spec[2]
-    if not isinstance(value, dict) or key not in value:
-        raise ValueError(f"top folds dicts with the key {key!r}, not {_shown(value)}")
-    if isinstance(value[key], bool) or not isinstance(value[key], (int, float)):
-        raise ValueError(f"top folds dicts with the key {key!r}, not {_shown(value)}")
-    score = value[key]
+    score = value.get(key) if isinstance(value, dict) else None
+    if isinstance(score, bool) or not isinstance(score, (int, float)):
+        raise ValueError(f"top folds dicts with the key {key!r}, not {_shown(value, raw)}")
     at = next((i for i, old in enumerate(acc) if score > old[key]), len(acc))
     return [*acc[:at], value, *acc[at:]][: spec[1]]
+
+
+def refusal(spec: str, data: bytes) -> str | None:
+    """Why the reducer ``spec`` (JSON, as a child's header carries it) cannot fold the value
+    ``data`` (as the app's serializer encoded it), or None when it can: what reduce.lua
+    decides, decided by the child's worker before any result of the child is stored."""
+    reducer = json.loads(spec)
+    if reducer[0] in ("count", "list"):
+        return None
+    raw = data.decode(errors="replace")
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return f"{reducer[0]} folds JSON values, not {raw[:80]}"
+    try:
+        fold(reducer, empty(reducer), value, raw)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def accumulated(state: EchoMQ, job: dict[str, Any]) -> Any:

@@ -18,7 +18,7 @@ from redis.cluster import RedisCluster
 
 from celery_echomq.config import safe_url
 from celery_echomq.errors import EchoMQError, FlowExistsError, StoreUnavailableError
-from celery_echomq.send.chunked import Written, enqueue_chunked
+from celery_echomq.send.chunked import Written, enqueue_chunked, takes_chunked_path
 from celery_echomq.send.dispatch import declare_reply_queue, dispatch_parent
 from celery_echomq.send.encoding import Encoded, encode_plan
 from celery_echomq.send.fused import SINCE_MARK, prepare
@@ -108,7 +108,7 @@ def _prepare(state: EchoMQ, plan: Plan, joined: dict[str, Joined]) -> _Start:
     cluster = isinstance(state.client, RedisCluster)
     joins = joins_by_level(plan, joined)
     chunk = state.settings.chunk_size
-    chunked = [level.chunked(chunk) or bool(joins[level.parent_id]) for level in levels]
+    chunked = [takes_chunked_path(level, chunk, joins[level.parent_id]) for level in levels]
     queues = {level.queue for level in levels}
     queues.update(child_queue(job) for level in levels for job in level.children)
     return _Start(
@@ -352,6 +352,10 @@ def _rollback(state: EchoMQ, written: Written) -> None:
             bool(parent_id)
             and state.client.hget(keys.job_key(queue, parent_id), "state") == b"awaiting_children"
         )
+        # Children written waiting for a slot of the flow's window leave its queue's count.
+        size = state.settings.chunk_size
+        for at in range(0, len(child_ids), size):
+            state.scripts.drop_waiting(queue, parent_id, child_ids[at : at + size])
         pipe = state.client.pipeline(transaction=False)
         for cid in child_ids:
             pipe.delete(keys.job_key(queue, cid))

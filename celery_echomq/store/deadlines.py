@@ -127,6 +127,7 @@ def cut_children(
         chunk = child_ids[start : start + CUT_CHUNK]
         keys = [
             state.keys.queue_key(queue, "pending"),
+            state.keys.queue_key(queue, "counters"),
             *(state.keys.job_key(queue, cid) for cid in chunk),
         ]
         argv = [parent_id, str(state.settings.result_ttl), error, *chunk]

@@ -37,6 +37,12 @@ H_RESULT = "echomq_r"
 H_CHORD = "echomq_c"
 # The apply_async option by which chords.py hands a flow that value.
 CHORD_OPTION = "echomq_chord"
+# "1" on the parent of a chord's flow whose header is a generator, read as it yields: the
+# flow stays open (send/chunked.py) while chords.py adds each task, and is sealed after the
+# last. A producer that stops before the seal leaves an incomplete header: recovery fails it.
+H_OPEN = "echomq_o"
+OPEN_OPTION = "echomq_open"
+CHORD_OPTIONS = (CHORD_OPTION, OPEN_OPTION)
 # "K/N" on every child of a flow released by a quorum (``flow(..., quorum=K)``): the K-th of
 # its N children to succeed releases the parent (store/lua/includes/quorum.lua).
 H_QUORUM = "echomq_k"
@@ -44,8 +50,25 @@ H_QUORUM = "echomq_k"
 # (``flow(..., reduce=R)``, send/reducers.py, store/lua/includes/reduce.lua).
 H_REDUCE = "echomq_x"
 
+
 # The prefix of every header above: reserved for the plan's own.
 RESERVED = "echomq_"
+
+
+def chord_headers(options: dict[str, Any]) -> dict[str, Any]:
+    """What a chord on the engine marks its flow's parent with (chords.py sends it as options
+    of the flow's apply_async, which pops them here)."""
+    marks: dict[str, Any] = {}
+    if (body := options.pop(CHORD_OPTION, None)) is not None:
+        marks[H_CHORD] = body
+    if options.pop(OPEN_OPTION, None):
+        marks[H_OPEN] = "1"
+    return marks
+
+
+def is_open_header(job: dict[str, Any]) -> bool:
+    """Whether the stored parent ``job`` heads a chord whose header was read as it yielded."""
+    return bool(((job.get("options") or {}).get("headers") or {}).get(H_OPEN))
 
 
 class Headers:

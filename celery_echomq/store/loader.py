@@ -41,6 +41,7 @@ TRANSITIONS = (
     "unhand",
     "extend",
     "drop",
+    "drop_waiting",
     "hand_over",
     "lease_release",
     "abandon_flow",

@@ -36,6 +36,7 @@ SAMPLED = (
     "released",
     "dispatched",
     "held",
+    "window_waiting",  # children waiting for a slot of their flow's window (max_active)
     "failed_fail",
     "failed_ignore",
     "failed_remove",

@@ -9,14 +9,15 @@ flow's locator key written when it started, and a look at every queue that holds
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 from celery import current_app, current_task
 
 from celery_echomq.errors import CursorError, InvalidIdError, ListingError, UnknownFlowError
+from celery_echomq.store.codec import load_job
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import H_QUEUE
+from celery_echomq.store.headers import H_NEXT, H_QUEUE
 from celery_echomq.store.keyspace import check_id, check_queue
 from celery_echomq.store.state import EchoMQ, get_state
 
@@ -268,3 +269,30 @@ def queues_of(state: EchoMQ, queues: Iterable[str] | None) -> list[str]:
         except InvalidIdError:
             logger.warning("echomq recovery: ignoring ill-formed queue name %r", name)
     return valid
+
+
+def steps_after(state: Any, queue: str, job: dict[str, Any]) -> Iterator[str]:
+    """The chain steps after ``job`` (none unless it is a chain's step): see steps_from."""
+    return steps_from(state, queue, str(_headers(job).get(H_NEXT) or ""))
+
+
+def steps_from(state: Any, queue: str, step: str) -> Iterator[str]:
+    """``step`` and each chain step after it that the store keeps on ``queue``, in order:
+    each step names the next (:data:`H_NEXT`). Stops at a row that is gone or whose payload
+    this process cannot read (it names no further step)."""
+    seen: set[str] = set()
+    while step and step not in seen:
+        seen.add(step)
+        payload = state.client.hget(state.keys.job_key(queue, step), "payload")
+        if payload is None:
+            return
+        yield step
+        try:
+            job = load_job(state, queue, step, payload)
+        except Exception:
+            return
+        step = str(_headers(job).get(H_NEXT) or "")
+
+
+def _headers(job: dict[str, Any]) -> dict[str, Any]:
+    return dict((job.get("options") or {}).get("headers") or {})

@@ -195,6 +195,25 @@ def store_success(task: Any, request: Any, result: Any) -> None:
     )
 
 
+def store_refused(task: Any, request: Any, reason: str) -> None:
+    """FAILURE for a child whose value its flow's reducer cannot fold (``reason``, from
+    send/reducers.py), as Celery stores a task that raised: a
+    :class:`~celery_echomq.errors.ReduceError`, its ``link_error`` callbacks run. Only for a
+    job whose result the store writes (its message said ``ignore_result``, so Celery's trace
+    stored no SUCCESS before the value was looked at)."""
+    from celery_echomq.errors import ReduceError
+
+    if _ours(task, request):
+        _guarded(
+            "FAILURE",
+            request.id,
+            task.backend.mark_as_failure,
+            request.id,
+            ReduceError(reason),
+            request=request,
+        )
+
+
 def _guarded(what: str, task_id: str, store: Any, *args: Any, **kwargs: Any) -> None:
     """Store a rare outcome; an error is logged, never raised: the receiver's transition
     (fail, retry, revoke) must still run whatever Celery's backend answers."""

@@ -226,6 +226,7 @@ class Scripts:
         ]
         if "D" in kinds or "P" in kinds:
             keys.append(self.keys.window_key(queue, parent.id))
+            keys.append(self.keys.queue_key(queue, "counters"))
         argv: list[Value] = [
             parent.id,
             parent.queue if parent.queue != queue else "",
@@ -278,6 +279,8 @@ class Scripts:
             self.keys.queue_key(parent.queue, "adding"),
             *(self.keys.job_key(parent.queue, cid) for cid, _, _ in local),
         ]
+        if max_active:  # its children waiting in windows are counted there
+            keys.append(self.keys.queue_key(parent.queue, "counters"))
         argv: list[Value] = [
             parent.id,
             payload_sha,
@@ -612,11 +615,15 @@ class Scripts:
         return status_of(reply[0]), text(reply[1]), len(reply) > 2
 
     def _window_keys(self, queue: str, parent: ParentRef) -> list[str]:
-        """The window of ``parent``'s children on ``queue``'s slot and that queue's pending
-        set: where a finishing child's flow keeps its waiting children. Passed for every
-        child; the script looks only where the child's row says it holds a slot
-        (``windowed``), so a flow without a window costs no command for them."""
-        return [self.keys.window_key(queue, parent.id), self.keys.queue_key(queue, "pending")]
+        """The window of ``parent``'s children on ``queue``'s slot, that queue's pending
+        set and its counters: where a finishing child's flow keeps its waiting children, and
+        counts them. Passed for every child; the script looks only where the child's row says
+        it holds a slot (``windowed``), so a flow without a window costs no command for them."""
+        return [
+            self.keys.window_key(queue, parent.id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "counters"),  # its children waiting in windows
+        ]
 
     def credit(
         self,
@@ -640,9 +647,10 @@ class Scripts:
             self.keys.queue_key(parent.queue, "failed"),
             self.keys.queue_key(parent.queue, "counters"),
         ]
-        status, applied = self._run(
-            "credit", keys, [parent.id, child_id, outcome, data, policy, str(ttl)]
-        )
+        argv = [parent.id, child_id, outcome, data, policy, str(ttl)]
+        if parent.quorum:
+            argv.append(parent.quorum)  # released by a quorum of its children (ARGV[7])
+        status, applied = self._run("credit", keys, argv)
         return status_of(status), text(applied)
 
     def retry(self, queue: str, job_id: str, token: str, due_in_ms: int = 0) -> Status:
@@ -724,6 +732,19 @@ class Scripts:
         argv = [parent_id, str(ttl), "1" if started else "0", *child_ids]
         return [text(cid) for cid in self._run("cancel_elsewhere", keys, argv)]
 
+    def drop_waiting(self, queue: str, parent_id: str, child_ids: Sequence[str]) -> list[str]:
+        """Delete the rows of ``parent_id``'s children on ``queue`` still waiting for a slot of
+        its window, counted out of the queue's ``window_waiting``: the ids deleted
+        (drop_waiting.lua). A forget and the undo of a refused start (``parent_id`` '': rows it
+        wrote itself) call it before their own delete."""
+        if not child_ids:
+            return []
+        keys = [
+            self.keys.queue_key(queue, "counters"),
+            *(self.keys.job_key(queue, cid) for cid in child_ids),
+        ]
+        return [text(cid) for cid in self._run("drop_waiting", keys, [parent_id, *child_ids])]
+
     def cancel_shared(self, queue: str, job_id: str, edges: int, *, ttl: int) -> Status:
         """Cancel a job shared by several flows that none of them waits for any more, unless
         it gained a parent since its ``edges`` were read (cancel_shared.lua)."""
@@ -732,6 +753,7 @@ class Scripts:
             self.keys.parents_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "counters"),
         ]
         return status_of(self._run("cancel_shared", keys, [job_id, str(ttl), str(edges)])[0])
 

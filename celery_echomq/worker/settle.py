@@ -16,12 +16,12 @@ from typing import Any
 from celery_echomq import tracing
 from celery_echomq.errors import FlowFailed
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
-from celery_echomq.send.errbacks import errbacks_left, ran_by_child
+from celery_echomq.send.errbacks import FAN, errbacks_left, ran_by_child
 from celery_echomq.send.freed import publish_freed
-from celery_echomq.store.codec import load_job
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import H_CHORD, H_NEXT, outer_ref
+from celery_echomq.store.headers import H_CHORD, outer_ref
 from celery_echomq.store.pulse import note_done
+from celery_echomq.store.reads import steps_from
 from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
@@ -89,19 +89,8 @@ def own_error(state: EchoMQ, job_id: str) -> BaseException | None:
 def fail_later_steps(state: EchoMQ, queue: str, next_step: str, exc: BaseException) -> None:
     """A chain's step failed: store its error for each step after it, as Celery's chain does,
     so that the chain's result (its last step's) raises it. The steps' rows name the next."""
-    seen: set[str] = set()
-    while next_step and next_step not in seen:
-        seen.add(next_step)
-        payload = state.client.hget(state.keys.job_key(queue, next_step), "payload")
-        if payload is None:
-            return
-        state.app.backend.store_result(next_step, exc, "FAILURE")
-        try:
-            job = load_job(state, queue, next_step, payload)
-        except Exception:
-            return  # a payload this worker cannot read names no further step
-        headers = (job.get("options") or {}).get("headers") or {}
-        next_step = str(headers.get(H_NEXT) or "")
+    for step in steps_from(state, queue, next_step):
+        state.app.backend.store_result(step, exc, "FAILURE")
 
 
 def parent_failed(
@@ -126,6 +115,10 @@ def parent_failed(
 
         state.app.backend.chord_error_from_stack(signature(body, app=state.app), exc)
         logger.info("echomq: chord body %s failed: child %s failed: %s", parent_id, child_id, error)
+        return exc, outer
+    if body == FAN and child_id == job.get("fan_in"):
+        # A chord whose header another job held: that job's failure ran Celery's handling.
+        record_failure(state, parent_id, exc, job, call_errbacks=False)
         return exc, outer
     if job.get("quorum"):
         # Fewer than its quorum can still succeed: the script's words. Its other children
@@ -207,6 +200,7 @@ def settle_success(
     unwritten: Callable[[], None] | None = None,
     next_step: str = "",
     since: int | None = None,
+    refused: Callable[[str], None] | None = None,
 ) -> Status:
     """A job succeeded: complete it and credit its parent (on whichever slot it lives).
 
@@ -219,7 +213,9 @@ def settle_success(
     its own pending score, which only spares its claim the claim marks, see claim.lua). The
     next step is handed out active, under a lease of the stall timeout: its first delivery
     takes it without a claim (``take_handed``), and recovery makes it pending again if no
-    delivery took it before the lease lapsed (``stalled.py``)."""
+    delivery took it before the lease lapsed (``stalled.py``). ``refused``: stores the
+    child's FAILURE with the reason its flow's reducer gave for not folding its value (the
+    worker's own check, send/reducers.py's ``refusal``, says the same first)."""
     freed: list[Freed] = []
     status, written, handed, shared = state.scripts.complete_settling(
         queue,
@@ -239,8 +235,12 @@ def settle_success(
         publish_freed(state, queue, freed)
     if status is Status.UNFOLDABLE and handed is not None:
         # Its flow's reducer cannot fold its value: the child fails, under its policy.
-        reason = f"ReduceError: {text(handed[1]['reason'])}"
-        return settle_failure(state, queue, job_id, token, reason, is_parent, parent)
+        reason = text(handed[1]["reason"])
+        if refused is not None:
+            refused(reason)
+        return settle_failure(
+            state, queue, job_id, token, f"ReduceError: {reason}", is_parent, parent
+        )
     if parent is not None and status in (Status.RELEASED, Status.CREDITED, Status.STAGED):
         with contextlib.suppress(Exception):  # the dashboard's tally: never the job's concern
             note_done(state, queue)

@@ -19,6 +19,7 @@ from celery.exceptions import Ignore, TaskRevokedError
 
 from celery_echomq import tracing
 from celery_echomq.errors import ReplicationError
+from celery_echomq.send.reducers import refusal
 from celery_echomq.store.headers import (
     H_FLOW,
     H_HANDED,
@@ -32,6 +33,7 @@ from celery_echomq.store.headers import (
 from celery_echomq.store.replies import DUPLICATE_DELIVERY, STARTED, Status
 from celery_echomq.store.results import (
     store_failure,
+    store_refused,
     store_retry,
     store_revoked,
     store_started,
@@ -150,20 +152,38 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
     token = _tokens.pop(request.id, None)
     if token is None:
         return
+    parent = parent_ref(request)
     if tracing.ON:
-        tracing.record_child(state, request.id, parent_ref(request))
+        tracing.record_child(state, request.id, parent)
+    value = state.dumps(result)
+    reason = refusal(parent.reduce, value) if parent is not None and parent.reduce else None
+    if reason is not None:
+        # A value its flow's reducer cannot fold: the child fails, its FAILURE stored first
+        # (no SUCCESS was: the message said ignore_result), as for a task that raised.
+        store_refused(sender, request, reason)
+        settle_failure(
+            state,
+            getattr(request, H_QUEUE),
+            request.id,
+            token,
+            f"ReduceError: {reason}",
+            bool(getattr(request, H_FLOW, None)),
+            parent,
+        )
+        return
     settle_success(
         state,
         getattr(request, H_QUEUE),
         request.id,
         token,
         bool(getattr(request, H_FLOW, None)),
-        parent_ref(request),
-        state.dumps(result),
+        parent,
+        value,
         success_write(state, sender, request, result),
         lambda: store_success(sender, request, result),
         str(getattr(request, H_NEXT, None) or ""),
         since if isinstance(since := getattr(request, H_SINCE, None), int) else None,
+        lambda why: store_refused(sender, request, why),
     )
 
 

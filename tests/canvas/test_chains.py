@@ -207,13 +207,17 @@ def test_a_retried_step_keeps_the_steps_behind_it_until_they_run(
     with pytest.raises(FlowFailed):
         res.get(timeout=TIMEOUT)
     assert all(store.ttl(KEYS.job_key("celery", s)) > 0 for s in (failing, gated, last))
+    # As in Celery's chain, the steps behind the failed one hold its error.
+    assert proj.app.AsyncResult(last).state == "FAILURE"
     store.set(flag, 1)
     out = echomq("retry", res.id)
     assert out.exit_code == 0, out.output
     wait_for(lambda: row(store, gated, "state") == "active")
-    # The retry made the failed step pending again, and the steps behind it no longer expire.
+    # The retry made the failed step pending again, and the steps behind it no longer expire
+    # nor hold the old error (recovery would read it as theirs).
     assert store.ttl(KEYS.job_key("celery", gated)) == -1
     assert store.ttl(KEYS.job_key("celery", last)) == -1
+    assert proj.app.AsyncResult(last).state == "PENDING"
     store.set(gate, 1)
     assert res.get(timeout=TIMEOUT) == 3
 

@@ -103,6 +103,8 @@ def test_show_json_gives_the_same_tree_as_data(proj: Any, worker: Any) -> None:
         "max_active": None,  # no window: every child out at once
         "waiting": 0,
         "quorum": None,  # released by its last child, not by a quorum
+        "reduce": None,  # its parent gets the list of values, not one folded
+        "acc": None,
     }
     first = tree["children"][0]
     assert first["args"] == "(0, 0)" and first["kwargs"] == "{}"

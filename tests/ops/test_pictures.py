@@ -103,6 +103,20 @@ def test_a_flows_timeline_draws_each_child_as_a_bar_of_its_state_then_the_parent
     assert widths[0] <= widths[1] + 2
     shot(browser, "timeline-done.png")
 
+    # The nested flow's one bar spans its whole run: from its enqueue, before its children
+    # started, not from its own parent's run at its end.
+    from celery_echomq import get_state
+    from celery_echomq.ops.dashboard.timeline import build_timeline
+    from celery_echomq.ops.pages import read_flow
+
+    state = get_state(proj.app)
+    line = build_timeline(state, read_flow(state, res.id, with_result=False))
+    assert line is not None
+    nested = next(bar for bar in line.bars if bar.id == inner.id)
+    began = line.start_ms + nested.x * line.span_ms / 100
+    inner_children = read_flow(state, inner.id, with_result=False).children
+    assert began <= min(c.started_ms or 0 for c in inner_children) + 1
+
 
 def test_a_failed_childs_traceback_and_its_retry_from_its_row_then_retry_all_failed(
     proj: Any, worker: Any, store: redis.Redis, serve: Any, browser: Any
@@ -181,7 +195,7 @@ def test_the_home_page_draws_rates_per_minute_from_the_workers_samples_and_metri
     chart = "#chart-celery-{} figcaption b"
 
     def peak(name: str) -> str:
-        found: str = browser.find_element("id", f"chart-celery-{name}").text
+        found: str = browser.find_element("css selector", f"#chart-celery-{name} figcaption").text
         return found.split("peak ")[1]
 
     assert peak("flows_released") == "2"  # both flows released in that minute
@@ -193,6 +207,9 @@ def test_the_home_page_draws_rates_per_minute_from_the_workers_samples_and_metri
         assert browser.find_element("css selector", chart.format(name)).text != ""
     release = browser.find_element("id", "release-celery").text
     assert "recent flows released" in release and "p50" in release and "p99" in release
+    # Each chart's time axis names its first and last sampled minute.
+    axis = browser.find_element("css selector", "#chart-celery-held .axis-x").text.split()
+    assert len(axis) == 3 and axis[2] == "UTC" and axis[0] != axis[1]
     shot(browser, "rates.png", height=560)
 
     metrics = {
@@ -264,3 +281,61 @@ def test_the_timeline_tells_waiting_from_running_then_cancelled_and_draws_one_pa
     drawn = wait_for(lambda: bars(browser), timeout=30)
     assert len(drawn) == 50 + 1 and drawn[big.id] == "done"  # a page of 50, and the parent
     assert set(drawn.values()) == {"done"}
+
+
+def test_the_children_waiting_in_a_window_are_counted_sampled_and_drawn_beside_the_held(
+    proj: Any,
+    start_worker: Any,
+    own_queue: Any,
+    store: redis.Redis,
+    gate: str,
+    serve: Any,
+    browser: Any,
+) -> None:
+    import time
+
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from celery_echomq import get_state
+    from celery_echomq.store.pulse import read_minutes, sample
+
+    name = own_queue("window")
+    start_worker(queues=name, concurrency=2)
+    site = serve()
+    state = get_state(proj.app)
+
+    def gauge() -> float:
+        text = httpx.get(site.url + "/metrics").text
+        found = {
+            (s.name, s.labels.get("queue")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        return found[("echomq_window_waiting", name)]
+
+    kids = [with_id(proj.gated.s(i, gate)) for i in range(10)]
+    res = flow(proj.tsum.s(), kids, max_active=2).apply_async(queue=name)
+    wait_for(lambda: store.zcard(KEYS.queue_key(name, "active")) == 2, timeout=60)
+    assert gauge() == 8  # two running, eight waiting for a slot
+    now = time.time()
+    sample(state, [name], now=now - 120)
+    store.set(gate, 1)
+    assert res.get(timeout=60) == sum(range(10))
+    assert gauge() == 0
+    sample(state, [name], now=now - 60)
+    waiting = {m.minute: m.values["window_waiting"] for m in read_minutes(state, name)}
+    assert waiting[int((now - 120) // 60)] == 8 and waiting[int((now - 60) // 60)] == 0
+
+    browser.get(site.url + "/")
+    figures = browser.execute_script(
+        f"return Array.from(document.querySelectorAll('#charts-{name} figure.chart'))"
+        ".map(f => f.id);"
+    )
+    held = figures.index(f"chart-{name}-held")
+    assert figures[held + 1] == f"chart-{name}-window_waiting"  # drawn beside the held
+    caption = browser.find_element("css selector", f"#chart-{name}-window_waiting figcaption").text
+    assert caption.startswith("waiting in windows") and "peak 8" in caption
+    count = browser.find_element("css selector", f"#queue-{name} .count-window-waiting").text
+    assert count == "0"
+    shot(browser, "window-waiting.png", height=560)

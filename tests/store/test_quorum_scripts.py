@@ -106,3 +106,48 @@ def test_a_reducer_folds_each_child_once(db: redis.Redis, scripts: Scripts) -> N
     assert db.hget(KEYS.job_key(queue, kids[1]), "state") == b"active"
     assert complete(scripts, ref, kids[2], tokens[kids[2]], b"2.5") is Status.CREDITED
     assert db.hget(row, "acc") == b"7.5"
+
+
+# The values each reducer is given below: JSON as a child's worker encodes its return value.
+VALUES = [b"3", b"-2.5", b"1e3", b'"x"', b"true", b"null", b"[]", b"{}", b"[1, 2]",
+          b'{"s": 4}', b'{"s": "high"}', b'{"t": 1}', b'{"s": true}']  # fmt: skip
+REDUCERS = ['["count"]', '["sum"]', '["min"]', '["max"]', '["merge"]', '["top", 2, "s"]',
+            '["list", 2]']  # fmt: skip
+
+
+def test_the_workers_check_and_the_script_agree(db: redis.Redis, scripts: Scripts) -> None:
+    """A child's worker decides whether its value can be folded before any result is stored
+    (send/reducers.py's refusal); the script that credits it decides again: the same answer,
+    with the same reason, for every reducer and kind of value."""
+    from celery_echomq.send.reducers import refusal
+
+    for spec in REDUCERS:
+        queue = "q" + uuid.uuid4().hex[:8]
+        parent, kids = new_job_id(), [new_job_id() for _ in VALUES]
+        scripts.enqueue_flow(queue, parent, b"p", [(k, b"c") for k in kids])
+        ref = ParentRef(parent, queue, "", spec)
+        for kid, value in zip(kids, VALUES, strict=True):
+            scripts.claim(queue, kid, "t-" + kid, LEASE)
+            status, _, handed, _ = scripts.complete_settling(
+                queue, kid, "t-" + kid, ttl=TTL, is_parent=False, parent=ref, value=value
+            )
+            said = None if handed is None else handed[1]["reason"]
+            reason = said.decode() if isinstance(said, bytes) else said
+            assert (spec, value, reason) == (spec, value, refusal(spec, value))
+            assert (status is Status.UNFOLDABLE) == (reason is not None)
+    assert refusal('["sum"]', b'"x"') == 'sum folds numbers, not str "x"'
+    assert refusal('["merge"]', b"[]") == "merge folds dicts, not list []"
+
+
+def test_a_quorum_folds_the_successes_it_counts(db: redis.Redis, scripts: Scripts) -> None:
+    """quorum=2 with reduce="sum": the parent's accumulator is the fold of the two successes
+    that met it; a child that finishes after is recorded and not folded."""
+    ref, kids = start(scripts, 3, 2)
+    ref = ParentRef(ref.id, ref.queue, ref.quorum, '["sum"]')
+    tokens = {k: "t-" + uuid.uuid4().hex for k in kids}
+    for k in kids:
+        scripts.claim(ref.queue, k, tokens[k], LEASE)
+    assert complete(scripts, ref, kids[2], tokens[kids[2]], b"10") is Status.CREDITED
+    assert complete(scripts, ref, kids[0], tokens[kids[0]], b"5") is Status.RELEASED
+    assert complete(scripts, ref, kids[1], tokens[kids[1]], b"100") is Status.CREDITED
+    assert db.hget(KEYS.job_key(ref.queue, ref.id), "acc") == b"15"

@@ -9,6 +9,7 @@ polylines by the template (points computed here, in a 0..100 box).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -29,6 +30,7 @@ SERIES = (
         True,
     ),
     ("held", "held parents", ("held",), False),
+    ("window_waiting", "waiting in windows", ("window_waiting",), False),
     ("pending", "waiting jobs (pending)", ("pending",), False),
     ("active", "running jobs", ("active",), False),
 )
@@ -43,6 +45,8 @@ class Series:
     points: str  # "x,y x,y ..." in a 100 x 40 box, for an SVG polyline
     last: float | None
     peak: float
+    since: str = ""  # the time axis: its first and last sampled minute, "HH:MM" (UTC)
+    until: str = ""
 
 
 def _points(values: list[tuple[int, float]], first: int, span: int) -> tuple[str, float]:
@@ -52,32 +56,41 @@ def _points(values: list[tuple[int, float]], first: int, span: int) -> tuple[str
     return pts, peak
 
 
+def _hhmm(minute: int) -> str:
+    return time.strftime("%H:%M", time.gmtime(minute * 60))
+
+
 def series_of(samples: list[Minute]) -> list[Series]:
     """Each series over the samples: a counter's increase per minute between consecutive
     samples (a gap spread over its minutes; a counter that went down, a restored store,
     counts from zero), a gauge as sampled."""
     first = samples[0].minute if samples else 0
     span = max((samples[-1].minute - first) if samples else 1, 1)
+    axis = (_hhmm(first), _hhmm(samples[-1].minute)) if samples else ("", "")
     out = []
     for name, title, fields, rate in SERIES:
         values: list[tuple[int, float]] = []
         if name == "children_done":  # not a counter: each minute's tally, as the workers add
-            values = [(s.minute, float(s.done)) for s in samples]
+            # them; the newest sampled minute's is still being added (each process adds a
+            # minute's at its first completion of a later one): drawn once the next is sampled,
+            # never as a drop to 0.
+            values = [(s.minute, float(s.done)) for s in samples[:-1]]
             points, peak = _points(values, first, span)
             last = values[-1][1] if values else None
-            out.append(Series(name, title, tuple(values), points, last, peak))
+            out.append(Series(name, title, tuple(values), points, last, peak, *axis))
             continue
         for before, after in pairwise(samples if rate else []):
             then = sum(before.values.get(f, 0) for f in fields)
             now = sum(after.values.get(f, 0) for f in fields)
             gap = max(after.minute - before.minute, 1)
             values.append((after.minute, max(now - then, 0) / gap))
-        if not rate:
-            values = [(s.minute, float(sum(s.values.get(f, 0) for f in fields))) for s in samples]
+        if not rate:  # a running count (held, waiting): never below zero, as read_counts says
+            values = [
+                (s.minute, float(max(0, sum(s.values.get(f, 0) for f in fields)))) for s in samples
+            ]
         points, peak = _points(values, first, span)
-        out.append(
-            Series(name, title, tuple(values), points, values[-1][1] if values else None, peak)
-        )
+        last = values[-1][1] if values else None
+        out.append(Series(name, title, tuple(values), points, last, peak, *axis))
     return out
 
 

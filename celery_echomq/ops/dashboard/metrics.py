@@ -35,6 +35,10 @@ class EchoMQCollector(Collector):
                 ("pending", "Jobs claimable now (children, and released parents not started)"),
                 ("active", "Jobs claimed and running (or lost, until recovery notices)"),
                 ("held", "Flow parents awaiting their children"),
+                (
+                    "window_waiting",
+                    "Children waiting for a slot of their flow's window (max_active)",
+                ),
                 ("failed", "Jobs failed for good within the result TTL"),
                 ("recent_flows", "Flows in the queue's recent-flow index"),
             )
@@ -65,6 +69,7 @@ class EchoMQCollector(Collector):
                 ("pending", pending),
                 ("active", active),
                 ("held", values["held"]),
+                ("window_waiting", values["window_waiting"]),
                 ("failed", failed),
                 ("recent_flows", indexed),
             ):
@@ -84,7 +89,8 @@ class EchoMQCollector(Collector):
         minute = GaugeMetricFamily(
             "echomq_per_minute",
             "The latest minute's value of each of the dashboard's series over time (rates "
-            "per minute between the workers' samples; held, pending, active as sampled)",
+            "per minute between the workers' samples; held, window_waiting, pending, active "
+            "as sampled)",
             labels=["queue", "series"],
         )
         release = GaugeMetricFamily(

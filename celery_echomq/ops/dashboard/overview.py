@@ -22,6 +22,7 @@ PAGE = 100
 LISTS = ("held", "failed", "recent")
 COUNTERS = (
     "held",
+    "window_waiting",
     "released",
     "dispatched",
     "republished",
@@ -82,6 +83,7 @@ def read_counts(state: EchoMQ, names: list[str]) -> list[tuple[str, list[int], d
         # store restored from an older snapshot could leave it below zero; never show that.
         counters = {c: _int(v) for c, v in zip(COUNTERS, values, strict=True)}
         counters["held"] = max(0, counters["held"])
+        counters["window_waiting"] = max(0, counters["window_waiting"])
         out.append((name, cards, counters))
     return out
 

@@ -80,12 +80,14 @@ def build_timeline(state: EchoMQ, root: JobNode) -> Timeline | None:
         pipe.zscore(state.keys.queue_key(job.queue, "recent"), job.id)
     pipe.time()
     *scores, (secs, micros) = pipe.execute()
-    score, began = scores[0], {c.id: s for c, s in zip(nested, scores[1:], strict=True) if s}
+    # The index's scores are the server's time in microseconds (includes/recent.lua).
+    ms = [int(s) // 1000 if s is not None else None for s in scores]
+    score, began = ms[0], {c.id: s for c, s in zip(nested, ms[1:], strict=True) if s}
     now = int(secs) * 1000 + int(micros) // 1000
     known = [t for n in (root, *root.children) for t in (n.started_ms, n.finished_ms) if t]
     # Its index's score, or the first start seen where that is later (a flow sealed after
     # its first children started, a window's).
-    enqueued = min(([int(score)] if score is not None else []) + known, default=now)
+    enqueued = min(([score] if score is not None else []) + known, default=now)
     rows: list[tuple[JobNode, bool]] = []
     handed: dict[str, int] = {}  # a chain's step: the start of the step after it
     for child in root.children:
@@ -101,7 +103,7 @@ def build_timeline(state: EchoMQ, root: JobNode) -> Timeline | None:
         for n, st, s, e in spans
     ]
     spans = [
-        (n, st, min(s, int(began.get(n.id, enqueued))) if n.flow else s, e) for n, st, s, e in spans
+        (n, st, min(s, began.get(n.id, enqueued)) if n.flow else s, e) for n, st, s, e in spans
     ]
     parent = _times(root, enqueued, now) if root.started_ms or root.finished else None
     ends = [end for *_, end in spans] + ([parent[1]] if parent else [])

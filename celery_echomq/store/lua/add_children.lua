@@ -21,6 +21,7 @@
 --             'e', 'q': a child of a flow with a window that goes out at once, as a delta or a
 --             payload (written as 'd' and 'p' are, marked 'windowed': it holds a slot)
 -- KEYS[2+k]   with a 'D' or 'P' kind: the window of the parent's children on this slot
+-- KEYS[3+k]   with it: the queue's counters (its children waiting in windows: 'window_waiting')
 -- ARGV[5+3k]  with it: the window's size, max_active
 --
 -- Reply: the number of rows written. A row that already exists for this same parent is
@@ -107,6 +108,6 @@ for n, i in ipairs(fresh) do
   end
 end
 if #waiting > 0 then
-  window_push(KEYS[2 + k], waiting, tonumber(ARGV[5 + 3 * k]))
+  window_push(KEYS[2 + k], waiting, tonumber(ARGV[5 + 3 * k]), KEYS[3 + k])
 end
 return #fresh

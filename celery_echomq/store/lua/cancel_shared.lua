@@ -8,6 +8,8 @@
 -- KEYS[2]  the job's :parents (the parents it was joined to after its first)
 -- KEYS[3]  its queue's pending set
 -- KEYS[4]  its queue's active set
+-- KEYS[5]  its queue's counters (a job waiting for a slot of a flow's window: one fewer
+--          'window_waiting', includes/unwait.lua)
 -- ARGV[1]  the job's id
 -- ARGV[2]  result TTL in seconds (the cancelled row and its edges expire with it)
 -- ARGV[3]  the number of edges the host read (HLEN of KEYS[2])
@@ -18,11 +20,12 @@
 --   "<state>"    finished (done, failed, cancelled) or gone: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
+--- @include "unwait"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local state = redis.call('HGET', KEYS[1], 'state')
+local state, chain = unpack(redis.call('HMGET', KEYS[1], 'state', 'chain'))
 if state ~= 'pending' and state ~= 'waiting' and state ~= 'active' then
   return {state or 'missing'}
 end
@@ -30,6 +33,7 @@ if redis.call('HLEN', KEYS[2]) ~= tonumber(ARGV[3]) then
   return {'joined'}
 end
 redis.call('HSET', KEYS[1], 'state', 'cancelled')
+left_window(KEYS[5], state, chain)
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
 redis.call('EXPIRE', KEYS[1], ARGV[2])

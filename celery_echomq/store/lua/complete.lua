@@ -35,8 +35,9 @@
 --          flow parent may be one (ARGV[4] == '1'): a chain's step held on its children
 -- ARGV[13] optional: where the job's flow window keys are (includes/window.lua): KEYS[ARGV[13]]
 --          the window of the job's parent on this slot, KEYS[ARGV[13] + 1] this queue's
---          pending set, before the result key ('' or absent: no window looked at); looked
---          at only when the job's row says it holds a slot of it ('windowed')
+--          pending set, KEYS[ARGV[13] + 2] its counters, before the result key ('' or
+--          absent: no window looked at); looked at only when the job's row says it holds a
+--          slot of it ('windowed')
 -- ARGV[14] optional: i, where KEYS[i] is the queue's index of joined jobs to credit and
 --          KEYS[i + 1] the job's :parents (includes/join.lua), after the window's keys and
 --          before the result's key ('' or absent: none)

@@ -102,7 +102,7 @@ local why = 'FlowDeadlineExceeded: flow ' .. id .. ' passed its deadline before 
 local cut, running, remote = {}, {}, {}
 for i = 1, n do
   local child, cid = KEYS[9 + i], ARGV[6 + i]
-  if cut_pending(child, cid, id, KEYS[6], ttl, why) then
+  if cut_pending(child, cid, id, KEYS[6], ttl, why, KEYS[8]) then
     cut[#cut + 1] = cid
   else
     local s = redis.call('HGET', child, 'state')

@@ -5,7 +5,9 @@
 -- that finishes later is credited to a parent that no longer waits.
 --
 -- KEYS[1]    this queue's pending set
--- KEYS[1+i]  child i's row, i = 1..N
+-- KEYS[2]    this queue's counters (a child cut while waiting for a slot of its flow's
+--            window: one fewer 'window_waiting')
+-- KEYS[2+i]  child i's row, i = 1..N
 -- ARGV[1]    the parent id (a row whose 'parent' differs is left alone)
 -- ARGV[2]    result TTL in seconds
 -- ARGV[3]    the error the cut rows keep ("FlowDeadlineExceeded: ...")
@@ -22,8 +24,8 @@ if refused then
 end
 local ttl = tonumber(ARGV[2])
 local reply = {}
-for i = 1, #KEYS - 1 do
-  if cut_pending(KEYS[1 + i], ARGV[3 + i], ARGV[1], KEYS[1], ttl, ARGV[3]) then
+for i = 1, #KEYS - 2 do
+  if cut_pending(KEYS[2 + i], ARGV[3 + i], ARGV[1], KEYS[1], ttl, ARGV[3], KEYS[2]) then
     reply[#reply + 1] = ARGV[3 + i]
   end
 end

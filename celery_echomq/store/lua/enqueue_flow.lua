@@ -198,7 +198,7 @@ for i = 1, n do
   end
 end
 if #waiting > 0 then
-  window_push(KEYS[1] .. ':window', waiting, counted - #waiting) -- the window's size: those out
+  window_push(KEYS[1] .. ':window', waiting, counted - #waiting, KEYS[5]) -- the window's size: those out
 end
 if placeholder[1] then
   redis.call('ZREM', KEYS[3], ARGV[1])

@@ -29,10 +29,11 @@
 --           cancelled, so it is failed or cancelled already; this applies that failure,
 --           once, to the flow it is a child of
 --           (ARGV[2] is then ignored). '0' otherwise
--- ARGV[9]   optional: KEYS[ARGV[9]] the window of the job's parent on this slot, and
---           KEYS[ARGV[9] + 1] this queue's pending set (includes/window.lua), after the keys
---           above ('' or absent: no window looked at); looked at only when the job's row
---           says it holds a slot of it ('windowed')
+-- ARGV[9]   optional: KEYS[ARGV[9]] the window of the job's parent on this slot,
+--           KEYS[ARGV[9] + 1] this queue's pending set and KEYS[ARGV[9] + 2] its counters
+--           (includes/window.lua), after the keys above ('' or absent: no window looked
+--           at); looked at only when the job's row says it holds a slot of it ('windowed'),
+--           the counters also when it was waiting for one (includes/unwait.lua)
 -- ARGV[10]  optional: i, where KEYS[i] is the queue's index of joined jobs to credit and
 --           KEYS[i + 1] the job's :parents (includes/join.lua), after the keys above and
 --           the window's ('' or absent: none)
@@ -73,12 +74,13 @@
 --- @include "window"
 --- @include "join"
 --- @include "chain_rest"
+--- @include "unwait"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
 local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'next', 'joined',
-  'windowed')
+  'windowed', 'chain')
 local state = row[1]
 if not state then
   return {'missing', ''}
@@ -105,6 +107,10 @@ else
   redis.call('ZADD', KEYS[4], now, ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
   redis.call('HSET', KEYS[1], 'state', 'failed', 'error', ARGV[3])
+  local at = tonumber(ARGV[9] or '')
+  if at then -- a child failed by its id while it waited for a slot of its window
+    left_window(KEYS[at + 2], state, row[7])
+  end
   expire_keys(ttl, ARGV[5] == '1' and {KEYS[1], KEYS[5], KEYS[6], KEYS[7]} or {KEYS[1]})
   if row[4] then
     -- A chain's step but its last: the steps waiting behind it never run unless a retry

@@ -11,6 +11,8 @@
 -- KEYS[4]     the parent's :adding (staged child id -> payload; "<id>:policy" -> its policy)
 -- KEYS[5]     the parent queue's adding set (parents with staged children; score: when)
 -- KEYS[5+i]   child i's row on this slot, i = 1..k
+-- KEYS[6+k]   with ARGV[6+3(k+r)]: the parent queue's counters (its children waiting in
+--             windows: 'window_waiting')
 -- ARGV[1]     parent id
 -- ARGV[2]     SHA1 of the parent payload the host read (the payload is rewritten only if
 --             it is still that one: two concurrent adds never lose each other's ids)
@@ -73,7 +75,7 @@ for i = 1, k do
   end
 end
 if #waiting > 0 then
-  window_push(window, waiting, size)
+  window_push(window, waiting, size, KEYS[6 + k])
 end
 for i = k + 1, k + r do
   redis.call('HSET', KEYS[4], ARGV[3 + 3 * i], ARGV[4 + 3 * i])

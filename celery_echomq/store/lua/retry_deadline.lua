@@ -23,7 +23,8 @@
 -- Reply: {status, at, id1, payload1, delta1, ...} the children made pending (the host
 --        publishes their stored jobs; a nested flow's parent among them is dispatched)
 --   "retried"    the parent awaits its children again, until ``at``
---   "released"   it awaits nothing (its counter is 0): it is pending, the host dispatches it
+--   "released"   it awaits nothing (its counter is 0, or its quorum was met after the
+--                deadline): it is pending, the host dispatches it
 --   "<state>"    refused, nothing changed: the parent is not failed by its deadline
 -- Errors: "EMQKIND ..." a non-JOB id.
 --- @include "gate"
@@ -63,7 +64,11 @@ redis.call('HINCRBY', KEYS[8], 'held', 1)
 redis.call('ZREM', KEYS[7], id)
 persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
 redis.call('ZADD', KEYS[9], at, id)
-if tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
+-- Under a quorum whose K-th success came after the deadline (includes/quorum.lua keeps the
+-- row's 'quorum' then), met already: released at once, as a counter of 0 is.
+local need = tonumber(redis.call('HGET', KEYS[1], 'quorum') or '')
+if need and redis.call('LLEN', KEYS[1] .. ':quorum') >= need
+    or tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
   release_parent(KEYS[1], KEYS[6], id, KEYS[8])
   reply[1] = 'released'
 end

@@ -95,7 +95,12 @@ for i = 1, n do
 end
 local others = #ARGV - 2 - n
 for i = 3 + n, #ARGV do
-  redis.call('HDEL', KEYS[5], ARGV[i])
+  if redis.call('HDEL', KEYS[5], ARGV[i]) == 1 and need then
+    -- A child of another slot credited as failed under the quorum: outstanding again.
+    redis.call('HINCRBY', KEYS[1], 'quorum_failed', -1)
+    redis.call('HINCRBY', KEYS[1], 'credited_failed', -1)
+    redis.call('INCR', KEYS[2])
+  end
   unrecord(ARGV[i])
 end
 if state == 'awaiting_children' and #reply == 1 and others == 0 then

@@ -12,7 +12,7 @@ from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.send.grow import write_staged
 from celery_echomq.store.codec import STORED_FIELDS, stored_of
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import Headers, parent_ref
+from celery_echomq.store.headers import Headers, is_open_header, parent_ref
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -118,6 +118,14 @@ def _seal_or_abandon(state: EchoMQ, queue: str, parent_id: str) -> str | None:
         for i, cid in enumerate(children)
         if any(text(o) == parent_id for o in owners[i * len(queues) : (i + 1) * len(queues)] if o)
     }
+    if job is not None and is_open_header(job):
+        # A chord's header that was read as it yielded: how many tasks it would have had is
+        # unknown, so whatever was written is not the whole of it.
+        reason = (
+            f"its producer stopped while reading its chord's header ({len(written)} tasks "
+            "written, the header not read to its end)"
+        )
+        return abandon_open_flow(state, queue, parent_id, reason, payload)
     if job is not None and len(written) == len(children):
         status = state.scripts.seal_flow(queue, parent_id)
         if status is Status.NOOP:
@@ -129,8 +137,24 @@ def _seal_or_abandon(state: EchoMQ, queue: str, parent_id: str) -> str | None:
         f"its producer stopped while starting it ({len(written)} of {len(children)} children "
         "written)"
     )
+    return abandon_open_flow(state, queue, parent_id, reason, payload)
+
+
+def abandon_open_flow(
+    state: EchoMQ,
+    queue: str,
+    parent_id: str,
+    reason: str,
+    payload: bytes | None,
+    *,
+    now: bool = False,
+) -> str | None:
+    """Fail an open flow whose children will never all be written, for ``reason``, once it
+    was left open a stall timeout (``now``: its producer knows it stopped); what was done
+    (None if it was no longer open)."""
+    after_ms = 0 if now else state.settings.stall_ms
     status = state.scripts.abandon_flow(
-        queue, parent_id, state.settings.stall_ms, reason, ttl=state.settings.result_ttl
+        queue, parent_id, after_ms, reason, ttl=state.settings.result_ttl
     )
     if status is not Status.ABANDONED:
         return None

@@ -1,10 +1,12 @@
+--- @include "unwait"
 -- cancel_children(first_key, first_arg, pending, active, counters, ttl, reply, started,
 -- parent_id): every child whose row is KEYS[first_key..] (ids in ARGV[first_arg..], in the
 -- same order) and that has not finished (pending, a held nested flow, a chain's waiting step,
 -- a chain's step handed out that no delivery took, and when ``started`` also active) becomes
 -- cancelled: no later claim runs it and no completion counts it. Its id
 -- leaves the state sets, its row expires with the flow, a held nested flow counts one parent
--- fewer held, and its id is appended to ``reply`` (the host revokes its message). A row whose
+-- fewer held, a child waiting for a slot of its flow's window one fewer waiting (unwait), and
+-- its id is appended to ``reply`` (the host revokes its message). A row whose
 -- own 'parent' is not ``parent_id`` is left alone: the row decides whose child it is; so is a
 -- job joined to more parents (its '<row>:parents', named from its row like ':children' in
 -- 'expire': on_exists="join"), which another flow may still wait for. cancel,
@@ -13,7 +15,7 @@ local function cancel_children(first_key, first_arg, pending, active, counters, 
     started, parent_id)
   for i = 0, #KEYS - first_key do
     local row, cid = KEYS[first_key + i], ARGV[first_arg + i]
-    local c = redis.call('HMGET', row, 'state', 'parent', 'token')
+    local c = redis.call('HMGET', row, 'state', 'parent', 'token', 'chain')
     local cstate = c[1]
     -- An active row with no token is a chain's step handed out that no delivery took yet.
     if c[2] == parent_id and (cstate == 'pending' or cstate == 'awaiting_children'
@@ -23,6 +25,7 @@ local function cancel_children(first_key, first_arg, pending, active, counters, 
       if cstate == 'awaiting_children' then
         redis.call('HINCRBY', counters, 'held', -1)
       end
+      left_window(counters, cstate, c[4])
       redis.call('ZREM', pending, cid)
       redis.call('ZREM', active, cid)
       redis.call('EXPIRE', row, ttl)

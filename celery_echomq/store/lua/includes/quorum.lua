@@ -27,9 +27,9 @@ end
 
 -- settle_quorum(parent, child_id, outcome, data, policy, ttl): settle_child for a flow
 -- released by a quorum (flow(..., quorum=K)), parent.quorum "K/N". Each success credited while
--- the parent waits (or is failed, which a retry may undo) is kept in :processed and its id
--- appended to '<row>:quorum' (the order of success, which the parent's values follow); the K-th
--- releases the parent, here. A success after the release (a child already running) is
+-- the parent waits (or is failed, which a retry may undo) is kept in :processed, folded into
+-- the row's 'acc' under a reducer (parent.acc), and its id appended to '<row>:quorum' (the order
+-- of success, which the parent's values follow); the K-th releases the parent, here. A success after the release (a child already running) is
 -- finished on its own row and not counted. A failure,
 -- whatever its policy but continue, is one child fewer that can succeed: when fewer than K can
 -- still succeed the parent fails at once, its 'error' saying how many succeeded and how many
@@ -46,11 +46,26 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
       return {'credited', ''}
     end
     redis.call('HSET', parent.processed, child_id, data)
+    if parent.acc then
+      -- Its value folded by the flow's reducer (includes/reduce.lua): the parent gets the
+      -- fold of the successes it counts, once each.
+      redis.call('HSET', parent.row, 'acc', parent.acc)
+    end
     redis.call('DECR', parent.deps)
-    if redis.call('RPUSH', order, child_id) < need or state == 'failed' then
+    local succeeded = redis.call('RPUSH', order, child_id)
+    if state == 'failed' then
+      -- Counted for a retry (retry_flow.lua, retry_deadline.lua), which reads the quorum
+      -- from the row: a flow failed by its deadline may meet it meanwhile.
+      redis.call('HSET', parent.row, 'quorum', need)
+      return {'credited', ''}
+    end
+    if succeeded < need then
       return {'credited', ''}
     end
     release_parent(parent.row, parent.pending, parent.id, parent.counters)
+    if parent.settled then
+      redis.call('EXPIRE', parent.settled, ttl)
+    end
     return {'released', ''}
   end
   local found
@@ -65,6 +80,9 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
   end
   if policy == 'continue' then
     release_parent(parent.row, parent.pending, parent.id, parent.counters)
+    if parent.settled then
+      redis.call('EXPIRE', parent.settled, ttl)
+    end
     return {'released', policy}
   end
   local failed = redis.call('HINCRBY', parent.row, 'quorum_failed', 1)
@@ -78,6 +96,7 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
     .. ' needed (' .. failed .. ' failed; the last, ' .. child_id .. ': ' .. data .. ')')
   redis.call('ZADD', parent.failed, now_ms(), parent.id)
   redis.call('HINCRBY', parent.counters, 'held', -1)
-  expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored})
+  expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored,
+    parent.settled})
   return {'parent_failed', policy}
 end

@@ -20,13 +20,27 @@ local function fold_value(spec, acc, value)
     end
     return string.sub(acc, 1, -2) .. ', ' .. value .. ']'
   end
-  local shown = string.sub(value, 1, 80)
   local ok, v = pcall(cjson.decode, value)
   if not ok then
-    return nil, name .. ' folds JSON values, not ' .. shown
+    return nil, name .. ' folds JSON values, not ' .. string.sub(value, 1, 80)
   end
+  -- The value named as the refusal names it (send/reducers.py): its Python type, then its
+  -- JSON cut at 80 bytes. cjson decodes {} and [] alike: a dict is told by its text.
+  local kind
+  if v == cjson.null then
+    kind = 'NoneType'
+  elseif type(v) == 'string' then
+    kind = 'str'
+  elseif type(v) == 'boolean' then
+    kind = 'bool'
+  elseif type(v) == 'number' then
+    kind = string.find(value, '[%.eE]') and 'float' or 'int'
+  else
+    kind = string.match(value, '^%s*{') and 'dict' or 'list'
+  end
+  local shown = kind .. ' ' .. string.sub(value, 1, 80)
   if name == 'sum' or name == 'min' or name == 'max' then
-    if type(v) ~= 'number' then
+    if kind ~= 'int' and kind ~= 'float' then
       return nil, name .. ' folds numbers, not ' .. shown
     end
     local before = acc and tonumber(acc)
@@ -37,7 +51,7 @@ local function fold_value(spec, acc, value)
     end
     return cjson.encode(v)
   end
-  if type(v) ~= 'table' or (next(v) ~= nil and v[1] ~= nil) then
+  if kind ~= 'dict' then
     if name == 'merge' then
       return nil, 'merge folds dicts, not ' .. shown
     end

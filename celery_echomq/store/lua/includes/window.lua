@@ -38,10 +38,14 @@ local function write_waiting_row(row, parent_id, stored, kind)
     'parent', parent_id)
 end
 
--- window_push(window, ids, size): the waiting children's ids at the end of the window, in
--- order, one RPUSH per slice (Lua's unpack has a stack limit); and the window's '<parent
--- row>:slots' (a hash beside it: 'free', the slots freed and not taken again yet; 'batch', how
--- many freed slots are taken at once), kept while children wait.
+-- window_push(window, ids, size, counters): the waiting children's ids at the end of the
+-- window, in order, one RPUSH per slice (Lua's unpack has a stack limit); and the window's
+-- '<parent row>:slots' (a hash beside it: 'free', the slots freed and not taken again yet;
+-- 'batch', how many freed slots are taken at once), kept while children wait. The rows of
+-- ``ids`` were written 'waiting' by this same script (none existed before): the queue's
+-- count of children waiting in windows, 'window_waiting' in ``counters`` (its counters
+-- hash), goes up by as many. Every way out of 'waiting' counts one down: window_take here,
+-- includes/unwait.lua elsewhere.
 local function slots_of(window)
   return string.sub(window, 1, -8) .. ':slots' -- '<parent row>:window' -> '<parent row>:slots'
 end
@@ -53,7 +57,8 @@ local function window_batch(size)
   return math.max(1, math.min(100, math.floor(size / 10)))
 end
 
-local function window_push(window, ids, size)
+local function window_push(window, ids, size, counters)
+  redis.call('HINCRBY', counters, 'window_waiting', #ids)
   for first = 1, #ids, 500 do
     redis.call('RPUSH', window, unpack(ids, first, math.min(first + 499, #ids)))
   end
@@ -78,7 +83,8 @@ local PASS_OVER = 100
 
 -- window_take(window, pending, count, taken): up to ``count`` waiting children made pending
 -- (their ids into the queue's pending set), in order, appended to ``taken`` as id, payload,
--- delta, parent (one of payload and delta ''); how many. A cancelled one means the flow's
+-- delta, parent (one of payload and delta ''); how many (the caller counts them out of
+-- 'window_waiting'). A cancelled one means the flow's
 -- waiting children were cancelled or cut together (cancel, a deadline): the window goes.
 local function window_take(window, pending, count, taken)
   local n, now = 0, now_ms()
@@ -108,12 +114,13 @@ local function window_take(window, pending, count, taken)
   return n
 end
 
--- window_free(window, pending, ttl): a child of the window finished: its slot is free. Once
--- 'batch' slots are free, that many waiting children are made pending at once, returned as
+-- window_free(window, pending, ttl, counters): a child of the window finished: its slot is
+-- free. Once 'batch' slots are free, that many waiting children are made pending at once (and
+-- counted out of 'window_waiting' in ``counters``, their queue's counters), returned as
 -- {'window', now, id, payload, delta, parent, ...} for the caller to publish in one batch
 -- (out + free = max_active: never more out, and the window never stalls, batch <= max_active);
 -- nil otherwise. Called only for a child marked 'windowed' (a flow without a window has none).
-local function window_free(window, pending, ttl)
+local function window_free(window, pending, ttl, counters)
   local slots = slots_of(window)
   local batch = redis.call('HGET', slots, 'batch')
   if not batch then
@@ -127,6 +134,7 @@ local function window_free(window, pending, ttl)
   local n = window_take(window, pending, free, taken)
   if n > 0 then -- (never -0: Redis reads no integer in it)
     redis.call('HINCRBY', slots, 'free', -n)
+    redis.call('HINCRBY', counters, 'window_waiting', -n)
   end
   if redis.call('EXISTS', window) == 0 then
     -- Nothing waits any more (children added later open it again): it goes with the flow.
@@ -137,15 +145,15 @@ end
 
 -- window_reply(reply, arg, ttl): ``reply`` with the children the window let out appended, as a
 -- list of its own (the last element: no other element of a reply is a list), when ARGV[arg]
--- names where the window's two keys are: KEYS[at] the window, KEYS[at + 1] its queue's
--- pending set. Absent: ``reply`` as it is. Called once per child that finishes, inside its
--- one transition.
+-- names where the window's three keys are: KEYS[at] the window, KEYS[at + 1] its queue's
+-- pending set, KEYS[at + 2] its queue's counters. Absent: ``reply`` as it is. Called once per
+-- child that finishes, inside its one transition.
 local function window_reply(reply, arg, ttl)
   local at = tonumber(ARGV[arg] or '')
   if not at then
     return reply
   end
-  local taken = window_free(KEYS[at], KEYS[at + 1], ttl)
+  local taken = window_free(KEYS[at], KEYS[at + 1], ttl, KEYS[at + 2])
   if taken then
     reply[#reply + 1] = taken
   end
