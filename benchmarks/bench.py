@@ -19,6 +19,7 @@ the chain rows as information.
     python benchmarks/bench.py --sizes 20x50,2x1000 --rounds 5
     python benchmarks/bench.py --chains-only --chains 50x3,200x3   # the chain section alone
     python3 dev.py bench --enqueue-only --rounds 9   # enqueue vs BullMQ alone (about a minute)
+    python3 dev.py bench --peers         # flow beside chord, group, Dramatiq, RQ, BullMQ
 
 Every number is taken side by side: the modes run interleaved (the order rotates each round)
 against the same worker, and the report gives medians and the per-round paired ratios, since
@@ -885,9 +886,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="only enqueue vs BullMQ's FlowProducer (no worker, held, KxN sizes, chains or "
         "plain tasks)",
     )
+    p.add_argument(
+        "--peers",
+        action="store_true",
+        help="flow beside Celery chord and group, Dramatiq, RQ and BullMQ, end to end "
+        "(benchmarks/peers/; sizes default 200x5,20x50)",
+    )
+    p.add_argument(
+        "--peer",
+        action="append",
+        help="with --peers: run only this peer (repeatable; e.g. flow, 'bullmq flow')",
+    )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench-*.json)")
     p.add_argument("--max-seconds", type=int, default=1500, help="stop everything after this long")
     args = p.parse_args(argv)
+    if args.peers and args.sizes is None:
+        args.sizes = parse_sizes("40x5,4x50" if args.quick else "200x5,20x50")
     if args.sizes is None:
         args.sizes = parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)
     if args.rounds is None:
@@ -919,6 +933,13 @@ def log(message: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.peers:
+        from peers import runner
+
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
+            signal.signal(sig, _on_signal)
+        signal.alarm(args.max_seconds)
+        return runner.main(args.sizes, args.rounds, args.peer, args.out)
     modes: list[str] = list(MODES if args.no_lean else (*MODES, LEAN))
     modes.append(CHORD_ENGINE)
     if not args.no_deadline:

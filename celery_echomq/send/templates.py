@@ -12,14 +12,13 @@ from typing import Any
 
 from celery.utils.functional import maybe_list
 from celery.utils.saferepr import saferepr
-from kombu import serialization
 
 from celery_echomq.send.envelope import PER_MESSAGE, queue_of, same
 from celery_echomq.send.prepared import Prepared, quoted, token
 from celery_echomq.send.pushes import REDIS_TRANSPORT, RedisPushes
+from celery_echomq.store.codec import serialize
 from celery_echomq.store.keyspace import uuid4_hex
 
-_serialize: Any = serialization.dumps
 # kombu's own delivery tag: a uuid4 as text, made per message.
 _KOMBU_TAG = getattr(getattr(REDIS_TRANSPORT, "Channel", None), "_next_delivery_tag", None)
 
@@ -216,8 +215,8 @@ class Templates:
                 return False
             template.checked = self.batch
         base = template.message
-        content_type, content_encoding, body = _serialize(
-            (args, kwargs, template.embed), serializer=template.serializer
+        content_type, content_encoding, body = serialize(
+            (args, kwargs, template.embed), template.serializer
         )
         if content_type != base["content-type"] or content_encoding != base["content-encoding"]:
             return False

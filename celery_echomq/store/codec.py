@@ -13,6 +13,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from kombu.exceptions import EncodeError
+from kombu.serialization import registry
+from kombu.utils import json as kombu_json
+
 from celery_echomq.store.connection import text
 
 
@@ -121,6 +125,29 @@ def load_job(
     if not isinstance(template, dict) or not isinstance(delta, dict):
         raise ValueError(f"the stored job of {job_id} on {queue} is not a job")
     return join_job(template, delta, job_id)
+
+
+# What kombu's JSON encoder makes for each call (json.dumps(obj, cls=JSONEncoder)): one
+# encoder of the same options, made once (it keeps no state between calls).
+_KOMBU_JSON_DUMPS = kombu_json.dumps
+_KOMBU_JSON = kombu_json.JSONEncoder()
+
+
+def serialize(obj: Any, serializer: str) -> tuple[str, str, Any]:
+    """``kombu.serialization.dumps(obj, serializer=serializer)``, without its per-call
+    checks and context manager (a flow encodes each child's job and message body: two calls
+    a child): the same content type, encoding and data from the same registered encoder
+    (kombu's own JSON one called as it calls it), and the same EncodeError where it fails.
+    Any other case takes kombu's own path."""
+    codec = registry._encoders.get(serializer) if serializer != "raw" else None
+    if codec is None:
+        return registry.dumps(obj, serializer=serializer)  # type: ignore[no-any-return,no-untyped-call]
+    try:
+        if codec.encoder is _KOMBU_JSON_DUMPS:
+            return codec.content_type, codec.content_encoding, _KOMBU_JSON.encode(obj)
+        return codec.content_type, codec.content_encoding, codec.encoder(obj)
+    except Exception as exc:
+        raise EncodeError(exc) from exc
 
 
 # A child's stored job, compact: the children a flow writes in one enqueue_flow step share

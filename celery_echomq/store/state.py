@@ -11,10 +11,11 @@ import os
 import threading
 from typing import Any, cast
 
-from kombu.serialization import dumps, loads, prepare_accept_content, registry
+from kombu.serialization import loads, prepare_accept_content, registry
 
 from celery_echomq.config import Settings, missing_url_error, read_settings
 from celery_echomq.errors import ConfigError
+from celery_echomq.store.codec import serialize
 from celery_echomq.store.connection import make_client
 from celery_echomq.store.keyspace import Keyspace
 from celery_echomq.store.scripts import Scripts
@@ -113,7 +114,7 @@ class EchoMQ:
         return max(self.settings.result_ttl * 7, 7 * 86400)
 
     def dumps(self, obj: Any) -> bytes:
-        _, _, data = dumps(obj, serializer=self.settings.serializer)  # type: ignore[no-untyped-call]
+        _, _, data = serialize(obj, self.settings.serializer)
         return data.encode("utf-8") if isinstance(data, str) else cast(bytes, data)
 
     def loads(self, data: bytes) -> Any:

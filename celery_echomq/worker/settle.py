@@ -113,6 +113,9 @@ def parent_failed(
         # A chord on the engine: Celery's own handling of a failed header, from its body.
         from celery import signature
 
+        # As Celery's chord error is raised from the header task's: a group body's tasks
+        # fail with that task's own error, as Celery's handling reads it from the cause.
+        exc.__cause__ = own_error(state, child_id)
         state.app.backend.chord_error_from_stack(signature(body, app=state.app), exc)
         logger.info("echomq: chord body %s failed: child %s failed: %s", parent_id, child_id, error)
         return exc, outer

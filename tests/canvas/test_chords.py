@@ -169,6 +169,30 @@ def test_a_failed_header_fails_the_body_as_celerys_chord_does(
     assert held_by_engine(res.id) is (engine == "on")
 
 
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+@pytest.mark.parametrize("body", ["group", "chord"])
+def test_a_failed_header_runs_a_canvas_bodys_errbacks_once(
+    proj: Any, store: redis.Redis, engine: str, queue: str, body: str
+) -> None:
+    # Celery's handling of the body, once: each task of a group body runs the chord's
+    # errback and its own; a chord body runs the chord's once. get() raises the header
+    # task's own error, as Celery's does.
+    key = f"test:echo:{uuid.uuid4().hex}"
+    first = proj.tsum.s()
+    first.link_error(proj.redis_echo.si("own", redis_key=key))
+    shape = group(first, proj.tsum.s()) if body == "group" else chord([first], proj.tsum.s())
+    errback = proj.redis_echo.si("chord", redis_key=key)
+    res = chord([proj.add.si(1, 1), proj.fail.si()], shape).apply_async(
+        queue=queue, link_error=errback
+    )
+    with pytest.raises(proj.ExpectedException):
+        res.get(timeout=60)
+    want = ["chord", "chord", "own"] if body == "group" else ["chord"]
+    wait_for(lambda: store.llen(key) >= len(want), timeout=30)
+    time.sleep(1.0)  # none more
+    assert sorted(m.decode() for m in store.lrange(key, 0, -1)) == want
+
+
 def test_show_and_retry_reach_a_chord_on_the_engine_by_its_bodys_id(
     proj: Any, store: redis.Redis, queues: dict[str, str], proj_chords_on: None
 ) -> None:

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from kombu.exceptions import EncodeError
+from kombu.serialization import dumps, register, unregister
 
-from celery_echomq.store.codec import child_template, job_delta, join_job
+from celery_echomq.store.codec import child_template, job_delta, join_job, serialize
 
 
 def job(task_id: str, *args: Any, task: str = "t.add", **options: Any) -> dict[str, Any]:
@@ -63,3 +65,18 @@ def test_a_nested_flows_entry_is_stored_whole() -> None:
     template = child_template([job("JOB1")])
     assert template is not None
     assert job_delta(template, {"nested": {"parent_id": "JOBn"}}) is None
+
+
+@pytest.mark.parametrize("serializer", ["json", "pickle", "yaml-like", "raw"])
+def test_a_message_is_encoded_as_kombu_encodes_it(serializer: str) -> None:
+    """The producer's own path to the registered encoder gives kombu's bytes, and kombu's
+    EncodeError, for its JSON encoder, another built-in one and one an app registers."""
+    register("yaml-like", repr, lambda s: s, content_type="text/x-like")
+    try:
+        value: Any = b"raw bytes" if serializer == "raw" else {"args": [1, 2.5, "é", None]}
+        assert serialize(value, serializer) == dumps(value, serializer=serializer)
+        if serializer in ("json", "pickle"):
+            with pytest.raises(EncodeError):
+                serialize(lambda: None, serializer)
+    finally:
+        unregister("yaml-like")

@@ -205,20 +205,25 @@ if placeholder[1] then
 end
 -- The parent: held out of pending (awaiting_children, in NO state set, so no claim reaches it)
 -- and the counter set to N. With no children there is nothing to wait for: release it now.
+local policy = ARGV[9 + 2 * n] or ''
 if counted == 0 then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2])
   redis.call('ZADD', KEYS[3], now, ARGV[1])
   redis.call('HINCRBY', KEYS[5], 'released', 1)
 else
-  redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2])
+  -- The row in one HSET: its template and policy, where given, with its state.
+  local row = {'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2]}
   if template ~= '' then
-    redis.call('HSET', KEYS[1], 'template', template)
+    row[#row + 1], row[#row + 2] = 'template', template
   end
+  if policy ~= '' then
+    row[#row + 1], row[#row + 2] = 'policy', policy
+  end
+  redis.call('HSET', KEYS[1], unpack(row))
   redis.call('HINCRBY', KEYS[5], 'held', 1)
 end
 redis.call('SET', KEYS[2], counted)
-local policy = ARGV[9 + 2 * n] or ''
-if policy ~= '' then
+if counted == 0 and policy ~= '' then
   redis.call('HSET', KEYS[1], 'policy', policy)
 end
 -- Where a bare id lives, and where recovery looks: written with the flow, so a producer that
