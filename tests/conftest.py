@@ -11,7 +11,10 @@ seconds. ``redis_base`` is that plugin's ``echomq_redis_url``.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
+import pkgutil
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -21,6 +24,21 @@ import pytest
 import redis
 
 from tests.helpers import CHROMEDRIVER, CHROMIUM, LOGDIR, REBOUND, TESTS, Env, Served, Worker, ways
+
+
+def _import_the_package() -> None:
+    """Import every module of the package now, while this process has one thread. The
+    package is a pytest plugin's distribution, so pytest rewrites each of its modules as it
+    is first imported, parsing its source; CPython 3.11's parser can then fail with
+    "SystemError: AST constructor recursion depth mismatch" when another thread parses at
+    the same moment (a module imported lazily mid-test, beside a worker thread)."""
+    package = importlib.import_module("celery_echomq")
+    for module in pkgutil.walk_packages(package.__path__, "celery_echomq."):
+        with contextlib.suppress(ImportError):  # an optional extra that is not installed
+            importlib.import_module(module.name)
+
+
+_import_the_package()
 
 
 @pytest.fixture(scope="session")
