@@ -48,13 +48,14 @@ def test_fire_once_then_nothing_and_the_follow_up_comes_back_if_it_is_not_done(
 ) -> None:
     queue = own_queue("dls")
     parent = new_job_id()
-    dl.arm(state, queue, parent, "in", 50)
+    # Due in 500 ms: the first fire comes before it even on a loaded machine.
+    dl.arm(state, queue, parent, "in", 500)
     kids = [new_job_id(), new_job_id()]
     payload = state.dumps({"task": "t", "children": kids, "options": {}})
     state.scripts.enqueue_flow(queue, parent, payload, [(k, b"c") for k in kids])
     early = dl.fire(state, queue, parent, sha(payload), "fail", kids, [])
     assert early.status == "early"
-    time.sleep(0.08)
+    time.sleep(0.53)
     assert dl.fire(state, queue, parent, "0" * 40, "fail", kids, []).status == "stale"
     fired = dl.fire(state, queue, parent, sha(payload), "fail", kids, [])
     assert fired.status == "failed" and fired.cut == tuple(kids)
