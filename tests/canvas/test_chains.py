@@ -168,16 +168,19 @@ def test_retry_runs_the_failed_step_again_with_its_input(
     assert res.children_values() == {last: 3}
 
 
+@pytest.mark.parametrize("late", [0.0, 3.5], ids=["sibling-first", "sibling-after-the-ttl"])
 def test_no_key_of_a_failed_chain_outlives_the_result_ttl(
-    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+    proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any, late: float
 ) -> None:
     # The steps waiting behind the failed one never run: they expire with it, and with the
-    # flow's own keys, within the result TTL (3 s here).
+    # flow's own keys, within the result TTL (3 s here). A sibling still running when the
+    # flow failed (here for longer than that TTL) is credited to a finished flow: what it
+    # writes expires too, the flow's first value included, which makes its :processed anew.
     queue = own_queue("chain")
     start_worker(queues=queue, extra_env={"ECHOMQ_T_TTL": "3"})
     steps = chain(proj.add.s(1, 1), proj.fail.s(), proj.add.s(1), proj.add.s(1))
     sig, ids = frozen(proj, steps)
-    other = proj.add.s(2, 2).set(task_id=job_id())
+    other = proj.sleep_then.s(4, late).set(task_id=job_id())
     sig = flow(proj.tsum.s(), [steps, other])
     sig.freeze()
     res = sig.apply_async(queue=queue)

@@ -1,6 +1,31 @@
 --- @include "expire"
 --- @include "now_ms"
 --- @include "release_parent"
+-- flow_keys(parent): the flow's keys that expire with its row once it is finished (those of
+-- ``parent`` that its caller passed: complete passes no :ignored and no :settled).
+local function flow_keys(parent)
+  local keys = {parent.row, parent.deps, parent.processed}
+  if parent.ignored then
+    table.insert(keys, parent.ignored)
+  end
+  if parent.settled then
+    table.insert(keys, parent.settled)
+  end
+  return keys
+end
+
+-- settled_late(parent, state, ttl): a child that settles after its flow finished (a child
+-- still running when a sibling failed it, or when it was cancelled) is recorded as ever, and
+-- what it wrote expires with the flow: a key it made anew (the flow's first value in
+-- :processed, say) would otherwise never expire. A flow whose row is gone (expired or
+-- forgotten; ``state`` nil) is never written to at all: its callers return before.
+local finished = {failed = true, cancelled = true, done = true}
+local function settled_late(parent, state, ttl)
+  if finished[state] then
+    expire_keys(ttl, flow_keys(parent))
+  end
+end
+
 -- record_failed(parent, child_id, data, policy): what the flow keeps of a child failed for
 -- good, whatever its policy: the queue's count of failures per policy, and under ignore the
 -- error in :ignored (the caller writes it), under the others the parent row's field
@@ -57,6 +82,7 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
       -- Counted for a retry (retry_flow.lua, retry_deadline.lua), which reads the quorum
       -- from the row: a flow failed by its deadline may meet it meanwhile.
       redis.call('HSET', parent.row, 'quorum', need)
+      settled_late(parent, state, ttl)
       return {'credited', ''}
     end
     if succeeded < need then
@@ -70,12 +96,16 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
   end
   local found
   policy, found = record_failed(parent, child_id, data, policy)
+  if not found then
+    return {'credited', policy} -- a flow that is gone (see settled_late)
+  end
   if policy == 'ignore' then
     redis.call('HSET', parent.ignored, child_id, data)
   end
   redis.call('DECR', parent.deps)
   redis.call('HINCRBY', parent.row, 'credited_failed', 1)
   if found ~= 'awaiting_children' then
+    settled_late(parent, found, ttl)
     return {'credited', policy}
   end
   if policy == 'continue' then
@@ -96,7 +126,6 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
     .. ' needed (' .. failed .. ' failed; the last, ' .. child_id .. ': ' .. data .. ')')
   redis.call('ZADD', parent.failed, now_ms(), parent.id)
   redis.call('HINCRBY', parent.counters, 'held', -1)
-  expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored,
-    parent.settled})
+  expire_keys(ttl, flow_keys(parent))
   return {'parent_failed', policy}
 end

@@ -36,32 +36,33 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
   if (parent.quorum or '') ~= '' then
     return settle_quorum(parent, child_id, outcome, data, policy, ttl)
   end
-  -- Whether the parent still waits, read only where the answer matters (one command less
-  -- for every child that neither fails under 'fail' nor can release the parent).
-  local function waiting()
-    return redis.call('HGET', parent.row, 'state') == 'awaiting_children'
-  end
+  local state
   if outcome == 'done' then
     policy = ''
+    state = redis.call('HGET', parent.row, 'state')
+    if not state then
+      return {'credited', policy} -- a flow that is gone (see settled_late)
+    end
     redis.call('HSET', parent.processed, child_id, data)
     if parent.acc then
       -- Its value folded by the flow's reducer (includes/reduce.lua): once, as it is credited.
       redis.call('HSET', parent.row, 'acc', parent.acc)
     end
   else
-    local found
-    policy, found = record_failed(parent, child_id, data, policy)
+    policy, state = record_failed(parent, child_id, data, policy)
     if policy == 'fail' then
-      if found ~= 'awaiting_children' then
+      if state ~= 'awaiting_children' then
         return {'credited', policy}
       end
       redis.call('HSET', parent.row, 'state', 'failed', 'failed_child', child_id,
         'error', 'child ' .. child_id .. ' failed: ' .. data)
       redis.call('ZADD', parent.failed, now_ms(), parent.id)
       redis.call('HINCRBY', parent.counters, 'held', -1)
-      expire_keys(ttl, {parent.row, parent.deps, parent.processed, parent.ignored,
-        parent.settled})
+      expire_keys(ttl, flow_keys(parent))
       return {'parent_failed', policy}
+    end
+    if not state then
+      return {'credited', policy} -- a flow that is gone (see settled_late)
     end
     if policy == 'ignore' then
       redis.call('HSET', parent.ignored, child_id, data)
@@ -74,12 +75,13 @@ local function settle_child(parent, child_id, outcome, data, policy, ttl)
     -- succeeding child a command.
     redis.call('HINCRBY', parent.row, 'credited_failed', 1)
   end
-  if (policy == 'continue' or left <= 0) and waiting() then
+  if (policy == 'continue' or left <= 0) and state == 'awaiting_children' then
     release_parent(parent.row, parent.pending, parent.id, parent.counters)
     if parent.settled then
       redis.call('EXPIRE', parent.settled, ttl)
     end
     return {'released', policy}
   end
+  settled_late(parent, state, ttl)
   return {'credited', policy}
 end
