@@ -13,6 +13,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from celery.utils.functional import maybe_list
+
 from celery_echomq import tracing
 from celery_echomq.errors import FlowFailed
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
@@ -50,7 +52,6 @@ def record_failure(
     ``status="REVOKED"``: a cancelled flow, stored as Celery stores a revoked task (no
     callbacks), with ``exc`` (a FlowCancelled) as what ``get()`` raises."""
     from celery.app.task import Context
-    from celery.utils.functional import maybe_list
 
     job = job or {"task": None, "options": {}}
     options = job.get("options") or {}
@@ -93,6 +94,24 @@ def fail_later_steps(state: EchoMQ, queue: str, next_step: str, exc: BaseExcepti
         state.app.backend.store_result(step, exc, "FAILURE")
 
 
+def held_on_step(state: EchoMQ, queue: str, job_id: str) -> bool:
+    """Whether ``job_id`` is a chain's step held on the step before it (a group after a step,
+    say): failed, it was failed by that step, never by work of its own."""
+    payload = state.client.hget(state.keys.job_key(queue, job_id), "payload")
+    return bool(payload) and bool(state.loads(payload).get("single"))
+
+
+def errbacks_ran_by(state: EchoMQ, queue: str, job_id: str) -> list[Any]:
+    """The errbacks a failed flow parent ``job_id`` ran when its own child failed it (a chord
+    nested in a chord's header, whose body Celery gives the outer chord's errback too)."""
+    payload, failed_by = state.client.hmget(
+        state.keys.job_key(queue, job_id), ["payload", "failed_child"]
+    )
+    if not payload or not failed_by:
+        return []  # a task that failed on its own, or a row that is gone
+    return maybe_list(state.loads(payload).get("options", {}).get("link_error")) or []
+
+
 def parent_failed(
     state: EchoMQ, queue: str, parent_id: str, child_id: str, error: str
 ) -> tuple[BaseException, ParentRef | None]:
@@ -116,11 +135,23 @@ def parent_failed(
         # As Celery's chord error is raised from the header task's: a group body's tasks
         # fail with that task's own error, as Celery's handling reads it from the cause.
         exc.__cause__ = own_error(state, child_id)
-        state.app.backend.chord_error_from_stack(signature(body, app=state.app), exc)
+        callback = signature(body, app=state.app)
+        # An errback a nested chord's body ran for this failure runs once, as in Celery.
+        ran = errbacks_ran_by(state, queue, child_id)
+        if ran:
+            own = maybe_list(callback.options.get("link_error")) or []
+            callback.options["link_error"] = [e for e in own if e not in ran]
+        state.app.backend.chord_error_from_stack(callback, exc)
         logger.info("echomq: chord body %s failed: child %s failed: %s", parent_id, child_id, error)
         return exc, outer
     if body == FAN and child_id == job.get("fan_in"):
         # A chord whose header another job held: that job's failure ran Celery's handling.
+        record_failure(state, parent_id, exc, job, call_errbacks=False)
+        return exc, outer
+    if body == FAN and held_on_step(state, queue, child_id):
+        # A chord's chain body whose step failed: the step ran its own errbacks, and what
+        # follows it in the chain fails with its error and runs none, as in Celery's chain.
+        exc = own_error(state, child_id) or exc
         record_failure(state, parent_id, exc, job, call_errbacks=False)
         return exc, outer
     if job.get("quorum"):

@@ -193,6 +193,47 @@ def test_a_failed_header_runs_a_canvas_bodys_errbacks_once(
     assert sorted(m.decode() for m in store.lrange(key, 0, -1)) == want
 
 
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+@pytest.mark.parametrize("failure", ["header", "body"])
+def test_a_chain_of_implicit_chords_runs_a_failed_steps_errback_once(
+    proj: Any, store: redis.Redis, engine: str, queue: str, failure: str
+) -> None:
+    # A chord whose body is a chain holding a chord whose own body is a chain, where a group
+    # step follows the failing task (Celery makes ``group | task`` a chord): the errback the
+    # chain gives each of its tasks runs once, from the task that failed; the steps after it
+    # fail with its error and run none, as in Celery's chain.
+    key = f"test:echo:{uuid.uuid4().hex}"
+    add, fail, tsum = proj.add, proj.fail, proj.tsum
+    first = group(fail.si(), add.si(1, 2)) if failure == "header" else group(add.si(1, 2))
+    callback = fail.si() if failure == "body" else tsum.s()
+    inner_body = chain(callback, group(add.s(1), add.s(2)), tsum.s())
+    inner_body.link_error(proj.redis_echo.si("failed", redis_key=key))
+    workflow = chord([add.si(1, 1)], chain(tsum.s(), chord(first, inner_body)))
+    res = workflow.apply_async(queue=queue)
+    with pytest.raises((proj.ExpectedException, ChordError)):
+        res.get(timeout=60)
+    wait_for(lambda: store.llen(key) >= 1, timeout=30)
+    time.sleep(1.0)  # none more
+    assert store.lrange(key, 0, -1) == [b"failed"]
+
+
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+def test_a_chord_nested_in_a_header_runs_the_errback_once(
+    proj: Any, store: redis.Redis, engine: str, queue: str
+) -> None:
+    # Celery gives a chord's errback to a chord nested in its header too; that chord's failed
+    # header runs it (with its body's id), and the outer chord never runs it again. Its body
+    # never runs.
+    key = f"test:echo:{uuid.uuid4().hex}"
+    inner = chord([proj.add.si(1, 1), proj.fail.si()], proj.add.si(2, 2))
+    outer = chord(group([proj.add.si(3, 3), inner]), proj.redis_echo.si("body", redis_key=key))
+    outer.link_error(proj.redis_echo.si("errback", redis_key=key))
+    outer.apply_async(queue=queue)
+    wait_for(lambda: store.llen(key) >= 1, timeout=30)
+    time.sleep(1.5)  # none more
+    assert store.lrange(key, 0, -1) == [b"errback"]
+
+
 def test_show_and_retry_reach_a_chord_on_the_engine_by_its_bodys_id(
     proj: Any, store: redis.Redis, queues: dict[str, str], proj_chords_on: None
 ) -> None:
