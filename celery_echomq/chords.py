@@ -28,6 +28,7 @@ from celery.utils import uuid
 from celery.utils.functional import _regen
 
 from celery_echomq.errors import ConfigError
+from celery_echomq.ops.reuse import send_reusing_finished
 from celery_echomq.store.headers import CHORD_OPTION, H_PARENT, OPEN_OPTION
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
@@ -147,7 +148,11 @@ def _run_as_flow(
         for task, result in zip(header.tasks, results, strict=True):
             _routed(app, task, result, send)
         held = flow(body, header, app=app, **engine)
-        held.apply_async(partial_args, kwargs, **send)
+        # Celery runs a frozen chord again under its ids: the engine forgets the finished
+        # flow that holds them first (ops/reuse.py).
+        send_reusing_finished(
+            get_state(app), lambda: held.apply_async(partial_args, kwargs, **send)
+        )
     bodyres.parent = app.GroupResult(group_id, results)
     return bodyres
 

@@ -56,7 +56,13 @@ class FlowError(EchoMQError):
 
 
 class FlowExistsError(EchoMQError, ValueError):
-    """A job id of the flow already exists in Redis; nothing was written or published."""
+    """A job id of the flow already exists in Redis; nothing was written or published.
+
+    ``job_id`` names that id and ``queue`` where its row lives, where the store said
+    (empty otherwise)."""
+
+    job_id: str = ""
+    queue: str = ""
 
 
 class OnExistsError(EchoMQError, ValueError):

@@ -106,10 +106,12 @@ def server_error(exc: redis.ResponseError, queue: str = "") -> Exception:
 def exists_error(job_id: str, queue: str = "") -> FlowExistsError:
     """The refusal of an id that names a job already, on ``queue`` when it is known."""
     where = f", on queue {queue!r}; an id names one job in the whole store, and" if queue else ";"
-    return FlowExistsError(
+    refused = FlowExistsError(
         f"job id {job_id!r} already exists in Redis{where} a flow never overwrites a job "
         "(nothing was written or published)"
     )
+    refused.job_id, refused.queue = job_id, queue
+    return refused
 
 
 class WideCheck(Exception):

@@ -23,7 +23,7 @@ from celery.exceptions import ChordError, CPendingDeprecationWarning
 from celery.result import AsyncResult, GroupResult
 
 import celery_echomq
-from celery_echomq import UnknownFlowError
+from celery_echomq import FlowExistsError, UnknownFlowError
 from tests.helpers import Env, Worker, echomq, fast_recovery, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -232,6 +232,57 @@ def test_a_chord_nested_in_a_header_runs_the_errback_once(
     wait_for(lambda: store.llen(key) >= 1, timeout=30)
     time.sleep(1.5)  # none more
     assert store.lrange(key, 0, -1) == [b"errback"]
+
+
+def test_a_frozen_chord_applied_again_runs_again(
+    proj: Any, store: redis.Redis, engine: str, queue: str
+) -> None:
+    # Each apply of one frozen chord is a new run under the same ids, as Celery runs it: on
+    # the engine, the finished flow those ids name is forgotten and the chord held anew.
+    key = f"test:count:{uuid.uuid4().hex}"
+    c = chord(group(proj.add.s(1, 2), proj.add.s(3, 4)), proj.redis_count.si(key))
+    c.freeze()
+    first = c.apply_async(queue=queue)
+    first.get(timeout=60)
+    assert store.get(key) == b"1"
+    second = c.apply_async(queue=queue)
+    assert second.id == first.id
+    second.get(timeout=60)
+    wait_for(lambda: store.get(key) == b"2", timeout=30)
+    assert held_by_engine(second.id) is (engine == "on")
+
+
+def test_a_frozen_task_reused_by_a_second_chord_runs_in_it(
+    proj: Any, store: redis.Redis, engine: str, queue: str
+) -> None:
+    # A task frozen in a chord that has failed, reused in a second chord's header: it runs
+    # again there and its errback runs again with its id (Celery's own tests do this).
+    failing = proj.fail.s()
+    failing_id = failing.freeze().id
+    failing.link_error(proj.errback_kind.s())
+    key = f"errback-kind:{failing_id}"
+    for run in (1, 2):
+        c = chord([failing, proj.add.si(1, 1)], proj.tsum.s())
+        with pytest.raises(proj.ExpectedException):
+            c.apply_async(queue=queue).get(timeout=60)
+        wait_for(lambda run=run: store.llen(key) >= run, timeout=30)
+    time.sleep(0.5)  # none more
+    assert store.llen(key) == 2
+
+
+def test_a_chord_reusing_the_ids_of_a_running_one_is_refused(
+    proj: Any, store: redis.Redis, queues: dict[str, str], proj_chords_on: None
+) -> None:
+    # The ids of a flow still running name the jobs that settle its work: a second send of
+    # them is refused, and nothing of it is published.
+    gate = f"test:gate:{uuid.uuid4().hex}"
+    c = chord([proj.gated.s(5, gate)], proj.tsum.s())
+    c.freeze()
+    first = c.apply_async(queue=queues["on"])
+    with pytest.raises(FlowExistsError, match="already exists"):
+        c.apply_async(queue=queues["on"])
+    store.set(gate, 1)
+    assert first.get(timeout=60) == 5
 
 
 def test_show_and_retry_reach_a_chord_on_the_engine_by_its_bodys_id(
