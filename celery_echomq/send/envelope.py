@@ -80,7 +80,11 @@ def expiration_of(app: Any, expires: Any) -> float | None:
 
 # The header values that differ between the messages of one template (the rest is the same
 # for every job of the group); a job whose own headers set one of them takes no template.
-PER_MESSAGE = frozenset({"id", "root_id", "parent_id", "argsrepr", "kwargsrepr"})
+# ``group``/``group_index``: a chord's header tasks (celery_echomq/chords.py) each carry
+# their chord's group id and their own place in it.
+PER_MESSAGE = frozenset(
+    {"id", "root_id", "parent_id", "argsrepr", "kwargsrepr", "group", "group_index"}
+)
 # Every header Celery writes itself (as_task_v2). A job's own header of another name whose
 # value is a str or an int is copied into the message as it is: it may differ between the
 # jobs of one template (a flow's children name their flow's parent), and is set per message.

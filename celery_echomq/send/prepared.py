@@ -1,6 +1,6 @@
 """A template's message as JSON text in pieces, prepared once: a further job's message is the
 pieces joined around its own values (body, id, root and parent ids, reprs, headers, delivery
-tag), instead of its whole dict copied and encoded again for every job.
+tag, group id and index), instead of its whole dict copied and encoded again for every job.
 
 The pieces come from encoding the template's message with a marker in each place a job's own
 value goes; they are kept only when joining them around the template's own values gives back
@@ -55,6 +55,8 @@ class Prepared:
         cut(headers, "id", "id")
         cut(headers, "root_id", "root")
         cut(headers, "parent_id", "parent")
+        cut(headers, "group", "group")
+        cut(headers, "group_index", "group_index")
         if own_reprs:
             cut(headers, "argsrepr", "argsrepr")
             cut(headers, "kwargsrepr", "kwargsrepr")

@@ -41,6 +41,9 @@ from celery_echomq.send.templates import Template, Templates
 
 T = TypeVar("T")
 
+# A job's options that its template's message takes per job, left out of the template's key.
+PER_JOB_OPTIONS = ("root_id", "parent_id", "group_id", "group_index")
+
 
 def _batch(producer: Any) -> contextlib.AbstractContextManager[Any]:
     batch = getattr(producer, "batch", None)
@@ -158,13 +161,15 @@ class _Sender:
             return False
         args, kwargs = tuple(job["args"]), dict(job["kwargs"])
         reprs = fast_repr(args, kwargs) if last.template.own_reprs else None
-        task_id = job["options"]["task_id"]
+        options = job["options"]
         if templates.push(
             self.producer,
             last.template,
-            task_id,
+            options["task_id"],
             last.root,
             last.parent,
+            options.get("group_id"),
+            options.get("group_index"),
             args,
             kwargs,
             reprs,
@@ -216,15 +221,16 @@ class _Sender:
         if self.templates is not None:
             # Everything the message is built from but the id, the root and parent ids (each
             # flow has its own root; a chain's step names the step before it, and a job sent
-            # from a task that task), the arguments and the values of the job's own plain
-            # headers.
+            # from a task that task), the group id and index (a chord's header tasks: each
+            # chord has its own group, each task its place in it), the arguments and the
+            # values of the job's own plain headers.
             keyed, varying = key_routing(routed)
             key = (
                 name,
                 ignore_result,
                 link,
                 link_error,
-                _without(named, "root_id", "parent_id"),
+                _without(named, *PER_JOB_OPTIONS),
                 keyed,
             )
         return _Prepared(
@@ -256,6 +262,8 @@ class _Sender:
             p.task_id,
             root,
             parent,
+            p.named.get("group_id"),
+            p.named.get("group_index"),
             p.args,
             p.kwargs,
             p.reprs if p.own_reprs else None,
@@ -325,10 +333,14 @@ class _Last(NamedTuple):
 
 def same_but_id(options: dict[str, Any], other: dict[str, Any]) -> bool:
     """Whether two jobs' options are the same, key order and types included, but for their
-    ``task_id``."""
+    ``task_id`` and ``group_index`` (a chord's header tasks: each its own place in its
+    group), which a template's message takes per job."""
     if len(options) != len(other) or list(options) != list(other):
         return False
-    return all(name == "task_id" or same(value, other[name]) for name, value in options.items())
+    return all(
+        name == "task_id" or name == "group_index" or same(value, other[name])
+        for name, value in options.items()
+    )
 
 
 def _without(options: dict[str, Any], *names: str) -> dict[str, Any]:

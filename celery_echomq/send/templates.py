@@ -1,7 +1,8 @@
 """Templates: a message Celery and kombu built for one job, kept and reused for the further jobs
 of its group (the same task, options and routing): per job only the id, ``correlation_id``,
-``argsrepr``/``kwargsrepr``, the job's own plain headers, the body and the delivery tag
-change. Found by strict equality of their key (:func:`~.envelope.same`).
+``argsrepr``/``kwargsrepr``, the group id and index (a chord's header tasks), the job's own
+plain headers, the body and the delivery tag change. Found by strict equality of their key
+(:func:`~.envelope.same`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,9 @@ class Template:
     own plain headers. Each further job's message is the template's with its own ``id`` (and
     ``correlation_id``), ``root_id`` (its flow's root, or the id where it has none),
     ``parent_id`` (the task that sent it, or a chain's step before it),
-    ``argsrepr``/``kwargsrepr``, those headers, body and ``delivery_tag``, in the template's
+    ``argsrepr``/``kwargsrepr``, ``group``/``group_index`` (a chord's header task: its
+    chord's group and its place in it), those headers, body and ``delivery_tag``, in the
+    template's
     key order: the JSON ``as_task_v2`` and ``Producer.publish`` would give.
     """
 
@@ -152,6 +155,9 @@ class Templates:
             return
         if routed.get("parent_id") or headers.get("parent_id") != named.get("parent_id"):
             return
+        group = (named.get("group_id"), named.get("group_index"))
+        if not is_group(*group) or (headers.get("group"), headers.get("group_index")) != group:
+            return
         if not all(name in headers for name in varying):
             return
         if not all(entity.can_cache_declaration for entity in declared):
@@ -196,14 +202,20 @@ class Templates:
         task_id: str,
         root_id: str | None,
         parent_id: str | None,
+        group_id: Any,
+        group_index: Any,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         reprs: tuple[str, str] | None,
         headers_given: dict[str, Any] | None,
     ) -> bool:
         """Push the job's message built from ``template`` (``root_id``: the job's, None where
-        it is its own root; ``parent_id``: the job's, None for none); False where it cannot
-        be (the template no longer stands for what a publish would give: it is dropped)."""
+        it is its own root; ``parent_id``: the job's, None for none; ``group_id`` and
+        ``group_index``: the job's, None for none); False where it cannot be (the template no
+        longer stands for what a publish would give: it is dropped; or the job's group is of
+        a type only Celery encodes)."""
+        if not is_group(group_id, group_index):
+            return False
         channel = pushes.channel
         if template.checked != self.batch:
             # Learnt in an earlier batch: still what a publish would give? (Once per batch:
@@ -238,6 +250,7 @@ class Templates:
                 quoted(tag),
             )
             values["parent"] = token(parent_id)
+            values["group"], values["group_index"] = token(group_id), token(group_index)
             if reprs is not None and template.own_reprs:
                 values["argsrepr"], values["kwargsrepr"] = quoted(reprs[0]), quoted(reprs[1])
             if template.varying and headers_given:
@@ -250,6 +263,7 @@ class Templates:
         headers["id"] = task_id
         headers["root_id"] = root_id or task_id
         headers["parent_id"] = parent_id
+        headers["group"], headers["group_index"] = group_id, group_index
         if reprs is not None and template.own_reprs:
             headers["argsrepr"], headers["kwargsrepr"] = reprs
         if template.varying and headers_given:
@@ -264,6 +278,15 @@ class Templates:
         message["properties"] = properties
         pushes.add("lpush", template.list_key, REDIS_TRANSPORT.dumps(message))
         return True
+
+
+def is_group(group_id: Any, group_index: Any) -> bool:
+    """Whether a job's group id and index are values a template sets per message (a chord's
+    header task has both, any other job neither): a str or None, an int or None (a bool, or
+    another type, is left to Celery's encoding)."""
+    return (group_id is None or type(group_id) is str) and (
+        group_index is None or type(group_index) is int
+    )
 
 
 # The templates of each kombu channel (see Templates.of).

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import chord
 
 from celery_echomq import flow, get_state
 from celery_echomq.embedded import RedisServer
@@ -99,6 +100,34 @@ def test_a_flow_after_the_first_of_its_shape_is_pushed_by_its_enqueue(
         )
 
     assert [shape(m) for m in by_flow[second.id]] == [shape(m) for m in by_flow[first.id]]
+
+
+def test_a_chord_on_the_engine_after_the_first_of_its_shape_is_pushed_by_its_enqueue(
+    proj: Any, env: Env, where: tuple[str, redis.Redis, redis.Redis]
+) -> None:
+    """A chord's header tasks each carry their place in it (``group_index``): a template
+    sets it per message, so a later chord takes the one round trip too (more header tasks
+    than a task keeps templates: one template for all of them)."""
+    queue, broker, _ = where
+    proj.app.conf.echomq_chords = True
+    try:
+        header = [proj.add.s(i, i).set(queue=queue) for i in range(6)]
+        first = chord(header, proj.tsum.s().set(queue=queue)).apply_async()
+        seen, stop = _watch(env)
+        try:
+            header = [proj.add.s(i, i).set(queue=queue) for i in range(6)]
+            second = chord(header, proj.tsum.s().set(queue=queue)).apply_async()
+        finally:
+            stop()
+    finally:
+        proj.app.conf.echomq_chords = False
+    pushes = [c for c in seen if c["command"].startswith("LPUSH")]
+    assert pushes and all(c["client_type"] == "lua" for c in pushes), pushes
+    by_chord: dict[str, list[Any]] = {}
+    for message in _messages(broker, queue):
+        headers = message["headers"]
+        by_chord.setdefault(headers["echomq_p"], []).append(headers["group_index"])
+    assert by_chord == {first.id: list(range(6)), second.id: list(range(6))}
 
 
 def test_a_refused_flow_on_the_one_step_path_publishes_nothing(

@@ -280,3 +280,34 @@ def test_a_template_is_not_used_where_kombu_would_declare_again(
     publish.send_jobs(proj.app, _leaves(proj, _alike(proj, queue, 2)))
     assert ident in declared
     assert broker.llen(queue) == 4
+
+
+@needs_batching
+def test_a_chords_header_tasks_share_one_template_each_with_its_group_and_place(
+    proj: Any, env: Any, own_queue: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chord's header tasks on the engine (celery_echomq/chords.py) name their chord's
+    group and each its own place in it (``group_id``, ``group_index``): after the first,
+    every message comes from the template, also in a later chord's batch, and is the message
+    the producer would have published, byte for byte. A group index of a type Celery encodes
+    its own way (a bool) is built by Celery."""
+    queue = own_queue("fastgroup")
+    broker = redis.Redis.from_url(env.broker)
+    templated = count_templated(monkeypatch)
+    templates.TEMPLATES.clear()
+    batches = [_leaves(proj, _alike(proj, queue, 3)) for _ in range(3)]
+    for jobs in batches:
+        group_id = str(uuid.uuid4())
+        for index, job in enumerate(jobs):
+            job["options"]["group_id"], job["options"]["group_index"] = group_id, index
+        publish.send_jobs(proj.app, jobs)
+    odd = _leaves(proj, _alike(proj, queue, 1))
+    odd[0]["options"].update(group_id=str(uuid.uuid4()), group_index=True)
+    publish.send_jobs(proj.app, odd)
+    fast = _drain(broker, [queue])
+    ordinary = _sent_as_the_producer_would(proj, monkeypatch, broker, queue, [*batches, odd])
+    assert templated == [False, True, True] + [True] * 6 + [False]
+    assert fast == ordinary and len(fast[queue]) == 10
+    headers = [json.loads(m)["headers"] for m in fast[queue]]
+    assert [h["group_index"] for h in headers] == [0, 1, 2] * 3 + [True]
+    assert len({h["group"] for h in headers}) == 4
