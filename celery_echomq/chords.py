@@ -131,7 +131,7 @@ def _run_as_flow(
     header.options["task_id"] = group_id
     # A generator's tasks are frozen as it is read (a GroupResult made now would read it
     # whole), so the GroupResult is made after the send, as Celery makes it.
-    _, results = header._freeze_group_tasks(_id=group_id, root_id=root_id)
+    _, results = header._freeze_group_tasks(group_id=group_id, root_id=root_id)
     if not header.tasks:
         # Nothing to wait for: the body runs now, as Celery runs it.
         body.delay([])

@@ -159,6 +159,12 @@ def whereami(self: Any, *args: Any) -> dict[str, Any]:
     }
 
 
+@app.task(bind=True)
+def group_of(self: Any, x: int) -> list[Any]:
+    """The group this task was sent in, as Celery's request says: [group id, group index]."""
+    return [self.request.group, self.request.group_index]
+
+
 @app.task(time_limit=1)
 def too_slow(seconds: float) -> None:
     time.sleep(seconds)

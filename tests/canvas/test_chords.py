@@ -234,6 +234,14 @@ def test_a_chord_nested_in_a_header_runs_the_errback_once(
     assert store.lrange(key, 0, -1) == [b"errback"]
 
 
+def test_a_header_task_knows_its_group_as_in_celerys_chord(
+    proj: Any, engine: str, queue: str
+) -> None:
+    # self.request.group is the header's GroupResult id and group_index the task's position.
+    res = chord([proj.group_of.s(i) for i in range(3)], proj.collect.s()).apply_async(queue=queue)
+    assert res.get(timeout=60)["values"] == [[res.parent.id, i] for i in range(3)]
+
+
 def test_a_frozen_chord_applied_again_runs_again(
     proj: Any, store: redis.Redis, engine: str, queue: str
 ) -> None:
