@@ -97,7 +97,7 @@ def _forget_children(
     found = [cid for cid in ids if cid in where]
     for cid in found:
         row = keys.job_key(where[cid], cid)
-        pipe.hmget(row, "state", "parent", "chain")
+        pipe.hmget(row, "state", "parent", "chain", "steps")
         pipe.pttl(row)
         pipe.exists(keys.flow_keys(where[cid], cid)[0], keys.children_key(where[cid], cid))
     answers = iter(pipe.execute())
@@ -106,8 +106,16 @@ def _forget_children(
     waiting: dict[str, list[str]] = {}
     ttl_ms = state.settings.result_ttl * 1000
     for cid in found:
-        (raw_state, parent, chain), pttl, nested = next(answers), next(answers), next(answers)
+        (raw_state, parent, chain, steps), pttl, nested = (
+            next(answers),
+            next(answers),
+            next(answers),
+        )
         child_state = text(raw_state) or "missing"
+        if steps:
+            # A linked chain's last step: the steps before it are the flow's too, though only
+            # the last is in its index (a first step may hold children of its own).
+            _forget_children(state, where[cid], parent_id, text(steps).split()[:-1], done)
         if nested:
             _forget(state, where[cid], cid, child_state, done)
             continue

@@ -278,6 +278,20 @@ def test_a_frozen_task_reused_by_a_second_chord_runs_in_it(
     assert store.llen(key) == 2
 
 
+def test_a_frozen_chain_reused_as_a_second_chords_body_runs_in_it(
+    proj: Any, store: redis.Redis, engine: str, queue: str
+) -> None:
+    # A chain frozen in a failed chord's header, reused as a second chord's body: every step
+    # of it is a job of the first flow (the steps before its last too), forgotten with it.
+    failing = proj.fail.s().on_error(proj.errback_kind.s())
+    failing_id = failing.freeze().id
+    steps = chain(proj.add.si(40, 2), failing, proj.add.si(40, 2))
+    for c in (chord((steps,), proj.add.s(0)), chord((proj.add.si(40, 2),), steps)):
+        with pytest.raises(proj.ExpectedException):
+            c.apply_async(queue=queue).get(timeout=60)
+    wait_for(lambda: store.llen(f"errback-kind:{failing_id}") >= 2, timeout=30)
+
+
 def test_a_chord_reusing_the_ids_of_a_running_one_is_refused(
     proj: Any, store: redis.Redis, queues: dict[str, str], proj_chords_on: None
 ) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import redis
+from celery import chain
 from celery.bin.celery import celery as celery_main
 from click.testing import CliRunner
 
@@ -435,6 +436,23 @@ def test_forget_deletes_every_key_of_a_finished_flow(
     assert [flow_keys(store, job_id) for job_id in ids] == [[], [], [], []]
     again = echomq("show", res.id)
     assert again.exit_code == 1 and f"no job '{res.id}' in Redis" in again.stderr
+
+
+def test_forget_deletes_every_step_of_a_chain_child(
+    proj: Any,
+    worker: Any,
+    store: redis.Redis,
+) -> None:
+    # Only a chain's last step is in its flow's index of children; the steps before it are
+    # the flow's too, and go with it.
+    steps = [with_id(proj.add.si(1, 1)), with_id(proj.add.s(1)), with_id(proj.add.s(1))]
+    res = flow(proj.tsum.s(), [chain(*steps), with_id(proj.add.s(2, 2))]).apply_async()
+    assert settle(res) == 4 + 4
+    ids = [id_of(s) for s in steps]
+    assert all(flow_keys(store, job_id) for job_id in ids)
+    out = echomq("forget", res.id)
+    assert out.exit_code == 0, out.output
+    assert [flow_keys(store, job_id) for job_id in ids] == [[], [], []]
 
 
 def test_show_and_forget_a_flow_whose_children_live_on_two_queues(
