@@ -28,7 +28,7 @@ from celery.utils import uuid
 from celery.utils.functional import _regen
 
 from celery_echomq.errors import ConfigError
-from celery_echomq.ops.reuse import send_reusing_finished
+from celery_echomq.ops.reuse import forget_finished_holding, send_reusing_finished
 from celery_echomq.store.headers import CHORD_OPTION, H_PARENT, OPEN_OPTION
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
@@ -150,6 +150,7 @@ def _run_as_flow(
         held = flow(body, header, app=app, **engine)
         # Celery runs a frozen chord again under its ids: the engine forgets the finished
         # flow that holds them first (ops/reuse.py).
+        forget_finished_holding(get_state(app), body)
         send_reusing_finished(
             get_state(app), lambda: held.apply_async(partial_args, kwargs, **send)
         )

@@ -35,9 +35,9 @@ def forget(ctx: click.Context, job_id: str, force: bool, as_json: bool) -> None:
     """Delete a finished flow's keys now instead of at the result TTL.
 
     Removes the parent row, its counter, values, ignored errors and cross-slot credits, every
-    child row (nested flows and every step of a chain child too) and the flow's locators. An unfinished flow is refused
-    unless --force: its running children would find no row and its parent would never be
-    released.
+    child row (nested flows and every step of a chain child too) and the flow's locators. An
+    unfinished flow is refused unless --force: its running children would find no row and
+    its parent would never be released.
     """
     state = cli_state(ctx)
     node = read_flow(state, job_id, count=1, with_result=False)

@@ -146,7 +146,7 @@ def assign_ids(sig: Any) -> None:
     A signature object that appears more than once (``(task.si(1),) * 3``) stands for as many
     jobs: it takes no id here, and each of its copies gets one when the flow is shaped."""
     tasks: list[Signature] = []
-    _tasks_of(sig, tasks)
+    tasks_of(sig, tasks)
     seen: dict[int, int] = {}
     for task in tasks:
         seen[id(task)] = seen.get(id(task), 0) + 1
@@ -155,7 +155,8 @@ def assign_ids(sig: Any) -> None:
             task.options.setdefault("task_id", new_job_id())
 
 
-def _tasks_of(sig: Any, out: list[Signature]) -> None:
+def tasks_of(sig: Any, out: list[Signature]) -> None:
+    """Every task of the canvas ``sig``, in order, appended to ``out``."""
     sig = maybe_signature(sig)
     if isinstance(sig, (_chain, group)):
         parts = list(sig.tasks)
@@ -169,4 +170,4 @@ def _tasks_of(sig: Any, out: list[Signature]) -> None:
         return
     for part in parts:
         if isinstance(part, Signature):
-            _tasks_of(part, out)
+            tasks_of(part, out)

@@ -278,14 +278,17 @@ def test_a_frozen_task_reused_by_a_second_chord_runs_in_it(
     assert store.llen(key) == 2
 
 
-def test_a_frozen_chain_reused_as_a_second_chords_body_runs_in_it(
-    proj: Any, store: redis.Redis, engine: str, queue: str
+@pytest.mark.parametrize("shape", ["chain", "group"])
+def test_a_frozen_canvas_reused_as_a_second_chords_body_runs_in_it(
+    proj: Any, store: redis.Redis, engine: str, queue: str, shape: str
 ) -> None:
-    # A chain frozen in a failed chord's header, reused as a second chord's body: every step
-    # of it is a job of the first flow (the steps before its last too), forgotten with it.
+    # A chain or group frozen in a failed chord's header, reused as a second chord's body:
+    # every task of it is a job of the first flow (a chain's steps before its last too),
+    # forgotten with it; a group body's tasks are written only when the body is released.
     failing = proj.fail.s().on_error(proj.errback_kind.s())
     failing_id = failing.freeze().id
-    steps = chain(proj.add.si(40, 2), failing, proj.add.si(40, 2))
+    made = chain if shape == "chain" else group
+    steps = made(proj.add.si(40, 2), failing, proj.add.si(40, 2))
     for c in (chord((steps,), proj.add.s(0)), chord((proj.add.si(40, 2),), steps)):
         with pytest.raises(proj.ExpectedException):
             c.apply_async(queue=queue).get(timeout=60)
