@@ -40,8 +40,7 @@ class Template:
     ``parent_id`` (the task that sent it, or a chain's step before it),
     ``argsrepr``/``kwargsrepr``, ``group``/``group_index`` (a chord's header task: its
     chord's group and its place in it), those headers, body and ``delivery_tag``, in the
-    template's
-    key order: the JSON ``as_task_v2`` and ``Producer.publish`` would give.
+    template's key order: the JSON ``as_task_v2`` and ``Producer.publish`` would give.
     """
 
     def __init__(
