@@ -67,7 +67,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
     """Run ``children``, then ``parent`` with the list of their values, exactly once.
 
     ``policy`` is what a child's final failure means for the parent unless the child sets its
-    own with ``sig.set(parent_policy=...)``: ``fail``, ``ignore``, ``remove`` or ``continue``.
+    own with ``sig.set(parent_policy=...)``: ``fail``, ``ignore``, ``remove``, ``continue``
+    or ``fail_at_end`` (the parent fails once every child has settled, as a chord's body does).
     ``max_active``: at most that many children published or running at once, the others
     published in order as earlier ones finish. ``quorum``: the parent runs at the K-th success;
     ``reduce``: it gets the values folded as they arrive (see docs/flows.md).

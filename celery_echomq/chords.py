@@ -7,8 +7,9 @@ task) and sends the header. With the setting on, ``run`` keeps every step a call
 whose ``parent`` is the header's ``GroupResult``) and hands the fan-in to the flow engine
 instead of the backend: the body is held in the store as a flow's parent, each header task
 is one of its children, credited once by the script that completes it, and recovered like
-any flow job. What the engine records on a header failure is a ``FlowFailed``, which is a
-``ChordError``, worded as Celery words it.
+any flow job. A header failure fails the body once every header task has settled (the
+policy ``fail_at_end``), as Celery's does; what the engine records then is a ``FlowFailed``,
+which is a ``ChordError``, worded as Celery words it.
 
 Eager chords (``task_always_eager``, ``chord.apply``) are Celery's: nothing is held there.
 ``self.add_to_chord(sig)`` in a header task on the engine adds ``sig`` to the flow
@@ -38,6 +39,9 @@ SETTING = "echomq_chords"
 # A chord's own options that the engine reads (``chord(h, b, deadline=60)`` or
 # ``apply_async(max_active=10)``), and that never reach a task's message.
 ENGINE_OPTIONS = ("policy", "deadline", "on_deadline", "max_active")
+
+# What a failed header task means for the body, unless the chord is given ``policy``.
+CHORD_POLICY = "fail_at_end"
 
 # The options of a chord's send that override its header tasks' own.
 ROUTING = ("queue", "routing_key", "exchange", "priority")
@@ -112,6 +116,9 @@ def _run_as_flow(
     root_id = body.options.get("root_id")
     options = dict(chord.options, **options)
     engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
+    # A header task that fails fails the body once the whole header has run, as in Celery
+    # (its errbacks then run, and a caller's get() has seen the header's own error first).
+    engine.setdefault("policy", CHORD_POLICY)
     delay = dict(header_delay or {})
     for key in ("countdown", "eta"):
         if key not in delay and options.get(key) is not None:

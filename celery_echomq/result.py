@@ -184,6 +184,9 @@ class FanIn:
     waiting: bool = True
     failure: FlowFailed | None = None
     cut: list[str] = field(default_factory=list)  # children its deadline cut
+    # The first child failed under fail_at_end (its id and error): the flow fails with it
+    # once every child has settled.
+    late: tuple[str, str] | None = None
 
     def children_values(self, cursor: str | None, count: int | None) -> Any:
         return reads.eager_values(dict(self.values), cursor, count)
@@ -226,10 +229,19 @@ class FanIn:
                 return False
             if policy == "ignore":
                 self.ignored[child_id] = data
+            if policy == "fail_at_end" and self.late is None:
+                self.late = (child_id, data)
         self.outstanding -= 1
         self.credited += 1
         if (policy == "continue" or self.outstanding <= 0) and self.waiting:
             self.waiting = False
+            if self.late is not None:
+                # A failure it waited to give, once every child has settled.
+                failed, error = self.late
+                self.failure = FlowFailed(
+                    f"flow {self.parent_id}: child {failed} failed: {error}", failed, error
+                )
+                return False
             return True
         return False
 

@@ -1,8 +1,8 @@
 """An operator's repairs of a flow: retry one that failed, release one that is held.
 
-``retry_flow`` runs a flow failed under policy ``fail`` again: its failed children are
-re-published as new attempts and the parent awaits them once more. ``release_flow`` runs a
-held parent now with the values completed so far, as policy ``continue`` does. Each step is
+``retry_flow`` runs a flow failed under policy ``fail`` (or ``fail_at_end``) again: its
+failed children are re-published as new attempts and the parent awaits them once more.
+``release_flow`` runs a held parent now with the values so far, as ``continue`` does. Each step is
 one script (``retry_flow``, ``retry_children``, ``release``); what follows it (clearing
 Celery's stored failure, a publish) is repeated by recovery if the process dies in between:
 a child left pending without a message is re-published once its message is seen gone.
@@ -24,6 +24,7 @@ from celery_echomq.ops.outcomes import RetryOutcome
 from celery_echomq.ops.release import release_flow
 from celery_echomq.ops.views import JobNode, read_tree
 from celery_echomq.send.dispatch import dispatch_parent
+from celery_echomq.send.jobs import FAILING
 from celery_echomq.send.join import against_own_flow
 from celery_echomq.send.start import publish
 from celery_echomq.store.codec import Stored, load_job
@@ -36,8 +37,8 @@ logger = logging.getLogger("celery_echomq")
 __all__ = ["release_flow", "retry_flow"]
 
 RETRY_ALLOWS = (
-    "retry applies to a flow that failed under policy 'fail' (or that failed its outer "
-    "flow), and to a held flow with children failed under 'fail'"
+    "retry applies to a flow that failed under policy 'fail' or 'fail_at_end' (or that failed "
+    "its outer flow), and to a held flow with children failed under either"
 )
 
 
@@ -52,13 +53,13 @@ def _retryable(state: EchoMQ, node: JobNode) -> tuple[list[JobNode], list[str]]:
     read from the flow's record of failed children a chunk at a time; and the ids that
     record names whose rows are gone (expired).
 
-    Such a child was never counted (settle_child returns before the DECR), so retrying it
-    leaves the counter right; a child counted under ignore/remove/continue is left alone.
+    Such a child was never counted under fail (settle_child returns before the DECR), and is
+    counted back under fail_at_end; one counted under ignore/remove/continue is left alone.
     """
     found: list[JobNode] = []
     gone: list[str] = []
     for part in failed_chunks(state, flow_root(state, node.id, node.queue)):
-        found += [c for c in _settling(part) if c.state == "failed" and c.policy == "fail"]
+        found += [c for c in _settling(part) if c.state == "failed" and c.policy in FAILING]
         gone += [c.id for c in part if c.state == "missing"]
     return found, gone
 
@@ -274,12 +275,11 @@ def retry_flow(
     Whatever the flow's size, the children are read from its record of failed children and
     retried ``echomq_chunk_size`` per script call (ops/failures.py), never read whole.
 
-    ``child``: retry that one failed child only, under any policy. One failed under
-    ``ignore``, ``remove`` or ``continue`` was counted as resolved: it counts toward the
-    parent again, which waits for it if it has not been released yet (a released parent keeps
-    its course, and the child's new value is recorded). A held flow is accepted when it has
-    children failed under ``fail`` (a partial retry, or one a crash cut short): those are
-    retried.
+    ``child``: retry that one failed child only, under any policy. One counted as resolved
+    (``ignore``, ``remove``, ``continue``, ``fail_at_end`` while its parent waits) counts toward
+    the parent again, which waits for it if it has not been released yet (a released parent
+    keeps its course, and the child's new value is recorded). A held flow is accepted when it
+    has children failed under ``fail`` (a partial retry, or one a crash cut short).
     Raises :class:`NotRepairableError` (nothing changed) for any other state.
 
     ``deadline`` (seconds, a timedelta or an aware datetime): the flow's new deadline; a flow
@@ -313,7 +313,8 @@ def _classify(
         raise by_deadline.refuse(job_id, node.state)
     if child is not None:
         match = _one_child(state, root, child)
-        if match.policy != "fail":
+        # Counted as resolved, also under fail_at_end while the parent waits (not once failed).
+        if match.policy not in FAILING or (match.policy != "fail" and node.state != "failed"):
             return "counted", [match]
         failed, gone = [match], list[str]()
     else:

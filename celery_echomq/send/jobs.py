@@ -12,7 +12,10 @@ from celery_echomq.send.signatures import CALLBACKS, STEP_ERRBACKS, merge_callba
 from celery_echomq.store.headers import H_RESULT, RESERVED
 from celery_echomq.store.keyspace import check_id, check_queue, new_job_id
 
-POLICIES = ("fail", "ignore", "remove", "continue")
+POLICIES = ("fail", "ignore", "remove", "continue", "fail_at_end")
+# The policies under which a failed child fails its parent: at once, or once every other
+# child has settled (as a Celery chord's body fails after its whole header has run).
+FAILING = ("fail", "fail_at_end")
 
 
 # Options that belong to the flow's parent alone: the rest reach every child too.

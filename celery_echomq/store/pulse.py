@@ -41,6 +41,7 @@ SAMPLED = (
     "failed_ignore",
     "failed_remove",
     "failed_continue",
+    "failed_fail_at_end",
 )
 WORKERS_TTL = 7 * 24 * 3600
 

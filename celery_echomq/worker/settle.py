@@ -116,11 +116,18 @@ def parent_failed(
     state: EchoMQ, queue: str, parent_id: str, child_id: str, error: str
 ) -> tuple[BaseException, ParentRef | None]:
     """Record FAILURE for a parent whose child failed under ``fail``, and run its errbacks.
+    Under ``fail_at_end`` the child that settled last failed it: the row names the child
+    whose failure it gives.
 
     Returns the error and, for a nested flow, where its own parent lives (the failure is
     that flow's child's failure next).
     """
-    payload = state.client.hget(state.keys.job_key(queue, parent_id), "payload")
+    row = state.keys.job_key(queue, parent_id)
+    payload, failed_by = state.client.hmget(row, ["payload", "failed_child"])
+    if failed_by and text(failed_by) != child_id:
+        # Failed under fail_at_end: by the first child that failed, when the last settled.
+        child_id = text(failed_by)
+        error = text(state.client.hget(row, f"failed:{child_id}") or b"")
     job = state.loads(payload) if payload else {"task": None, "options": {}}
     headers = (job.get("options") or {}).get("headers") or {}
     exc: BaseException = FlowFailed.of_child(
@@ -141,7 +148,12 @@ def parent_failed(
         if ran:
             own = maybe_list(callback.options.get("link_error")) or []
             callback.options["link_error"] = [e for e in own if e not in ran]
-        state.app.backend.chord_error_from_stack(callback, exc)
+        try:
+            # Celery's handling reads the error from the current stack: a success or a
+            # recovery pass settling the header (fail_at_end) has none of its own.
+            raise exc
+        except FlowFailed:
+            state.app.backend.chord_error_from_stack(callback, exc)
         logger.info("echomq: chord body %s failed: child %s failed: %s", parent_id, child_id, error)
         return exc, outer
     if body == FAN and child_id == job.get("fan_in"):

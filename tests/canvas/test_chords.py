@@ -170,6 +170,27 @@ def test_a_failed_header_fails_the_body_as_celerys_chord_does(
 
 
 @pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
+def test_a_failed_header_fails_the_body_once_the_whole_header_has_run(
+    proj: Any, store: redis.Redis, engine: str, queue: str
+) -> None:
+    # Celery fails the body when its last header task ends, not at the first failure: the
+    # errback runs after the slow task's value is stored, and get() raises the header's error.
+    key = f"test:echo:{uuid.uuid4().hex}"
+    slow = proj.slow_child.s(3, 1.5)
+    res = chord([proj.fail.si(), slow], proj.tsum.s()).apply_async(
+        queue=queue, link_error=proj.redis_echo.si("errback", redis_key=key)
+    )
+    slow_result = res.parent.results[1]
+    with pytest.raises(proj.ExpectedException):
+        res.get(timeout=60)
+    wait_for(lambda: store.llen(key) >= 1, timeout=30)
+    assert slow_result.state == "SUCCESS"
+    wait_for(lambda: AsyncResult(res.id, app=proj.app).state == "FAILURE", timeout=30)
+    time.sleep(0.5)  # none more
+    assert store.lrange(key, 0, -1) == [b"errback"]
+
+
+@pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
 @pytest.mark.parametrize("body", ["group", "chord"])
 def test_a_failed_header_runs_a_canvas_bodys_errbacks_once(
     proj: Any, store: redis.Redis, engine: str, queue: str, body: str
@@ -319,6 +340,8 @@ def test_show_and_retry_reach_a_chord_on_the_engine_by_its_bodys_id(
     )
     with pytest.raises(ValueError, match="not set"):  # the header task's own error
         res.get(timeout=60)
+    # The body fails once the other header task has settled too, as in Celery.
+    wait_for(lambda: AsyncResult(res.id, app=proj.app).state == "FAILURE", timeout=30)
     shown = echomq("show", res.id, "--json")
     assert shown.exit_code == 0, shown.output
     assert json.loads(shown.stdout)["state"] == "failed"

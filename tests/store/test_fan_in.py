@@ -46,6 +46,10 @@ POLICIES = {
     "remove": Expect(Status.CREDITED, "awaiting_children", 1, False, Status.RELEASED, "pending"),
     # the parent is released at once; a later completion never releases it again
     "continue": Expect(Status.RELEASED, "pending", 1, False, Status.CREDITED, "pending"),
+    # the child is resolved; the last one to settle fails the parent with the child's error
+    "fail_at_end": Expect(
+        Status.CREDITED, "awaiting_children", 1, False, Status.PARENT_FAILED, "failed"
+    ),
 }
 
 
@@ -170,6 +174,13 @@ def test_a_failed_child_under_each_policy(
         db.hget(flow.parent_key(), "credited_failed") or 0
     )
     assert credited == (2 if policy != "fail" else 1)
+    if expect.final_state == "failed":
+        # Whichever child settled last, the parent names the one that failed it.
+        assert db.hget(flow.parent_key(), "failed_child") == flow.failing.encode()
+        assert (
+            db.hget(flow.parent_key(), "error") == f"child {flow.failing} failed: {ERROR}".encode()
+        )
+        assert db.ttl(flow.parent_key()) > 0 and db.ttl(flow.parent_key(":processed")) > 0
 
 
 @pytest.mark.parametrize("delivery", ["first", "stale", "second"])

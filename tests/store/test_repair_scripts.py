@@ -74,6 +74,44 @@ def test_retry_flow_reholds_the_parent_and_makes_only_its_failed_children_pendin
     assert run_child(scripts, queue, parent, waiting, b"2") == "released"
 
 
+def test_retry_flow_counts_back_the_children_failed_under_fail_at_end(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    # A chord's policy: each failure is counted as resolved, and the parent fails once the
+    # last child has settled. A retry makes the failed ones outstanding again.
+    parent, (first, second, good) = enqueue(scripts, queue, 3)
+    row = KEYS.job_key(queue, parent)
+    db.hset(row, "policy", "fail_at_end")
+    assert fail_child(scripts, queue, parent, first) == "credited"
+    assert fail_child(scripts, queue, parent, second) == "credited"
+    assert db.hget(row, "state") == b"awaiting_children"
+    assert run_child(scripts, queue, parent, good, b"7") == "parent_failed"
+    assert db.hget(row, "state") == b"failed" and db.hget(row, "failed_child") == first.encode()
+    assert db.get(f"{row}:dependencies") == b"0"
+
+    status, pairs = scripts.retry_flow(queue, parent, [first, second, good])
+    assert status is Status.RETRIED
+    assert sorted(cid for cid, _ in pairs) == sorted([first, second])
+    assert db.get(f"{row}:dependencies") == b"2"
+    assert db.hget(row, "late_failed") == b"0" and db.hget(row, "credited_failed") == b"0"
+    assert db.hget(row, "failed_children") == b"0"
+
+    # The second fails again and the first succeeds: the parent fails with the second's error.
+    assert fail_child(scripts, queue, parent, second) == "credited"
+    assert run_child(scripts, queue, parent, first, b"1") == "parent_failed"
+    assert db.hget(row, "failed_child") == second.encode()
+    assert db.hget(row, "error") == f"child {second} failed: ValueError: x".encode()
+
+    # Retried again, both succeed: the parent is released with every value.
+    assert scripts.retry_flow(queue, parent, [second])[0] is Status.RETRIED
+    assert run_child(scripts, queue, parent, second, b"2") == "released"
+    assert db.hgetall(f"{row}:processed") == {
+        first.encode(): b"1",
+        second.encode(): b"2",
+        good.encode(): b"7",
+    }
+
+
 def test_retry_flow_hands_out_a_childs_delta_with_its_parent(
     db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:

@@ -104,6 +104,53 @@ def test_continue_policy_releases_the_parent_at_once_and_never_again(
     assert ran(store, f"collect:{t}") == 1
 
 
+def test_fail_at_end_policy_fails_the_parent_once_every_child_has_settled(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    # A chord's way: the first failure is kept, the other children run on, and the last to
+    # settle fails the parent with it. Until then the flow is held, not failed.
+    t, gate = tag(), f"gate:{tag()}"
+    bad, later = proj.boom.s("first"), proj.gated_boom.s(gate, "second")
+    f = flow(proj.collect.s(tag=t), [bad, proj.gated.s(3, gate), later], policy="fail_at_end")
+    f.on_error(proj.errback.s())
+    res = f.freeze()
+    f.apply_async()
+    wait_for(lambda: bad.options["task_id"] in res.failed_children())
+    row = f"emq:{{celery}}:{res.id}"
+    assert store.hget(row, "state") == b"awaiting_children"
+    assert res.state == "PENDING" and res.dependencies().outstanding == 2
+    store.set(gate, 1)
+    with pytest.raises(FlowFailed) as info:
+        res.get(timeout=60)
+    assert info.value.child_id == bad.options["task_id"]
+    assert "ValueError: first" in str(info.value)
+    # Every child had settled: the value is recorded, both failures are the flow's to read.
+    assert res.children_values() == {f.children[1].options["task_id"]: 3}
+    assert res.dependencies() == (0, 1, 2, 0)
+    wait_for(lambda: res.id.encode() in store.lrange("test:errback", 0, -1))
+    assert store.lrange("test:errback", 0, -1).count(res.id.encode()) == 1
+    assert ran(store, f"collect:{t}") == 0
+
+
+@pytest.mark.parametrize("how", ["eager", "worker"])
+def test_fail_at_end_gives_the_same_error_eagerly_and_on_a_worker(
+    proj: Any, worker: Any, how: str
+) -> None:
+    bad = proj.boom.s("first")
+    f = flow(
+        proj.tsum.s(),
+        [proj.add.s(1, 1), bad, proj.sleep_then.s(5, 0.3).set(parent_policy="fail_at_end")],
+        policy="fail_at_end",
+    )
+    f.freeze()
+    res = f.apply() if how == "eager" else f.apply_async()
+    with pytest.raises(FlowFailed, match="ValueError: first") as info:
+        res.get(timeout=60)
+    assert info.value.child_id == bad.options["task_id"]
+    # The slow child settled before the parent failed: its value is the flow's.
+    assert sorted(res.children_values().values()) == [2, 5]
+
+
 @pytest.mark.e2e  # a retry runs while its sender finishes: one task per process
 def test_retries_that_end_in_success_count_the_child_once(
     proj: Any, worker: Any, store: redis.Redis

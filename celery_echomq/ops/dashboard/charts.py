@@ -26,7 +26,7 @@ SERIES = (
     (
         "children_failed",
         "children failed / min",
-        ("failed_fail", "failed_ignore", "failed_remove", "failed_continue"),
+        ("failed_fail", "failed_ignore", "failed_remove", "failed_continue", "failed_fail_at_end"),
         True,
     ),
     ("held", "held parents", ("held",), False),

@@ -17,9 +17,8 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from celery_echomq.ops.dashboard.charts import percentiles, read_series, release_times
 from celery_echomq.ops.dashboard.overview import PAGE, queue_names, read_counts
 from celery_echomq.ops.listing import read_flows
+from celery_echomq.send.jobs import POLICIES
 from celery_echomq.store.state import EchoMQ
-
-POLICIES = ("fail", "ignore", "remove", "continue")
 
 
 class EchoMQCollector(Collector):

@@ -15,6 +15,7 @@ from typing import Any
 
 from celery_echomq.ops.dashboard.charts import Series, percentiles, read_series, release_times
 from celery_echomq.ops.listing import FlowRow, read_flows
+from celery_echomq.send.jobs import POLICIES
 from celery_echomq.store.connection import text
 from celery_echomq.store.state import EchoMQ
 
@@ -28,10 +29,7 @@ COUNTERS = (
     "republished",
     "duplicates_skipped",
     "forged_refused",
-    "failed_fail",
-    "failed_ignore",
-    "failed_remove",
-    "failed_continue",
+    *(f"failed_{policy}" for policy in POLICIES),
 )
 
 

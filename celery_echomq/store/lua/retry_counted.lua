@@ -1,5 +1,5 @@
--- retry_counted: an operator retries one child that failed under ignore, remove or continue
--- (on the parent's slot, the child's too). Such a child was counted as resolved when it
+-- retry_counted: an operator retries one child that failed under ignore, remove or continue,
+-- or under fail_at_end while its parent still waits (on the parent's slot, the child's too). Such a child was counted as resolved when it
 -- failed: this takes that back, so that its new attempt counts toward the parent again.
 -- The parent is not held again: a parent still awaiting its children waits for this one
 -- too; one already released (under continue, or by its other children) keeps its course,
@@ -36,7 +36,9 @@ if c[1] ~= 'failed' then
   return {c[1]}
 end
 local policy = c[2] or redis.call('HGET', KEYS[2], 'policy') or 'fail'
-if policy == 'fail' then
+if policy == 'fail' or policy == 'fail_at_end'
+    and redis.call('HGET', KEYS[2], 'state') == 'failed' then
+  -- Under fail_at_end once the parent has failed: as under fail, the flow's retry.
   return {'fail'}
 end
 redis.call('HSET', KEYS[1], 'state', 'pending')
@@ -50,6 +52,9 @@ redis.call('ZADD', KEYS[5], now_ms(), ARGV[1])
 -- Uncounted: one more outstanding, one resolved failure fewer, its error no longer kept.
 redis.call('INCR', KEYS[3])
 redis.call('HINCRBY', KEYS[2], 'credited_failed', -1)
+if policy == 'fail_at_end' then
+  redis.call('HINCRBY', KEYS[2], 'late_failed', -1) -- one failure fewer for it to give
+end
 redis.call('HDEL', KEYS[4], ARGV[1])
 -- And it leaves the parent's record of failed children (see settle_child).
 if redis.call('HDEL', KEYS[2], 'failed:' .. ARGV[1]) == 1 then

@@ -21,7 +21,8 @@
 --            in :settled is removed, so that their new outcome is credited once more
 --
 -- A child is made pending only when it is failed and its policy (its own parent_policy, else
--- the flow's default) is 'fail': a child counted under ignore/remove/continue, or one already
+-- the flow's default) is 'fail' or 'fail_at_end' (which, unlike 'fail', counted the child
+-- as resolved: it is counted back): a child counted under ignore/remove/continue, or one already
 -- retried, is left alone, so a second run of the same retry changes nothing.
 -- Every child retried, here or elsewhere, leaves the parent's record of failed children
 -- (its 'failed:<id>' field, counted in 'failed_children'; see settle_child).
@@ -46,11 +47,24 @@
 --- @include "repend"
 --- @include "join"
 
+-- unrecord(cid): the child leaves the parent's record of failed children. Returns whether it
+-- had failed under fail_at_end: such a child was counted as resolved (settle_child), so it is
+-- outstanding again, and one such failure fewer.
 local function unrecord(cid)
+  local late = redis.call('HGET', KEYS[1] .. ':failures', cid) == 'late'
   if redis.call('HDEL', KEYS[1], 'failed:' .. cid) == 1 then
     redis.call('HINCRBY', KEYS[1], 'failed_children', -1)
     redis.call('HDEL', KEYS[1] .. ':failures', cid) -- see settle_child
   end
+  return late
+end
+
+-- count_back(cid, late): a child credited as failed is outstanding again: under a quorum one
+-- failure fewer, under fail_at_end one such failure fewer (a quorum counts its own).
+local function count_back(late, need)
+  redis.call('HINCRBY', KEYS[1], need and 'quorum_failed' or 'late_failed', -1)
+  redis.call('HINCRBY', KEYS[1], 'credited_failed', -1)
+  redis.call('INCR', KEYS[2])
 end
 -- ARGV[2] is a count, not an id: gate the ids on either side of it.
 local refused = gate_ids(1, 1) or gate_ids(3, #ARGV)
@@ -82,26 +96,25 @@ for i = 1, n do
     c[3] = joined and ARGV[1] or c[3]
     c[2] = joined and (policy ~= '' and policy or nil) or c[2]
   end
-  if c[1] == 'failed' and (c[2] or default) == 'fail' and c[3] == ARGV[1] then
+  local policy = c[2] or default
+  if c[1] == 'failed' and (policy == 'fail' or policy == 'fail_at_end') and c[3] == ARGV[1] then
     redis.call('HDEL', KEYS[5], cid)
-    unrecord(cid)
+    local late = unrecord(cid)
     repend(child, cid, KEYS[6], KEYS[7], now, reply)
-    if need then
-      redis.call('HINCRBY', KEYS[1], 'quorum_failed', -1)
-      redis.call('HINCRBY', KEYS[1], 'credited_failed', -1)
-      redis.call('INCR', KEYS[2])
+    if need or late then
+      count_back(late, need)
     end
   end
 end
 local others = #ARGV - 2 - n
 for i = 3 + n, #ARGV do
-  if redis.call('HDEL', KEYS[5], ARGV[i]) == 1 and need then
-    -- A child of another slot credited as failed under the quorum: outstanding again.
-    redis.call('HINCRBY', KEYS[1], 'quorum_failed', -1)
-    redis.call('HINCRBY', KEYS[1], 'credited_failed', -1)
-    redis.call('INCR', KEYS[2])
+  -- A child of another slot credited as failed under the quorum or under fail_at_end:
+  -- outstanding again.
+  local credited = redis.call('HDEL', KEYS[5], ARGV[i]) == 1
+  local late = unrecord(ARGV[i])
+  if credited and (need or late) then
+    count_back(late, need)
   end
-  unrecord(ARGV[i])
 end
 if state == 'awaiting_children' and #reply == 1 and others == 0 then
   return {'awaiting_children'}
@@ -109,7 +122,7 @@ end
 if state == 'failed' then
   redis.call('HSET', KEYS[1], 'state', 'awaiting_children')
   redis.call('HINCRBY', KEYS[8], 'held', 1)
-  redis.call('HDEL', KEYS[1], 'error', 'failed_child', 'propagated')
+  redis.call('HDEL', KEYS[1], 'error', 'failed_child', 'propagated', 'late_child')
   redis.call('ZREM', KEYS[7], ARGV[1])
   persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
 end

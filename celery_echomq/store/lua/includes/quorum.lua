@@ -45,7 +45,10 @@ local function record_failed(parent, child_id, data, policy)
     -- The same ids in a hash of their own, '<row>:failures' (id -> 1; named from the row,
     -- on its slot, expiring with the flow: see 'expire'): a page of failed children is an
     -- HSCAN of it, never of the row, whose payload a huge flow's scan would copy.
-    redis.call('HSET', parent.row .. ':failures', child_id, 1)
+    -- A child failed under fail_at_end is marked 'late': a retry counts it back, and the
+    -- failure of the flow looks for one there (settle_child).
+    redis.call('HSET', parent.row .. ':failures', child_id,
+      policy == 'fail_at_end' and 'late' or 1)
   end
   return policy, found
 end
