@@ -59,9 +59,9 @@ local function unrecord(cid)
   return late
 end
 
--- count_back(cid, late): a child credited as failed is outstanding again: under a quorum one
+-- count_back(need): a child credited as failed is outstanding again: under a quorum one
 -- failure fewer, under fail_at_end one such failure fewer (a quorum counts its own).
-local function count_back(late, need)
+local function count_back(need)
   redis.call('HINCRBY', KEYS[1], need and 'quorum_failed' or 'late_failed', -1)
   redis.call('HINCRBY', KEYS[1], 'credited_failed', -1)
   redis.call('INCR', KEYS[2])
@@ -102,7 +102,7 @@ for i = 1, n do
     local late = unrecord(cid)
     repend(child, cid, KEYS[6], KEYS[7], now, reply)
     if need or late then
-      count_back(late, need)
+      count_back(need)
     end
   end
 end
@@ -113,7 +113,7 @@ for i = 3 + n, #ARGV do
   local credited = redis.call('HDEL', KEYS[5], ARGV[i]) == 1
   local late = unrecord(ARGV[i])
   if credited and (need or late) then
-    count_back(late, need)
+    count_back(need)
   end
 end
 if state == 'awaiting_children' and #reply == 1 and others == 0 then
