@@ -141,7 +141,8 @@ class Keyspace:
 
     def failures_key(self, queue: str, job_id: str) -> str:
         """A parent's ``:failures``: the ids of its children failed under fail, remove or
-        continue (id -> 1; their errors stay on its row), what a page of failed ones reads."""
+        continue (id -> 1), or fail_at_end (id -> 'late'; their errors stay on its row), what a
+        page of failed ones reads."""
         return f"{self.job_key(queue, job_id)}:failures"
 
     def window_key(self, queue: str, parent_id: str) -> str:

@@ -1,6 +1,7 @@
 -- retry_counted: an operator retries one child that failed under ignore, remove or continue,
--- or under fail_at_end while its parent still waits (on the parent's slot, the child's too). Such a child was counted as resolved when it
--- failed: this takes that back, so that its new attempt counts toward the parent again.
+-- or under fail_at_end while its parent still waits (on the parent's slot, the child's too).
+-- Such a child was counted as resolved when it failed: this takes that back, so that its new
+-- attempt counts toward the parent again.
 -- The parent is not held again: a parent still awaiting its children waits for this one
 -- too; one already released (under continue, or by its other children) keeps its course,
 -- and the child's new value is recorded in its :processed without releasing it again.

@@ -60,7 +60,7 @@ local function fail_at_end(parent, ttl)
   local child_id = redis.call('HGET', parent.row, 'late_child')
   local data = child_id and redis.call('HGET', parent.row, 'failed:' .. child_id)
   if not data then
-    -- A retry took the first back (retry_counted.lua): any child still failed under it.
+    -- A retry took the first back (retry_counted.lua, retry_flow.lua): any still failed.
     local cursor = '0'
     repeat
       local page = redis.call('HSCAN', parent.row .. ':failures', cursor, 'COUNT', 100)
