@@ -30,6 +30,7 @@ from celery.utils.functional import _regen
 
 from celery_echomq.errors import ConfigError
 from celery_echomq.ops.reuse import forget_finished_holding, send_reusing_finished
+from celery_echomq.send.jobs import CHORD_POLICY
 from celery_echomq.store.headers import CHORD_OPTION, H_PARENT, OPEN_OPTION
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
@@ -39,9 +40,6 @@ SETTING = "echomq_chords"
 # A chord's own options that the engine reads (``chord(h, b, deadline=60)`` or
 # ``apply_async(max_active=10)``), and that never reach a task's message.
 ENGINE_OPTIONS = ("policy", "deadline", "on_deadline", "max_active")
-
-# What a failed header task means for the body, unless the chord is given ``policy``.
-CHORD_POLICY = "fail_at_end"
 
 # The options of a chord's send that override its header tasks' own.
 ROUTING = ("queue", "routing_key", "exchange", "priority")

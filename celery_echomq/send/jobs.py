@@ -16,6 +16,8 @@ POLICIES = ("fail", "ignore", "remove", "continue", "fail_at_end")
 # The policies under which a failed child fails its parent: at once, or once every other
 # child has settled (as a Celery chord's body fails after its whole header has run).
 FAILING = ("fail", "fail_at_end")
+# A chord's: its body fails once the whole header has run, whatever canvas holds it.
+CHORD_POLICY = "fail_at_end"
 
 
 # Options that belong to the flow's parent alone: the rest reach every child too.

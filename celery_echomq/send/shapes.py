@@ -11,7 +11,8 @@ chord takes a canvas, in the only shape the store holds (a held row per parent).
   waiting rows behind it; see ``_linked_on``): a chain costs a flow level per such step and
   per run, never one per task step. A step held on the one before it takes that single
   value as is (``single``), not as a list;
-- a chord child ``chord(header, body)`` is ``flow(body, header)``;
+- a chord child ``chord(header, body)`` is ``flow(body, header, policy="fail_at_end")``: its
+  body fails once its whole header has run, as a chord's does;
 - a parent that fans out (a group, a chord or a flow) is held as the *spread* task: once
   released, it adds that canvas's children, each given the values, to the flow whose
   parent stands for the canvas's own parent (``spread`` below). A group parent's own
@@ -29,6 +30,7 @@ from typing import Any
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 from celery.utils.functional import maybe_list
 
+from celery_echomq.send.jobs import CHORD_POLICY
 from celery_echomq.send.links import (
     COLLECT_TASK,
     FLOW_TASK,
@@ -175,7 +177,7 @@ def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
         if sig.body is None:
             raise ValueError("a chord among a flow's children has no body")
         header = [n for t in header_tasks(sig, app) for n in as_children(t, app, mine)]
-        return _held(sig.body, header, app, mine, own_id=_own(sig))[0]
+        return _held(sig.body, header, app, mine, policy=CHORD_POLICY, own_id=_own(sig))[0]
     if getattr(sig, "subtask_type", None) == "flow":
         kids = [n for c in sig.children for n in as_children(c, app, mine)]
         node, _ = _held(sig.parent, kids, app, mine, **_as_flow(sig))
@@ -312,7 +314,16 @@ def _held(
         body = maybe_signature(parent.body, app=app)
         fanned = header_tasks(parent, app)
         held = _spread(
-            body, fanned, "fail", children, app, mine, policy, single, own_id=own_id, timing=timing
+            body,
+            fanned,
+            CHORD_POLICY,
+            children,
+            app,
+            mine,
+            policy,
+            single,
+            own_id=own_id,
+            timing=timing,
         )
         return _with_callbacks(parent, held)
     if getattr(parent, "subtask_type", None) == "flow":

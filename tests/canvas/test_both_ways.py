@@ -95,6 +95,23 @@ def test_a_failure_inside_a_chain_child_fails_the_flow(proj: Any, worker: Any, h
 
 
 @pytest.mark.parametrize("how", ["eager", "worker"])
+def test_a_chord_child_fails_once_its_whole_header_has_run(
+    proj: Any, worker: Any, store: Any, how: str
+) -> None:
+    # As a chord's body fails: the header's slow task settles before the failure reaches
+    # the flow, which names the header task's error.
+    slow = proj.slow_child.s(5, 1.0)
+    slow_id = slow.freeze().id
+    inner = chord([proj.boom.si("in header"), slow], proj.tsum.s())
+    sig = flow(proj.tsum.s(), [inner, proj.add.s(1, 1)])
+    with pytest.raises(FlowFailed, match="ValueError: in header"):
+        run(sig, how).get(timeout=60)
+    assert store.get(f"test:ran:slow:{slow_id}") == b"1"
+    if how == "worker":  # eager results are not stored
+        assert proj.app.AsyncResult(slow_id).state == "SUCCESS"
+
+
+@pytest.mark.parametrize("how", ["eager", "worker"])
 def test_a_chain_child_under_ignore_is_left_out(proj: Any, worker: Any, how: str) -> None:
     bad = chain(proj.add.s(1, 1), proj.boom.si("left out")).set(parent_policy="ignore")
     res = run(flow(proj.collect.s(), [bad, proj.add.s(2, 2)]), how)
