@@ -31,6 +31,10 @@ LONG_MODULES = {
         "the tree read of one flow: a node, its flow's counts, its children's rows and facts, "
         "each a named step of one recursive read; its parts have no other caller"
     ),
+    "celery_echomq.send.shapes": (
+        "any canvas as a tree of flows: a node, a held parent, a spread and a chain's links "
+        "call one another recursively; cut in two, each half would import the other's privates"
+    ),
     "celery_echomq.eager": (
         "a flow run in process, level by level (its children, added ones, its deadline, its "
         "parent): the worker's path in memory, one concern whose parts only it calls"

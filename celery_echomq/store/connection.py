@@ -237,10 +237,10 @@ class RetryingCluster(RedisCluster):
     def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         run = super().execute_command
         if getattr(_local, "inside", False):
-            return run(*args, **kwargs)  # type: ignore[no-untyped-call]
+            return run(*args, **kwargs)  # type: ignore[no-untyped-call, unused-ignore]
         return call_until(
             self.retry_timeout,
-            lambda: run(*args, **kwargs),  # type: ignore[no-untyped-call]
+            lambda: run(*args, **kwargs),  # type: ignore[no-untyped-call, unused-ignore]
             CLUSTER_RETRYABLE,
         )
 
@@ -282,12 +282,12 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
         kwargs["username"] = url.username
     if url.password and "password" not in kwargs:
         kwargs["password"] = url.password
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]
         list(url.hosts),
         min_other_sentinels=int(options.get("min_other_sentinels") or 0),
         sentinel_kwargs=sentinel_kwargs,
     )
-    client = sentinel.master_for(  # type: ignore[no-untyped-call]
+    client = sentinel.master_for(  # type: ignore[no-untyped-call, unused-ignore]
         str(options["master_name"]),
         redis_class=redis.Redis,
         db=url.db,
@@ -337,7 +337,7 @@ def make_client(settings: Settings | str) -> Any:
         first, seeds = parse_cluster_url(url)
         cluster = RetryingCluster(
             url=first,
-            startup_nodes=[ClusterNode(host, port) for host, port in seeds],  # type: ignore[no-untyped-call]
+            startup_nodes=[ClusterNode(host, port) for host, port in seeds],  # type: ignore[no-untyped-call, unused-ignore]
             **kwargs,
         )
         cluster.retry_timeout = settings.store_retry_timeout
