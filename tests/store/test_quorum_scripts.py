@@ -87,6 +87,35 @@ def test_failed_at_once_when_the_quorum_cannot_be_met(db: redis.Redis, scripts: 
     assert db.hget(KEYS.job_key(ref.queue, ref.id), "state") == b"failed"
 
 
+def test_a_retried_child_counted_as_resolved_counts_toward_the_quorum_again(
+    db: redis.Redis, scripts: Scripts
+) -> None:
+    # 2 of 3 under remove: a failure leaves 2 that can succeed, and a retry of that child
+    # takes its failure back, so its second failure still leaves 2 (not 1: failed at once).
+    ref, kids = start(scripts, 3, 2)
+    row = KEYS.job_key(ref.queue, ref.id)
+    db.hset(row, "policy", "remove")
+
+    def fail(kid: str) -> Status:
+        token = "t-" + uuid.uuid4().hex
+        scripts.claim(ref.queue, kid, token, LEASE)
+        return scripts.fail(
+            ref.queue, kid, token, "ValueError: no", ttl=TTL, is_parent=False, parent=ref
+        )[0]
+
+    assert fail(kids[0]) is Status.CREDITED
+    assert scripts.retry_counted(ref.queue, ref.id, kids[0])[0] is Status.RETRIED
+    assert db.hget(row, "quorum_failed") == b"0"
+    assert fail(kids[0]) is Status.CREDITED
+    assert db.hget(row, "state") == b"awaiting_children"
+    for kid, value in ((kids[1], b"1"), (kids[2], b"2")):
+        token = "t-" + uuid.uuid4().hex
+        scripts.claim(ref.queue, kid, token, LEASE)
+        complete(scripts, ref, kid, token, value)
+    assert db.hget(row, "state") == b"pending"
+    assert order(db, ref) == [kids[1].encode(), kids[2].encode()]
+
+
 def test_a_reducer_folds_each_child_once(db: redis.Redis, scripts: Scripts) -> None:
     queue = "q" + uuid.uuid4().hex[:8]
     parent, kids = new_job_id(), [new_job_id() for _ in range(3)]

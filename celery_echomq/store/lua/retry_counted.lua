@@ -53,8 +53,13 @@ redis.call('ZADD', KEYS[5], now_ms(), ARGV[1])
 -- Uncounted: one more outstanding, one resolved failure fewer, its error no longer kept.
 redis.call('INCR', KEYS[3])
 redis.call('HINCRBY', KEYS[2], 'credited_failed', -1)
-if policy == 'fail_at_end' then
-  redis.call('HINCRBY', KEYS[2], 'late_failed', -1) -- one failure fewer for it to give
+-- Its failure taken back where it was counted: under a quorum (the row's 'quorum', written at
+-- a failure; never under continue, which released the parent) one more child that can succeed,
+-- else under fail_at_end one failure fewer for the parent to give.
+if policy ~= 'continue' and redis.call('HEXISTS', KEYS[2], 'quorum') == 1 then
+  redis.call('HINCRBY', KEYS[2], 'quorum_failed', -1)
+elseif policy == 'fail_at_end' then
+  redis.call('HINCRBY', KEYS[2], 'late_failed', -1)
 end
 redis.call('HDEL', KEYS[4], ARGV[1])
 -- And it leaves the parent's record of failed children (see settle_child).
