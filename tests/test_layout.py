@@ -1,6 +1,6 @@
 """The package's shape: rooms by concern whose imports run one way, down; no cycle, even
-through an import inside a function; no module past 400 lines but a reviewed few; no Lua run
-written twice.
+through an import inside a function; no private name imported from another module; no module
+past 400 lines but a reviewed few; no Lua run written twice.
 
 Read from the source with ``ast``: nothing is imported, so a cycle that Python would resolve
 at run time (a lazy import) still fails here.
@@ -130,6 +130,20 @@ def test_every_room_is_a_package_a_newcomer_can_name() -> None:
     assert rooms == {"embedded", "store", "send", "worker", "ops"}
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert top == {"canvas", "chords", "result", "eager", "config", "errors", "testing", "tracing"}
+
+
+def test_no_module_imports_a_private_name_of_another() -> None:
+    # A name two modules share is part of its module's interface, and named as such; two
+    # modules that share their privates are one concern in two rooms.
+    private = [
+        f"{name} imports {node.module}.{alias.name}"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(ROOT)
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert private == []
 
 
 def test_no_module_is_over_400_lines_but_the_reviewed_ones() -> None:

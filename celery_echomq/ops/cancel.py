@@ -95,7 +95,7 @@ def _never_started(state: EchoMQ, where: dict[str, str], ids: list[str]) -> list
     return [sid for sid, (n, token) in zip(ids, rows, strict=True) if n == b"0" or token is None]
 
 
-def _stored_job(state: EchoMQ, queue: str, parent_id: str) -> Any:
+def stored_job(state: EchoMQ, queue: str, parent_id: str) -> Any:
     """The parent's stored job, without its children's ids where its row keeps a ``head``
     (what the chunked path writes: a huge flow's payload is not read whole)."""
     row = state.keys.job_key(queue, parent_id)
@@ -103,7 +103,7 @@ def _stored_job(state: EchoMQ, queue: str, parent_id: str) -> Any:
     return state.loads(raw) if raw else None
 
 
-def _chunks(state: EchoMQ, queue: str, parent_id: str, chunk: int) -> Iterator[list[str]]:
+def child_id_chunks(state: EchoMQ, queue: str, parent_id: str, chunk: int) -> Iterator[list[str]]:
     """The parent's children's ids, ``chunk`` at a time, from its index by position."""
     part: list[str] = []
     for cid, _ in child_positions(state, queue, parent_id, batch=chunk):
@@ -154,7 +154,7 @@ def cancel_flow(
     a crash between two leaves the parent cancelled and the rest outstanding, which a cancel
     run again (the parent no longer waits: every outstanding child) finishes.
     """
-    job = _stored_job(state, queue, parent_id)
+    job = stored_job(state, queue, parent_id)
     revoked, running = _cancel_nested(state, queue, parent_id, terminate)
     cut = _cut(state, queue, parent_id)
     if cut.status is Status.MISSING:
@@ -180,7 +180,7 @@ def _cancel_nested(
     outer); and which children run now."""
     revoked: list[str] = []
     running: set[str] = set()
-    for part in _chunks(state, queue, parent_id, state.settings.chunk_size):
+    for part in child_id_chunks(state, queue, parent_id, state.settings.chunk_size):
         where = where_children(state, queue, part)
         pipe = state.client.pipeline(transaction=False)
         for cid in part:
@@ -202,7 +202,7 @@ def _cut(state: EchoMQ, queue: str, parent_id: str) -> _Cut:
     the parent (``cancel``), every other one, and the children of other slots, after it."""
     ttl = state.settings.result_ttl
     cut = _Cut()
-    for n, part in enumerate(_chunks(state, queue, parent_id, state.settings.chunk_size)):
+    for n, part in enumerate(child_id_chunks(state, queue, parent_id, state.settings.chunk_size)):
         where = where_children(state, queue, part)
         part, chain_steps = with_steps(state, part, where)
         cut.steps.update((sid, where[sid]) for sid in chain_steps if sid in where)

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
-from celery_echomq.ops.pages import ROW_SCAN, _children, _hscan_ids, _root
+from celery_echomq.ops.pages import ROW_SCAN, child_nodes, hscan_ids, root_node
 from celery_echomq.ops.views import JobNode
 from celery_echomq.store.reads import FAILED_PREFIX, locate
 from celery_echomq.store.state import EchoMQ
@@ -34,7 +34,7 @@ class FlowRoot:
 def flow_root(state: EchoMQ, job_id: str, queue: str | None = None) -> FlowRoot:
     """The parent ``job_id`` (its row and counts), without reading any of its children."""
     where = locate(state, job_id, queue, verify=True)
-    node, info, row = _root(state, where, job_id)
+    node, info, row = root_node(state, where, job_id)
     return FlowRoot(replace(node, flow=info, children=()), row)
 
 
@@ -50,9 +50,9 @@ def failed_chunks(state: EchoMQ, root: FlowRoot) -> Iterator[list[JobNode]]:
         key, prefix, batch = state.keys.job_key(node.queue, node.id), FAILED_PREFIX, ROW_SCAN
     cursor: str | None = None
     while True:
-        ids, cursor = _hscan_ids(state, key, prefix, cursor, chunk, batch)
+        ids, cursor = hscan_ids(state, key, prefix, cursor, chunk, batch)
         if ids:
-            yield _children(state, node.queue, root.row, node.flow, ids)
+            yield child_nodes(state, node.queue, root.row, node.flow, ids)
         if cursor is None:
             return
 
@@ -63,7 +63,7 @@ def child_of(state: EchoMQ, root: FlowRoot, child_id: str) -> JobNode | None:
     node = root.node
     if node.flow is None:
         return None
-    (found,) = _children(state, node.queue, root.row, node.flow, [child_id])
+    (found,) = child_nodes(state, node.queue, root.row, node.flow, [child_id])
     if found.parent != node.id:
         return None
     if found.steps:

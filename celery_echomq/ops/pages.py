@@ -21,16 +21,16 @@ from typing import Any
 from celery_echomq.errors import CursorError, EchoMQError
 from celery_echomq.ops.timing import finish_times
 from celery_echomq.ops.views import (
-    _ROW_FIELDS,
     MISSING,
+    ROW_FIELDS,
     ChildPage,
     FlowInfo,
     JobNode,
-    _load,
-    _outcome,
-    _root_value,
-    _with_steps,
+    child_outcome,
+    load_value,
     node_of,
+    root_value,
+    with_steps,
 )
 from celery_echomq.ops.windows import with_fan_in
 from celery_echomq.store.connection import text
@@ -53,7 +53,7 @@ ROW_SCANS = 20
 # A payload is read whole only up to this size: a huge flow's parent keeps a ``head``.
 PAYLOAD_MAX = 1 << 20
 
-_FIELDS = (*(f for f in _ROW_FIELDS if f != "payload"), "head")
+_FIELDS = (*(f for f in ROW_FIELDS if f != "payload"), "head")
 _STORED = frozenset({"delta", "template", "head"})
 
 
@@ -84,11 +84,11 @@ def read_flow(
     if only is not None and only not in FILTERS:
         raise EchoMQError(f"state must be one of {', '.join(FILTERS)}, not {str(only)[:40]!r}")
     where = locate(state, job_id, queue, verify=True)
-    root, info, row = _root(state, where, job_id)
+    root, info, row = root_node(state, where, job_id)
     if info is not None:
         info = with_fan_in(state, where, job_id, row["payload"], info)
         ids, after = _page_ids(state, where, job_id, row, cursor, count, only)
-        children = _children(state, where, row, info, ids)
+        children = child_nodes(state, where, row, info, ids)
         page = ChildPage(only=only, cursor=cursor, next_cursor=after, count=count)
         root = replace(root, flow=info, children=tuple(children), page=page)
     if with_times:
@@ -99,7 +99,7 @@ def read_flow(
             children=tuple(replace(c, finished_ms=ends.get(c.id)) for c in root.children),
         )
     if with_result and root.state == "done":
-        has_value, value = _root_value(state, root)
+        has_value, value = root_value(state, root)
         if has_value:
             root = replace(root, has_value=True, value=value)
     return root
@@ -177,7 +177,7 @@ def _stored_rows(state: EchoMQ, queue: str, ids: list[str]) -> list[dict[str, An
     return rows
 
 
-def _root(
+def root_node(
     state: EchoMQ, queue: str, job_id: str
 ) -> tuple[JobNode, FlowInfo | None, dict[str, Any]]:
     (row,) = _stored_rows(state, queue, [job_id])
@@ -229,7 +229,7 @@ def _page_ids(
     if only == "failed":
         return _failed_ids(state, queue, job_id, row["children_n"] is not None, cursor, count)
     if only == "done":
-        return _hscan_ids(state, state.keys.flow_keys(queue, job_id)[1], "", cursor, count, count)
+        return hscan_ids(state, state.keys.flow_keys(queue, job_id)[1], "", cursor, count, count)
     start = _position(cursor)
     if only is None:
         ids = _positions(state, queue, job_id, row, start, start + count)
@@ -298,16 +298,16 @@ def _failed_ids(
         raise CursorError(f"not a page cursor: {str(cursor)[:40]!r} (pass the one a page gave)")
     ids: list[str] = []
     if phase == "f":
-        ids, after = _hscan_ids(state, row_key, prefix, rest, count, batch)
+        ids, after = hscan_ids(state, row_key, prefix, rest, count, batch)
         if after is not None:
             return ids, "f" + after
         rest = None
-    more, after = _hscan_ids(state, ignored_key, "", rest, count - len(ids), count)
+    more, after = hscan_ids(state, ignored_key, "", rest, count - len(ids), count)
     ids += more
     return ids, None if after is None else "i" + after
 
 
-def _hscan_ids(
+def hscan_ids(
     state: EchoMQ, key: str, prefix: str, cursor: str | None, count: int, batch: int
 ) -> tuple[list[str], str | None]:
     """Up to ``count`` fields of hash ``key`` that start with ``prefix`` (the prefix cut off),
@@ -342,7 +342,7 @@ def _hscan_ids(
     return ids, str(scan)
 
 
-def _children(
+def child_nodes(
     state: EchoMQ, queue: str, parent: dict[str, Any], info: FlowInfo, ids: list[str]
 ) -> list[JobNode]:
     """The page's children as nodes: each its row, what the parent made of it, its value."""
@@ -372,7 +372,7 @@ def _children(
             "policy": policy,
             "policy_is_default": own is None,
             "template": parent["template"] if child_queue == queue else None,
-            "outcome": _outcome(
+            "outcome": child_outcome(
                 row["state"] or MISSING,
                 policy,
                 raw is not None,
@@ -384,14 +384,14 @@ def _children(
         if row["cut"] == "deadline":
             facts["outcome"] = "deadline"
         if raw is not None:
-            facts["value"] = _load(state, raw)
+            facts["value"] = load_value(state, raw)
         if ignored is not None:
             facts["ignored_error"] = text(ignored)
         node, listed = node_of(state, child_queue, cid, row, facts)
         if row["steps"]:
             # A linked chain: its last step, with every step of the chain.
             failed = {cid: text(ignored)} if ignored is not None else {}
-            node = _with_steps(state, node, text(row["steps"]).split(), failed, info)
+            node = with_steps(state, node, text(row["steps"]).split(), failed, info)
         nested = _info(row, listed)
         node = replace(node, shared_by=1 + int(more))
         nodes.append(node if nested is None else replace(node, flow=nested))

@@ -17,7 +17,7 @@ import logging
 from dataclasses import dataclass, field
 
 from celery_echomq.errors import NotRepairableError
-from celery_echomq.ops.cancel import _chunks, _stored_job, cancel_flow, where_children
+from celery_echomq.ops.cancel import cancel_flow, child_id_chunks, stored_job, where_children
 from celery_echomq.ops.failures import flow_root
 from celery_echomq.ops.outcomes import ReleaseOutcome
 from celery_echomq.ops.views import JobNode
@@ -37,7 +37,7 @@ def _fan_in(state: EchoMQ, node: JobNode) -> str:
     """The job holding the flow's own children, where its parent is a canvas; else ""."""
     try:
         # Its head where the row keeps one: a huge flow's payload is not read whole.
-        job = _stored_job(state, node.queue, node.id)
+        job = stored_job(state, node.queue, node.id)
     except Exception:  # a payload this process cannot read names no fan-in
         return ""
     fan_in = job.get("fan_in") if isinstance(job, dict) else None
@@ -139,7 +139,7 @@ def _revoke_all(state: EchoMQ, node: JobNode) -> _Revoked:
     nested flow is a flow of its own, cancelled whole (before its chunk is released)."""
     done = _Revoked()
     ttl, released = state.settings.result_ttl, False
-    for part in _chunks(state, node.queue, node.id, state.settings.chunk_size):
+    for part in child_id_chunks(state, node.queue, node.id, state.settings.chunk_size):
         where = where_children(state, node.queue, part)
         found = [cid for cid in part if cid in where]
         pipe = state.client.pipeline(transaction=False)

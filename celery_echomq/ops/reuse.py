@@ -48,13 +48,7 @@ def send_reusing_finished(state: EchoMQ, send: Callable[[], T]) -> T:
             top = _finished_top(state, exc.job_id)
             if top is None or top.id in forgotten or len(forgotten) >= MAX_FORGOTTEN:
                 raise
-            forget_flow(state, top)
-            forgotten.add(top.id)
-            logger.info(
-                "echomq: flow %s forgotten: a chord sent again reuses its id %s",
-                top.id,
-                exc.job_id,
-            )
+            _forget(state, top, exc.job_id, forgotten)
 
 
 def forget_finished_holding(state: EchoMQ, body: Signature) -> None:
@@ -82,11 +76,14 @@ def forget_finished_holding(state: EchoMQ, body: Signature) -> None:
     for job_id in held:
         top = _finished_top(state, job_id)
         if top is not None and top.id not in forgotten:
-            forget_flow(state, top)
-            forgotten.add(top.id)
-            logger.info(
-                "echomq: flow %s forgotten: a chord sent again reuses its id %s", top.id, job_id
-            )
+            _forget(state, top, job_id, forgotten)
+
+
+def _forget(state: EchoMQ, top: JobNode, reused: str, forgotten: set[str]) -> None:
+    """Forget the finished flow ``top``, whose id ``reused`` a chord sent again reuses."""
+    forget_flow(state, top)
+    forgotten.add(top.id)
+    logger.info("echomq: flow %s forgotten: a chord sent again reuses its id %s", top.id, reused)
 
 
 def _finished_top(state: EchoMQ, job_id: str) -> JobNode | None:

@@ -42,7 +42,7 @@ __all__ = [
     "walk",
 ]
 
-_ROW_FIELDS = (
+ROW_FIELDS = (
     "state",
     "attempts",
     "payload",
@@ -73,7 +73,7 @@ def _int(value: Any) -> int | None:
     return int(found) if found not in (None, "") else None
 
 
-def _load(state: EchoMQ, raw: Any) -> Any:
+def load_value(state: EchoMQ, raw: Any) -> Any:
     try:
         return state.loads(raw)
     except Exception:
@@ -83,7 +83,7 @@ def _load(state: EchoMQ, raw: Any) -> Any:
 
 
 def _row(fields: list[Any]) -> dict[str, Any]:
-    pairs = zip(_ROW_FIELDS, fields, strict=True)
+    pairs = zip(ROW_FIELDS, fields, strict=True)
     return {name: v if name in _STORED else text(v) for name, v in pairs}
 
 
@@ -107,7 +107,7 @@ def _task_and_children(
         except Exception:
             return None, [], (None, None)  # its template gone, or not readable
     else:
-        job = _load(state, stored)
+        job = load_value(state, stored)
     if not isinstance(job, dict):
         return None, [], (None, None)
     children = job.get("children") or []
@@ -129,7 +129,7 @@ def arguments(state: EchoMQ, job: dict[str, Any]) -> tuple[str | None, str | Non
     return str(args), str(kwargs)
 
 
-def _outcome(
+def child_outcome(
     child_state: str,
     policy: str,
     credited: bool,
@@ -166,13 +166,13 @@ def read_tree(
     where = locate(state, job_id, queue, verify=True)
     key = state.keys.job_key(where, job_id)
     head = state.client.hget(key, "head")  # a huge parent's job, without its children's ids
-    fields = [f if f != "payload" or not head else "head" for f in _ROW_FIELDS]
+    fields = [f if f != "payload" or not head else "head" for f in ROW_FIELDS]
     root_row = {**_row(state.client.hmget(key, fields)), "_indexed": bool(head)}
     node = _build(state, where, job_id, root_row, facts={}, depth=0)
     if with_times:
         node = _timed(node, finish_times(state, walk(node)))
     wanted = with_result and node.state == "done"
-    has_value, value = _root_value(state, node) if wanted else (False, None)
+    has_value, value = root_value(state, node) if wanted else (False, None)
     return replace(node, has_value=True, value=value) if has_value else node
 
 
@@ -181,11 +181,11 @@ def _timed(node: JobNode, ends: dict[str, int]) -> JobNode:
     return replace(node, finished_ms=ends.get(node.id), children=children)
 
 
-def _root_value(state: EchoMQ, node: JobNode) -> tuple[bool, Any]:
+def root_value(state: EchoMQ, node: JobNode) -> tuple[bool, Any]:
     if node.parent is not None:
         _, processed, _ = state.keys.flow_keys(node.queue, node.parent)
         raw = state.client.hget(processed, node.id)
-        return (True, _load(state, raw)) if raw is not None else (False, None)
+        return (True, load_value(state, raw)) if raw is not None else (False, None)
     try:
         result = state.app.AsyncResult(node.id)
         if result.state == "SUCCESS":
@@ -253,7 +253,7 @@ def _read_flow(state: EchoMQ, queue: str, job_id: str, child_ids: list[str]) -> 
         pipe.hmget(processed_key, part)
         pipe.hmget(ignored_key, part)
     for cid in child_ids:
-        pipe.hmget(keys.job_key(queue, cid), _ROW_FIELDS)
+        pipe.hmget(keys.job_key(queue, cid), ROW_FIELDS)
     counter, n_values, n_ignored, *replies = pipe.execute()
     found = zip(child_ids, chain(*replies[0 : 2 * len(chunks) : 2]), strict=True)
     processed = {c: v for c, v in found if v is not None}
@@ -286,7 +286,7 @@ def _child_row(state: EchoMQ, queue: str, cid: str, fields: Any) -> tuple[str, d
         elsewhere = scan_queues(state, cid)
         if elsewhere is not None:
             key = state.keys.job_key(elsewhere, cid)
-            return elsewhere, _row(state.client.hmget(key, _ROW_FIELDS))
+            return elsewhere, _row(state.client.hmget(key, ROW_FIELDS))
     return queue, child_row
 
 
@@ -309,7 +309,7 @@ def _child_facts(
         "template": row["template"] if same_slot else None,
         "outcome": "deadline"
         if child_row["cut"] == "deadline"
-        else _outcome(
+        else child_outcome(
             child_row["state"] or MISSING,
             policy,
             cid in read.processed,
@@ -319,7 +319,7 @@ def _child_facts(
         ),
     }
     if cid in read.processed:
-        facts["value"] = _load(state, read.processed[cid])
+        facts["value"] = load_value(state, read.processed[cid])
     if cid in read.ignored:
         facts["ignored_error"] = read.ignored[cid]
     return facts
@@ -357,12 +357,12 @@ def _build(
         _check_depth(state, job_id, depth + 1)
         child = _build(state, child_queue, cid, child_row, facts=child_facts, depth=depth + 1)
         if child_row["steps"]:
-            child = _with_steps(state, child, child_row["steps"].split(), read.ignored, info, depth)
+            child = with_steps(state, child, child_row["steps"].split(), read.ignored, info, depth)
         children.append(child)
     return replace(node, flow=info, children=tuple(children))
 
 
-def _with_steps(
+def with_steps(
     state: EchoMQ,
     last: JobNode,
     ids: list[str],
@@ -377,7 +377,7 @@ def _with_steps(
     pipe = state.client.pipeline(transaction=False)
     earlier = ids[:-1]
     for sid in earlier:
-        pipe.hmget(state.keys.job_key(last.queue, sid), _ROW_FIELDS)
+        pipe.hmget(state.keys.job_key(last.queue, sid), ROW_FIELDS)
     steps = []
     policy = last.policy or info.policy
     rows = [_row(fields) for fields in pipe.execute()]
@@ -395,10 +395,12 @@ def _with_steps(
             parent=row["parent"],
             policy=policy,
             policy_is_default=last.policy_is_default,
-            outcome=_outcome(step_state, policy, False, sid in ignored, info.failed_child, sid),
+            outcome=child_outcome(
+                step_state, policy, False, sid in ignored, info.failed_child, sid
+            ),
             error=row["error"] or ignored.get(sid),
             has_value=value is not None,
-            value=None if value is None else _load(state, value),
+            value=None if value is None else load_value(state, value),
             args=args,
             kwargs=kwargs,
             started_ms=_int(row["started"]),

@@ -20,7 +20,7 @@ from celery.canvas import Signature
 from celery.utils.functional import maybe_list
 
 from celery_echomq.send.plan import Plan
-from celery_echomq.send.shapes import COLLECT_TASK, _plain
+from celery_echomq.send.shapes import COLLECT_TASK, as_plain
 from celery_echomq.send.signatures import merge_callbacks
 from celery_echomq.store.headers import H_CHORD, chord_headers
 
@@ -73,7 +73,7 @@ def with_errbacks(node: Signature, given: Any) -> Signature:
     extra = [e for e in maybe_list(given) or () if e not in own]
     if not extra or not _is_collect(node):
         return node
-    copy = Signature.from_dict(_plain(node), app=node._app)
+    copy = Signature.from_dict(as_plain(node), app=node._app)
     give_errbacks(copy, extra)
     return copy
 

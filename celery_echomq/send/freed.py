@@ -12,7 +12,7 @@ from typing import Any
 
 from celery_echomq import tracing
 from celery_echomq.config import safe_url
-from celery_echomq.send.start import _with_since, publish
+from celery_echomq.send.start import publish, with_since
 from celery_echomq.store.codec import Delta, load_job
 from celery_echomq.store.script_values import Freed
 from celery_echomq.store.state import EchoMQ
@@ -54,7 +54,7 @@ def publish_freed(state: EchoMQ, queue: str, freed: list[Freed]) -> None:
             logger.warning("echomq: window child %s on %s not published: %s", one.id, queue, exc)
             continue
         if isinstance(job, dict) and "nested" not in job:
-            job = _with_since(job, one.since, store)
+            job = with_since(job, one.since, store)
         jobs.append(job)
     if not jobs:
         return

@@ -372,7 +372,7 @@ def _spread(
     fanned_nodes = [n for f in fanned for n in as_children(f, app, inherited)]
     spread = app.signature(
         SPREAD_TASK,
-        kwargs={"children": [_plain(n) for n in fanned_nodes], "args": list(args or ())},
+        kwargs={"children": [as_plain(n) for n in fanned_nodes], "args": list(args or ())},
         immutable=immutable,
     )
     spread.options["task_id"] = new_job_id()
@@ -400,11 +400,11 @@ def _spread(
     return node, str(spread.options["task_id"])
 
 
-def _plain(value: Any) -> Any:
+def as_plain(value: Any) -> Any:
     """A signature as plain dicts and lists all the way down: what its message carries, and
     what a stored plan may copy (a Signature cannot be rebuilt from a generator of items)."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: as_plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
+        return [as_plain(v) for v in value]
     return value

@@ -222,7 +222,7 @@ def _fused(state: EchoMQ, start: _Start) -> BrokerPushes | None:
     if len(levels) != 1 or not one.children or not plain:
         return None
     return prepare(
-        state, [_with_since(first_job(j), SINCE_MARK, start.store) for j in one.started()]
+        state, [with_since(first_job(j), SINCE_MARK, start.store) for j in one.started()]
     )
 
 
@@ -311,7 +311,7 @@ def _publish_levels(state: EchoMQ, start: _Start, since: dict[str, int | None]) 
     """The leaves' messages (a nested flow's parent is no leaf: its own level holds it), and
     the parents with no children, which run at once."""
     leaves = [
-        _with_since(first_job(job), since[level.parent_id], start.store)
+        with_since(first_job(job), since[level.parent_id], start.store)
         for level in start.levels
         for job in level.started()
         if "nested" not in first_job(job) and child_id(job) not in start.joins[level.parent_id]
@@ -332,7 +332,7 @@ def placed(levels: list[Plan]) -> dict[str, str]:
     }
 
 
-def _with_since(job: dict[str, Any], since: int | None, store: str) -> dict[str, Any]:
+def with_since(job: dict[str, Any], since: int | None, store: str) -> dict[str, Any]:
     """``job`` with :data:`H_SINCE` and :data:`H_STORE` in its message headers (its stored
     payload keeps neither)."""
     first: dict[str, Any] = {H_STORE: store}

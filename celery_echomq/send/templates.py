@@ -216,15 +216,8 @@ class Templates:
         if not is_group(group_id, group_index):
             return False
         channel = pushes.channel
-        if template.checked != self.batch:
-            # Learnt in an earlier batch: still what a publish would give? (Once per batch:
-            # nothing this batch does undeclares an entity.)
-            if not template.valid_on(channel):
-                found = self.by_task.get(template.key[0]) or []
-                if template in found:
-                    found.remove(template)
-                return False
-            template.checked = self.batch
+        if not self._current(template, channel):
+            return False
         base = template.message
         content_type, content_encoding, body = serialize(
             (args, kwargs, template.embed), template.serializer
@@ -232,11 +225,7 @@ class Templates:
         if content_type != base["content-type"] or content_encoding != base["content-encoding"]:
             return False
         if template.own_reprs and reprs is None:
-            amqp = self.amqp
-            reprs = (
-                saferepr(args, amqp.argsrepr_maxsize, maxlevels=self.maxlevels),
-                saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=self.maxlevels),
-            )
+            reprs = self._reprs(args, kwargs)
         encoded, _ = channel.encode_body(body, channel.body_encoding)
         tag = _delivery_tag(channel)
         prepared = template.prepared
@@ -277,6 +266,28 @@ class Templates:
         message["properties"] = properties
         pushes.add("lpush", template.list_key, REDIS_TRANSPORT.dumps(message))
         return True
+
+    def _current(self, template: Template, channel: Any) -> bool:
+        """Whether ``template`` still stands for what a publish on ``channel`` would give;
+        one that no longer does is dropped. Asked once per batch (nothing a batch does
+        undeclares an entity)."""
+        if template.checked == self.batch:
+            return True
+        if not template.valid_on(channel):
+            found = self.by_task.get(template.key[0]) or []
+            if template in found:
+                found.remove(template)
+            return False
+        template.checked = self.batch
+        return True
+
+    def _reprs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str]:
+        """The job's ``argsrepr`` and ``kwargsrepr``, as Celery's amqp writes them."""
+        amqp = self.amqp
+        return (
+            saferepr(args, amqp.argsrepr_maxsize, maxlevels=self.maxlevels),
+            saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=self.maxlevels),
+        )
 
 
 def is_group(group_id: Any, group_index: Any) -> bool:

@@ -16,10 +16,10 @@ from celery_echomq.errors import CursorError, ListingError
 from celery_echomq.store.connection import text
 from celery_echomq.store.reads import (
     FAILED_PREFIX,
-    _page,
-    _state,
+    hash_page,
     locate,
     scan_queues,
+    state_of,
 )
 from celery_echomq.store.state import EchoMQ
 
@@ -51,7 +51,7 @@ def failed_children(
         raise ListingError(f"failed_children: count must be a whole number >= 1, not {count!r}")
     if count is None and cursor is not None:
         raise CursorError("failed_children: a cursor needs a count (the page size)")
-    state = _state(app)
+    state = state_of(app)
     q = locate(state, job_id, queue)
     if count is not None:
         return failed_page(state, q, job_id, cursor, count)
@@ -93,7 +93,7 @@ def _scan_start(cursor: str) -> tuple[int, str | None]:
 
 
 def _hash_page(state: EchoMQ, key: str, cursor: str, count: int, match: str | None = None) -> Any:
-    page, after = _page(state, key, _scan_start(cursor), count, match)
+    page, after = hash_page(state, key, _scan_start(cursor), count, match)
     return page, after
 
 

@@ -26,7 +26,7 @@ H_SINCE = "echomq_t"
 H_STORE = "echomq_s"
 # "1" on the message of a chain's step that the completion of the step before handed out
 # active (complete.lua, ARGV[13]), and on no stored payload: its first delivery takes the step
-# with one HSETNX of its token (FlowScripts.take_handed) rather than the claim script.
+# in one script that writes its token (take_handed.lua) rather than the claim script.
 H_HANDED = "echomq_h"
 # "1": the store writes this job's result into Celery's result backend when the job completes
 # (the message says ignore_result, so Celery's trace writes none; see results.py).

@@ -39,6 +39,8 @@ TRANSITIONS = (
     # task, give up the recovery lease
     "requeue",
     "unhand",
+    # a delivery takes a step handed out active by the completion of the step before
+    "take_handed",
     "extend",
     "drop",
     "drop_waiting",

@@ -123,7 +123,7 @@ def scan_queues(state: EchoMQ, job_id: str) -> str | None:
     return next((name for name, there in zip(names, pipe.execute(), strict=True) if there), None)
 
 
-def _state(app: Any) -> EchoMQ:
+def state_of(app: Any) -> EchoMQ:
     return get_state(app or current_app)
 
 
@@ -144,13 +144,13 @@ def children_values(
     once or not at all. A cursor no page gave raises :class:`CursorError`.
     """
     _check_page(cursor, count)
-    state = _state(app)
+    state = state_of(app)
     _, processed, _ = state.keys.flow_keys(locate(state, job_id, queue), job_id)
     if count is None:
         # In chunks rather than one HGETALL: a flow's 100,000 values must not block Redis.
         scanned = state.client.hscan_iter(processed, count=1000)
         return {text(k): state.loads(v) for k, v in scanned}
-    raw, after = _page(state, processed, _parse_cursor(cursor), count)
+    raw, after = hash_page(state, processed, _parse_cursor(cursor), count)
     return {k: state.loads(v) for k, v in raw.items()}, after
 
 
@@ -179,7 +179,7 @@ def _is_id(text: str) -> bool:
     return True
 
 
-def _page(
+def hash_page(
     state: EchoMQ, key: str, start: tuple[int, str | None], count: int, match: str | None = None
 ) -> tuple[dict[str, bytes], str | None]:
     """At most ``count`` fields of the hash ``key`` from ``start``, and the next cursor.
@@ -221,7 +221,7 @@ def eager_values(values: dict[str, Any], cursor: str | None, count: int | None) 
 
 def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> Dependencies:
     """Where the children stand: :class:`Dependencies` (outstanding, done, failed, ignored)."""
-    state = _state(app)
+    state = state_of(app)
     q = locate(state, job_id, queue)
     deps, processed, ignored = state.keys.flow_keys(q, job_id)
     pipe = state.client.pipeline(transaction=False)
@@ -235,7 +235,7 @@ def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> D
 
 def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:
     """``{child_job_id: "ExcType: message"}`` for children that failed under policy ``ignore``."""
-    state = _state(app)
+    state = state_of(app)
     _, _, ignored = state.keys.flow_keys(locate(state, job_id, queue), job_id)
     # In chunks rather than one HGETALL: a flow's 100,000 failures must not block Redis.
     return {text(k): text(v) for k, v in state.client.hscan_iter(ignored, count=1000)}

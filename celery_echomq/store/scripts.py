@@ -372,32 +372,14 @@ class Scripts:
 
     def take_handed(self, queue: str, job_id: str, token: str, parent: str) -> bool:
         """Whether this delivery took a chain's step that the completion of the step before
-        handed out (complete.lua, ARGV[15]): the row was active with no token, and now holds
-        ``token``, as a claim would have left it, in one round trip of two commands where the
-        claim script takes six. ``parent``: the one the message names, which must be the
-        row's own. False: the row is anything else (taken by another delivery, cancelled,
-        requeued, finished, forged, gone); the caller then claims as for any delivery.
-
-        HSETNX writes the token only where none is; the HMGET after it (not atomic with it,
-        hence the token compared, not HSETNX's reply) says whether the row is active under
-        this very token, which a resent pipeline (a failover) leaves true as well."""
-        key = self.keys.job_key(queue, job_id)
-        pipe = self.client.pipeline(transaction=False)
-        pipe.hsetnx(key, "token", token)
-        pipe.hmget(key, "state", "token", "parent")
-        wrote, (state, held, own) = pipe.execute()
-        if state is None:
-            if wrote:
-                self.client.delete(key)  # no row (expired): leave no key of a token behind
-            return False
-        if text(held or b"") != token:
-            return False
-        if text(state) == Status.ACTIVE and text(own or b"") == parent:
-            return True
-        if wrote:
-            # Not a handed step (or a forged message): give the token back to the claim.
-            self.client.hdel(key, "token")
-        return False
+        handed out (take_handed.lua): the row was active with no token, and now holds
+        ``token``, as a claim would have left it. ``parent``: the one the message names, which
+        must be the row's own. False: the row is anything else (taken by another delivery,
+        cancelled, requeued, finished, forged, gone); the caller then claims as for any
+        delivery."""
+        keys = [self.keys.job_key(queue, job_id)]
+        (status,) = self._run("take_handed", keys, [job_id, token, parent])
+        return status_of(status) is Status.CLAIMED
 
     def complete(self, *args: Any, **kwargs: Any) -> Status:
         """:meth:`complete_writing` (same arguments), returning the status alone."""

@@ -1,5 +1,5 @@
 """A chain's step handed out by the completion of the step before it (complete.lua, ARGV[13]):
-active with no token, taken by its first delivery with one HSETNX (``take_handed``) instead of
+active with no token, taken by its first delivery in one script of two commands (``take_handed``) instead of
 the claim script, and made pending again by recovery when no delivery took it within its lease
 (unhand.lua). Each crash window of the hand-off and the test that covers it:
 
@@ -80,6 +80,8 @@ def test_a_handed_step_is_active_without_a_token_and_taken_once(
 
     assert scripts.take_handed(queue, second, "tok-1", parent)
     assert row(store, queue, second)["token"] == "tok-1"
+    # The same call resent (through a failover) finds its own token: still taken.
+    assert scripts.take_handed(queue, second, "tok-1", parent)
     # A second delivery (a duplicate) takes nothing: it claims, and finds the step busy.
     assert not scripts.take_handed(queue, second, "tok-2", parent)
     assert row(store, queue, second)["token"] == "tok-1"
