@@ -38,7 +38,7 @@ SUITE_PACKAGES = [
     "pytest-celery>=1.3",
     "pydantic",
 ]
-SUMMARY = re.compile(r"^=+ (.*\d+ (passed|failed).*) in [0-9.]+s", re.MULTILINE)
+SUMMARY = re.compile(r"^=* ?(\d.*\d+ (passed|failed).*) in [0-9.]+s", re.MULTILINE)
 
 
 def python() -> Path:
