@@ -1,7 +1,8 @@
 """A chain's step handed out by the completion of the step before it (complete.lua, ARGV[13]):
-active with no token, taken by its first delivery in one script of two commands (``take_handed``) instead of
-the claim script, and made pending again by recovery when no delivery took it within its lease
-(unhand.lua). Each crash window of the hand-off and the test that covers it:
+active with no token, taken by its first delivery in one script of two commands
+(``take_handed``) instead of the claim script, and made pending again by recovery when no
+delivery took it within its lease (unhand.lua). Each crash window of the hand-off and the test
+that covers it:
 
 - the completing worker dies after the completion, before publishing the step: the step's
   lease lapses untaken, it is pending again, and (a) re-publishes it on evidence
