@@ -180,6 +180,8 @@ def _stored_rows(state: EchoMQ, queue: str, ids: list[str]) -> list[dict[str, An
 def root_node(
     state: EchoMQ, queue: str, job_id: str
 ) -> tuple[JobNode, FlowInfo | None, dict[str, Any]]:
+    """The job ``job_id`` as a node without its children, its flow's counts (None: not a
+    flow) and its stored row."""
     (row,) = _stored_rows(state, queue, [job_id])
     if not row["payload"] and row["children_n"] is None and row["_size"] > 0:
         # A flow written before the index existed: its payload is what names its children.

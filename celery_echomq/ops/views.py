@@ -74,6 +74,7 @@ def _int(value: Any) -> int | None:
 
 
 def load_value(state: EchoMQ, raw: Any) -> Any:
+    """A stored value as the app's serializer reads it, else its bytes as text."""
     try:
         return state.loads(raw)
     except Exception:
@@ -182,6 +183,8 @@ def _timed(node: JobNode, ends: dict[str, int]) -> JobNode:
 
 
 def root_value(state: EchoMQ, node: JobNode) -> tuple[bool, Any]:
+    """Whether the node has a value, and the value: as its parent's fan-in recorded it, or
+    (a top-level job) its Celery result."""
     if node.parent is not None:
         _, processed, _ = state.keys.flow_keys(node.queue, node.parent)
         raw = state.client.hget(processed, node.id)

@@ -300,20 +300,34 @@ def _held(
             return _with_callbacks(parent, (node, fan))
         rest = steps[1:]
         return _linked_on(rest, [node], fans_out(steps[0]), app, mine, own_id, head=node)[0], fan
+    return _with_callbacks(
+        parent, _held_fanning(parent, children, app, mine, policy, single, own_id, timing)
+    )
+
+
+def _held_fanning(
+    parent: Any,
+    children: list[Signature],
+    app: Any,
+    mine: dict[str, Any],
+    policy: str,
+    single: bool,
+    own_id: Any,
+    timing: dict[str, Any] | None,
+) -> tuple[Signature, str]:
+    """:func:`_held` of a parent that fans out (a group, a chord or a flow): held as the
+    spread task, which adds that canvas's own fan-out once released."""
     if isinstance(parent, group):
         collect = app.signature(COLLECT_TASK)
         collect.options["task_id"] = own_id or new_job_id()
         fanned = group_tasks(parent)
-        return _with_callbacks(
-            parent,
-            _spread(collect, fanned, "fail", children, app, mine, policy, single, timing=timing),
-        )
+        return _spread(collect, fanned, "fail", children, app, mine, policy, single, timing=timing)
     if isinstance(parent, _chord):
         if parent.body is None:
             raise ValueError("a chord as a flow's parent has no body")
         body = maybe_signature(parent.body, app=app)
         fanned = header_tasks(parent, app)
-        held = _spread(
+        return _spread(
             body,
             fanned,
             CHORD_POLICY,
@@ -325,25 +339,21 @@ def _held(
             own_id=own_id,
             timing=timing,
         )
-        return _with_callbacks(parent, held)
     if getattr(parent, "subtask_type", None) == "flow":
-        return _with_callbacks(
-            parent,
-            _spread(
-                parent.parent,
-                parent.children,
-                parent.policy,
-                children,
-                app,
-                mine,
-                policy,
-                single,
-                args=list(parent.args),
-                immutable=parent.immutable,
-                own_id=own_id,
-                timing=timing,
-                own_timing=_as_flow(parent)["timing"],
-            ),
+        return _spread(
+            parent.parent,
+            parent.children,
+            parent.policy,
+            children,
+            app,
+            mine,
+            policy,
+            single,
+            args=list(parent.args),
+            immutable=parent.immutable,
+            own_id=own_id,
+            timing=timing,
+            own_timing=_as_flow(parent)["timing"],
         )
     raise TypeError(
         f"flow parent {parent!r:.80} is not a task, a chain, a group, a chord or a flow"

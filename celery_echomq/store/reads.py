@@ -124,6 +124,7 @@ def scan_queues(state: EchoMQ, job_id: str) -> str | None:
 
 
 def state_of(app: Any) -> EchoMQ:
+    """The extension's state of ``app`` (None: the current app)."""
     return get_state(app or current_app)
 
 
