@@ -43,7 +43,8 @@ TRANSITIONS = (
     "take_handed",
     "extend",
     "drop",
-    "drop_waiting",
+    # delete jobs and their flows' keys (echomq forget, the undo of a refused start)
+    "forget",
     "hand_over",
     "lease_release",
     "abandon_flow",
