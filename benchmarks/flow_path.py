@@ -17,19 +17,19 @@ import argparse
 import sys
 import threading
 import time
+from importlib import resources
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from celery import Celery
 
-import celery_echomq
 from celery_echomq import flow
 from celery_echomq.embedded import RedisServer
 from celery_echomq.store import loader
 from celery_echomq.testing import in_process_worker, settings_for
 
-PACKAGE = Path(celery_echomq.__file__).resolve().parent
+PACKAGE = Path(str(resources.files("celery_echomq"))).resolve()
 RUNNER = str(PACKAGE / "store" / "runner.py")
 
 app = Celery("flow_path")
