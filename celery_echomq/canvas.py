@@ -10,8 +10,6 @@ from celery import current_app
 from celery.canvas import Signature, _chain, maybe_signature
 
 from celery_echomq.result import FlowResult
-from celery_echomq.send.arguments import check_keywords, check_order
-from celery_echomq.send.children import child_signatures
 from celery_echomq.send.errbacks import give_errbacks
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
 from celery_echomq.send.jobs import check_policy
@@ -20,7 +18,13 @@ from celery_echomq.send.plan import too_deep
 from celery_echomq.send.producer import Sending, send_flow
 from celery_echomq.send.quorum import check_quorum, check_reduce
 from celery_echomq.send.shapes import FLOW_TASK, normal_flow
-from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
+from celery_echomq.send.signatures import (
+    CALLBACKS,
+    check_keywords,
+    check_order,
+    child_signatures,
+    merge_callbacks,
+)
 from celery_echomq.send.window import check_max_active
 from celery_echomq.store.connection import bounded
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec
@@ -35,7 +39,7 @@ __all__ = ["FLOW_TASK", "FlowResult", "flow"]
 
 def _shaped(sig: Any, shared: bool = False) -> tuple[Any, str]:
     """``normal_flow(sig)``, its group parents' errbacks given to their tasks and every id of
-    it gated (``shared``: a task listed twice is one job, see send/shared.py)."""
+    it gated (``shared``: a task listed twice is one job, see send/ids.py)."""
     made = normal_flow(sig)
     if made[0] is not sig:
         give_errbacks(made[0])
