@@ -10,10 +10,15 @@ pages a set of its own where the store keeps one (``failed``: ``:failures`` then
 ``:ignored``; ``done``: ``:processed``), else examines the index a bounded stretch at a
 time, as SCAN does: a page may come short, or empty, with a cursor to go on. A nested flow
 is one line with its own counts; it is opened by reading it as a flow of its own.
+
+And a flow's fan-in as operators read it (``with_fan_in``): its window's size and how many
+children wait for a slot, its quorum, its reducer and the accumulator so far; one LLEN for a
+window, one HGET for a reducer, whatever the flow's size.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -32,13 +37,14 @@ from celery_echomq.ops.views import (
     root_value,
     with_steps,
 )
-from celery_echomq.ops.windows import with_fan_in
+from celery_echomq.send.reducers import empty
 from celery_echomq.store.connection import text
 from celery_echomq.store.cursor import Cursor, cursor_text, hash_page
 from celery_echomq.store.reads import FAILED_PREFIX, counts_of, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
 
 __all__ = ["FILTERS", "PAGE", "child_positions", "iter_children", "read_flow"]
+
 
 PAGE = 50  # children per page unless asked otherwise
 MAX_PAGE = 1000
@@ -368,3 +374,28 @@ def child_nodes(
         node = replace(node, shared_by=1 + int(more))
         nodes.append(node if nested is None else replace(node, flow=nested))
     return nodes
+
+
+def with_fan_in(state: EchoMQ, queue: str, job_id: str, stored: Any, info: FlowInfo) -> FlowInfo:
+    """``info`` (the flow parent ``job_id``'s counts on ``queue``, its stored job, payload or
+    ``head``, ``stored``) with its window's size and waiting children, its quorum
+    (``flow(..., quorum=K)``, send/quorum.py) and its reducer with the accumulator so far
+    (``flow(..., reduce=R)``, send/reducers.py): one LLEN for a window, one HGET for a
+    reducer, nothing more for a flow of any size."""
+    try:
+        job = state.loads(stored) if stored else None
+    except Exception:  # a payload this app cannot read: no window to show
+        return info
+    if not isinstance(job, dict):
+        return info
+    if job.get("quorum"):
+        info = replace(info, quorum=int(job["quorum"]))
+    if job.get("reduce"):
+        acc = state.client.hget(state.keys.job_key(queue, job_id), "acc")
+        folded = empty(job["reduce"]) if acc is None else json.loads(acc)  # reduce.lua's JSON
+        info = replace(info, reduce=list(job["reduce"]), acc=folded)
+    if job.get("max_active"):
+        where = str(job.get("window_queue") or queue)
+        waiting = state.client.llen(state.keys.window_key(where, job_id))
+        info = replace(info, max_active=int(job["max_active"]), waiting=int(waiting))
+    return info
