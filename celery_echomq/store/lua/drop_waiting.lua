@@ -13,9 +13,12 @@
 --
 -- Reply: {id1, id2, ...} the children whose rows were deleted here; a second run deletes none.
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "unwait"
+--- @include "format"
 local refused = (ARGV[1] ~= '' and gate_ids(1, 1)) or gate_ids(2, #ARGV)
+  or newer_rows(KEYS, 2, #KEYS)
 if refused then
   return refused
 end
