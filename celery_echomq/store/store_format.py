@@ -37,6 +37,17 @@ def refused_format(message: str) -> StoreFormatError:
     return StoreFormatError(found, known, parts[3] if len(parts) > 3 else "?")
 
 
+def newer_than_known(found: bytes | str | None, row: str) -> StoreFormatError | None:
+    """The refusal a script would give of a row whose ``format`` field reads ``found``, for the
+    host's own writes outside a script (recovery's evidence mark), else None."""
+    if found is None:
+        return None
+    text = found.decode() if isinstance(found, bytes) else found
+    if text.isdigit() and int(text) <= STORE_FORMAT:
+        return None
+    return StoreFormatError(text, STORE_FORMAT, row)
+
+
 def tell_newer(exc: StoreFormatError, what: str) -> None:
     """Log ``exc`` once per row in this process: ``what`` is the step that left it alone."""
     if exc.row in _told:
