@@ -208,7 +208,7 @@ class StoreFormatError(EchoMQError):
             f"row {self.row} is in store format {self.found}, newer than format {self.known}, "
             "the newest this celery-echomq knows: a newer release wrote it, and this one "
             "leaves it untouched (nothing was written). Upgrade celery-echomq on this process "
-            "to the release that wrote it (see docs/operations.md, Upgrading)"
+            "to the release that wrote it (docs/operations.md: the store's format)"
         )
 
 
