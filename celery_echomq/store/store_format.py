@@ -11,8 +11,11 @@ any write: ``replies.server_error`` makes it a :class:`~celery_echomq.errors.Sto
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
+from typing import Any
 
 from celery_echomq.errors import StoreFormatError
+from celery_echomq.store.keyspace import Keyspace, check_id
 
 # The format this release writes and the newest it reads. Raise it (and say what changed in
 # docs/design.md's "The store's format") when a release changes what a row, or a key a script
@@ -56,3 +59,31 @@ def tell_newer(exc: StoreFormatError, what: str) -> None:
         _told.clear()
     _told.add(exc.row)
     logger.error("echomq: %s left alone: %s", what, exc)
+
+
+# The newest flows of each queue the doctor looks at: what a newer release wrote last.
+DOCTOR_LOOKS = 20
+
+
+def newer_flows(
+    client: Any, keys: Keyspace, queues: Iterable[str], per_queue: int = DOCTOR_LOOKS
+) -> list[tuple[str, str, str]]:
+    """(queue, parent id, its format) for each of the newest ``per_queue`` flows of each queue
+    (its recent-flow index) whose parent row is of a newer format than this release knows:
+    one pipelined round trip for the indexes, one for the rows."""
+    names = list(queues)
+    pipe = client.pipeline(transaction=False)
+    for queue in names:
+        pipe.zrevrange(keys.queue_key(queue, "recent"), 0, per_queue - 1)
+    flows = []
+    for queue, ids in zip(names, pipe.execute(), strict=True):
+        for raw in ids:
+            flows.append((queue, check_id(raw.decode() if isinstance(raw, bytes) else raw)))
+    pipe = client.pipeline(transaction=False)
+    for queue, parent in flows:
+        pipe.hget(keys.job_key(queue, parent), "format")
+    found = []
+    for (queue, parent), raw in zip(flows, pipe.execute(), strict=True):
+        if newer_than_known(raw, keys.job_key(queue, parent)) is not None:
+            found.append((queue, parent, raw.decode() if isinstance(raw, bytes) else str(raw)))
+    return found
