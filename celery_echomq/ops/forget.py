@@ -22,6 +22,7 @@ from celery_echomq.ops.pages import child_positions
 from celery_echomq.ops.views import FINISHED, JobNode
 from celery_echomq.store.connection import text
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.store.store_format import newer_than_known
 
 # The per-queue sorted sets that hold job ids: a forgotten job leaves every one of them.
 # (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet;
@@ -47,8 +48,13 @@ def forget_flow(state: EchoMQ, node: JobNode) -> Forgotten:
 
     Each chunk's keys on one queue go in one MULTI (they share a slot); the locators live on
     other slots (``emq:loc:{id}``), so they go one command each, which works on a cluster.
-    Ids leave the queue's state sets too, so ``stats`` and recovery stop seeing them.
+    Ids leave the queue's state sets too, so ``stats`` and recovery stop seeing them. A flow
+    a newer release wrote (its parent's format) raises ``StoreFormatError``: nothing deleted.
     """
+    row = state.keys.job_key(node.queue, node.id)
+    newer = newer_than_known(state.client.hget(row, "format"), row)
+    if newer is not None:
+        raise newer
     done = Forgotten()
     _forget(state, node.queue, node.id, node.state, done)
     return done
