@@ -7,6 +7,7 @@ every flow, each parent once, with the values the flow was sent for.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import uuid
@@ -26,10 +27,13 @@ pytestmark = pytest.mark.e2e
 # one that changes the format.
 PREVIOUS_RELEASE = "5833a56"
 
-# What the previous release's producer sends: each flow's id and the tag its parent counts
-# its runs under, printed as JSON. Every shape a flow can be in when its workers go away.
+# What the previous release's producer sends, every shape a flow can be in when its workers go
+# away: each flow's id (its parent counts its runs under "<tag>-<name>") and the id of the
+# chain's slow step, printed as JSON. Its workers take the queue in this order: the first
+# flow finishes on them, the chain's step and the slow children are running at the kill, the
+# flows after them wait (held, their children pending, a window's waiting).
 PRODUCER = """
-import json, sys
+import json, sys, uuid
 from celery import chain
 from celery_echomq import flow
 from tests import proj as p
@@ -39,13 +43,13 @@ def c(name):
     return p.collect.s(tag=f"{tag}-{name}")
 shared = p.add.s(20, 22)
 shared.freeze()
+step = p.slow_child.s(4).set(task_id="JOB" + uuid.uuid4().hex)  # in flight at the kill
 sent = {
     "held": flow(c("held"), [p.add.s(i, i) for i in range(4)]),
+    "chain": flow(c("chain"), [chain(p.add.s(1, 2), step, p.square.s()), p.add.s(0, 1)]),
     "running": flow(c("running"), [p.slow_child.s(i, 4) for i in range(3)]),
     "window": flow(c("window"), [p.add.s(i, 1) for i in range(5)], max_active=2),
     "deadline": flow(c("deadline"), [p.add.s(i, 0) for i in range(3)], deadline=600),
-    "chain": flow(c("chain"), [chain(p.add.s(1, 2), p.slow_child.s(2), p.square.s()),
-                               p.add.s(0, 1)]),
     "shared": flow(c("shared"), [flow(c("shared1"), [shared, p.add.s(1, 1)]),
                                  flow(c("shared2"), [shared, p.add.s(2, 2)])]),
     "nested": flow(c("nested"), [flow(p.tsum.s(), [p.add.s(1, 1), p.add.s(2, 2)]),
@@ -58,7 +62,7 @@ for name, f in sent.items():
     res = f.apply_async(queue=queue, on_exists="join") if name == "shared" else (
         f.apply_async(queue=queue))
     ids[name] = res.id
-print(json.dumps(ids))
+print(json.dumps({"flows": ids, "step": step.id}))
 """
 
 
@@ -86,18 +90,19 @@ EXPECTED: dict[str, Any] = {
 @pytest.fixture(scope="module")
 def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The previous landed release's tree, from this repository's own history."""
-    known = subprocess.run(
-        ["git", "-C", str(ROOT), "cat-file", "-e", f"{PREVIOUS_RELEASE}^{{commit}}"],
+    git = shutil.which("git")
+    known = git and subprocess.run(
+        [git, "-C", str(ROOT), "cat-file", "-e", f"{PREVIOUS_RELEASE}^{{commit}}"],
         capture_output=True,
     )
-    if known.returncode != 0:
+    if not known or known.returncode != 0:
         pytest.skip(
-            f"no git history with commit {PREVIOUS_RELEASE} (an sdist or a shallow clone): the "
-            "upgrade test needs the previous release's tree from the repository"
+            f"no git history with commit {PREVIOUS_RELEASE} (an sdist, a shallow clone, no git): "
+            "the upgrade test needs the previous release's tree from the repository's history"
         )
     tree = tmp_path_factory.mktemp("previous-release")
     archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", PREVIOUS_RELEASE], capture_output=True, check=True
+        [git, "-C", str(ROOT), "archive", PREVIOUS_RELEASE], capture_output=True, check=True
     )
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
     return tree
@@ -146,15 +151,18 @@ def test_flows_in_flight_on_the_previous_release_finish_after_an_upgrade_worker_
         cwd=previous_tree, env=old_env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert produced.returncode == 0, produced.stderr[-3000:]
-    ids: dict[str, str] = json.loads(produced.stdout.strip().splitlines()[-1])
+    sent = json.loads(produced.stdout.strip().splitlines()[-1])
+    ids: dict[str, str] = sent["flows"]
     # The rows the previous release wrote carry no format: format 1.
     assert not store.hexists(f"emq:{{{queue}}}:{ids['held']}", "format")
 
     old = start(workers, previous_tree, old_env, queue)
     # Mid-child: the slow children run (and, a chain step in flight, its slow step) when the
     # old worker is SIGKILLed, its messages acked on receipt, so gone with it.
+    wait_for(lambda: store.exists(f"test:ran:slow:{sent['step']}"), timeout=90)
     wait_for(lambda: len(store.keys("test:ran:slow:*")) >= 2, timeout=90)
     old.kill()
+    assert store.hget(f"emq:{{{queue}}}:{sent['step']}", "state") == b"active"
 
     start(workers, ROOT, env.environ(**fast_recovery()), queue)
     start(workers, ROOT, env.environ(**fast_recovery()), queue)
