@@ -301,6 +301,9 @@ def unrecorded_failures(state: EchoMQ, queue: str, batch: int) -> list[str]:
                 raise
             except StoreFormatError as exc:  # a newer release's row: that release records it
                 tell_newer(exc, f"recovery of failed parent {job_id} on {queue}")
+                # The scan's mark is the queue's, shared with that release's workers: kept
+                # before this row, so that their next pass looks at it.
+                checked_to = min(checked_to, int(scores[job_id]) - 1)
                 continue
             except Exception:
                 logger.exception("echomq recovery: could not record the failure of %s", job_id)
