@@ -22,6 +22,7 @@ from celery_echomq.ops.pages import child_positions
 from celery_echomq.ops.views import FINISHED, JobNode
 from celery_echomq.store.connection import text
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.store.store_format import newer_than_known
 
 
 @dataclass
@@ -41,8 +42,13 @@ def forget_flow(state: EchoMQ, node: JobNode) -> Forgotten:
 
     Each chunk's keys on one queue go in one script (forget.lua: they share a slot), which
     takes the ids out of the queue's sets and counts too, so ``stats`` and recovery stop
-    seeing them; the locators live on other slots (``emq:loc:{id}``), one command each.
+    seeing them; the locators live on other slots (``emq:loc:{id}``), one command each. A flow
+    a newer release wrote (its parent's format) raises ``StoreFormatError``: nothing deleted.
     """
+    row = state.keys.job_key(node.queue, node.id)
+    newer = newer_than_known(state.client.hget(row, "format"), row)
+    if newer is not None:
+        raise newer
     done = Forgotten()
     _forget(state, node.queue, node.id, node.state, done)
     return done

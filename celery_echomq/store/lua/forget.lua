@@ -25,11 +25,13 @@
 -- Reply: {deleted, kept}: deleted the names of the keys that were there and are gone (a row
 -- cut down is not among them), kept the ids of the rows cut down; a second run deletes
 -- nothing and keeps what the first kept.
--- Errors (nothing written): "EMQKIND ..." a non-JOB id.
+-- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQFORMAT <found> <known> <row>" a
+-- row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "unwait"
+--- @include "format"
 local n = tonumber(ARGV[1])
-local refused = gate_ids(2, 1 + n)
+local refused = gate_ids(2, 1 + n) or newer_rows(KEYS, 9, 8 + n)
 if refused then
   return refused
 end
