@@ -7,6 +7,7 @@ plain headers, the body and the delivery tag change. Found by strict equality of
 
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 from typing import Any
@@ -73,6 +74,9 @@ class Template:
         # headers, for a job that gives none of them.
         self.prepared: Prepared | None = None
         self.defaults: dict[str, str] = {}
+        # The pieces with the values the last job's message shared with its siblings filled
+        # in, and those values (the job's root, parent, group and headers: see shared_values).
+        self.bound: tuple[tuple[Any, ...], Prepared] | None = None
         try:
             self.prepared = Prepared.of(message, own_reprs, varying, sent)
             self.defaults = {f"h:{name}": token(message["headers"][name]) for name in varying}
@@ -230,22 +234,20 @@ class Templates:
         tag = _delivery_tag(channel)
         prepared = template.prepared
         if prepared is not None:
-            values = dict(template.defaults)
-            values["body"], values["id"], values["root"], values["tag"] = (
-                quoted(encoded),
-                quoted(task_id),
-                quoted(root_id or task_id),
-                quoted(tag),
-            )
-            values["parent"] = token(parent_id)
-            values["group"], values["group_index"] = token(group_id), token(group_index)
+            per_job = {"body": quoted(encoded), "id": quoted(task_id), "tag": quoted(tag)}
+            if not root_id:  # its own root
+                per_job["root"] = quoted(task_id)
             if reprs is not None and template.own_reprs:
-                values["argsrepr"], values["kwargsrepr"] = quoted(reprs[0]), quoted(reprs[1])
+                per_job["argsrepr"], per_job["kwargsrepr"] = quoted(reprs[0]), quoted(reprs[1])
+            given: tuple[Any, ...] = ()
             if template.varying and headers_given:
-                for name in template.varying:
-                    value = headers_given[name]
-                    values[f"h:{name}"] = str(value) if type(value) is int else quoted(value)
-            pushes.add("lpush", template.list_key, prepared.render(values))
+                given = tuple(headers_given[name] for name in template.varying)
+            shared = (root_id, parent_id, group_id, group_index, *given)
+            bound = template.bound
+            if bound is None or not _identical(bound[0], shared):
+                values = shared_values(template, root_id, parent_id, group_id, group_index, given)
+                bound = template.bound = (shared, prepared.bind(values))
+            pushes.add("lpush", template.list_key, bound[1].render(per_job))
             return True
         headers = dict(base["headers"])
         headers["id"] = task_id
@@ -288,6 +290,36 @@ class Templates:
             saferepr(args, amqp.argsrepr_maxsize, maxlevels=self.maxlevels),
             saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=self.maxlevels),
         )
+
+
+def _identical(these: tuple[Any, ...], those: tuple[Any, ...]) -> bool:
+    """Whether two tuples hold the very same objects: then the same value of the same type (a
+    flow's children share their parent's id objects; equal values of other objects are
+    bound again, which gives the same JSON)."""
+    return len(these) == len(those) and all(map(operator.is_, these, those))
+
+
+def shared_values(
+    template: Template,
+    root_id: str | None,
+    parent_id: str | None,
+    group_id: Any,
+    group_index: Any,
+    given: tuple[Any, ...],
+) -> dict[str, str]:
+    """The JSON tokens of a message's values that a flow's children share: its root (where
+    it has one of its own), parent, group and index, and the template's own headers (the
+    job's values, ``given`` in the order of ``template.varying``, where it gives them, else
+    the template's: ``given`` empty)."""
+    values = dict(template.defaults)
+    if root_id:
+        values["root"] = quoted(root_id)
+    values["parent"] = token(parent_id)
+    values["group"], values["group_index"] = token(group_id), token(group_index)
+    if given:
+        for name, value in zip(template.varying, given, strict=True):
+            values[f"h:{name}"] = str(value) if type(value) is int else quoted(value)
+    return values
 
 
 def is_group(group_id: Any, group_index: Any) -> bool:
