@@ -183,6 +183,10 @@ class _Sender:
         args, kwargs = tuple(job["args"]), dict(job["kwargs"])
         reprs = fast_repr(args, kwargs) if last.template.own_reprs else None
         options = job["options"]
+        if known and templates.push_again(
+            self.producer, last.template, options["task_id"], args, kwargs, reprs
+        ):
+            return True
         if templates.push(
             self.producer,
             last.template,

@@ -234,11 +234,7 @@ class Templates:
         tag = _delivery_tag(channel)
         prepared = template.prepared
         if prepared is not None:
-            per_job = {"body": quoted(encoded), "id": quoted(task_id), "tag": quoted(tag)}
-            if not root_id:  # its own root
-                per_job["root"] = quoted(task_id)
-            if reprs is not None and template.own_reprs:
-                per_job["argsrepr"], per_job["kwargsrepr"] = quoted(reprs[0]), quoted(reprs[1])
+            per_job = _per_job(template, encoded, task_id, root_id, reprs, tag)
             given: tuple[Any, ...] = ()
             if template.varying and headers_given:
                 given = tuple(headers_given[name] for name in template.varying)
@@ -269,6 +265,33 @@ class Templates:
         pushes.add("lpush", template.list_key, REDIS_TRANSPORT.dumps(message))
         return True
 
+    def push_again(
+        self,
+        pushes: RedisPushes,
+        template: Template,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reprs: tuple[str, str] | None,
+    ) -> bool:
+        """Push the message of a job whose task and options are those of the job pushed from
+        ``template`` just before it (its caller compared them), its id aside: the same root,
+        parent, group and headers, bound in the template already (:meth:`push` checked them
+        for that job, in this batch); its own body, id, reprs and delivery tag. False where
+        :meth:`push` must build it (no prepared JSON, or none bound in this batch)."""
+        bound = template.bound
+        if bound is None or template.checked != self.batch:
+            return False
+        _, _, body = serialize((args, kwargs, template.embed), template.serializer)
+        if template.own_reprs and reprs is None:
+            reprs = self._reprs(args, kwargs)
+        channel = pushes.channel
+        encoded, _ = channel.encode_body(body, channel.body_encoding)
+        tag = _delivery_tag(channel)
+        per_job = _per_job(template, encoded, task_id, bound[0][0], reprs, tag)
+        pushes.add("lpush", template.list_key, bound[1].render(per_job))
+        return True
+
     def _current(self, template: Template, channel: Any) -> bool:
         """Whether ``template`` still stands for what a publish on ``channel`` would give;
         one that no longer does is dropped. Asked once per batch (nothing a batch does
@@ -290,6 +313,24 @@ class Templates:
             saferepr(args, amqp.argsrepr_maxsize, maxlevels=self.maxlevels),
             saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=self.maxlevels),
         )
+
+
+def _per_job(
+    template: Template,
+    encoded: str,
+    task_id: str,
+    root_id: str | None,
+    reprs: tuple[str, str] | None,
+    tag: str,
+) -> dict[str, str]:
+    """The JSON tokens of a message's own values: its body, id (and correlation id), root
+    where it is its own, reprs and delivery tag."""
+    values = {"body": quoted(encoded), "id": quoted(task_id), "tag": quoted(tag)}
+    if not root_id:  # its own root
+        values["root"] = values["id"]
+    if reprs is not None and template.own_reprs:
+        values["argsrepr"], values["kwargsrepr"] = quoted(reprs[0]), quoted(reprs[1])
+    return values
 
 
 def _identical(these: tuple[Any, ...], those: tuple[Any, ...]) -> bool:

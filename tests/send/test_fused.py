@@ -5,6 +5,7 @@ flow still publishes nothing."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -184,6 +185,10 @@ def test_children_of_other_options_among_alike_ones_keep_their_own_messages(
     assert pushes and all(c["client_type"] == "lua" for c in pushes), pushes
     messages = _messages(broker, queue)
     assert [m["headers"]["argsrepr"] for m in messages] == [f"({i}, {i})" for i in range(7)]
+    bodies = [json.loads(base64.b64decode(m["body"])) for m in messages]
+    assert [body[0] for body in bodies] == [[i, i] for i in range(7)]
+    assert len({m["headers"]["id"] for m in messages}) == 7
+    assert all(m["headers"]["id"] == m["properties"]["correlation_id"] for m in messages)
     assert [m["headers"]["timelimit"] for m in messages] == [
         [30, None] if i in limited else [None, None] for i in range(7)
     ]
