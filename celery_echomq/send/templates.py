@@ -21,6 +21,9 @@ from celery_echomq.send.pushes import REDIS_TRANSPORT, RedisPushes
 from celery_echomq.store.codec import serialize
 from celery_echomq.store.keyspace import uuid4_hex
 
+# A setting not read yet.
+_UNREAD = object()
+
 # kombu's own delivery tag: a uuid4 as text, made per message.
 _KOMBU_TAG = getattr(getattr(REDIS_TRANSPORT, "Channel", None), "_next_delivery_tag", None)
 
@@ -111,7 +114,7 @@ class Templates:
         self.amqp = amqp
         self.pid = os.getpid()
         self.by_task: dict[Any, list[Template]] = {}
-        self.maxlevels: Any = None
+        self.maxlevels: Any = _UNREAD
         self.batch = 0
 
     @classmethod
@@ -122,7 +125,7 @@ class Templates:
         if templates is None or templates.pid != os.getpid() or templates.amqp is not app.amqp:
             templates = TEMPLATES[channel] = cls(app.amqp)
         templates.batch += 1
-        templates.maxlevels = app.conf.task_repr_maxlevels
+        templates.maxlevels = _UNREAD  # read where a repr needs it, once a batch
         return templates
 
     def learn(
@@ -306,12 +309,18 @@ class Templates:
         template.checked = self.batch
         return True
 
+    def _maxlevels(self) -> Any:
+        """The app's ``task_repr_maxlevels``, read the first time a batch needs it."""
+        if self.maxlevels is _UNREAD:
+            self.maxlevels = self.amqp.app.conf.task_repr_maxlevels
+        return self.maxlevels
+
     def _reprs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str]:
         """The job's ``argsrepr`` and ``kwargsrepr``, as Celery's amqp writes them."""
-        amqp = self.amqp
+        amqp, maxlevels = self.amqp, self._maxlevels()
         return (
-            saferepr(args, amqp.argsrepr_maxsize, maxlevels=self.maxlevels),
-            saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=self.maxlevels),
+            saferepr(args, amqp.argsrepr_maxsize, maxlevels=maxlevels),
+            saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=maxlevels),
         )
 
 
