@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import msgpack
+
 from celery_echomq.store.codec import Stored, stored_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.replies import Status
@@ -18,6 +20,15 @@ from celery_echomq.store.runner import Value
 # result TTL and ``echomq_recent_flows``).
 RECENT_TTL_MS = 86400 * 1000
 RECENT_MAX = 10000
+
+
+def packed(value: Any) -> bytes:
+    """``value`` as one packed argument of a script, msgpack that the script reads with
+    ``cmsgpack.unpack``: a list or a map of any size in one argument, rather than one argument
+    per item (packing each costs the client more than the script's one unpack). In msgpack's
+    older form, where a str and bytes are both raw strings: Redis's cmsgpack reads no other
+    (it refuses the bin and str8 types of the newer one)."""
+    return msgpack.packb(value, use_bin_type=False)  # type: ignore[no-any-return]
 
 
 def status_of(value: Any) -> Status:

@@ -30,6 +30,7 @@ from celery_echomq.store.script_values import (
     Handed,
     ParentRef,
     ResultWrite,
+    packed,
     status_of,
     stored_children,
     window_freed,
@@ -150,27 +151,39 @@ class Scripts:
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "recent"),
             self.keys.queue_key(queue, "counters"),
-            *(self.keys.job_key(queue, cid) for cid, _ in children),
+            *self.keys.job_keys(queue, [cid for cid, _ in children]),
         ]
-        argv: list[Value] = [parent_id, parent_payload, str(len(children))]
-        for cid, payload in children:
-            argv += [cid, payload]
-        argv += [outer, str(recent_ttl_ms), str(recent_max)]
-        if policy or locator_ttl or register or check or publish:
-            argv += [template, kinds, policy, str(locator_ttl) if locator_ttl else "", queue]
-            argv += [str(len(register)), *register]
-            argv += self.keys.check_parts() if check else ["", "", "", ""]
-            if locator_ttl:
-                keys.append(self.keys.locator_key(parent_id))
-            if register or check:
-                keys.append(self.keys.queues_key())
-            if publish:
-                keys += publish.lists
-                argv.append(str(publish.db))
-                for index, head, tail in publish.messages:
-                    argv += [str(index), head, tail]
-        elif kinds:
-            argv += [template, kinds]
+        argv: list[Value] = [
+            parent_id,
+            parent_payload,
+            str(len(children)),
+            packed([value for child in children for value in child]),
+            str(recent_ttl_ms),
+            str(recent_max),
+        ]
+        options: dict[str, Any] = {}
+        for name, given in (("outer", outer), ("template", template), ("kinds", kinds)):
+            if given:
+                options[name] = given
+        if policy:
+            options["policy"] = policy
+        if locator_ttl:
+            options["locator_ttl"] = locator_ttl
+            keys.append(self.keys.locator_key(parent_id))
+        if locator_ttl or check:
+            options["queue"] = queue
+        if register:
+            options["register"] = list(register)
+        if check:
+            options["check"] = self.keys.check_parts()
+        if register or check:
+            keys.append(self.keys.queues_key())
+        if publish:
+            keys += publish.lists
+            options["broker_db"] = publish.db
+            options["messages"] = [value for message in publish.messages for value in message]
+        if options:
+            argv.append(packed(options))
         reply = self._run("enqueue_flow", keys, argv)
         if isinstance(reply, list):
             return int(reply[0]), int(reply[1]) if reply[1] not in (b"", "", None) else None
