@@ -12,6 +12,7 @@ import redis
 from celery_echomq import StoreFormatError
 from celery_echomq.store.loader import TRANSITIONS
 from celery_echomq.store.replies import Status
+from celery_echomq.store.script_values import packed
 from celery_echomq.store.scripts import ParentRef, Scripts
 from celery_echomq.store.store_format import STORE_FORMAT
 from tests.helpers import KEYS, LEASE, TTL, enqueue, run_child
@@ -73,7 +74,10 @@ def calls(queue: str, parent: str, child: str) -> dict[str, tuple[list[str], lis
         "abandon_flow": (about_parent, [parent, "10"]),
         "grow_flow": (about_parent, [parent, "x", "payload", "0", "0"]),
         # A nested flow's enqueue and open take over its placeholder: here the child's row.
-        "enqueue_flow": ([crow, *other], [child, "p", "0", parent, "10", "10"]),
+        "enqueue_flow": (
+            [crow, *other],
+            [child, "p", "0", packed([]), "10", "10", packed({"outer": parent})],
+        ),
         "open_flow": ([crow, *other], [child, "p", "0", "fail", parent, "10", "10"]),
         "cancel_elsewhere": ([*other[:3], crow], [parent, "10", "0", child]),
         "deadline_cut": ([*other[:2], crow], [parent, "10", "fail", child]),
