@@ -7,23 +7,35 @@ client and the scripts bound to it are made lazily, once per process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
 
 from kombu.serialization import loads, prepare_accept_content, registry
 
 from celery_echomq.config import Settings, missing_url_error, read_settings
-from celery_echomq.errors import ConfigError
+from celery_echomq.errors import ConfigError, StoreFormatError
 from celery_echomq.store.codec import serialize
 from celery_echomq.store.connection import make_client
 from celery_echomq.store.keyspace import Keyspace
 from celery_echomq.store.scripts import Scripts
 
-__all__ = ["EchoMQ", "find_state", "get_state", "install_state", "make_client"]
+__all__ = [
+    "Deliveries",
+    "EchoMQ",
+    "Kept",
+    "find_state",
+    "get_state",
+    "install_state",
+    "make_client",
+]
 
 _ATTR = "_echomq_state"
+
+logger = logging.getLogger("celery_echomq")
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -51,6 +63,21 @@ class Kept(Generic[K, V]):
         return self._entries.pop(key, None)
 
 
+@dataclass
+class Deliveries:
+    """What one process keeps of the flow jobs delivered to it (the worker's signal receivers,
+    worker/signals.py), for the app they belong to."""
+
+    # The token each running flow job was claimed with, by task id (in a pool process).
+    tokens: dict[str, str] = field(default_factory=dict)
+    # Deliveries whose body is skipped (a duplicate, a forged header, a claim deferred to
+    # recovery, a row of a newer store format): ``before_start`` ends them as Ignore.
+    skipped: set[str] = field(default_factory=set)
+    # In the worker's main process: the headers of flow jobs it received, by task id. A hard
+    # time limit reports the failure there, where no task request is on the stack.
+    received: Kept[str, Any] = field(default_factory=lambda: Kept(10_000))
+
+
 class EchoMQ:
     """Everything celery-echomq needs for one Celery app.
 
@@ -73,6 +100,10 @@ class EchoMQ:
         # -> template; see send/freed.py), read once per flow, not once per child: a flow's
         # template never changes.
         self.templates: Kept[tuple[str, str], bytes | None] = Kept(64)
+        self.deliveries = Deliveries()
+        # The rows of a newer store format this process has said it leaves alone (one log
+        # line each, however often it meets them; store/store_format.py).
+        self.told_newer: Kept[str, bool] = Kept(10_000)
 
     @property
     def settings(self) -> Settings:
@@ -142,6 +173,14 @@ class EchoMQ:
         """Seconds a flow's locator key (``emq:loc:{JOB…}``: its parent's queue) lives. A held
         flow may wait long; the locator only has to outlive the flow's readable life."""
         return max(self.settings.result_ttl * 7, 7 * 86400)
+
+    def tell_newer(self, exc: StoreFormatError, what: str) -> None:
+        """Log ``exc`` (a row of a newer store format left alone) once per row in this
+        process: ``what`` is the step that left it alone."""
+        if exc.row in self.told_newer:
+            return
+        self.told_newer.put(exc.row, True)
+        logger.error("echomq: %s left alone: %s", what, exc)
 
     def dumps(self, obj: Any) -> bytes:
         _, _, data = serialize(obj, self.settings.serializer)

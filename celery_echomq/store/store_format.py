@@ -27,10 +27,6 @@ FORMAT_SLOT = "@STORE_FORMAT@"
 
 logger = logging.getLogger("celery_echomq")
 
-# The rows this process has said it leaves alone: one line per row, however often it meets it.
-_told: set[str] = set()
-_TOLD_MAX = 10_000
-
 
 def refused_format(message: str) -> StoreFormatError:
     """The error for a script's ``EMQFORMAT <found> <known> <row>`` reply."""
@@ -49,16 +45,6 @@ def newer_than_known(found: bytes | str | None, row: str) -> StoreFormatError | 
     if text.isdigit() and int(text) <= STORE_FORMAT:
         return None
     return StoreFormatError(text, STORE_FORMAT, row)
-
-
-def tell_newer(exc: StoreFormatError, what: str) -> None:
-    """Log ``exc`` once per row in this process: ``what`` is the step that left it alone."""
-    if exc.row in _told:
-        return
-    if len(_told) >= _TOLD_MAX:
-        _told.clear()
-    _told.add(exc.row)
-    logger.error("echomq: %s left alone: %s", what, exc)
 
 
 # The newest flows of each queue the doctor looks at: what a newer release wrote last.

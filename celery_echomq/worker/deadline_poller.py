@@ -22,7 +22,6 @@ from celery_echomq.store.connection import text
 from celery_echomq.store.deadlines import index_key
 from celery_echomq.store.keyspace import check_id
 from celery_echomq.store.state import EchoMQ, find_state
-from celery_echomq.store.store_format import tell_newer
 from celery_echomq.worker.deadlines import Step, finish, fire_one
 
 logger = logging.getLogger("celery_echomq")
@@ -75,7 +74,7 @@ def fire_steps(state: EchoMQ, queues: Iterable[str], batch: int = BATCH) -> list
         try:
             step = fire_one(state, queue, parent_id)
         except StoreFormatError as exc:  # a newer release's flow: its workers fire it
-            tell_newer(exc, f"deadline of {parent_id} on {queue}")
+            state.tell_newer(exc, f"deadline of {parent_id} on {queue}")
             continue
         except Exception as exc:  # one flow's trouble must not stop the others
             logger.warning("echomq deadlines: %s on %s: %r", parent_id, queue, exc)

@@ -28,7 +28,6 @@ from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
 from celery_echomq.store.state import EchoMQ
-from celery_echomq.store.store_format import tell_newer
 
 logger = logging.getLogger("celery_echomq")
 
@@ -383,7 +382,7 @@ def credit_edges(state: EchoMQ, queue: str, job_id: str, outcome: str, data: byt
                 ttl=state.settings.result_ttl,
             )
         except StoreFormatError as exc:
-            tell_newer(exc, f"credit of joined {job_id} to {parent.id}")
+            state.tell_newer(exc, f"credit of joined {job_id} to {parent.id}")
             credited = False
             continue
         logger.info("echomq: joined %s (%s) credited to %s: %s", job_id, outcome, parent.id, status)

@@ -8,7 +8,6 @@ receiver could not make. A task without the flow headers costs nothing here: no 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from datetime import datetime, timezone
 from typing import Any
 
@@ -40,8 +39,7 @@ from celery_echomq.store.results import (
     store_success,
     success_write,
 )
-from celery_echomq.store.state import EchoMQ, find_state
-from celery_echomq.store.store_format import tell_newer
+from celery_echomq.store.state import Deliveries, EchoMQ, find_state
 from celery_echomq.worker.checks import on_worker_ready
 from celery_echomq.worker.claims import claim, new_token, warn_no_row
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
@@ -49,16 +47,14 @@ from celery_echomq.worker.settle import error_text, fail_later_steps, settle_fai
 
 logger = logging.getLogger("celery_echomq")
 
-# The token each running flow job was claimed with, by task id, in this (pool) process.
-_tokens: dict[str, str] = {}
+# What an app without the extension keeps of its deliveries: nothing is ever put in it.
+_NONE = Deliveries()
 
-# Deliveries whose claim found the job running elsewhere or finished: their body is skipped.
-_skip: set[str] = set()
 
-# In the worker's main process: the headers of flow jobs it received, by task id. A hard
-# time limit reports the failure there, where no task request is on the stack.
-_received: OrderedDict[str, Any] = OrderedDict()
-_RECEIVED_MAX = 10_000
+def _deliveries(app: Any) -> Deliveries:
+    """What this process keeps of ``app``'s flow jobs delivered to it (on the app's state)."""
+    state = find_state(app)
+    return state.deliveries if state is not None else _NONE
 
 
 def _flow_state(task: Any, request: Any) -> EchoMQ | None:
@@ -83,8 +79,8 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         # acknowledged it already); the row stays as it was, pending in its queue's set, where
         # a worker of the newer release finds it (recovery re-publishes a pending job whose
         # message is gone) and finishes it.
-        _skip.add(task_id)
-        tell_newer(exc, f"delivery of {task_id} on {queue} (its body is skipped)")
+        state.deliveries.skipped.add(task_id)
+        state.tell_newer(exc, f"delivery of {task_id} on {queue} (its body is skipped)")
 
 
 def _claim_delivery(
@@ -93,7 +89,7 @@ def _claim_delivery(
     """This delivery's claim (or a handed step's take), and what its status means."""
     if getattr(request, H_HANDED, None) and state.scripts.take_handed(queue, task_id, token, named):
         # A chain's step the completion of the step before handed out active: taken.
-        _started(task, task_id, token)
+        _started(state, task, task_id, token)
         logger.debug("echomq: took handed step %s", task_id)
         return
     try:
@@ -103,7 +99,7 @@ def _claim_delivery(
         # body would do (a parent run on a release the new primary never had runs again).
         # The body waits instead: its lease lapses and recovery re-publishes the job, from
         # whatever store survives.
-        _skip.add(task_id)
+        state.deliveries.skipped.add(task_id)
         logger.warning(
             "echomq: %s; the body of %s is deferred to recovery, and runs once the primary has "
             "%d replica(s) connected (or echomq_min_replicas is lowered)",
@@ -113,7 +109,7 @@ def _claim_delivery(
         )
         return
     if status in STARTED:
-        _started(task, task_id, token)
+        _started(state, task, task_id, token)
         if status is Status.CLAIMED:
             logger.debug("echomq: claim %s (attempt %d)", task_id, attempts)
         else:
@@ -123,7 +119,7 @@ def _claim_delivery(
     elif status is Status.FORGED:
         # The row's own parent is not the one this message names: a forged or copied header.
         # The body does not run, and nothing of the flow changes.
-        _skip.add(task_id)
+        state.deliveries.skipped.add(task_id)
         logger.warning(
             "echomq: refused delivery of %s on %s: its message names parent %r, which is not "
             "the job's own (its body is skipped; counted as forged_refused)",
@@ -135,13 +131,13 @@ def _claim_delivery(
         # A duplicate delivery: the job runs under a live lease elsewhere, or it is finished,
         # or (a parent) it still waits for its children. Its body is skipped and its message
         # acknowledged; the holder's outcome is the job's.
-        _skip.add(task_id)
+        state.deliveries.skipped.add(task_id)
         logger.info("echomq: skip duplicate delivery of %s (%s)", task_id, status)
 
 
-def _started(task: Any, task_id: str, token: str) -> None:
+def _started(state: EchoMQ, task: Any, task_id: str, token: str) -> None:
     """This delivery holds the job: its token for the outcome, its STARTED state stored."""
-    _tokens[task_id] = token
+    state.deliveries.tokens[task_id] = token
     store_started(task, task.request)
 
 
@@ -152,13 +148,14 @@ def skip_duplicate(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
     ``before_start`` runs inside the task's trace, where ``Ignore`` acknowledges the message
     and stores nothing. For a task that is not a flow job this is one set lookup.
     """
-    if task_id in _skip:
-        _skip.discard(task_id)
+    state = find_state(self.app)
+    if state is None:
+        return
+    if task_id in state.deliveries.skipped:
+        state.deliveries.skipped.discard(task_id)
         raise Ignore(f"echomq: duplicate delivery of {task_id} skipped")
     if tracing.ON and getattr(self.request, H_FLOW, None):
-        state = find_state(self.app)
-        if state is not None:
-            tracing.parent_started(state, getattr(self.request, H_QUEUE), task_id, self.request)
+        tracing.parent_started(state, getattr(self.request, H_QUEUE), task_id, self.request)
 
 
 def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
@@ -166,7 +163,7 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
     state = _flow_state(sender, request)
     if state is None:
         return
-    token = _tokens.pop(request.id, None)
+    token = state.deliveries.tokens.pop(request.id, None)
     if token is None:
         return
     parent = parent_ref(request)
@@ -211,17 +208,17 @@ def on_failure(
     einfo: Any = None,
     **_: Any,
 ) -> None:
-    request = sender.request
-    token = _tokens.pop(task_id, None)
+    request, deliveries = sender.request, _deliveries(sender.app)
+    token = deliveries.tokens.pop(task_id, None)
     lost = token is None and isinstance(exception, (WorkerLostError, TimeLimitExceeded))
     if lost:
         # Reported by the worker's main process: the pool process that held the token was
         # killed (acks early: the message is gone with it) or hit its hard time limit. The
         # failure applies whatever token the row has, at once, as a chord's header fails then.
         if getattr(request, "id", None) != task_id:
-            request = _received.get(task_id)  # Celery versions that push no request context
+            request = deliveries.received.get(task_id)  # Celery versions that push none
         token = ""
-    received = _received.pop(task_id, None)
+    received = deliveries.received.pop(task_id)
     if exception is not None:
         # The main process (a lost or timed-out pool process, a Reject without requeue) stores
         # a failure without a traceback, and may push no request context.
@@ -272,7 +269,7 @@ def on_retry(
         store_retry(
             sender, request, getattr(reason, "exc", None), getattr(einfo, "traceback", None)
         )
-    token = _tokens.pop(request.id, None)
+    token = state.deliveries.tokens.pop(request.id, None)
     if token is not None:
         status = state.scripts.retry(
             getattr(request, H_QUEUE), request.id, token, _due_in_ms(reason)
@@ -283,14 +280,15 @@ def on_retry(
 def on_postrun(
     sender: Any = None, task_id: str = "", state: str = "", retval: Any = None, **_: Any
 ) -> None:
-    if task_id in _skip:
-        _skip.discard(task_id)  # skipped before before_start ran (e.g. it was overridden)
+    skipped = _deliveries(sender.app).skipped
+    if task_id in skipped:
+        skipped.discard(task_id)  # skipped before before_start ran (e.g. it was overridden)
         return
     if state != "IGNORED":
         return
     request = sender.request
     store = _flow_state(sender, request)
-    token = _tokens.pop(task_id, None)
+    token = store.deliveries.tokens.pop(task_id, None) if store is not None else None
     if store is None or token is None:
         return
     # Ignore without a duplicate: the body replaced itself (Task.replace) or chose to leave its
@@ -302,9 +300,7 @@ def on_postrun(
 def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
     headers = getattr(request, "request_dict", None) or {}
     if headers.get(H_QUEUE):
-        _received[request.id] = Headers(headers)
-        while len(_received) > _RECEIVED_MAX:
-            _received.popitem(last=False)
+        _deliveries(request.app).received.put(request.id, Headers(headers))
 
 
 def on_revoked(
@@ -318,10 +314,10 @@ def on_revoked(
     headers = request
     if sender is None or not getattr(headers, H_QUEUE, None):
         return
-    _received.pop(request.id, None)
     state = find_state(sender.app)
     if state is None:
         return
+    state.deliveries.received.pop(request.id)
     reason = "TaskRevokedError: expired" if expired else "TaskRevokedError: revoked"
     queue = getattr(headers, H_QUEUE)
     if expired and not may_expire(state, queue, request.id):

@@ -14,7 +14,6 @@ from celery_echomq.store.codec import Stored, TemplateMissingError, load_job
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import check_id
 from celery_echomq.store.state import EchoMQ
-from celery_echomq.store.store_format import tell_newer
 
 logger = logging.getLogger("celery_echomq")
 
@@ -145,7 +144,7 @@ def guarded(
     except STORE_ERRORS:
         raise
     except StoreFormatError as exc:  # a newer release's row: left to that release's workers
-        tell_newer(exc, f"recovery of {what} {job_id} on {queue}")
+        state.tell_newer(exc, f"recovery of {what} {job_id} on {queue}")
         return None
     except Exception:
         logger.exception("echomq recovery: could not repair %s %s on %s", what, job_id, queue)

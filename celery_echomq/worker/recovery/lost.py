@@ -27,7 +27,7 @@ from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_NEXT, Headers, parent_ref
 from celery_echomq.store.replies import STARTED, Status
 from celery_echomq.store.state import EchoMQ
-from celery_echomq.store.store_format import newer_than_known, tell_newer
+from celery_echomq.store.store_format import newer_than_known
 from celery_echomq.worker.claims import new_token
 from celery_echomq.worker.recovery.common import (
     BUDGET,
@@ -128,7 +128,7 @@ def lost_pending(state: EchoMQ, queue: str, batch: int) -> list[str]:
         (dispatched, suspect, found), held, is_parent = replies[3 * i : 3 * i + 3]
         newer = newer_than_known(found, keys.job_key(queue, job_id))
         if newer is not None:  # a newer release's row: not even its evidence mark is written
-            tell_newer(newer, f"recovery of pending job {job_id} on {queue}")
+            state.tell_newer(newer, f"recovery of pending job {job_id} on {queue}")
             continue
         if held is not None and float(held) > now:
             continue  # a live worker has it (prefetched, or waiting for its eta)

@@ -26,7 +26,6 @@ from celery_echomq.store.replies import Status
 from celery_echomq.store.results import backend_readable
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
-from celery_echomq.store.store_format import tell_newer
 from celery_echomq.worker.recovery.common import (
     BUDGET,
     FAILED_MARK,
@@ -300,7 +299,7 @@ def unrecorded_failures(state: EchoMQ, queue: str, batch: int) -> list[str]:
             except STORE_ERRORS:
                 raise
             except StoreFormatError as exc:  # a newer release's row: that release records it
-                tell_newer(exc, f"recovery of failed parent {job_id} on {queue}")
+                state.tell_newer(exc, f"recovery of failed parent {job_id} on {queue}")
                 # The scan's mark is the queue's, shared with that release's workers: kept
                 # before this row, so that their next pass looks at it.
                 checked_to = min(checked_to, int(scores[job_id]) - 1)
