@@ -39,7 +39,7 @@ from celery_echomq.ops.outcomes import ReleaseOutcome, RetryOutcome
 from celery_echomq.ops.release import release_flow
 from celery_echomq.ops.repair import retry_flow
 from celery_echomq.result import FlowResult
-from celery_echomq.send.fanin import (
+from celery_echomq.send.flow_reads import (
     add_children,
     children_values,
     dependencies,

@@ -11,12 +11,12 @@ from celery.canvas import Signature, _chain, maybe_signature
 
 from celery_echomq.result import FlowResult
 from celery_echomq.send.errbacks import give_errbacks
+from celery_echomq.send.fan_in import check_max_active, check_quorum, check_reduce
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
 from celery_echomq.send.jobs import check_policy
 from celery_echomq.send.join import check_on_exists
 from celery_echomq.send.plan import too_deep
 from celery_echomq.send.producer import Sending, send_flow
-from celery_echomq.send.quorum import check_quorum, check_reduce
 from celery_echomq.send.shapes import FLOW_TASK, normal_flow
 from celery_echomq.send.signatures import (
     CALLBACKS,
@@ -25,7 +25,6 @@ from celery_echomq.send.signatures import (
     child_signatures,
     merge_callbacks,
 )
-from celery_echomq.send.window import check_max_active
 from celery_echomq.store.connection import bounded
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec
 from celery_echomq.store.headers import CHORD_OPTIONS
@@ -106,7 +105,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             # Kept by the job that holds these children (see store/deadlines.py): JSON-safe.
             own["deadline"] = spec
             own["on_deadline"] = on_deadline
-        # A window (send/window.py), a quorum (send/quorum.py), a reducer (send/reducers.py).
+        # A window, a quorum, a reducer (send/fan_in.py).
         fan_in = {"max_active": max_active, "quorum": quorum, "reduce": check_reduce(reduce)}
         own.update((k, v) for k, v in fan_in.items() if v is not None)
         super().__init__(

@@ -225,7 +225,7 @@ def add_to_chord(self: Task, sig: Signature, lazy: bool = False) -> Any:
     ``sig`` to its flow, sent now (``lazy`` too: the flow holds it from here on)."""
     if not on_engine(self.app) or not getattr(self.request, H_PARENT, None):
         return _celery_add_to_chord(self, sig, lazy)
-    from celery_echomq.send.fanin import add_children
+    from celery_echomq.send.flow_reads import add_children
 
     added = add_children([sig], app=self.app)
     return sig if lazy else self.app.AsyncResult(added[0])

@@ -29,7 +29,8 @@ from celery_echomq.config import Settings
 from celery_echomq.errors import FlowClosedError, FlowFailed, ReduceError
 from celery_echomq.result import EagerFlowResult, FanIn, QuorumFanIn
 from celery_echomq.send.errbacks import errbacks_left, ran_by_child, with_errbacks
-from celery_echomq.send.fanin import IN_PROCESS
+from celery_echomq.send.fan_in import empty, fan_in_of, fold, refuse_growth, window_of
+from celery_echomq.send.flow_reads import IN_PROCESS
 from celery_echomq.send.join import EAGER_JOIN, check_on_exists, eager_joined, eager_ran
 from celery_echomq.send.plan import (
     Plan,
@@ -41,12 +42,9 @@ from celery_echomq.send.plan import (
     plan_flow,
     too_deep,
 )
-from celery_echomq.send.quorum import fan_in_of, refuse_growth
-from celery_echomq.send.reducers import empty, fold
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
-from celery_echomq.send.window import window_of
 from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
 from celery_echomq.store.headers import H_REDUCE, H_RESULT
 from celery_echomq.store.state import find_state
@@ -408,7 +406,7 @@ def _run_child(
 
 
 def _held(job: dict[str, Any]) -> bool:
-    """Whether a child's result waits for its flow's reducer (send/reducers.py marks it)."""
+    """Whether a child's result waits for its flow's reducer (send/fan_in.py marks it)."""
     headers = (job.get("options") or {}).get("headers") or {}
     return bool(headers.get(H_REDUCE) and headers.get(H_RESULT))
 

@@ -15,7 +15,7 @@ from vine import promise
 
 from celery_echomq.errors import FlowClosedError, FlowFailed, NoResultBackendError
 from celery_echomq.ops.cancel import cancel_flow
-from celery_echomq.send.fanin import add_children, reads_of
+from celery_echomq.send.flow_reads import add_children, reads_of
 from celery_echomq.store import reads
 from celery_echomq.store.connection import text
 from celery_echomq.store.reads import Dependencies, locate

@@ -37,7 +37,7 @@ from celery_echomq.ops.views import (
     root_value,
     with_steps,
 )
-from celery_echomq.send.reducers import empty
+from celery_echomq.send.fan_in import empty
 from celery_echomq.store.connection import text
 from celery_echomq.store.cursor import Cursor, cursor_text, hash_page
 from celery_echomq.store.reads import FAILED_PREFIX, counts_of, locate, scan_queues
@@ -379,8 +379,8 @@ def child_nodes(
 def with_fan_in(state: EchoMQ, queue: str, job_id: str, stored: Any, info: FlowInfo) -> FlowInfo:
     """``info`` (the flow parent ``job_id``'s counts on ``queue``, its stored job, payload or
     ``head``, ``stored``) with its window's size and waiting children, its quorum
-    (``flow(..., quorum=K)``, send/quorum.py) and its reducer with the accumulator so far
-    (``flow(..., reduce=R)``, send/reducers.py): one LLEN for a window, one HGET for a
+    (``flow(..., quorum=K)``, send/fan_in.py) and its reducer with the accumulator so far
+    (``flow(..., reduce=R)``, send/fan_in.py): one LLEN for a window, one HGET for a
     reducer, nothing more for a flow of any size."""
     try:
         job = state.loads(stored) if stored else None

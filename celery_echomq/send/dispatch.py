@@ -13,10 +13,9 @@ import logging
 from typing import Any
 
 from celery_echomq import tracing
+from celery_echomq.send.fan_in import accumulated, cut_rest, quorum_values
 from celery_echomq.send.plan import parent_args, valued
 from celery_echomq.send.publish import send_jobs
-from celery_echomq.send.quorum import cut_rest, quorum_values
-from celery_echomq.send.reducers import accumulated
 from celery_echomq.store.codec import with_input
 from celery_echomq.store.headers import H_HANDED, H_SINCE
 from celery_echomq.store.script_values import Handed

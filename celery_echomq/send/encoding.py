@@ -9,8 +9,8 @@ from typing import Any, NamedTuple
 
 from kombu.exceptions import EncodeError
 
+from celery_echomq.send.fan_in import waiting_kinds
 from celery_echomq.send.plan import Plan, child_id, child_queue
-from celery_echomq.send.window import waiting_kinds
 from celery_echomq.store.codec import child_template, job_delta
 from celery_echomq.store.state import EchoMQ
 

@@ -28,6 +28,7 @@ from typing import Any
 from celery import current_app
 
 from celery_echomq.errors import EchoMQError, FlowClosedError, FlowExistsError
+from celery_echomq.send.fan_in import refuse_growth, windowed
 from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.plan import (
     Plan,
@@ -37,9 +38,7 @@ from celery_echomq.send.plan import (
     plan_children,
     set_root,
 )
-from celery_echomq.send.quorum import refuse_growth
 from celery_echomq.send.start import publish, start_flow
-from celery_echomq.send.window import windowed
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
 from celery_echomq.store.keyspace import check_unique

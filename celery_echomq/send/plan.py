@@ -22,6 +22,7 @@ from celery_echomq.send.entries import (
     row_ids,
     too_deep,
 )
+from celery_echomq.send.fan_in import fan_in_of, window_of
 from celery_echomq.send.ids import check_ids
 from celery_echomq.send.jobs import (
     CHILD_ONLY,
@@ -34,9 +35,7 @@ from celery_echomq.send.jobs import (
     route_queue,
 )
 from celery_echomq.send.links import queue_runs
-from celery_echomq.send.quorum import fan_in_of
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
-from celery_echomq.send.window import window_of
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
 
@@ -64,7 +63,7 @@ class Plan:
     single: bool = False
     # Children whose values the parent does not get (a spread, see shapes.py).
     silent: list[str] = field(default_factory=list)
-    max_active: int = 0  # the most children out at once; 0: no window (send/window.py)
+    max_active: int = 0  # the most children out at once; 0: no window (send/fan_in.py)
 
     def to_dict(self) -> dict[str, Any]:
         # Not dataclasses.asdict: it rebuilds every dict subclass it meets from a generator,

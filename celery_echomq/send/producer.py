@@ -15,6 +15,7 @@ from typing import Any
 
 from celery_echomq import tracing
 from celery_echomq.send.errbacks import mark_chord, with_errbacks
+from celery_echomq.send.fan_in import fan_in_of, window_of
 from celery_echomq.send.join import (
     check_joinable,
     existing_flow,
@@ -22,10 +23,8 @@ from celery_echomq.send.join import (
     shared_in_canvas,
 )
 from celery_echomq.send.plan import Plan, check_depth, plan_flow
-from celery_echomq.send.quorum import fan_in_of
 from celery_echomq.send.signatures import merge_callbacks
 from celery_echomq.send.start import start_flow
-from celery_echomq.send.window import window_of
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_QUEUE
 from celery_echomq.store.keyspace import new_job_id

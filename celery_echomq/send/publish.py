@@ -16,11 +16,26 @@ bytes a worker reads are the same (a random ``delivery_tag`` aside). Elsewhere (
 transport, ``task_send_sent_event``, a caller's own ``Producer.batch()``), the producer
 publishes them in one ``Producer.batch()``; with ``before/after_task_publish`` receivers, the
 signals are sent per message and no template is used.
+
+One round trip for a small flow: its enqueue script pushes the children's messages too.
+
+Where the broker is kombu's Redis transport on the flow store's own server (any database of
+it), a flow of one level whose children's messages can all be built from templates (every
+flow of a shape after the first one this process sent, see ``envelope.py``) has them built
+before its enqueue, and ``enqueue_flow`` LPUSHes them into the broker's database after its
+own writes. The flow lands with its messages or not at all: a refused flow returns before any
+write, so it publishes nothing, and no crash leaves a landed flow whose children were never
+published. Everywhere else the messages are published after the enqueue, as before.
+
+Each message carries the time its children became pending (``echomq_t``), which only the
+script knows: the message is built with a mark there, and the script writes its time in its
+place.
 """
 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
@@ -36,8 +51,12 @@ from celery_echomq.send.envelope import (
     queue_of,
     same,
 )
-from celery_echomq.send.pushes import RedisPushes
+from celery_echomq.send.pushes import RedisPushes, client_of
 from celery_echomq.send.templates import Template, Templates
+from celery_echomq.store.headers import H_SINCE
+from celery_echomq.store.results import database_on_store_server
+from celery_echomq.store.script_values import BrokerPushes
+from celery_echomq.store.state import EchoMQ
 
 T = TypeVar("T")
 
@@ -374,3 +393,49 @@ def _without(options: dict[str, Any], *names: str) -> dict[str, Any]:
     if not any(name in options for name in names):
         return options
     return {k: v for k, v in options.items() if k not in names}
+
+
+# The enqueue time a prepared message carries until the script writes its own.
+SINCE_MARK = -1
+_MARK = f'"{H_SINCE}": {SINCE_MARK}'
+_VALUE_AT = len(_MARK) - len(str(SINCE_MARK))
+
+# kombu channel -> the broker's database on the store's server, or None (asked once a channel).
+_databases: weakref.WeakKeyDictionary[Any, int | None] = weakref.WeakKeyDictionary()
+
+
+def _broker_database(state: EchoMQ, channel: Any) -> int | None:
+    try:
+        return _databases[channel]
+    except KeyError:
+        pass
+    try:
+        found = database_on_store_server(state, client_of(channel))
+    except Exception:  # an unusual transport client: publish after the enqueue, as always
+        found = None
+    _databases[channel] = found
+    return found
+
+
+def prepare(
+    state: EchoMQ, jobs: Iterable[dict[str, Any]], alike: Sequence[bool] = ()
+) -> BrokerPushes | None:
+    """The messages of ``jobs`` (each with :data:`SINCE_MARK` as its ``echomq_t`` header) for
+    the enqueue script to push, or None where they must be published after it. ``alike``:
+    per job, whether its task and options are those of every other job marked so, its id
+    aside (as its encoding found: ``Encoded.alike``)."""
+    if state.settings.min_replicas:
+        return None  # the publish waits for the replicas, after the enqueue
+    built = built_pushes(state.app, jobs, lambda channel: _broker_database(state, channel), alike)
+    if built is None:
+        return None
+    database, pushes = built
+    lists: dict[str, int] = {}
+    messages: list[tuple[int, str, str]] = []
+    for key, message in pushes:
+        at = message.find(_MARK)
+        if at < 0 or message.find(_MARK, at + 1) >= 0:
+            return None  # not JSON as kombu writes it: publish as always
+        index = lists.setdefault(key, len(lists) + 1)
+        messages.append((index, message[: at + _VALUE_AT], message[at + len(_MARK) :]))
+    return BrokerPushes(database, list(lists), messages)

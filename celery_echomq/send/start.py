@@ -21,11 +21,10 @@ from celery_echomq.errors import EchoMQError, FlowExistsError, StoreUnavailableE
 from celery_echomq.send.chunked import Written, enqueue_chunked, takes_chunked_path
 from celery_echomq.send.dispatch import declare_reply_queue, dispatch_parent
 from celery_echomq.send.encoding import Encoded, encode_plan
-from celery_echomq.send.fused import SINCE_MARK, prepare
 from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.join import Joined, joins_by_level
 from celery_echomq.send.plan import Plan, child_id, child_queue, first_job, row_ids
-from celery_echomq.send.publish import send_jobs
+from celery_echomq.send.publish import SINCE_MARK, prepare, send_jobs
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
 from celery_echomq.store.replies import Status, WideCheck
@@ -129,7 +128,7 @@ def _land(
     """Write the flow, every level; on a refusal take back what was written. Returns when
     each level's children became pending (the store's clock, no later than their pending
     score: their messages carry it, sparing each claim a read, see H_SINCE), the messages
-    its enqueue pushed itself (send/fused.py), if it did, and what crediting the joined jobs
+    its enqueue pushed itself (send/publish.py), if it did, and what crediting the joined jobs
     that had finished made of their new parents."""
     written: Written = []
     since: dict[str, int | None] = {}
@@ -216,7 +215,7 @@ def _register_queues(state: EchoMQ, start: _Start) -> tuple[int | None, list[str
 
 def _fused(state: EchoMQ, start: _Start, encoded: dict[str, Encoded]) -> BrokerPushes | None:
     """A small flow of one level, on a broker that shares the store's server: its children's
-    messages go with its enqueue script (send/fused.py)."""
+    messages go with its enqueue script (send/publish.py)."""
     levels, one = start.levels, start.levels[0]
     plain = not (start.cluster or start.chunked[0] or one.child_policies)
     if len(levels) != 1 or not one.children or not plain:

@@ -7,7 +7,7 @@ from typing import Any
 
 from celery.canvas import maybe_signature
 
-from celery_echomq.send.fanin import add_children
+from celery_echomq.send.flow_reads import add_children
 from celery_echomq.send.shapes import COLLECT_TASK, SPREAD_TASK
 
 

@@ -47,7 +47,7 @@ CHORD_OPTIONS = (CHORD_OPTION, OPEN_OPTION)
 # its N children to succeed releases the parent (store/lua/includes/quorum.lua).
 H_QUORUM = "echomq_k"
 # The reducer (JSON) on every child of a flow whose values are folded as they arrive
-# (``flow(..., reduce=R)``, send/reducers.py, store/lua/includes/reduce.lua).
+# (``flow(..., reduce=R)``, send/fan_in.py, store/lua/includes/reduce.lua).
 H_REDUCE = "echomq_x"
 
 

@@ -1,5 +1,5 @@
 """Pure reads of a flow's state in the store: plain reads of its keys, never a write (a flow
-running eagerly is read from memory instead: ``send/fanin.py`` chooses).
+running eagerly is read from memory instead: ``send/flow_reads.py`` chooses).
 
 Each takes the parent's job id. The queue whose slot holds the flow is found from, in order:
 the ``queue`` argument, the current task's own headers (a parent reading its own flow), the

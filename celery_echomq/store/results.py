@@ -197,7 +197,7 @@ def store_success(task: Any, request: Any, result: Any) -> None:
 
 def store_refused(task: Any, request: Any, reason: str) -> None:
     """FAILURE for a child whose value its flow's reducer cannot fold (``reason``, from
-    send/reducers.py), as Celery stores a task that raised: a
+    send/fan_in.py), as Celery stores a task that raised: a
     :class:`~celery_echomq.errors.ReduceError`, its ``link_error`` callbacks run. Only for a
     job whose result the store writes (its message said ``ignore_result``, so Celery's trace
     stored no SUCCESS before the value was looked at)."""

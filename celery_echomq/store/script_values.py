@@ -54,7 +54,7 @@ class ParentRef:
     queue: str
     # "K/N": the parent is released by the K-th success of its N children (a quorum); ''.
     quorum: str = ""
-    # The reducer its children's values are folded with (JSON, send/reducers.py); ''.
+    # The reducer its children's values are folded with (JSON, send/fan_in.py); ''.
     reduce: str = ""
 
 

@@ -261,7 +261,7 @@ def settle_success(
     takes it without a claim (``take_handed``), and recovery makes it pending again if no
     delivery took it before the lease lapsed (``stalled.py``). ``refused``: stores the
     child's FAILURE with the reason its flow's reducer gave for not folding its value (the
-    worker's own check, send/reducers.py's ``refusal``, says the same first)."""
+    worker's own check, send/fan_in.py's ``refusal``, says the same first)."""
     freed: list[Freed] = []
     status, written, handed, shared = state.scripts.complete_settling(
         queue,

@@ -18,7 +18,7 @@ from celery.exceptions import Ignore, TaskRevokedError
 
 from celery_echomq import tracing
 from celery_echomq.errors import ReplicationError, StoreFormatError
-from celery_echomq.send.reducers import refusal
+from celery_echomq.send.fan_in import refusal
 from celery_echomq.store.headers import (
     H_FLOW,
     H_HANDED,

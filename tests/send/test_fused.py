@@ -1,5 +1,5 @@
 """A small flow in one round trip: where the broker is a database of the store's own server,
-its enqueue script pushes the children's messages itself (send/fused.py). The messages are
+its enqueue script pushes the children's messages itself (send/publish.py). The messages are
 those the producer would have published, they carry the time the script read, and a refused
 flow still publishes nothing."""
 
@@ -20,7 +20,7 @@ from celery import chord
 from celery_echomq import flow, get_state
 from celery_echomq.embedded import RedisServer
 from celery_echomq.errors import FlowExistsError
-from celery_echomq.send import fused
+from celery_echomq.send import publish
 from celery_echomq.store.results import database_on_store_server
 from tests.helpers import KEYS, Env, needs_batching
 
@@ -155,7 +155,7 @@ def test_the_broker_must_share_the_store_server(proj: Any, env: Env) -> None:
     with RedisServer() as other:
         elsewhere = redis.Redis.from_url(other.url(int(env.store.rsplit("/", 1)[1])))
         assert database_on_store_server(state, elsewhere) is None
-    assert fused.SINCE_MARK < 0  # never a time the store's clock gives
+    assert publish.SINCE_MARK < 0  # never a time the store's clock gives
 
 
 def test_children_of_other_options_among_alike_ones_keep_their_own_messages(

@@ -148,7 +148,7 @@ def test_the_workers_check_and_the_script_agree(db: redis.Redis, scripts: Script
     """A child's worker decides whether its value can be folded before any result is stored
     (send/reducers.py's refusal); the script that credits it decides again: the same answer,
     with the same reason, for every reducer and kind of value."""
-    from celery_echomq.send.reducers import refusal
+    from celery_echomq.send.fan_in import refusal
 
     for spec in REDUCERS:
         queue = "q" + uuid.uuid4().hex[:8]
