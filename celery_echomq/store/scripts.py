@@ -20,6 +20,7 @@ import redis
 from celery_echomq.store.codec import Stored, stored_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import Keyspace
+from celery_echomq.store.packing import packed
 from celery_echomq.store.replies import Status
 from celery_echomq.store.runner import ScriptRunner, Value
 from celery_echomq.store.script_values import (
@@ -428,7 +429,6 @@ class Scripts:
         goes into ``freed`` for the caller to publish (None: left to recovery, a stall
         timeout later)."""
         remote = parent is not None and parent.queue != queue and not next_step
-        keys = self._complete_keys(queue, job_id, parent, next_step, remote)
         argv: list[Value] = [
             job_id,
             token,
@@ -437,75 +437,60 @@ class Scripts:
             parent.id if parent else "",
             value,
             "1" if remote else "0",
+            self._complete_options(result, next_step, hand_ms, parent, inline_max, remote),
         ]
-        argv += self._complete_options(result, next_step, inline_max if not remote else 0, parent)
-        self._complete_tail(queue, job_id, parent, next_step, hand_ms, result, keys, argv)
+        keys = self._complete_keys(queue, job_id, parent, next_step, result)
         reply = window_freed(self._run("complete", keys, argv), freed)
         return self._completed(reply, parent, inline_max)
 
     def _complete_keys(
-        self, queue: str, job_id: str, parent: ParentRef | None, next_step: str, remote: bool
-    ) -> list[str]:
-        """The job's keys, then where its value goes: the next step of its chain, the
-        queue's outbox (a parent on another slot), or its parent's keys."""
-        if next_step:
-            onward = [self.keys.job_key(queue, next_step), self.keys.queue_key(queue, "pending")]
-        elif remote:
-            onward = [self.keys.queue_key(queue, "outbox")]
-        else:
-            onward = self._parent_keys(
-                parent, "row", "dependencies", "processed", "pending", "counters"
-            )
-        return [
-            self.keys.job_key(queue, job_id),
-            self.keys.queue_key(queue, "active"),
-            *self.keys.flow_keys(queue, job_id),
-            *onward,
-        ]
-
-    @staticmethod
-    def _complete_options(
-        result: ResultWrite | None, next_step: str, inline_max: int, parent: ParentRef | None
-    ) -> list[Value]:
-        """ARGV[8..12]: the result to write, the next step of a chain, or how large a
-        released parent may be handed back inline."""
-        options: list[Value] = []
-        if result is not None:
-            options += ["1", result.meta, str(result.expires) if result.expires else ""]
-        if next_step:
-            options += [*([] if result is not None else ["", "", ""]), "", next_step]
-        elif inline_max and parent is not None:
-            options += [*([] if result is not None else ["", "", ""]), str(inline_max)]
-        return options + [""] * (5 - len(options))
-
-    def _complete_tail(
         self,
         queue: str,
         job_id: str,
         parent: ParentRef | None,
         next_step: str,
-        hand_ms: int,
         result: ResultWrite | None,
-        keys: list[str],
-        argv: list[Value],
-    ) -> None:
-        """The window's keys, then the job's other parents' edges (on_exists="join": the
-        index and :parents), each named by its KEYS position in ARGV[13] and ARGV[14]; the
-        next step's lease (ARGV[15]); the result's key, which stays the last."""
-        if parent is not None and not next_step:
-            argv.append(str(len(keys) + 1))
-            keys += self._window_keys(queue, parent)
-        else:
-            argv.append("")
-        argv.append(str(len(keys) + 1))
-        keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
-        if next_step and hand_ms:
-            argv.append(str(hand_ms))  # the next step handed out active, leased
-        elif parent is not None and (parent.quorum or parent.reduce):
-            # Released by a quorum of its children (ARGV[16]); its values folded (ARGV[17]).
-            argv += ["", parent.quorum, parent.reduce]
-        if result is not None:
-            keys.append(result.key)
+    ) -> list[str]:
+        """complete.lua's sixteen KEYS: the job's keys, its queue's sets, its parent's keys
+        (on this slot), its window, its chain's next step, its result's key; the queue's
+        placeholder where this call has no such key."""
+        unused = self.keys.unused_key(queue)
+        return [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "active"),
+            *self.keys.flow_keys(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "counters"),
+            self.keys.queue_key(queue, "outbox"),
+            *self._edge_keys(queue, job_id),
+            *self._local_parent_keys(queue, parent, "row", "dependencies", "processed"),
+            self._window_key(queue, parent),
+            self.keys.job_key(queue, next_step) if next_step else unused,
+            result.key if result is not None else unused,
+        ]
+
+    @staticmethod
+    def _complete_options(
+        result: ResultWrite | None,
+        next_step: str,
+        hand_ms: int,
+        parent: ParentRef | None,
+        inline_max: int,
+        remote: bool,
+    ) -> bytes:
+        """complete.lua's options: the result to write, the next step of a chain (and its
+        lease), how large a released parent may be handed back inline, the flow's quorum and
+        reducer."""
+        releases = parent is not None and not remote and not next_step
+        return packed(
+            result=result.meta if result is not None else None,
+            expires=str(result.expires) if result is not None and result.expires else None,
+            inline=str(inline_max) if inline_max and releases else None,
+            next=next_step or None,
+            lease=str(hand_ms) if next_step and hand_ms else None,
+            quorum=parent.quorum or None if parent is not None else None,
+            reduce=parent.reduce or None if parent is not None else None,
+        )
 
     def _completed(
         self, reply: list[Any], parent: ParentRef | None, inline_max: int
@@ -558,20 +543,11 @@ class Scripts:
             self.keys.queue_key(queue, "active"),
             self.keys.queue_key(queue, "failed"),
             *self.keys.flow_keys(queue, job_id),
-            *(
-                [self.keys.queue_key(queue, "outbox")]
-                if remote
-                else self._parent_keys(
-                    parent,
-                    "row",
-                    "dependencies",
-                    "processed",
-                    "ignored",
-                    "pending",
-                    "failed",
-                    "counters",
-                )
-            ),
+            self.keys.queue_key(queue, "counters"),
+            self.keys.queue_key(queue, "outbox"),
+            *self._edge_keys(queue, job_id),
+            *self._local_parent_keys(queue, parent, "row", "dependencies", "processed", "ignored"),
+            self._window_key(queue, parent),
         ]
         argv = [
             job_id,
@@ -582,30 +558,32 @@ class Scripts:
             parent.id if parent else "",
             "1" if remote else "0",
             "1" if carry else "0",
+            # Released by a quorum of its children: credited here only on the parent's slot.
+            packed(quorum=parent.quorum or None if parent is not None and not remote else None),
         ]
-        if parent is not None:
-            argv.append(str(len(keys) + 1))
-            keys += self._window_keys(queue, parent)
-        else:
-            argv.append("")
-        # Its other parents' edges (on_exists="join"): the index and :parents, last.
-        argv.append(str(len(keys) + 1))
-        keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
-        if parent is not None and parent.quorum and not remote:
-            argv.append(parent.quorum)  # released by a quorum of its children (ARGV[11])
         reply = window_freed(self._run("fail", keys, argv), freed)
         return status_of(reply[0]), text(reply[1]), len(reply) > 2
 
-    def _window_keys(self, queue: str, parent: ParentRef) -> list[str]:
-        """The window of ``parent``'s children on ``queue``'s slot, that queue's pending
-        set and its counters: where a finishing child's flow keeps its waiting children, and
-        counts them. Passed for every child; the script looks only where the child's row says
-        it holds a slot (``windowed``), so a flow without a window costs no command for them."""
-        return [
-            self.keys.window_key(queue, parent.id),
-            self.keys.queue_key(queue, "pending"),
-            self.keys.queue_key(queue, "counters"),  # its children waiting in windows
-        ]
+    def _edge_keys(self, queue: str, job_id: str) -> list[str]:
+        """The queue's index of joined jobs to credit and the job's :parents: where a job
+        joined to more parents (on_exists="join") is staged as it finishes."""
+        return [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
+
+    def _local_parent_keys(self, queue: str, parent: ParentRef | None, *names: str) -> list[str]:
+        """``parent``'s keys of ``names`` when it lives on ``queue``'s slot; else as many of the
+        queue's placeholder (no parent, or one on another slot: its keys cannot be passed)."""
+        if parent is None or parent.queue != queue:
+            return [self.keys.unused_key(queue)] * len(names)
+        return self._parent_keys(parent, *names)
+
+    def _window_key(self, queue: str, parent: ParentRef | None) -> str:
+        """The window of ``parent``'s children on ``queue``'s slot (the queue's placeholder when
+        there is no parent): where a finishing child's flow keeps its waiting children. Passed
+        for every child; the script looks only where the child's row says it holds a slot
+        (``windowed``), so a flow without a window costs no command for it."""
+        if parent is None:
+            return self.keys.unused_key(queue)
+        return self.keys.window_key(queue, parent.id)
 
     def credit(
         self,
