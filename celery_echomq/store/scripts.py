@@ -202,8 +202,7 @@ class Scripts:
             self.keys.queue_key(queue, "counters"),
         ]
         argv = [parent_id, payload, str(n), policy, outer, str(recent_ttl_ms), str(recent_max)]
-        if template:
-            argv.append(template)
+        argv.append(packed(template=template or None))
         return int(self._run("open_flow", keys, argv))
 
     def add_children(
@@ -223,11 +222,10 @@ class Scripts:
         a slot from the start (``includes/window.lua``)."""
         keys = [
             self.keys.queue_key(queue, "pending"),
+            self.keys.window_key(queue, parent.id),
+            self.keys.queue_key(queue, "counters"),
             *(self.keys.job_key(queue, cid) for cid, _, _ in children),
         ]
-        if "D" in kinds or "P" in kinds:
-            keys.append(self.keys.window_key(queue, parent.id))
-            keys.append(self.keys.queue_key(queue, "counters"))
         argv: list[Value] = [
             parent.id,
             parent.queue if parent.queue != queue else "",
@@ -235,10 +233,8 @@ class Scripts:
         ]
         for cid, payload, policy in children:
             argv += [cid, payload, policy]
-        if kinds:
-            argv.append(kinds)
-        if max_active:
-            argv.append(str(max_active))  # the window's size, for its waiting children
+        # The window's size, for its waiting children.
+        argv.append(packed(kinds=kinds or None, max_active=str(max_active) if max_active else None))
         return int(self._run("add_children", keys, argv))
 
     def grow_flow(
@@ -278,10 +274,10 @@ class Scripts:
             self.keys.queue_key(parent.queue, "pending"),
             self.keys.adding_key(parent.queue, parent.id),
             self.keys.queue_key(parent.queue, "adding"),
+            self.keys.queue_key(parent.queue, "counters"),  # its children waiting in windows
+            self.keys.window_key(parent.queue, parent.id),
             *(self.keys.job_key(parent.queue, cid) for cid, _, _ in local),
         ]
-        if max_active:  # its children waiting in windows are counted there
-            keys.append(self.keys.queue_key(parent.queue, "counters"))
         argv: list[Value] = [
             parent.id,
             payload_sha,
@@ -291,8 +287,7 @@ class Scripts:
         ]
         for cid, payload, policy in (*local, *remote):
             argv += [cid, payload, policy]
-        if max_active:
-            argv.append(str(max_active))
+        argv.append(packed(max_active=str(max_active) if max_active else None))
         reply = self._run("grow_flow", keys, argv)
         started = int(reply[2]) if len(reply) > 2 else len(local)
         return status_of(reply[0]), int(reply[1]), started
@@ -361,11 +356,12 @@ class Scripts:
             str(priority),
             "1" if force else "0",
             str(retries),
-            str(known) if known else "",
-            str(since) if since else "",
+            packed(
+                mark=str(known) if known else None,
+                since=str(since) if since else None,
+                parent=parent,
+            ),
         ]
-        if parent is not None:
-            argv.append(parent)
         status, attempts, holder, mark = self._run("claim", keys, argv)
         if mark not in (b"", "", None) and int(mark) > known:
             marks[(queue, priority)] = int(mark)
@@ -608,8 +604,7 @@ class Scripts:
             self.keys.queue_key(parent.queue, "counters"),
         ]
         argv = [parent.id, child_id, outcome, data, policy, str(ttl)]
-        if parent.quorum:
-            argv.append(parent.quorum)  # released by a quorum of its children (ARGV[7])
+        argv.append(packed(quorum=parent.quorum or None))  # released by a quorum of them
         status, applied = self._run("credit", keys, argv)
         return status_of(status), text(applied)
 
