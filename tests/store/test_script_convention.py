@@ -7,11 +7,15 @@ for the last test, which sends a map to a real Redis."""
 from __future__ import annotations
 
 import re
+import uuid
 from pathlib import Path
 
 import redis
 
+from celery_echomq.store.keyspace import new_job_id
 from celery_echomq.store.packing import packed
+from celery_echomq.store.scripts import ParentRef, ResultWrite, Scripts
+from tests.helpers import KEYS, LEASE, TTL, enqueue, run_child
 
 LUA = Path(__file__).resolve().parents[2] / "celery_echomq" / "store" / "lua"
 SCRIPTS = sorted(LUA.glob("*.lua"))
@@ -133,3 +137,43 @@ def test_options_reach_a_script_byte_for_byte_and_absent_ones_are_not_there(
     read = "local o = cmsgpack.unpack(ARGV[#ARGV]); return {o.raw, o.text, tostring(o.none)}"
     reply = db.eval(read, 0, "positional", packed(raw=raw, text="K/N", none=None))
     assert reply == [raw, b"K/N", b"nil"]
+
+
+def claimed(scripts: Scripts, queue: str, job_id: str) -> str:
+    token = uuid.uuid4().hex
+    assert scripts.claim(queue, job_id, token, LEASE)[0] == "claimed"
+    return token
+
+
+def test_no_script_writes_the_placeholder_passed_for_a_key_a_call_has_not(
+    db: redis.Redis, scripts: Scripts
+) -> None:
+    here, there = ("q" + uuid.uuid4().hex[:8] for _ in range(2))
+    # Children of a parent on another slot: its keys are placeholders on theirs.
+    parent, (done, failed) = new_job_id(), (new_job_id(), new_job_id())
+    ref = ParentRef(parent, there)
+    scripts.open_flow(there, parent, b"parent", 2, "")
+    scripts.add_children(here, ref, [(done, b"a", ""), (failed, b"b", "")])
+    token = claimed(scripts, here, done)
+    assert scripts.complete(
+        here, done, token, ttl=TTL, is_parent=False, parent=ref, value=b"1"
+    ) == ("staged")
+    token = claimed(scripts, here, failed)
+    assert scripts.fail(here, failed, token, "E: x", ttl=TTL, is_parent=False, parent=ref)[0] == (
+        "staged"
+    )
+    # Flow parents with no parent of their own, one writing its result, one failing.
+    for outcome in ("done", "failed"):
+        top, (child,) = enqueue(scripts, here, 1)
+        assert run_child(scripts, here, top, child, b"1") == "released"
+        token = claimed(scripts, here, top)
+        if outcome == "done":
+            write = ResultWrite(f"celery-task-meta-{top}", b"meta", None)
+            status = scripts.complete(
+                here, top, token, ttl=TTL, is_parent=True, parent=None, value=b"2", result=write
+            )
+            assert status == "done" and db.get(write.key) == b"meta"
+        else:
+            status, _ = scripts.fail(here, top, token, "E: y", ttl=TTL, is_parent=True, parent=None)
+            assert status == "failed"
+    assert db.exists(KEYS.unused_key(here), KEYS.unused_key(there)) == 0
