@@ -31,6 +31,7 @@ from celery_echomq.errors import (
     PolicyError,
     ReduceError,
     ReplicationError,
+    StoreFormatError,
     StoreUnavailableError,
 )
 from celery_echomq.ops.listing import FlowRow, list_flows
@@ -75,6 +76,7 @@ __all__ = [
     "ReleaseOutcome",
     "ReplicationError",
     "RetryOutcome",
+    "StoreFormatError",
     "StoreUnavailableError",
     "UnknownFlowError",
     "add_children",

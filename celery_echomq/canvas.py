@@ -9,31 +9,27 @@ from typing import Any
 from celery import current_app
 from celery.canvas import Signature, _chain, maybe_signature
 
-from celery_echomq import tracing
 from celery_echomq.result import FlowResult
-from celery_echomq.send.arguments import check_keywords, check_order
-from celery_echomq.send.children import child_signatures
-from celery_echomq.send.errbacks import give_errbacks, mark_chord, with_errbacks
+from celery_echomq.send.errbacks import give_errbacks
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
 from celery_echomq.send.jobs import check_policy
-from celery_echomq.send.join import (
-    check_joinable,
-    check_on_exists,
-    existing_flow,
-    joined_children,
-    shared_in_canvas,
-)
-from celery_echomq.send.plan import check_depth, plan_flow, too_deep
-from celery_echomq.send.quorum import check_quorum, check_reduce, fan_in_of
+from celery_echomq.send.join import check_on_exists
+from celery_echomq.send.plan import too_deep
+from celery_echomq.send.producer import Sending, send_flow
+from celery_echomq.send.quorum import check_quorum, check_reduce
 from celery_echomq.send.shapes import FLOW_TASK, normal_flow
-from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
-from celery_echomq.send.start import start_flow
-from celery_echomq.send.window import check_max_active, window_of
+from celery_echomq.send.signatures import (
+    CALLBACKS,
+    check_keywords,
+    check_order,
+    child_signatures,
+    merge_callbacks,
+)
+from celery_echomq.send.window import check_max_active
 from celery_echomq.store.connection import bounded
-from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec, stamp
-from celery_echomq.store.headers import CHORD_OPTIONS, H_QUEUE
+from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec
+from celery_echomq.store.headers import CHORD_OPTIONS
 from celery_echomq.store.keyspace import new_job_id
-from celery_echomq.store.results import writes_results
 from celery_echomq.store.script_values import ParentRef
 from celery_echomq.store.state import get_state
 from celery_echomq.worker.settle import follow
@@ -41,20 +37,9 @@ from celery_echomq.worker.settle import follow
 __all__ = ["FLOW_TASK", "FlowResult", "flow"]
 
 
-def _replaced_job(task_id: Any, options: dict[str, Any]) -> tuple[str, str] | None:
-    """``(queue, id)`` of the flow job this flow replaces (``Task.replace``), else None."""
-    from celery import current_task
-
-    if not task_id or "replaced_task_nesting" not in options or current_task is None:
-        return None
-    request = current_task.request
-    queue = getattr(request, H_QUEUE, None)
-    return (str(queue), str(task_id)) if queue and request.id == task_id else None
-
-
 def _shaped(sig: Any, shared: bool = False) -> tuple[Any, str]:
     """``normal_flow(sig)``, its group parents' errbacks given to their tasks and every id of
-    it gated (``shared``: a task listed twice is one job, see send/shared.py)."""
+    it gated (``shared``: a task listed twice is one job, see send/ids.py)."""
     made = normal_flow(sig)
     if made[0] is not sig:
         give_errbacks(made[0])
@@ -316,66 +301,19 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             shape, fan = _shaped(self.clone(task_id=task_id))
         # The callbacks it is sent with, and its own: a frozen shape was made before any
         # linked since (chord.link_error after freeze() still reaches the body).
-        sent = {
+        callbacks = {
             name: merge_callbacks(self.options.get(name), options.get(name))
             for name in CALLBACKS
             if name in self.options or name in options
         }
-        merged = {**shape.options, **options}
-        for name, value in sent.items():
-            merged[name] = merge_callbacks(shape.options.get(name), value)
-        shape = with_errbacks(shape, sent.get("link_error"))
-        if task_id is not None:
-            merged["task_id"] = task_id
-        for name in ("producer", "connection", "add_to_parent"):
-            merged.pop(name, None)
-        partial = () if shape.immutable else (*tuple(args or ()), *shape.args)
-        parent = shape.parent
-        replaced = _replaced_job(merged.get("task_id") or parent.options.get("task_id"), merged)
-        if replaced is not None:
-            # Task.replace(flow): Celery gives the replacement the replaced task's id, which
-            # names the replaced flow job's own row. The flow's parent takes an id of its own;
-            # the replaced job takes the parent's outcome (recovery reads it from the backend).
-            parent = parent.clone()
-            parent.options["task_id"] = merged["task_id"] = new_job_id()
-        plan = plan_flow(
-            app,
-            parent,
-            shape.children,
-            policy=shape.policy,
-            single=shape.single,
-            args=tuple(partial),
-            kwargs=kwargs,
-            options=merged,
-            child_results=state.settings.child_results,
-            store_results=writes_results(state),
-            shared_jobs=on_exists == "join",
+        sending = Sending(
+            tuple(args or ()), kwargs, task_id, options, chord, callbacks, on_exists=on_exists
         )
-        check_depth(plan, state.settings.max_depth)
-        stamp(plan, shape.kwargs)  # its deadline, kept by the job that holds its children
-        window_of(plan, shape.kwargs)  # its window, kept there too
-        fan_in_of(plan, shape.kwargs)  # its quorum or reducer, kept there and on its children
-        if fan and fan != plan.parent_id:
-            # What operators' repairs follow from the flow's id to its children (release).
-            plan.parent["fan_in"] = fan
-        mark_chord(plan, fan, chord)  # a chord on the engine (chords.py)
-        joined = {}
-        if on_exists == "join":
-            if existing_flow(state, plan):
-                # The same flow, sent before: its result, and nothing sent again.
-                return FlowResult(plan.parent_id, app=app, queue=plan.queue, fan_in=fan)
-            joined = joined_children(state, plan)
-            check_joinable(state, joined)
-            joined.update(shared_in_canvas(plan, joined))
-        if replaced is not None:
-            queue, job_id = replaced
-            state.client.hset(state.keys.job_key(queue, job_id), "replaced_by", plan.parent_id)
-        with tracing.flow_span(app, plan, fan):
-            settled = start_flow(state, plan, joined=joined)
-        for status, child, error in settled:
+        sent = send_flow(app, state, shape, fan, sending)
+        for status, child, error in sent.settled:
             # A joined job that had failed, settled under the new parent's policy for it.
-            follow(state, status, child, ParentRef(plan.parent_id, plan.queue), error)
-        return FlowResult(plan.parent_id, app=app, queue=plan.queue, fan_in=fan)
+            follow(state, status, child, ParentRef(sent.parent_id, sent.queue), error)
+        return FlowResult(sent.parent_id, app=app, queue=sent.queue, fan_in=fan)
 
     def apply(
         self,

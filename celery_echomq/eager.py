@@ -164,7 +164,7 @@ def apply_flow(
             kwargs=kwargs,
             options=merged,
             single=sig.single,
-            shared_jobs=joins,  # one job listed by several flows of it: send/shared.py
+            shared_jobs=joins,  # one job listed by several flows of it: send/ids.py
         )
     except RecursionError:
         raise too_deep(limit) from None

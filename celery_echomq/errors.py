@@ -192,6 +192,26 @@ class StoreConnectionError(StoreUnavailableError, redis.exceptions.ConnectionErr
     """
 
 
+class StoreFormatError(EchoMQError):
+    """A row of the store is in a newer format than this release knows (the scripts'
+    ``EMQFORMAT`` reply): a newer celery-echomq wrote it. Nothing was written; the row is left
+    for a worker of that release. ``found`` is the row's format, ``known`` this release's,
+    ``row`` the row's key.
+    """
+
+    def __init__(self, found: str, known: int, row: str) -> None:
+        super().__init__(found, known, row)
+        self.found, self.known, self.row = found, known, row
+
+    def __str__(self) -> str:
+        return (
+            f"row {self.row} is in store format {self.found}, newer than format {self.known}, "
+            "the newest this celery-echomq knows: a newer release wrote it, and this one "
+            "leaves it untouched (nothing was written). Upgrade celery-echomq on this process "
+            "to the release that wrote it (docs/operations.md: the store's format)"
+        )
+
+
 class ReplicationError(EchoMQError):
     """Fewer than ``echomq_min_replicas`` replicas acknowledged a transition in time.
 

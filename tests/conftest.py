@@ -119,6 +119,7 @@ SLOW_TESTS = frozenset(
         "test_retry_of_2100_failed_children_reads_and_retries_them_a_chunk_at_a_time",
         "test_release_reads_the_counts_alone_and_revoke_stops_2500_children_a_chunk_at_a_time",
         "test_doctor_counts_the_sentinels_and_replicas_of_a_sentinel_store",
+        "test_flows_in_flight_on_the_previous_release_finish_after_an_upgrade_worker_killed",
     }
 )
 RESULT_PATH_MODULES = frozenset(

@@ -15,7 +15,7 @@ from typing import Any
 
 from celery_echomq.config import Settings, safe_url
 from celery_echomq.ops.fleet import Finding, ask_workers, check_workers, has_extension
-from celery_echomq.store import server_info
+from celery_echomq.store import server_info, store_format
 from celery_echomq.store.connection import describe
 from celery_echomq.store.reads import queues_of
 from celery_echomq.store.results import writes_results
@@ -50,6 +50,8 @@ class Facts:
     # extension answers too), and the queues the store holds flows of.
     consumers: dict[str, list[str]] = field(default_factory=dict)
     store_queues: list[str] | str = field(default_factory=list)
+    # The newest flows of each store queue whose rows are of a newer format than this release's.
+    newer: list[tuple[str, str, str]] | str = field(default_factory=list)
 
 
 def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
@@ -73,6 +75,11 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
         facts.store_queues = queues_of(state, None)
     except Exception as exc:  # refused to this user, or a Cluster node's MOVED: said elsewhere
         facts.store_queues = f"{type(exc).__name__}: {exc}"
+    try:
+        queues = facts.store_queues if isinstance(facts.store_queues, list) else []
+        facts.newer = store_format.newer_flows(client, state.keys, queues)
+    except Exception as exc:  # refused to this user, or the queues unread: said elsewhere
+        facts.newer = f"{type(exc).__name__}: {exc}"
     try:
         facts.workers, facts.consumers = ask_workers(state.app, workers_timeout)
     except Exception as exc:  # the broker unreachable: the workers cannot be asked
@@ -321,6 +328,27 @@ def check_clock(facts: Facts) -> Finding:
     )
 
 
+def check_format(newer: list[tuple[str, str, str]] | str) -> Finding:
+    """Whether a newer release wrote flows this one would leave untouched (its workers skip
+    them): the newest flows of each queue, by their parent's format."""
+    known = store_format.STORE_FORMAT
+    if isinstance(newer, str):
+        return Finding("store format", "note", f"format {known}; flows unread: {newer}")
+    if not newer:
+        return Finding("store format", "ok", f"format {known}; no newer flow among the newest")
+    queues = sorted({queue for queue, _, _ in newer})
+    queue, parent, found = newer[0]
+    return Finding(
+        "store format",
+        "wrong",
+        f"{len(newer)} of the newest flows (queues {', '.join(queues)}) are of store format "
+        f"{found} (e.g. {parent} on {queue}), newer than format {known}, the newest this "
+        "celery-echomq knows: a worker of this release leaves them untouched",
+        "upgrade celery-echomq here and on every worker of those queues to the release that "
+        "wrote them",
+    )
+
+
 def diagnose(facts: Facts) -> list[Finding]:
     """Every check, in the order the command prints them."""
     return [
@@ -333,6 +361,7 @@ def diagnose(facts: Facts) -> list[Finding]:
         check_backend(facts),
         check_clock(facts),
         check_workers(facts.workers, facts.consumers, facts.store_queues),
+        check_format(facts.newer),
     ]
 
 

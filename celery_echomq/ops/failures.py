@@ -18,6 +18,7 @@ from typing import Any
 
 from celery_echomq.ops.pages import ROW_SCAN, child_nodes, hscan_ids, root_node
 from celery_echomq.ops.views import JobNode
+from celery_echomq.store.cursor import Cursor
 from celery_echomq.store.reads import FAILED_PREFIX, locate
 from celery_echomq.store.state import EchoMQ
 
@@ -48,13 +49,11 @@ def failed_chunks(state: EchoMQ, root: FlowRoot) -> Iterator[list[JobNode]]:
     if root.row["children_n"] is None:
         # A flow written before its record existed: the row's failed:<id> fields.
         key, prefix, batch = state.keys.job_key(node.queue, node.id), FAILED_PREFIX, ROW_SCAN
-    cursor: str | None = None
-    while True:
+    cursor: Cursor | None = Cursor()
+    while cursor is not None:
         ids, cursor = hscan_ids(state, key, prefix, cursor, chunk, batch)
         if ids:
             yield child_nodes(state, node.queue, root.row, node.flow, ids)
-        if cursor is None:
-            return
 
 
 def child_of(state: EchoMQ, root: FlowRoot, child_id: str) -> JobNode | None:

@@ -27,9 +27,10 @@ from typing import Any
 
 from celery import current_app
 
-from celery_echomq.errors import CursorError, InvalidIdError, ListingError
+from celery_echomq.errors import CursorError, ListingError
 from celery_echomq.store.connection import text
-from celery_echomq.store.keyspace import check_id, check_queue, id_of_row
+from celery_echomq.store.cursor import Cursor
+from celery_echomq.store.keyspace import check_queue, id_of_row
 from celery_echomq.store.reads import counts_of
 from celery_echomq.store.state import EchoMQ, get_state
 
@@ -48,7 +49,6 @@ MAX_LIMIT = 1000
 MAX_EXAMINED = 10_000
 BATCH_MAX = 1000  # index entries (and rows) one round trip reads, at most
 _ROW = ("state", "parent", "credited_failed", "failed_children", "error")
-_CURSOR = re.compile(r"^([rf]):(\d{1,20}):([^\s:{}]{1,200})$")
 
 
 @dataclass(frozen=True)
@@ -126,20 +126,15 @@ def read_flows(
 
 
 def _parse_cursor(cursor: str | None, kind: str) -> tuple[int, str] | None:
+    """Where a list goes on: the score and id of the last flow a page returned."""
     if cursor is None:
         return None
-    found = _CURSOR.match(str(cursor))
-    if not found:
+    start = Cursor.parse(cursor, "list", "fr", after="id")
+    if start.after is None:
         raise CursorError(f"not a list cursor: {str(cursor)[:80]!r} (pass the one a page gave)")
-    if found.group(1) != kind:
+    if start.phase != kind:
         raise CursorError("that cursor is from a list of another state: pass the same --state")
-    try:
-        check_id(found.group(3))
-    except InvalidIdError:
-        raise CursorError(
-            f"not a list cursor: {str(cursor)[:80]!r} (pass the one a page gave)"
-        ) from None
-    return int(found.group(2)), found.group(3)
+    return start.at, start.after
 
 
 def _queue_names(store: EchoMQ) -> list[str]:
@@ -182,7 +177,7 @@ class _Pager:
         return rows, self._cursor(position) if position else None
 
     def _cursor(self, position: tuple[int, str] | None) -> str | None:
-        return None if position is None else f"{self.kind}:{position[0]}:{position[1]}"
+        return None if position is None else str(Cursor(self.kind, *position))
 
     def _entries(
         self, after: tuple[int, str] | None, batch: int

@@ -10,15 +10,20 @@ pages a set of its own where the store keeps one (``failed``: ``:failures`` then
 ``:ignored``; ``done``: ``:processed``), else examines the index a bounded stretch at a
 time, as SCAN does: a page may come short, or empty, with a cursor to go on. A nested flow
 is one line with its own counts; it is opened by reading it as a flow of its own.
+
+And a flow's fan-in as operators read it (``with_fan_in``): its window's size and how many
+children wait for a slot, its quorum, its reducer and the accumulator so far; one LLEN for a
+window, one HGET for a reducer, whatever the flow's size.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
-from celery_echomq.errors import CursorError, EchoMQError
+from celery_echomq.errors import EchoMQError
 from celery_echomq.ops.timing import finish_times
 from celery_echomq.ops.views import (
     MISSING,
@@ -32,12 +37,14 @@ from celery_echomq.ops.views import (
     root_value,
     with_steps,
 )
-from celery_echomq.ops.windows import with_fan_in
+from celery_echomq.send.reducers import empty
 from celery_echomq.store.connection import text
+from celery_echomq.store.cursor import Cursor, cursor_text, hash_page
 from celery_echomq.store.reads import FAILED_PREFIX, counts_of, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
 
 __all__ = ["FILTERS", "PAGE", "child_positions", "iter_children", "read_flow"]
+
 
 PAGE = 50  # children per page unless asked otherwise
 MAX_PAGE = 1000
@@ -211,14 +218,6 @@ def _info(row: dict[str, Any], listed: list[str]) -> FlowInfo | None:
     )
 
 
-def _position(cursor: str | None) -> int:
-    if cursor is None:
-        return 0
-    if not cursor.isdigit() or len(cursor) > 12:
-        raise CursorError(f"not a page cursor: {cursor[:40]!r} (pass the one a page gave)")
-    return int(cursor)
-
-
 def _page_ids(
     state: EchoMQ,
     queue: str,
@@ -231,8 +230,10 @@ def _page_ids(
     if only == "failed":
         return _failed_ids(state, queue, job_id, row["children_n"] is not None, cursor, count)
     if only == "done":
-        return hscan_ids(state, state.keys.flow_keys(queue, job_id)[1], "", cursor, count, count)
-    start = _position(cursor)
+        processed = state.keys.flow_keys(queue, job_id)[1]
+        ids, following = hscan_ids(state, processed, "", Cursor.parse(cursor, "page"), count, count)
+        return ids, cursor_text(following)
+    start = Cursor.parse(cursor, "page", after="none").at
     if only is None:
         ids = _positions(state, queue, job_id, row, start, start + count)
         after = start + len(ids)
@@ -295,53 +296,28 @@ def _failed_ids(
     if not indexed:
         row_key, prefix, batch = state.keys.job_key(queue, job_id), FAILED_PREFIX, ROW_SCAN
     ignored_key = state.keys.flow_keys(queue, job_id)[2]
-    phase, rest = ("f", None) if cursor is None else (cursor[:1], cursor[1:])
-    if phase not in ("f", "i") or rest == "":
-        raise CursorError(f"not a page cursor: {str(cursor)[:40]!r} (pass the one a page gave)")
+    start = Cursor.parse(cursor, "page", "fi")
     ids: list[str] = []
-    if phase == "f":
-        ids, after = hscan_ids(state, row_key, prefix, rest, count, batch)
-        if after is not None:
-            return ids, "f" + after
-        rest = None
-    more, after = hscan_ids(state, ignored_key, "", rest, count - len(ids), count)
-    ids += more
-    return ids, None if after is None else "i" + after
+    if start.phase == "f":
+        ids, following = hscan_ids(state, row_key, prefix, start, count, batch)
+        if following is not None:
+            return ids, str(following)
+        start = Cursor("i")
+    more, following = hscan_ids(state, ignored_key, "", start, count - len(ids), count)
+    return ids + more, cursor_text(following)
 
 
 def hscan_ids(
-    state: EchoMQ, key: str, prefix: str, cursor: str | None, count: int, batch: int
-) -> tuple[list[str], str | None]:
+    state: EchoMQ, key: str, prefix: str, start: Cursor, count: int, batch: int
+) -> tuple[list[str], Cursor | None]:
     """Up to ``count`` fields of hash ``key`` that start with ``prefix`` (the prefix cut off),
-    from ``cursor`` (``"<hscan cursor>"`` or ``"<hscan cursor>:<last field>"``), at most
-    ROW_SCANS HSCAN calls of COUNT ``batch``; and the next cursor (None: the hash is done).
-
-    A batch is sorted and a page may stop inside it: the cursor then names the batch and
-    the last field returned, and the next page scans that batch again past that field."""
-    scan, after = 0, None
-    if cursor is not None:
-        number, _, last = cursor.partition(":")
-        if not number.isdigit() or len(number) > 20:
-            raise CursorError(f"not a page cursor: {cursor[:40]!r} (pass the one a page gave)")
-        scan, after = int(number), last or None
+    from ``start``, at most ROW_SCANS HSCAN calls of COUNT ``batch``; and the next page's
+    cursor (None: the hash is done)."""
     if count <= 0:
-        return [], f"{scan}:{after}" if after else str(scan)
-    ids: list[str] = []
+        return [], start
     match = prefix + "*" if prefix else None
-    for _ in range(ROW_SCANS):
-        following, batch_fields = state.client.hscan(key, scan, match=match, count=batch)
-        names = sorted(text(k)[len(prefix) :] for k in batch_fields)
-        fresh = [n for n in names if after is None or n > after]
-        room = count - len(ids)
-        ids += fresh[:room]
-        if len(fresh) > room:
-            return ids, f"{scan}:{ids[-1]}"
-        after, scan = None, int(following)
-        if scan == 0:
-            return ids, None
-        if len(ids) >= count:
-            break
-    return ids, str(scan)
+    page, following = hash_page(state.client, key, start, count, match, ROW_SCANS, batch)
+    return [name[len(prefix) :] for name in page], following
 
 
 def child_nodes(
@@ -398,3 +374,28 @@ def child_nodes(
         node = replace(node, shared_by=1 + int(more))
         nodes.append(node if nested is None else replace(node, flow=nested))
     return nodes
+
+
+def with_fan_in(state: EchoMQ, queue: str, job_id: str, stored: Any, info: FlowInfo) -> FlowInfo:
+    """``info`` (the flow parent ``job_id``'s counts on ``queue``, its stored job, payload or
+    ``head``, ``stored``) with its window's size and waiting children, its quorum
+    (``flow(..., quorum=K)``, send/quorum.py) and its reducer with the accumulator so far
+    (``flow(..., reduce=R)``, send/reducers.py): one LLEN for a window, one HGET for a
+    reducer, nothing more for a flow of any size."""
+    try:
+        job = state.loads(stored) if stored else None
+    except Exception:  # a payload this app cannot read: no window to show
+        return info
+    if not isinstance(job, dict):
+        return info
+    if job.get("quorum"):
+        info = replace(info, quorum=int(job["quorum"]))
+    if job.get("reduce"):
+        acc = state.client.hget(state.keys.job_key(queue, job_id), "acc")
+        folded = empty(job["reduce"]) if acc is None else json.loads(acc)  # reduce.lua's JSON
+        info = replace(info, reduce=list(job["reduce"]), acc=folded)
+    if job.get("max_active"):
+        where = str(job.get("window_queue") or queue)
+        waiting = state.client.llen(state.keys.window_key(where, job_id))
+        info = replace(info, max_active=int(job["max_active"]), waiting=int(waiting))
+    return info

@@ -7,7 +7,6 @@ before the publish leaves a pending row without a message, which recovery re-pub
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from typing import Any
 
 from celery_echomq import tracing
@@ -19,25 +18,19 @@ from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
 
-# The templates of windowed flows this process publishes children of ((queue, parent) ->
-# its template), read once per flow, not once per child: a flow's template never changes.
-_TEMPLATES: OrderedDict[tuple[str, str], bytes | None] = OrderedDict()
-_KEPT = 64
-
 
 def _job(state: EchoMQ, queue: str, freed: Freed) -> Any:
     stored = freed.stored
     if not isinstance(stored, Delta):
         return load_job(state, queue, freed.id, stored)
-    key = (queue, stored.parent)
+    # The flow's template, read from its row once per process (kept on the app's state).
+    key, kept = (queue, stored.parent), state.templates
     templates: dict[str, bytes | None] = {}
-    if key in _TEMPLATES:
-        templates[stored.parent] = _TEMPLATES[key]
+    if key in kept:
+        templates[stored.parent] = kept.get(key)
     job = load_job(state, queue, freed.id, stored, templates)
-    if key not in _TEMPLATES:
-        _TEMPLATES[key] = templates[stored.parent]
-        if len(_TEMPLATES) > _KEPT:
-            _TEMPLATES.popitem(last=False)
+    if key not in kept:
+        kept.put(key, templates[stored.parent])
     return job
 
 

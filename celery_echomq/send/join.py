@@ -24,8 +24,8 @@ from typing import Any
 
 from celery_echomq.errors import FlowExistsError, OnExistsError
 from celery_echomq.send.entries import child_queue, first_job
+from celery_echomq.send.ids import check_ids
 from celery_echomq.send.plan import Plan, child_id
-from celery_echomq.send.shared import check_ids
 from celery_echomq.store.codec import (
     STORED_FIELDS,
     Delta,
@@ -63,7 +63,7 @@ class Joined:
     state: str
     job: Any
     # The flow (its parent's id) of this same tree that writes the job, for a job shared by
-    # several of its flows (send/shared.py); '' for a job in the store already.
+    # several of its flows (send/ids.py); '' for a job in the store already.
     owner: str = ""
 
     def joined_by(self, flow_id: str) -> bool:
@@ -204,7 +204,7 @@ def eager_ran(job_id: str, job: dict[str, Any], result: Any) -> Any:
 
 
 def shared_in_canvas(plan: Plan, joined: dict[str, Joined]) -> dict[str, Joined]:
-    """The tasks several flows of ``plan``'s tree list (send/shared.py), not in the store:
+    """The tasks several flows of ``plan``'s tree list (send/ids.py), not in the store:
     written by the first of those flows, joined by the others."""
     writes = check_ids(list(plan.levels()), plan.parent_id, True)
     found: dict[str, Joined] = {}

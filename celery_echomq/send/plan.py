@@ -22,6 +22,7 @@ from celery_echomq.send.entries import (
     row_ids,
     too_deep,
 )
+from celery_echomq.send.ids import check_ids
 from celery_echomq.send.jobs import (
     CHILD_ONLY,
     PARENT_ONLY,
@@ -35,7 +36,6 @@ from celery_echomq.send.jobs import (
 from celery_echomq.send.links import queue_runs
 from celery_echomq.send.quorum import fan_in_of
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
-from celery_echomq.send.shared import check_ids
 from celery_echomq.send.window import window_of
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
@@ -193,7 +193,7 @@ def plan_flow(
         plan.parent["silent"] = list(plan.silent)
     if not outer:
         # Every id of the tree once: a nested parent is listed as its outer flow's child.
-        check_ids(list(plan.levels(True)), parent_id, shared_jobs)  # shared: see send/shared.py
+        check_ids(list(plan.levels(True)), parent_id, shared_jobs)  # shared: see send/ids.py
         root = flow_root(options, parent_id)
         plan.parent["options"]["root_id"] = root
         set_root(plan.children, root)

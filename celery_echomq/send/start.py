@@ -344,41 +344,17 @@ def with_since(job: dict[str, Any], since: int | None, store: str) -> dict[str, 
 
 
 def _rollback(state: EchoMQ, written: Written) -> None:
-    """Delete what a refused start wrote: ``(queue, parent id or '', child ids)`` per step."""
-    keys = state.keys
+    """Delete what a refused start wrote: ``(queue, parent id or '', child ids)`` per step,
+    a chunk of rows at a time, each chunk and the parent's own keys one script (forget.lua,
+    which also takes back what the start counted: the parent held, children in a window)."""
+    keys, size = state.keys, state.settings.chunk_size
     for queue, parent_id, child_ids in reversed(written):
-        # A parent the step held was counted in the queue's 'held' counter: uncount it.
-        held = (
-            bool(parent_id)
-            and state.client.hget(keys.job_key(queue, parent_id), "state") == b"awaiting_children"
-        )
-        # Children written waiting for a slot of the flow's window leave its queue's count.
-        size = state.settings.chunk_size
         for at in range(0, len(child_ids), size):
-            state.scripts.drop_waiting(queue, parent_id, child_ids[at : at + size])
-        pipe = state.client.pipeline(transaction=False)
-        for cid in child_ids:
-            pipe.delete(keys.job_key(queue, cid))
-        if child_ids:
-            pipe.zrem(keys.queue_key(queue, "pending"), *child_ids)
+            state.scripts.forget(queue, child_ids[at : at + size])
         if parent_id:
-            pipe.delete(
-                keys.job_key(queue, parent_id),
-                keys.flow_keys(queue, parent_id)[0],
-                keys.children_key(queue, parent_id),
-                keys.failures_key(queue, parent_id),
-                keys.window_key(queue, parent_id),
-                keys.slots_key(queue, parent_id),
-            )
+            state.scripts.forget(queue, [parent_id], [parent_id])
             # Its locator, where its script wrote one (a key of another slot: on its own).
-            pipe.delete(keys.locator_key(parent_id))
-            pipe.zrem(keys.queue_key(queue, "open"), parent_id)
-            pipe.zrem(keys.queue_key(queue, "pending"), parent_id)
-            # Undo what open_flow/enqueue_flow counted: the flow never existed.
-            pipe.zrem(keys.queue_key(queue, "recent"), parent_id)
-            if held:
-                pipe.hincrby(keys.queue_key(queue, "counters"), "held", -1)
-        pipe.execute()
+            state.client.delete(keys.locator_key(parent_id))
 
 
 def resume_nested(state: EchoMQ, plan: Plan) -> None:

@@ -14,20 +14,15 @@ from typing import Any
 
 from celery_echomq.errors import CursorError, ListingError
 from celery_echomq.store.connection import text
-from celery_echomq.store.reads import (
-    FAILED_PREFIX,
-    hash_page,
-    locate,
-    scan_queues,
-    state_of,
-)
+from celery_echomq.store.cursor import Cursor, hash_page
+from celery_echomq.store.reads import FAILED_PREFIX, locate, scan_queues, state_of
 from celery_echomq.store.state import EchoMQ
 
 __all__ = ["failed_children", "failed_page"]
 
 # Children of the index examined for one page of deadline cuts (as SCAN's COUNT).
 CUT_WINDOW = 1000
-_PHASES = ("f", "i", "c")  # failures, then ignored, then deadline cuts
+_PHASES = "fic"  # failures, then ignored, then deadline cuts
 
 
 def failed_children(
@@ -67,81 +62,69 @@ def failed_children(
 def failed_page(
     state: EchoMQ, queue: str, job_id: str, cursor: str | None, count: int
 ) -> tuple[dict[str, str], str | None]:
-    """One page of ``job_id``'s failed children from ``cursor`` ("<phase><position>"), and
-    the next page's cursor (None after the last)."""
-    phase, rest = ("f", "") if cursor is None else (str(cursor)[:1], str(cursor)[1:])
-    if phase not in _PHASES:
-        raise CursorError(f"not a failed_children cursor: {cursor!r} (pass the one a page gave)")
+    """One page of ``job_id``'s failed children from ``cursor`` (its phase: failures,
+    ignored, deadline cuts), and the next page's cursor (None after the last)."""
+    start = Cursor.parse(cursor, "failed_children", _PHASES)
     found: dict[str, str] = {}
-    for name in _PHASES[_PHASES.index(phase) :]:
-        more, after = _READS[name](state, queue, job_id, rest, count - len(found))
+    for name in _PHASES[_PHASES.index(start.phase) :]:
+        here = start if name == start.phase else Cursor(name)
+        more, following = _READS[name](state, queue, job_id, here, count - len(found))
         found.update(more)
-        if after is not None:
-            return found, name + after
-        rest = ""
+        if following is not None:
+            return found, str(following)
         if len(found) >= count:
-            following = _PHASES.index(name) + 1
-            return found, _PHASES[following] if following < len(_PHASES) else None
+            rest = _PHASES[_PHASES.index(name) + 1 :]
+            return found, str(Cursor(rest[0])) if rest else None
     return found, None
 
 
-def _scan_start(cursor: str) -> tuple[int, str | None]:
-    scan, _, last = cursor.partition(":")
-    if (scan and not scan.isdigit()) or len(scan) > 20:
-        raise CursorError(f"not a failed_children cursor: {cursor!r} (pass the one a page gave)")
-    return int(scan or 0), last or None
-
-
-def _hash_page(state: EchoMQ, key: str, cursor: str, count: int, match: str | None = None) -> Any:
-    page, after = hash_page(state, key, _scan_start(cursor), count, match)
-    return page, after
-
-
 def _failures(
-    state: EchoMQ, queue: str, job_id: str, cursor: str, count: int
-) -> tuple[dict[str, str], str | None]:
+    state: EchoMQ, queue: str, job_id: str, start: Cursor, count: int
+) -> tuple[dict[str, str], Cursor | None]:
     """Failed under fail, remove or continue: their ids, then their errors on the row."""
-    keys, row = state.keys, state.keys.job_key(queue, job_id)
+    keys, row, client = state.keys, state.keys.job_key(queue, job_id), state.client
     if count <= 0:
-        return {}, cursor or "0"
-    if not state.client.llen(keys.children_key(queue, job_id)):
+        return {}, start
+    if not client.llen(keys.children_key(queue, job_id)):
         # A flow written before its record existed: the row's failed:<id> fields, as they are.
-        page, after = _hash_page(state, row, cursor, count, FAILED_PREFIX + "*")
-        return {text(k)[len(FAILED_PREFIX) :]: text(v) for k, v in page.items()}, after
-    page, after = _hash_page(state, keys.failures_key(queue, job_id), cursor, count)
+        page, following = hash_page(client, row, start, count, FAILED_PREFIX + "*")
+        return {text(k)[len(FAILED_PREFIX) :]: text(v) for k, v in page.items()}, following
+    page, following = hash_page(client, keys.failures_key(queue, job_id), start, count)
     ids = list(page)
-    errors = state.client.hmget(row, [FAILED_PREFIX + cid for cid in ids]) if ids else []
-    return {cid: text(e) or "" for cid, e in zip(ids, errors, strict=True)}, after
+    errors = client.hmget(row, [FAILED_PREFIX + cid for cid in ids]) if ids else []
+    return {cid: text(e) or "" for cid, e in zip(ids, errors, strict=True)}, following
 
 
 def _ignored(
-    state: EchoMQ, queue: str, job_id: str, cursor: str, count: int
-) -> tuple[dict[str, str], str | None]:
+    state: EchoMQ, queue: str, job_id: str, start: Cursor, count: int
+) -> tuple[dict[str, str], Cursor | None]:
     if count <= 0:
-        return {}, cursor or "0"
-    page, after = _hash_page(state, state.keys.flow_keys(queue, job_id)[2], cursor, count)
-    return {k: text(v) for k, v in page.items()}, after
+        return {}, start
+    ignored = state.keys.flow_keys(queue, job_id)[2]
+    page, following = hash_page(state.client, ignored, start, count)
+    return {k: text(v) for k, v in page.items()}, following
 
 
 def _cut(
-    state: EchoMQ, queue: str, job_id: str, cursor: str, count: int
-) -> tuple[dict[str, str], str | None]:
+    state: EchoMQ, queue: str, job_id: str, start: Cursor, count: int
+) -> tuple[dict[str, str], Cursor | None]:
     """The children a deadline cut before they started (their rows say ``cut=deadline``),
-    looked for in the index from position ``cursor``, CUT_WINDOW of them per page."""
+    looked for in the index from ``start``'s position, CUT_WINDOW of them per page."""
     client, keys = state.client, state.keys
     if count <= 0 or client.hget(keys.job_key(queue, job_id), "deadline_fired") is None:
-        return {}, None if count > 0 else (cursor or "0")  # no deadline fired: nothing cut
-    if cursor and not cursor.isdigit():
-        raise CursorError(f"not a failed_children cursor: c{cursor!r} (pass the one a page gave)")
-    start = int(cursor or 0)
+        return {}, None if count > 0 else start  # no deadline fired: nothing cut
+    if start.after is not None:
+        raise CursorError(
+            f"not a failed_children cursor: {str(start)!r} (pass the one a page gave)"
+        )
     index = keys.children_key(queue, job_id)
     total = client.llen(index)
-    window = [text(c) for c in client.lrange(index, start, start + CUT_WINDOW - 1)]
+    window = [text(c) for c in client.lrange(index, start.at, start.at + CUT_WINDOW - 1)]
     pipe = client.pipeline(transaction=False)
     for cid in window:
         pipe.hmget(keys.job_key(queue, cid), "state", "error", "cut")
     found: dict[str, str] = {}
-    at = start
+    at = start.at
     for cid, (row_state, error, cut) in zip(window, pipe.execute(), strict=True):
         at += 1
         if row_state is None:  # a child of another slot
@@ -153,7 +136,7 @@ def _cut(
             found[cid] = text(error) or ""
             if len(found) >= count:
                 break
-    return found, str(at) if at < total else None
+    return found, Cursor("c", at) if at < total else None
 
 
 _READS = {"f": _failures, "i": _ignored, "c": _cut}

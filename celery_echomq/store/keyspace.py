@@ -117,6 +117,13 @@ def check_unique(ids: Iterable[str]) -> None:
         seen[row] = job_id
 
 
+# The per-queue sorted sets that hold job ids: a job deleted leaves every one of them.
+# (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet;
+# adding: flows with children staged for another slot; recent: the flows the dashboard lists,
+# an index, not a state set.)
+JOB_SETS = ("pending", "active", "failed", "outbox", "open", "recent", "adding")
+
+
 class Keyspace:
     """Builds ``{prefix}:{{{queue}}}:...`` keys after gating every part."""
 
@@ -177,6 +184,23 @@ class Keyspace:
         """A held parent's ``:adding``: children of other slots added to it, staged (id ->
         payload) until their rows are written on their own slots."""
         return f"{self.job_key(queue, job_id)}:adding"
+
+    def flow_own_keys(self, queue: str, job_id: str) -> list[str]:
+        """Every key a flow keeps beside its parent's row, on its queue's slot: what a forget
+        deletes with the row (forget.lua)."""
+        return [
+            *self.flow_keys(queue, job_id),
+            self.settled_key(queue, job_id),
+            self.adding_key(queue, job_id),
+            self.children_key(queue, job_id),
+            self.failures_key(queue, job_id),
+            self.window_key(queue, job_id),
+            self.slots_key(queue, job_id),
+        ]
+
+    def job_set_keys(self, queue: str) -> list[str]:
+        """The queue's sorted sets that hold job ids (:data:`JOB_SETS`), in that order."""
+        return [self.queue_key(queue, name) for name in JOB_SETS]
 
     def locator_key(self, job_id: str) -> str:
         """Where a flow parent lives: ``{prefix}:loc:{JOB...}`` (its row id) holds its queue

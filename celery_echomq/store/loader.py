@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from importlib import resources
 
+from celery_echomq.store.store_format import FORMAT_SLOT, STORE_FORMAT
+
 TRANSITIONS = (
     "enqueue_flow",
     "claim",
@@ -43,7 +45,8 @@ TRANSITIONS = (
     "take_handed",
     "extend",
     "drop",
-    "drop_waiting",
+    # delete jobs and their flows' keys (echomq forget, the undo of a refused start)
+    "forget",
     "hand_over",
     "lease_release",
     "abandon_flow",
@@ -85,4 +88,5 @@ def load_source(name: str) -> str:
 
         return INCLUDE.sub(piece, source)
 
-    return expand(_read_lua(f"{name}.lua"))
+    # The one format constant is Python's: the format include names it by a slot.
+    return expand(_read_lua(f"{name}.lua")).replace(FORMAT_SLOT, str(STORE_FORMAT))

@@ -17,6 +17,7 @@ from celery import current_app, current_task
 from celery_echomq.errors import CursorError, InvalidIdError, ListingError, UnknownFlowError
 from celery_echomq.store.codec import load_job
 from celery_echomq.store.connection import text
+from celery_echomq.store.cursor import Cursor, cursor_text, hash_page
 from celery_echomq.store.headers import H_NEXT, H_QUEUE
 from celery_echomq.store.keyspace import check_id, check_queue
 from celery_echomq.store.state import EchoMQ, get_state
@@ -151,8 +152,9 @@ def children_values(
         # In chunks rather than one HGETALL: a flow's 100,000 values must not block Redis.
         scanned = state.client.hscan_iter(processed, count=1000)
         return {text(k): state.loads(v) for k, v in scanned}
-    raw, after = hash_page(state, processed, _parse_cursor(cursor), count)
-    return {k: state.loads(v) for k, v in raw.items()}, after
+    start = Cursor.parse(cursor, "children_values", after="id")
+    raw, following = hash_page(state.client, processed, start, count)
+    return {k: state.loads(v) for k, v in raw.items()}, cursor_text(following)
 
 
 def _check_page(cursor: str | None, count: int | None) -> None:
@@ -162,59 +164,12 @@ def _check_page(cursor: str | None, count: int | None) -> None:
         raise ListingError(f"children_values: count must be a whole number >= 1, not {count!r}")
 
 
-def _parse_cursor(cursor: str | None) -> tuple[int, str | None]:
-    """A values cursor: ``"<hscan cursor>"`` or ``"<hscan cursor>:<last child id>"``."""
-    if cursor is None:
-        return 0, None
-    scan, _, last = str(cursor).partition(":")
-    if not scan.isdigit() or len(scan) > 20 or (last and not _is_id(last)):
-        raise CursorError(f"not a children_values cursor: {cursor!r} (pass the one a page gave)")
-    return int(scan), last or None
-
-
-def _is_id(text: str) -> bool:
-    try:
-        check_id(text)
-    except InvalidIdError:
-        return False
-    return True
-
-
-def hash_page(
-    state: EchoMQ, key: str, start: tuple[int, str | None], count: int, match: str | None = None
-) -> tuple[dict[str, bytes], str | None]:
-    """At most ``count`` fields of the hash ``key`` from ``start``, and the next cursor.
-
-    HSCAN's COUNT is a hint (a small hash comes whole), so each batch is sorted by field and a
-    page may stop inside it: the cursor then names the batch and the last field returned, and
-    the next page scans that batch again and skips up to that field. A field added meanwhile
-    may sort before it (skipped) or after (returned): what SCAN promises for new fields.
-    """
-    scan, after = start
-    page: dict[str, bytes] = {}
-    while True:
-        following, batch = state.client.hscan(key, scan, match=match, count=count)
-        fields = sorted((text(k), v) for k, v in batch.items())
-        fresh = [(k, v) for k, v in fields if after is None or k > after]
-        room = count - len(page)
-        page.update(fresh[:room])
-        if len(fresh) > room:
-            return page, f"{scan}:{fresh[room - 1][0]}"
-        after, scan = None, int(following)
-        if scan == 0:
-            return page, None
-        if len(page) >= count:
-            return page, str(scan)
-
-
 def eager_values(values: dict[str, Any], cursor: str | None, count: int | None) -> Any:
     """The same pages over an eager flow's values, in memory (the cursor: a position)."""
     _check_page(cursor, count)
     if count is None:
         return values
-    if cursor is not None and not str(cursor).isdigit():
-        raise CursorError(f"not a children_values cursor: {cursor!r} (pass the one a page gave)")
-    start = int(cursor or 0)
+    start = Cursor.parse(cursor, "children_values", after="none").at
     items = list(values.items())[start : start + count]
     after = start + count
     return dict(items), (str(after) if after < len(values) else None)

@@ -1,5 +1,6 @@
 """What the scripts reply: every status as a :class:`Status` member, and the error replies
-as Python errors (``EMQKIND`` -> :class:`KindError`, ``EMQEXISTS`` -> :class:`FlowExistsError`).
+as Python errors (``EMQKIND`` -> :class:`KindError`, ``EMQEXISTS`` -> :class:`FlowExistsError`,
+``EMQFORMAT`` -> ``StoreFormatError``).
 
 Each script's header (``lua/<name>.lua``) lists the statuses it can give.
 """
@@ -12,6 +13,7 @@ from enum import Enum
 import redis
 
 from celery_echomq.errors import FlowExistsError, KindError
+from celery_echomq.store.store_format import refused_format
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -92,6 +94,8 @@ def server_error(exc: redis.ResponseError, queue: str = "") -> Exception:
     message = str(exc)
     if message.startswith("EMQKIND"):
         return KindError(message)
+    if message.startswith("EMQFORMAT"):
+        return refused_format(message)
     if message.startswith("EMQWIDE"):
         return WideCheck(message)
     if message.startswith("EMQEXISTS"):

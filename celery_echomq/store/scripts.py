@@ -687,18 +687,28 @@ class Scripts:
         argv = [parent_id, str(ttl), "1" if started else "0", *child_ids]
         return [text(cid) for cid in self._run("cancel_elsewhere", keys, argv)]
 
-    def drop_waiting(self, queue: str, parent_id: str, child_ids: Sequence[str]) -> list[str]:
-        """Delete the rows of ``parent_id``'s children on ``queue`` still waiting for a slot of
-        its window, counted out of the queue's ``window_waiting``: the ids deleted
-        (drop_waiting.lua). A forget and the undo of a refused start (``parent_id`` '': rows it
-        wrote itself) call it before their own delete."""
-        if not child_ids:
-            return []
-        keys = [
-            self.keys.queue_key(queue, "counters"),
-            *(self.keys.job_key(queue, cid) for cid in child_ids),
+    def forget(
+        self,
+        queue: str,
+        job_ids: Sequence[str],
+        flows: Sequence[str] = (),
+        *,
+        keep_cancelled_ms: int = 0,
+    ) -> tuple[list[str], list[str]]:
+        """Delete the rows of ``job_ids`` on ``queue``, and the own keys of the flows
+        ``flows`` heads there, taking the ids out of the queue's sets and counts
+        (forget.lua). With ``keep_cancelled_ms``, a cancelled child's row is cut down to what
+        turns its queued message away instead. Returns (the names deleted, the ids kept)."""
+        keys = self.keys
+        names = [
+            keys.queue_key(queue, "counters"),
+            *keys.job_set_keys(queue),
+            *(keys.job_key(queue, job_id) for job_id in job_ids),
+            *(name for parent_id in flows for name in keys.flow_own_keys(queue, parent_id)),
         ]
-        return [text(cid) for cid in self._run("drop_waiting", keys, [parent_id, *child_ids])]
+        args = [str(len(job_ids)), *job_ids, str(keep_cancelled_ms)]
+        deleted, kept = self._run("forget", names, args)
+        return [text(name) for name in deleted], [text(job_id) for job_id in kept]
 
     def cancel_shared(self, queue: str, job_id: str, edges: int, *, ttl: int) -> Status:
         """Cancel a job shared by several flows that none of them waits for any more, unless

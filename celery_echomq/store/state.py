@@ -9,7 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Any, cast
+from collections import OrderedDict
+from typing import Any, Generic, TypeVar, cast
 
 from kombu.serialization import loads, prepare_accept_content, registry
 
@@ -23,6 +24,31 @@ from celery_echomq.store.scripts import Scripts
 __all__ = ["EchoMQ", "find_state", "get_state", "install_state", "make_client"]
 
 _ATTR = "_echomq_state"
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Kept(Generic[K, V]):
+    """What one process remembers by key, bounded: the ``size`` entries put last."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._entries: OrderedDict[K, V] = OrderedDict()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def get(self, key: K) -> V | None:
+        return self._entries.get(key)
+
+    def put(self, key: K, value: V) -> None:
+        self._entries[key] = value
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+
+    def pop(self, key: K) -> V | None:
+        return self._entries.pop(key, None)
 
 
 class EchoMQ:
@@ -43,6 +69,10 @@ class EchoMQ:
         self._scripts: Scripts | None = None
         self._codec: tuple[str, str, Any] | None = None
         self._keys: Keyspace | None = None
+        # The templates of windowed flows this process publishes children of ((queue, parent)
+        # -> template; see send/freed.py), read once per flow, not once per child: a flow's
+        # template never changes.
+        self.templates: Kept[tuple[str, str], bytes | None] = Kept(64)
 
     @property
     def settings(self) -> Settings:

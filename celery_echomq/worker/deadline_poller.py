@@ -17,11 +17,12 @@ from typing import Any
 from celery import bootsteps
 from redis.cluster import RedisCluster
 
-from celery_echomq.errors import InvalidIdError
+from celery_echomq.errors import InvalidIdError, StoreFormatError
 from celery_echomq.store.connection import text
 from celery_echomq.store.deadlines import index_key
 from celery_echomq.store.keyspace import check_id
 from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.store.store_format import tell_newer
 from celery_echomq.worker.deadlines import Step, finish, fire_one
 
 logger = logging.getLogger("celery_echomq")
@@ -73,6 +74,9 @@ def fire_steps(state: EchoMQ, queues: Iterable[str], batch: int = BATCH) -> list
     for queue, parent_id, _ in due_entries(state, queues, batch):
         try:
             step = fire_one(state, queue, parent_id)
+        except StoreFormatError as exc:  # a newer release's flow: its workers fire it
+            tell_newer(exc, f"deadline of {parent_id} on {queue}")
+            continue
         except Exception as exc:  # one flow's trouble must not stop the others
             logger.warning("echomq deadlines: %s on %s: %r", parent_id, queue, exc)
             continue

@@ -18,7 +18,7 @@ from celery.app.task import Task
 from celery.exceptions import Ignore, TaskRevokedError
 
 from celery_echomq import tracing
-from celery_echomq.errors import ReplicationError
+from celery_echomq.errors import ReplicationError, StoreFormatError
 from celery_echomq.send.reducers import refusal
 from celery_echomq.store.headers import (
     H_FLOW,
@@ -41,6 +41,7 @@ from celery_echomq.store.results import (
     success_write,
 )
 from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.store.store_format import tell_newer
 from celery_echomq.worker.checks import on_worker_ready
 from celery_echomq.worker.claims import claim, new_token, warn_no_row
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
@@ -74,6 +75,22 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     queue, token = getattr(request, H_QUEUE), new_token()
     # The parent the message names: the claim compares it with the row's own.
     named = str(getattr(request, H_PARENT, None) or "")
+    try:
+        _claim_delivery(state, task, request, queue, task_id, token, named)
+    except StoreFormatError as exc:
+        # A newer release wrote the row: this one writes nothing of it, and its body does not
+        # run here. The message is acknowledged (before_start's Ignore; early acks had
+        # acknowledged it already); the row stays as it was, pending in its queue's set, where
+        # a worker of the newer release finds it (recovery re-publishes a pending job whose
+        # message is gone) and finishes it.
+        _skip.add(task_id)
+        tell_newer(exc, f"delivery of {task_id} on {queue} (its body is skipped)")
+
+
+def _claim_delivery(
+    state: EchoMQ, task: Any, request: Any, queue: str, task_id: str, token: str, named: str
+) -> None:
+    """This delivery's claim (or a handed step's take), and what its status means."""
     if getattr(request, H_HANDED, None) and state.scripts.take_handed(queue, task_id, token, named):
         # A chain's step the completion of the step before handed out active: taken.
         _started(task, task_id, token)

@@ -95,12 +95,12 @@ def test_doctor_passes_a_good_deployment_and_asks_the_workers(
     assert text.returncode == 0, text.stdout + text.stderr
     lines = text.stdout.splitlines()
     assert lines[0] == f"flow store {good['ECHOMQ_T_STORE']}"
-    assert len(lines) == 10 and all(line.startswith("ok ") for line in lines[1:]), text.stdout
+    assert len(lines) == 11 and all(line.startswith("ok ") for line in lines[1:]), text.stdout
     assert as_json.returncode == 0
     found = statuses(as_json)
     assert list(found) == [
         "memory policy", "persistence", "server version", "replicas", "ACL", "mode",
-        "result backend", "clock", "workers",
+        "result backend", "clock", "workers", "store format",
     ]  # fmt: skip
     assert {f["status"] for f in found.values()} == {"ok"}
     assert found["persistence"]["detail"].startswith("AOF")
@@ -126,7 +126,9 @@ def test_doctor_names_what_is_wrong_and_what_to_change_with_exit_1(
     wrong = {name for name, f in found.items() if f["status"] == "wrong"}
     assert wrong == {"memory policy", "persistence", "replicas", "ACL"}
     assert found["result backend"]["status"] == "note"
-    assert {found[n]["status"] for n in ("server version", "mode", "clock", "workers")} == {"ok"}
+    assert {
+        found[n]["status"] for n in ("server version", "mode", "clock", "workers", "store format")
+    } == {"ok"}
     assert "allkeys-lru" in found["memory policy"]["detail"]
     assert "noeviction" in found["memory policy"]["change"]
     assert "appendonly yes" in found["persistence"]["change"]
@@ -135,7 +137,7 @@ def test_doctor_names_what_is_wrong_and_what_to_change_with_exit_1(
     assert found["ACL"]["change"] == "ACL SETUSER flows +evalsha"
     # One line per check, each wrong one with its change.
     lines = text.stdout.splitlines()[1:]
-    assert len(lines) == 9
+    assert len(lines) == 10
     assert sum(line.startswith("WRONG") for line in lines) == 4
     assert all("-> change: " in line for line in lines if line.startswith(("WRONG", "note")))
     # The doctor only read: the probe's transaction was discarded, nothing was written to the
@@ -301,3 +303,26 @@ def test_every_command_of_the_scripts_is_probed() -> None:
     needed = required_commands()
     assert script_commands() <= needed.keys()
     assert {"EVALSHA", "EVAL", "HSET", "ZADD", "TIME", "PUBLISH"} <= needed.keys()
+
+
+def test_doctor_names_flows_a_newer_release_wrote_as_wrong(env: Env, good: dict[str, str]) -> None:
+    from celery_echomq.store.store_format import STORE_FORMAT
+    from tests.helpers import KEYS
+
+    store, queue = redis.Redis.from_url(good["ECHOMQ_T_STORE"]), f"newer-{uuid.uuid4().hex[:8]}"
+    parent = f"JOB{uuid.uuid4().hex}"
+    # What a newer release's enqueue leaves: its queue registered, its flow in the queue's
+    # recent index, the parent's row of its format.
+    store.sadd("emq:queues", queue)
+    store.zadd(KEYS.queue_key(queue, "recent"), {parent: 1})
+    store.hset(KEYS.job_key(queue, parent), mapping={"state": "awaiting_children"})
+    assert statuses(doctor(env, "--json", **good))["store format"]["status"] == "ok"
+    store.hset(KEYS.job_key(queue, parent), "format", str(STORE_FORMAT + 1))
+    text = doctor(env, **good)
+    print(f"$ celery echomq doctor\n{text.stdout}")  # what an operator reads (-s)
+    assert text.returncode == 1, text.stdout + text.stderr
+    wrong = [line for line in text.stdout.splitlines() if line.startswith("WRONG")]
+    assert len(wrong) == 1 and wrong[0].startswith("WRONG  store format: 1 of the newest flows")
+    assert f"store format {STORE_FORMAT + 1} (e.g. {parent} on {queue})" in wrong[0]
+    assert f"newer than format {STORE_FORMAT}" in wrong[0]
+    assert "-> change: upgrade celery-echomq" in wrong[0]

@@ -25,7 +25,7 @@ from celery_echomq import (
     flow,
     get_state,
 )
-from celery_echomq.send.shared import CycleError
+from celery_echomq.send.ids import CycleError
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
 from tests.helpers import echomq, run, wait_for

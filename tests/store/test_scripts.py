@@ -101,10 +101,51 @@ def test_every_script_repeats_the_kind_gate(scripts: Scripts, db: redis.Redis) -
         ("extend", ["1000", "1", "JOBok", "BAD"]),
         ("drop", ["BAD", "host|1|"]),
         ("hand_over", ["BAD", "t"]),
+        ("forget", ["1", "BAD", "0"]),
     ]:
         with pytest.raises(KindError):
             scripts._run(name, ["emq:{q}:x"] * 6, argv)
     assert db.dbsize() == 0
+
+
+def test_forget_deletes_a_held_flow_and_takes_back_what_it_counted(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, children = enqueue(scripts, queue, 3)
+    counters = KEYS.queue_key(queue, "counters")
+    run_child(scripts, queue, parent, children[0], b"1")
+    assert db.hget(counters, "held") == b"1"
+    rows = [KEYS.job_key(queue, c) for c in children]
+    assert scripts.forget(queue, children) == (rows, [])
+    deleted, kept = scripts.forget(queue, [parent], [parent])
+    own = KEYS.flow_own_keys(queue, parent)
+    kinds = (own[0], own[1], KEYS.children_key(queue, parent))  # dependencies, processed
+    assert (sorted(deleted), kept) == (sorted([KEYS.job_key(queue, parent), *kinds]), [])
+    # Nothing of the flow is left, and the queue no longer counts its parent held.
+    ids = [parent, *children]
+    assert [k for k in db.keys(f"*{{{queue}}}*") if any(i.encode() in k for i in ids)] == []
+    for name in ("pending", "active", "recent"):
+        assert zmembers(db, KEYS.queue_key(queue, name)) == set()
+    assert db.hget(counters, "held") == b"0"
+    # Run again (a forget cut short and run anew): nothing more, nothing counted twice.
+    assert scripts.forget(queue, [parent, *children], [parent]) == ([], [])
+    assert db.hget(counters, "held") == b"0"
+
+
+def test_forget_cuts_a_cancelled_childs_row_down_to_what_turns_its_message_away(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    parent, children = enqueue(scripts, queue, 2)
+    scripts.cancel(queue, parent, children, ttl=TTL)
+    row = KEYS.job_key(queue, children[0])
+    assert db.hget(row, "state") == b"cancelled" and db.pttl(row) > 0
+    for _ in range(2):
+        assert scripts.forget(queue, children, keep_cancelled_ms=60_000) == ([], children)
+        assert db.hgetall(row) == {b"state": b"cancelled", b"parent": parent.encode()}
+        assert 0 < db.pttl(row) <= TTL * 1000
+    # The undo of a start keeps nothing: the rows it wrote go whatever their state.
+    assert scripts.forget(queue, children) == ([row, KEYS.job_key(queue, children[1])], [])
+    assert not db.exists(row)
 
 
 def test_existing_parent_is_refused_and_nothing_changes(

@@ -131,17 +131,18 @@ def test_children_added_waiting_are_counted_and_a_forget_counts_out_those_it_del
     for _ in range(2):
         state.scripts.add_children(other, ref, [(c, b"c", "") for c in far], "PP", max_active=1)
         assert waiting_count(store, other) == 2
-    # A child its window let out since the forget read it is not counted again.
-    assert state.scripts.drop_waiting(queue, ref.id, [kids[0]]) == []
+    # A child its window let out is deleted without a count: it was counted out already.
+    assert state.scripts.forget(queue, [kids[0]]) == ([KEYS.job_key(queue, kids[0])], [])
     assert waiting_count(store, queue) == 4
 
     node = read_flow(state, ref.id, queue=queue, count=1, with_result=False)
     forget_flow(state, node)
     assert waiting_count(store, queue) == 0
     assert not store.exists(KEYS.job_key(queue, more[0]))
-    assert state.scripts.drop_waiting(other, "", far) == [*far]  # the undo of a refused start
+    # The undo of a refused start: its rows, counted out once however often it runs.
+    assert state.scripts.forget(other, far) == ([KEYS.job_key(other, c) for c in far], [])
     assert waiting_count(store, other) == 0
-    assert state.scripts.drop_waiting(other, "", far) == []
+    assert state.scripts.forget(other, far) == ([], [])
     assert waiting_count(store, other) == 0
 
 

@@ -22,10 +22,12 @@
 --   "noop"       not open (sealed, or abandoned before): nothing changed
 --   "<state>"    open but no longer held (e.g. cancelled): only taken out of the open set
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
-local refused = gate_ids(1, 1)
+--- @include "format"
+local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

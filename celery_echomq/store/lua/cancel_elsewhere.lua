@@ -13,9 +13,11 @@
 --
 -- Reply: {id1, id2, ...} the children cancelled (the host revokes their messages)
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "cancel_children"
-local refused = gate_ids(1, 1) or gate_ids(4, #ARGV)
+--- @include "format"
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, 4, #KEYS)
 if refused then
   return refused
 end

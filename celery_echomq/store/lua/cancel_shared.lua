@@ -19,9 +19,11 @@
 --   "joined"     a parent was joined to it since the host read: nothing changed
 --   "<state>"    finished (done, failed, cancelled) or gone: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "unwait"
-local refused = gate_ids(1, 1)
+--- @include "format"
+local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

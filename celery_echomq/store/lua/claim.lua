@@ -44,15 +44,21 @@
 --   "forged"      the message names another parent than the row: nothing changed but the
 --                 queue's 'forged_refused' count
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
+--- @include "format"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
 local options = cmsgpack.unpack(ARGV[#ARGV])
 local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced', 'retries',
-  'skipped', 'suspect', 'parent')
+  'skipped', 'suspect', 'parent', 'format')
+refused = newer_format(row[9], KEYS[1])
+if refused then
+  return refused
+end
 local state = row[1]
 if not state then
   return {'missing', 0, '', ''}

@@ -79,6 +79,7 @@
 --   "unfoldable"  {"unfoldable", '', reason}: the flow's reducer cannot fold this value;
 --                 nothing written (the host fails the child with the reason, under its policy)
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "expire"
 --- @include "holder"

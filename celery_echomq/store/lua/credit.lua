@@ -30,9 +30,11 @@
 --                    so a child staged just before its flow was forgotten leaves no
 --                    :settled, :processed or :dependencies behind (keys without a TTL)
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "settle_child"
-local refused = gate_ids(1, 2)
+--- @include "format"
+local refused = gate_ids(1, 2) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

@@ -47,13 +47,15 @@
 --   "missing"   no row: the flow never landed, or expired; the entry is removed
 --   "noop"      no entry (disarmed or done), or another worker's follow-up lease is live
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
 --- @include "expire"
 --- @include "release_parent"
 --- @include "cut_pending"
+--- @include "format"
 local n = tonumber(ARGV[6])
-local refused = gate_ids(1, 1) or gate_ids(7, #ARGV)
+local refused = gate_ids(1, 1) or gate_ids(7, #ARGV) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

@@ -16,6 +16,7 @@
 --        a relative deadline then counts from the later call); at is its score
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" the row exists (and
 --        is not the outer flow's placeholder).
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
 --- @include "placeholder"
@@ -23,7 +24,11 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
+local row = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts', 'format')
+refused = newer_format(row[4], KEYS[1])
+if refused then
+  return refused
+end
 if row[1] and not is_placeholder(row, ARGV[4]) then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
 end

@@ -16,9 +16,11 @@
 -- Only a pending row changes, so a second run changes nothing.
 -- Reply: {id1, id2, ...} the children cut (the host revokes their messages).
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "cut_pending"
-local refused = gate_ids(1, 1) or gate_ids(4, #ARGV)
+--- @include "format"
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, 3, #KEYS)
 if refused then
   return refused
 end

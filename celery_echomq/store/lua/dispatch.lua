@@ -14,10 +14,12 @@
 --        reply is {payload, "inline", id1, value1, id2, value2, ...} with every credited
 --        child's value, or {payload, "scan"} when there are more than ARGV[3] of them.
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
 --- @include "hand_out"
-local refused = gate_ids(1, 1)
+--- @include "format"
+local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

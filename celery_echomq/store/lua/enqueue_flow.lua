@@ -56,6 +56,7 @@
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row already exists;
 -- "EMQEXISTS <id> <queue>" the id is another queue's (its row, or its enqueue in flight);
 -- "EMQWIDE ..." the check across queues is too wide for one script: the host makes it.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "recent"
 --- @include "child_row"
@@ -81,7 +82,11 @@ if outer ~= '' then
   if redis.call('EXISTS', KEYS[2]) > 0 then
     return redis.error_reply('EMQEXISTS ' .. ARGV[1])
   end
-  placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
+  placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts', 'format')
+  refused = newer_format(placeholder[4], KEYS[1])
+  if refused then
+    return refused
+  end
 elseif n == 0 and redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
 end
@@ -207,12 +212,14 @@ end
 -- and the counter set to N. With no children there is nothing to wait for: release it now.
 local policy = ARGV[9 + 2 * n] or ''
 if counted == 0 then
-  redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2])
+  redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2],
+    'format', STORE_FORMAT)
   redis.call('ZADD', KEYS[3], now, ARGV[1])
   redis.call('HINCRBY', KEYS[5], 'released', 1)
 else
   -- The row in one HSET: its template and policy, where given, with its state.
-  local row = {'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2]}
+  local row = {'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
+    'format', STORE_FORMAT}
   if template ~= '' then
     row[#row + 1], row[#row + 2] = 'template', template
   end

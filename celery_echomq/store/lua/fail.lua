@@ -63,6 +63,7 @@
 -- A third element, 'edges', follows when the job was joined to more parents and was staged
 -- for the host to settle it for them (before the window's list, which is always last).
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
@@ -71,13 +72,18 @@
 --- @include "join"
 --- @include "chain_rest"
 --- @include "unwait"
+--- @include "format"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
 local options = cmsgpack.unpack(ARGV[#ARGV])
 local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'next', 'joined',
-  'windowed', 'chain')
+  'windowed', 'chain', 'format')
+refused = newer_format(row[8], KEYS[1])
+if refused then
+  return refused
+end
 local state = row[1]
 if not state then
   return {'missing', ''}

@@ -37,13 +37,15 @@
 --                        "failed", "cancelled", "missing"): nothing written
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row of this slot
 --   already exists.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
 --- @include "child_row"
 --- @include "window"
+--- @include "format"
 local k = tonumber(ARGV[4])
 local r = tonumber(ARGV[5])
-local refused = gate_ids(1, 1) or gate_ids(6, 3 + 3 * (k + r), 3)
+local refused = gate_ids(1, 1) or gate_ids(6, 3 + 3 * (k + r), 3) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end
@@ -89,7 +91,8 @@ end
 if r > 0 then
   redis.call('ZADD', KEYS[5], now, ARGV[1])
 end
-redis.call('HSET', KEYS[1], 'payload', ARGV[3])
+-- The parent's format is its flow's newest (includes/format.lua): raised to this release's.
+redis.call('HSET', KEYS[1], 'payload', ARGV[3], 'format', STORE_FORMAT)
 -- The new children at the end of the parent's index by position, the list '<its row>:children'
 -- (see enqueue_flow; a flow written before the index existed has none: its pages read the
 -- payload, and it gets none now, which would list only the new ones).

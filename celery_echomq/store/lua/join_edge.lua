@@ -16,8 +16,10 @@
 -- (HSETNX: a join repeated by its host changes nothing) and expires with the job's row
 -- when the row expires; the row gains 'joined' = '1'.
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
-local refused = gate_ids(1, 2)
+--- @include "format"
+local refused = gate_ids(1, 2) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

@@ -23,6 +23,7 @@
 -- Reply: N + 1 (the counter).
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" the row exists
 --         (other than a nested parent's placeholder written by its outer flow).
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
 --- @include "placeholder"
@@ -34,7 +35,11 @@ end
 if redis.call('EXISTS', KEYS[2]) > 0 then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
 end
-local placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts')
+local placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts', 'format')
+refused = newer_format(placeholder[4], KEYS[1])
+if refused then
+  return refused
+end
 if placeholder[1] then
   if not is_placeholder(placeholder, ARGV[5]) then
     return redis.error_reply('EMQEXISTS ' .. ARGV[1])
@@ -44,7 +49,7 @@ end
 local now = now_ms()
 local n = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
-  'policy', ARGV[4])
+  'policy', ARGV[4], 'format', STORE_FORMAT)
 local template = cmsgpack.unpack(ARGV[#ARGV]).template
 if template then
   redis.call('HSET', KEYS[1], 'template', template)

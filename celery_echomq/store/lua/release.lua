@@ -23,11 +23,13 @@
 --   "<state>"    refused, nothing changed: the parent is not held (pending, active, done,
 --                failed, cancelled, or "missing" for no row)
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
 --- @include "release_parent"
 --- @include "cancel_children"
-local refused = gate_ids(1, 1) or gate_ids(4, #ARGV)
+--- @include "format"
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

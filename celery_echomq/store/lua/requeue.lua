@@ -35,9 +35,11 @@
 --   {"missing"}   no row (expired or deleted): its stray entries in the sets are removed
 --   {"<state>"}   the job is no longer in the state the caller found: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
-local refused = gate_ids(1, 1)
+--- @include "format"
+local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

@@ -14,6 +14,7 @@
 --   "stale"     another delivery holds the job now (it already claimed the retry): nothing changed
 --   "<state>"   the job is not active: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "holder"
 --- @include "now_ms"

@@ -17,11 +17,13 @@
 --        none): each one's stored job, its payload or (nil payload) its delta against the
 --        template on the parent's row (see codec.py)
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
 --- @include "repend"
 --- @include "join"
-local refused = gate_ids(1, #ARGV)
+--- @include "format"
+local refused = gate_ids(1, #ARGV) or newer_rows(KEYS, 3, #KEYS)
 if refused then
   return refused
 end

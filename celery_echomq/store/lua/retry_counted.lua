@@ -21,10 +21,12 @@
 --   "<state>"   the child is not failed under ignore, remove or continue ('fail': retry the
 --               flow; 'forged': it is not this parent's child): nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
 --- @include "chain_rest"
-local refused = gate_ids(1, 2)
+--- @include "format"
+local refused = gate_ids(1, 2) or newer_rows(KEYS, 1, 2)
 if refused then
   return refused
 end

@@ -27,12 +27,14 @@
 --                deadline): it is pending, the host dispatches it
 --   "<state>"    refused, nothing changed: the parent is not failed by its deadline
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
 --- @include "release_parent"
 --- @include "repend"
-local refused = gate_ids(1, 1) or gate_ids(4, #ARGV)
+--- @include "format"
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

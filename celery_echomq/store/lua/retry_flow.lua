@@ -40,12 +40,14 @@
 -- Under a quorum (the row's 'quorum', includes/quorum.lua) each child retried counts as
 -- failed no more, and the parent is released when K children have succeeded.
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
 --- @include "release_parent"
 --- @include "repend"
 --- @include "join"
+--- @include "format"
 
 -- unrecord(cid): the child leaves the parent's record of failed children. Returns whether it
 -- had failed under fail_at_end: such a child was counted as resolved (settle_child), so it is
@@ -67,7 +69,7 @@ local function count_back(need)
   redis.call('INCR', KEYS[2])
 end
 -- ARGV[2] is a count, not an id: gate the ids on either side of it.
-local refused = gate_ids(1, 1) or gate_ids(3, #ARGV)
+local refused = gate_ids(1, 1) or gate_ids(3, #ARGV) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

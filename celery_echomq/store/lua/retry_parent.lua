@@ -18,11 +18,13 @@
 --   "<state>"   refused, nothing changed: not failed, or failed by a child ("child": retry
 --               that flow's children instead), or another flow's ("forged")
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
 --- @include "chain_rest"
-local refused = gate_ids(1, 1)
+--- @include "format"
+local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

@@ -13,9 +13,11 @@
 --   "sealed"    sealed; children outstanding
 --   "noop"      not open (sealed before, or failed by recovery): nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "release_parent"
-local refused = gate_ids(1, 1)
+--- @include "format"
+local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

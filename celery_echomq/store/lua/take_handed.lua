@@ -15,12 +15,18 @@
 --   "noop"     anything else (taken by another delivery, pending, finished, forged, gone):
 --              nothing changed; the caller claims as for any delivery
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
+--- @include "format"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent')
+local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'format')
+refused = newer_format(row[4], KEYS[1])
+if refused then
+  return refused
+end
 if row[1] ~= 'active' or row[3] ~= ARGV[3] then
   return {'noop'}
 end

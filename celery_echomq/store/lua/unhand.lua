@@ -15,9 +15,11 @@
 --   "fresh"    its lease has not lapsed (a worker renewed it, or it was handed out lately)
 --   "noop"     anything else (taken by a delivery: it has a token; finished; gone)
 -- Errors: "EMQKIND ..." a non-JOB id.
+-- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
 --- @include "now_ms"
-local refused = gate_ids(1, 1)
+--- @include "format"
+local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
 if refused then
   return refused
 end

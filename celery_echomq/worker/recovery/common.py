@@ -8,12 +8,13 @@ from typing import Any
 
 import redis
 
-from celery_echomq.errors import InvalidIdError
+from celery_echomq.errors import InvalidIdError, StoreFormatError
 from celery_echomq.send.plan import parent_args, valued
 from celery_echomq.store.codec import Stored, TemplateMissingError, load_job
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import check_id
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.store.store_format import tell_newer
 
 logger = logging.getLogger("celery_echomq")
 
@@ -143,6 +144,9 @@ def guarded(
         return repair(state, queue, job_id, *args)
     except STORE_ERRORS:
         raise
+    except StoreFormatError as exc:  # a newer release's row: left to that release's workers
+        tell_newer(exc, f"recovery of {what} {job_id} on {queue}")
+        return None
     except Exception:
         logger.exception("echomq recovery: could not repair %s %s on %s", what, job_id, queue)
         return None

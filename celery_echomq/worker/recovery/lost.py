@@ -27,6 +27,7 @@ from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_NEXT, Headers, parent_ref
 from celery_echomq.store.replies import STARTED, Status
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.store.store_format import newer_than_known, tell_newer
 from celery_echomq.worker.claims import new_token
 from celery_echomq.worker.recovery.common import (
     BUDGET,
@@ -107,7 +108,7 @@ def lost_pending(state: EchoMQ, queue: str, batch: int) -> list[str]:
     due = overdue(state, queue, "pending", now - stall, batch)
     if not due:
         return []
-    fields = ("dispatched", "suspect")
+    fields = ("dispatched", "suspect", "format")
     pipe = client.pipeline(transaction=False)
     for job_id, _ in due:
         pipe.hmget(keys.job_key(queue, job_id), fields)
@@ -124,7 +125,11 @@ def lost_pending(state: EchoMQ, queue: str, batch: int) -> list[str]:
                 BUDGET,
             )
             break
-        (dispatched, suspect), held, is_parent = replies[3 * i : 3 * i + 3]
+        (dispatched, suspect, found), held, is_parent = replies[3 * i : 3 * i + 3]
+        newer = newer_than_known(found, keys.job_key(queue, job_id))
+        if newer is not None:  # a newer release's row: not even its evidence mark is written
+            tell_newer(newer, f"recovery of pending job {job_id} on {queue}")
+            continue
         if held is not None and float(held) > now:
             continue  # a live worker has it (prefetched, or waiting for its eta)
         if is_parent and dispatched is None:

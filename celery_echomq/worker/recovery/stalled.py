@@ -11,7 +11,7 @@ from typing import Any
 from celery import states
 
 from celery_echomq import tracing
-from celery_echomq.errors import FlowFailed
+from celery_echomq.errors import FlowFailed, StoreFormatError
 from celery_echomq.send.start import publish
 from celery_echomq.store.codec import STORED_FIELDS, Stored, stored_of
 from celery_echomq.store.connection import text
@@ -26,6 +26,7 @@ from celery_echomq.store.replies import Status
 from celery_echomq.store.results import backend_readable
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.store.store_format import tell_newer
 from celery_echomq.worker.recovery.common import (
     BUDGET,
     FAILED_MARK,
@@ -298,6 +299,12 @@ def unrecorded_failures(state: EchoMQ, queue: str, batch: int) -> list[str]:
                 line = _record_failed_parent(state, queue, job_id, row)
             except STORE_ERRORS:
                 raise
+            except StoreFormatError as exc:  # a newer release's row: that release records it
+                tell_newer(exc, f"recovery of failed parent {job_id} on {queue}")
+                # The scan's mark is the queue's, shared with that release's workers: kept
+                # before this row, so that their next pass looks at it.
+                checked_to = min(checked_to, int(scores[job_id]) - 1)
+                continue
             except Exception:
                 logger.exception("echomq recovery: could not record the failure of %s", job_id)
                 checked_to = min(checked_to, int(scores[job_id]) - 1)  # the next pass retries

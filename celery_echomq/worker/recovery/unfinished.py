@@ -16,6 +16,7 @@ from celery_echomq.store.headers import Headers, is_open_header, parent_ref
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.store.store_format import newer_than_known
 from celery_echomq.worker.recovery.common import (
     decode_job,
     guarded,
@@ -171,6 +172,13 @@ def unwritten_children(state: EchoMQ, queue: str, batch: int) -> list[str]:
 
 def _write_added(state: EchoMQ, queue: str, parent_id: str) -> str | None:
     parent = ParentRef(parent_id, queue)
+    parent_row = state.keys.job_key(queue, parent_id)
+    parent_state, found = state.client.hmget(parent_row, ("state", "format"))
+    newer = newer_than_known(found, parent_row)
+    if newer is not None:
+        # A newer release's flow: its staged children are written by its workers, in its
+        # format (add_children and grow_done do not read the parent's row).
+        raise newer
     fields = state.client.hgetall(state.keys.adding_key(queue, parent_id))
     staged = {text(k): v for k, v in fields.items()}
     rows = [
@@ -181,7 +189,6 @@ def _write_added(state: EchoMQ, queue: str, parent_id: str) -> str | None:
     if not rows:
         state.scripts.grow_done(parent, [])
         return None
-    parent_state = state.client.hget(state.keys.job_key(queue, parent_id), "state")
     if parent_state != b"awaiting_children":
         # Cancelled or failed meanwhile: children written now would run for nothing.
         state.scripts.grow_done(parent, [cid for cid, _, _ in rows])

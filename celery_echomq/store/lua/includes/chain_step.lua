@@ -8,6 +8,7 @@
 -- walking) and, but the last, the step after it (``next``). Only the last step is counted by
 -- the parent; its row also lists every step's id, in order (``steps``: what show and cancel
 -- read in one page). Returns true for a step to put in the pending set.
+--- @include "format"
 local STEP_FIRST, STEP_WAITING, STEP_LAST = 115, 119, 108
 local function is_step(kind)
   return kind == STEP_FIRST or kind == STEP_WAITING or kind == STEP_LAST
@@ -21,7 +22,7 @@ local function write_step_row(row, parent_id, stored, kind, head, next_id, steps
     link, linked = 'steps', steps
   end
   redis.call('HSET', row, 'state', state, 'attempts', '0', 'payload', stored,
-    'parent', parent_id, 'chain', head, link, linked)
+    'parent', parent_id, 'chain', head, link, linked, 'format', STORE_FORMAT)
   return kind == STEP_FIRST
 end
 

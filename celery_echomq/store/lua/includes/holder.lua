@@ -5,11 +5,17 @@
 -- returned second when the caller holds the job (nil, value); ``also`` another, returned
 -- third; ``more`` another, returned fourth. ``parent``: the parent id the caller names ('' for
 -- none), compared with the row's own 'parent' in the same HMGET: a mismatch is {'forged'}
--- (the row decides, not a message).
+-- (the row decides, not a message). A row of a newer format than this release's is the
+-- EMQFORMAT error reply, whoever holds it (includes/format.lua).
+--- @include "format"
 local function not_holder(row, token, field, parent, also, more)
   -- 'state' again stands in for a field the caller does not ask for.
   local held = redis.call('HMGET', row, 'state', 'token', parent and 'parent' or 'state',
-    field or 'state', also or 'state', more or 'state')
+    field or 'state', also or 'state', more or 'state', 'format')
+  local refused = newer_format(held[7], row)
+  if refused then
+    return refused
+  end
   if held[1] ~= 'active' then
     return {held[1] or 'missing'}
   end

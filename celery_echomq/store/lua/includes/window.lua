@@ -1,4 +1,5 @@
 --- @include "now_ms"
+--- @include "format"
 -- A window on a flow's children (flow(..., max_active=N)): at most N of them published or
 -- running at once. The others are rows 'waiting' (in no state set: nothing claims them, and
 -- they have no message), their ids in the children's order in the list '<parent row>:window'
@@ -35,7 +36,7 @@ end
 -- child.
 local function write_waiting_row(row, parent_id, stored, kind)
   redis.call('HSET', row, 'state', 'waiting', kind == WAIT_DELTA and 'delta' or 'payload', stored,
-    'parent', parent_id)
+    'parent', parent_id, 'format', STORE_FORMAT)
 end
 
 -- window_push(window, ids, size, counters): the waiting children's ids at the end of the
