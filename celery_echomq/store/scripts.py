@@ -4,7 +4,9 @@ dispatch, and those of operators and recovery (cancel, retry, release, requeue, 
 hand-over, abandon).
 
 Every method builds its KEYS through the :class:`~celery_echomq.store.keyspace.Keyspace` gate
-and maps the script's replies to :class:`~celery_echomq.store.replies.Status` and its error
+(each slot one key, always passed: the queue's placeholder where a call has none), packs the
+options a call may leave out into one map, the last ARGV (:func:`~.packing.packed`), and maps
+the script's replies to :class:`~celery_echomq.store.replies.Status` and its error
 replies to Python errors (``EMQKIND`` -> :class:`KindError`). Running a script (EVALSHA, EVAL
 on NOSCRIPT, resent through a failover, the ``WAIT`` of ``echomq_min_replicas``) is the part
 it holds, :class:`~celery_echomq.store.runner.ScriptRunner`.
