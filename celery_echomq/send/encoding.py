@@ -26,12 +26,16 @@ class Encoded(NamedTuple):
     parent's row) and, per child, a delta against it where ``kinds`` has a ``d``; a whole
     payload where it has a ``p`` (a nested flow's entry, a child routed to another queue).
     See :mod:`~celery_echomq.store.codec`. ``kinds`` empty: every child's is a whole payload.
+    ``alike``: per child, whether its job is the template's task with the template's options
+    (its id aside): the messages of such children differ only in id and arguments, which
+    their publish need not compare again (send/publish.py).
     """
 
     parent: bytes
     children: list[tuple[str, bytes]]
     template: bytes = b""
     kinds: str = ""
+    alike: tuple[bool, ...] = ()
 
 
 def _encode(state: EchoMQ, job: dict[str, Any], where: str) -> bytes:
@@ -64,6 +68,7 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
         )
         children = []
         kinds = []
+        alike = []
         dumps = state.dumps
         for position, job in enumerate(level.children, 1):
             if "steps" in job:
@@ -72,12 +77,14 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
                     where = f"flow {level.parent_id}: child {position}, step {i + 1}"
                     children.append((child_id(step), _encode(state, step, where)))
                 kinds.append(STEP_FIRST + STEP_WAITING * (len(steps) - 2) + STEP_LAST)
+                alike.append(False)
                 continue
             cid = child_id(job)
             delta = None
             if template is not None and child_queue(job) == level.queue:
                 delta = job_delta(template, job)
             kinds.append("p" if delta is None else "d")
+            alike.append(delta is not None and "task" not in delta and "options" not in delta)
             try:
                 children.append((cid, dumps(job if delta is None else delta)))
             except Exception as exc:
@@ -94,6 +101,6 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
             continue
         where = f"flow {level.parent_id}: its children's template ({template['task']})"
         encoded[level.parent_id] = Encoded(
-            parent, children, _encode(state, template, where), "".join(kinds)
+            parent, children, _encode(state, template, where), "".join(kinds), tuple(alike)
         )
     return encoded

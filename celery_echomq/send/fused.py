@@ -16,7 +16,7 @@ place.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery_echomq.send.publish import built_pushes
@@ -48,12 +48,16 @@ def _broker_database(state: EchoMQ, channel: Any) -> int | None:
     return found
 
 
-def prepare(state: EchoMQ, jobs: Iterable[dict[str, Any]]) -> BrokerPushes | None:
+def prepare(
+    state: EchoMQ, jobs: Iterable[dict[str, Any]], alike: Sequence[bool] = ()
+) -> BrokerPushes | None:
     """The messages of ``jobs`` (each with :data:`SINCE_MARK` as its ``echomq_t`` header) for
-    the enqueue script to push, or None where they must be published after it."""
+    the enqueue script to push, or None where they must be published after it. ``alike``:
+    per job, whether its task and options are those of every other job marked so, its id
+    aside (as its encoding found: ``Encoded.alike``)."""
     if state.settings.min_replicas:
         return None  # the publish waits for the replicas, after the enqueue
-    built = built_pushes(state.app, jobs, lambda channel: _broker_database(state, channel))
+    built = built_pushes(state.app, jobs, lambda channel: _broker_database(state, channel), alike)
     if built is None:
         return None
     database, pushes = built

@@ -73,6 +73,19 @@ class Prepared:
         prepared = cls(pieces[0::2], [tokens[t] for t in pieces[1::2]])
         return prepared if prepared.render(values) == sent else None
 
+    def bind(self, values: dict[str, str]) -> Prepared:
+        """These pieces with the slots ``values`` names filled in: what the messages of one
+        flow's children share (their root, parent, group, headers) joined once, so that each
+        message joins only its own values."""
+        parts, slots = [self.parts[0]], []
+        for slot, part in zip(self.slots, self.parts[1:], strict=True):
+            if slot in values:
+                parts[-1] += values[slot] + part
+            else:
+                slots.append(slot)
+                parts.append(part)
+        return Prepared(parts, slots)
+
     def render(self, values: dict[str, str]) -> str:
         """The message with ``values`` (slot -> JSON token) in their places."""
         parts = self.parts

@@ -21,7 +21,7 @@ signals are sent per message and no template is used.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from celery.app.routes import MapRoute
@@ -63,19 +63,24 @@ def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
 
 
 def built_pushes(
-    app: Any, jobs: Iterable[dict[str, Any]], accept: Callable[[Any], T | None]
+    app: Any,
+    jobs: Iterable[dict[str, Any]],
+    accept: Callable[[Any], T | None],
+    alike: Sequence[bool] = (),
 ) -> tuple[T, list[tuple[str, str]]] | None:
     """The LPUSHes publishing ``jobs`` would send, ``(list key, message)`` in order, built
     and not sent, with what ``accept`` said of the kombu channel; None (nothing built) unless
     kombu's Redis transport publishes them, ``accept`` gives something for its channel, and
     every message comes from a template learnt before (the kombu steps of a first message may
-    declare its queue: a write this must not make)."""
+    declare its queue: a write this must not make). ``alike``: per job, whether the caller
+    found its task and options the same as every other job marked so, its id aside (the
+    options of two such jobs in a row are not compared again)."""
     with app.producer_or_acquire(None) as producer:
         pushes = RedisPushes.of(app, producer)
         if pushes is None or publish_receivers():
             return None
         accepted = accept(pushes.channel)
-        if accepted is None or not _push_templated(app, pushes, jobs):
+        if accepted is None or not _push_templated(app, pushes, jobs, alike):
             return None
     if any(name != "lpush" or len(args) != 2 for name, args in pushes.commands):
         return None
@@ -89,11 +94,21 @@ def _send(app: Any, producer: Any, jobs: Iterable[dict[str, Any]]) -> None:
         sender.send(job)
 
 
-def _push_templated(app: Any, pushes: RedisPushes, jobs: Iterable[dict[str, Any]]) -> bool:
+def _push_templated(
+    app: Any, pushes: RedisPushes, jobs: Iterable[dict[str, Any]], alike: Sequence[bool]
+) -> bool:
     """Collect every job's message from a template learnt before; False at the first job
     without one (the kombu steps of a first message may declare its queue)."""
     sender = _Sender(app, pushes)
-    return sender.templates is not None and all(sender.push_templated(job) for job in jobs)
+    if sender.templates is None:
+        return False
+    after_alike = False  # whether the job before was marked alike
+    for at, job in enumerate(jobs):
+        marked = at < len(alike) and alike[at]
+        if not sender.push_templated(job, known_like_last=marked and after_alike):
+            return False
+        after_alike = marked
+    return True
 
 
 class _Prepared(NamedTuple):
@@ -124,8 +139,9 @@ class _Sender:
         self.app, self.producer = app, producer
         self.amqp = app.amqp
         self.current = app.current_worker_task
-        self.sent_event = app.conf.task_send_sent_event
         self.pushes = producer if isinstance(producer, RedisPushes) else None
+        # RedisPushes.of found it off: not read again (a setting read costs microseconds).
+        self.sent_event = self.pushes is None and app.conf.task_send_sent_event
         self.templates: Templates | None = None
         if self.pushes is not None and not publish_receivers():
             self.templates = Templates.of(app, self.pushes.channel)
@@ -146,22 +162,32 @@ class _Sender:
         if not self._push_from_template(job, prepared):
             self._build_and_send(prepared)
 
-    def push_templated(self, job: dict[str, Any]) -> bool:
-        """Push ``job`` like the last or from a template; False when neither has it."""
-        return self._push_like_last(job) or self._push_from_template(job, self._prepare(job))
+    def push_templated(self, job: dict[str, Any], known_like_last: bool = False) -> bool:
+        """Push ``job`` like the last or from a template; False when neither has it.
+        ``known_like_last``: the caller knows its task and options are the job before's, its
+        id aside (compared once already)."""
+        return self._push_like_last(job, known_like_last) or self._push_from_template(
+            job, self._prepare(job)
+        )
 
-    def _push_like_last(self, job: dict[str, Any]) -> bool:
+    def _push_like_last(self, job: dict[str, Any], known: bool = False) -> bool:
+        """Push ``job`` from the last job's template, where its task and options are the
+        last's (``known``: the caller found them so; else compared here). The last is the
+        job before, or one whose options that job's were found the same as."""
         last, templates = self.last, self.templates
-        if (
-            templates is None
-            or last is None
-            or job["task"] != last.name
-            or not same_but_id(job["options"], last.options)
+        if templates is None or last is None:
+            return False
+        if not known and (
+            job["task"] != last.name or not same_but_id(job["options"], last.options)
         ):
             return False
         args, kwargs = tuple(job["args"]), dict(job["kwargs"])
         reprs = fast_repr(args, kwargs) if last.template.own_reprs else None
         options = job["options"]
+        if known and templates.push_again(
+            self.producer, last.template, options["task_id"], args, kwargs, reprs
+        ):
+            return True
         if templates.push(
             self.producer,
             last.template,

@@ -139,7 +139,7 @@ def _land(
             unclaimed = placed(start.levels).items()
             claims += claim_ids(state, {i: q for i, q in unclaimed if i not in start.in_store})
         clock, register = _register_queues(state, start)
-        fused = _fused(state, start)
+        fused = _fused(state, start, encoded)
         armed = arm_levels(state, start.levels)  # first: a flow that lands has its deadline
         with _taken_back_on_refusal(state, plan, written, armed):
             whole, settled = _enqueue_levels(
@@ -214,16 +214,15 @@ def _register_queues(state: EchoMQ, start: _Start) -> tuple[int | None, list[str
     return None, list(start.queues)
 
 
-def _fused(state: EchoMQ, start: _Start) -> BrokerPushes | None:
+def _fused(state: EchoMQ, start: _Start, encoded: dict[str, Encoded]) -> BrokerPushes | None:
     """A small flow of one level, on a broker that shares the store's server: its children's
     messages go with its enqueue script (send/fused.py)."""
     levels, one = start.levels, start.levels[0]
     plain = not (start.cluster or start.chunked[0] or one.child_policies)
     if len(levels) != 1 or not one.children or not plain:
         return None
-    return prepare(
-        state, [with_since(first_job(j), SINCE_MARK, start.store) for j in one.started()]
-    )
+    jobs = [with_since(first_job(j), SINCE_MARK, start.store) for j in one.started()]
+    return prepare(state, jobs, encoded[one.parent_id].alike)
 
 
 def _enqueue_levels(

@@ -7,6 +7,7 @@ plain headers, the body and the delivery tag change. Found by strict equality of
 
 from __future__ import annotations
 
+import operator
 import os
 import weakref
 from typing import Any
@@ -19,6 +20,9 @@ from celery_echomq.send.prepared import Prepared, quoted, token
 from celery_echomq.send.pushes import REDIS_TRANSPORT, RedisPushes
 from celery_echomq.store.codec import serialize
 from celery_echomq.store.keyspace import uuid4_hex
+
+# A setting not read yet.
+_UNREAD = object()
 
 # kombu's own delivery tag: a uuid4 as text, made per message.
 _KOMBU_TAG = getattr(getattr(REDIS_TRANSPORT, "Channel", None), "_next_delivery_tag", None)
@@ -73,6 +77,9 @@ class Template:
         # headers, for a job that gives none of them.
         self.prepared: Prepared | None = None
         self.defaults: dict[str, str] = {}
+        # The pieces with the values the last job's message shared with its siblings filled
+        # in, and those values (the job's root, parent, group and headers: see shared_values).
+        self.bound: tuple[tuple[Any, ...], Prepared] | None = None
         try:
             self.prepared = Prepared.of(message, own_reprs, varying, sent)
             self.defaults = {f"h:{name}": token(message["headers"][name]) for name in varying}
@@ -107,7 +114,7 @@ class Templates:
         self.amqp = amqp
         self.pid = os.getpid()
         self.by_task: dict[Any, list[Template]] = {}
-        self.maxlevels: Any = None
+        self.maxlevels: Any = _UNREAD
         self.batch = 0
 
     @classmethod
@@ -118,7 +125,7 @@ class Templates:
         if templates is None or templates.pid != os.getpid() or templates.amqp is not app.amqp:
             templates = TEMPLATES[channel] = cls(app.amqp)
         templates.batch += 1
-        templates.maxlevels = app.conf.task_repr_maxlevels
+        templates.maxlevels = _UNREAD  # read where a repr needs it, once a batch
         return templates
 
     def learn(
@@ -230,22 +237,16 @@ class Templates:
         tag = _delivery_tag(channel)
         prepared = template.prepared
         if prepared is not None:
-            values = dict(template.defaults)
-            values["body"], values["id"], values["root"], values["tag"] = (
-                quoted(encoded),
-                quoted(task_id),
-                quoted(root_id or task_id),
-                quoted(tag),
-            )
-            values["parent"] = token(parent_id)
-            values["group"], values["group_index"] = token(group_id), token(group_index)
-            if reprs is not None and template.own_reprs:
-                values["argsrepr"], values["kwargsrepr"] = quoted(reprs[0]), quoted(reprs[1])
+            per_job = _per_job(template, encoded, task_id, root_id, reprs, tag)
+            given: tuple[Any, ...] = ()
             if template.varying and headers_given:
-                for name in template.varying:
-                    value = headers_given[name]
-                    values[f"h:{name}"] = str(value) if type(value) is int else quoted(value)
-            pushes.add("lpush", template.list_key, prepared.render(values))
+                given = tuple(headers_given[name] for name in template.varying)
+            shared = (root_id, parent_id, group_id, group_index, *given)
+            bound = template.bound
+            if bound is None or not _identical(bound[0], shared):
+                values = shared_values(template, root_id, parent_id, group_id, group_index, given)
+                bound = template.bound = (shared, prepared.bind(values))
+            pushes.add("lpush", template.list_key, bound[1].render(per_job))
             return True
         headers = dict(base["headers"])
         headers["id"] = task_id
@@ -267,6 +268,33 @@ class Templates:
         pushes.add("lpush", template.list_key, REDIS_TRANSPORT.dumps(message))
         return True
 
+    def push_again(
+        self,
+        pushes: RedisPushes,
+        template: Template,
+        task_id: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        reprs: tuple[str, str] | None,
+    ) -> bool:
+        """Push the message of a job whose task and options are those of the job pushed from
+        ``template`` just before it (its caller compared them), its id aside: the same root,
+        parent, group and headers, bound in the template already (:meth:`push` checked them
+        for that job, in this batch); its own body, id, reprs and delivery tag. False where
+        :meth:`push` must build it (no prepared JSON, or none bound in this batch)."""
+        bound = template.bound
+        if bound is None or template.checked != self.batch:
+            return False
+        _, _, body = serialize((args, kwargs, template.embed), template.serializer)
+        if template.own_reprs and reprs is None:
+            reprs = self._reprs(args, kwargs)
+        channel = pushes.channel
+        encoded, _ = channel.encode_body(body, channel.body_encoding)
+        tag = _delivery_tag(channel)
+        per_job = _per_job(template, encoded, task_id, bound[0][0], reprs, tag)
+        pushes.add("lpush", template.list_key, bound[1].render(per_job))
+        return True
+
     def _current(self, template: Template, channel: Any) -> bool:
         """Whether ``template`` still stands for what a publish on ``channel`` would give;
         one that no longer does is dropped. Asked once per batch (nothing a batch does
@@ -281,13 +309,67 @@ class Templates:
         template.checked = self.batch
         return True
 
+    def _maxlevels(self) -> Any:
+        """The app's ``task_repr_maxlevels``, read the first time a batch needs it."""
+        if self.maxlevels is _UNREAD:
+            self.maxlevels = self.amqp.app.conf.task_repr_maxlevels
+        return self.maxlevels
+
     def _reprs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str]:
         """The job's ``argsrepr`` and ``kwargsrepr``, as Celery's amqp writes them."""
-        amqp = self.amqp
+        amqp, maxlevels = self.amqp, self._maxlevels()
         return (
-            saferepr(args, amqp.argsrepr_maxsize, maxlevels=self.maxlevels),
-            saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=self.maxlevels),
+            saferepr(args, amqp.argsrepr_maxsize, maxlevels=maxlevels),
+            saferepr(kwargs, amqp.kwargsrepr_maxsize, maxlevels=maxlevels),
         )
+
+
+def _per_job(
+    template: Template,
+    encoded: str,
+    task_id: str,
+    root_id: str | None,
+    reprs: tuple[str, str] | None,
+    tag: str,
+) -> dict[str, str]:
+    """The JSON tokens of a message's own values: its body, id (and correlation id), root
+    where it is its own, reprs and delivery tag."""
+    values = {"body": quoted(encoded), "id": quoted(task_id), "tag": quoted(tag)}
+    if not root_id:  # its own root
+        values["root"] = values["id"]
+    if reprs is not None and template.own_reprs:
+        values["argsrepr"], values["kwargsrepr"] = quoted(reprs[0]), quoted(reprs[1])
+    return values
+
+
+def _identical(these: tuple[Any, ...], those: tuple[Any, ...]) -> bool:
+    """Whether two tuples hold the very same objects: then the same value of the same type (a
+    flow's children share their parent's id objects; equal values of other objects are
+    bound again, which gives the same JSON)."""
+    return len(these) == len(those) and all(map(operator.is_, these, those))
+
+
+def shared_values(
+    template: Template,
+    root_id: str | None,
+    parent_id: str | None,
+    group_id: Any,
+    group_index: Any,
+    given: tuple[Any, ...],
+) -> dict[str, str]:
+    """The JSON tokens of a message's values that a flow's children share: its root (where
+    it has one of its own), parent, group and index, and the template's own headers (the
+    job's values, ``given`` in the order of ``template.varying``, where it gives them, else
+    the template's: ``given`` empty)."""
+    values = dict(template.defaults)
+    if root_id:
+        values["root"] = quoted(root_id)
+    values["parent"] = token(parent_id)
+    values["group"], values["group_index"] = token(group_id), token(group_index)
+    if given:
+        for name, value in zip(template.varying, given, strict=True):
+            values[f"h:{name}"] = str(value) if type(value) is int else quoted(value)
+    return values
 
 
 def is_group(group_id: Any, group_index: Any) -> bool:

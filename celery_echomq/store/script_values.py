@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import msgpack
+
 from celery_echomq.store.codec import Stored, stored_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.replies import Status
@@ -18,6 +20,24 @@ from celery_echomq.store.runner import Value
 # result TTL and ``echomq_recent_flows``).
 RECENT_TTL_MS = 86400 * 1000
 RECENT_MAX = 10000
+
+
+def packed(value: Any) -> bytes:
+    """``value`` as one packed argument of a script, msgpack that the script reads with
+    ``cmsgpack.unpack``: a list or a map of any size in one argument, rather than one argument
+    per item (packing each costs the client more than the script's one unpack). In msgpack's
+    older form, where a str and bytes are both raw strings: Redis's cmsgpack reads no other
+    (it refuses the bin and str8 types of the newer one)."""
+    return msgpack.packb(value, use_bin_type=False)  # type: ignore[no-any-return]
+
+
+def packed_options(**options: Value | None) -> bytes:
+    """A script's options as its last ARGV, one packed map (``lua/README.md``, "ARGV"): each
+    given one (a string or bytes, as the positional ARGV are), keyed by its name in the
+    script's header; None is not given, and is left out of the map, which the script reads as
+    nil (a caller passes ``x or None`` where an empty value means none). No position is padded
+    and none is read as ``''`` for being absent."""
+    return packed({name: value for name, value in options.items() if value is not None})
 
 
 def status_of(value: Any) -> Status:

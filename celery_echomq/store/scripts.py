@@ -5,11 +5,12 @@ hand-over, abandon).
 
 Every method builds its KEYS through the :class:`~celery_echomq.store.keyspace.Keyspace` gate
 (each slot one key, always passed: the queue's placeholder where a call has none), packs the
-options a call may leave out into one map, the last ARGV (:func:`~.packing.packed`), and maps
-the script's replies to :class:`~celery_echomq.store.replies.Status` and its error
-replies to Python errors (``EMQKIND`` -> :class:`KindError`). Running a script (EVALSHA, EVAL
-on NOSCRIPT, resent through a failover, the ``WAIT`` of ``echomq_min_replicas``) is the part
-it holds, :class:`~celery_echomq.store.runner.ScriptRunner`.
+options a call may leave out into one map, the last ARGV
+(:func:`~celery_echomq.store.script_values.packed_options`), and maps the script's replies to
+:class:`~celery_echomq.store.replies.Status` and its error replies to Python errors
+(``EMQKIND`` -> :class:`KindError`). Running a script (EVALSHA, EVAL on NOSCRIPT, resent
+through a failover, the ``WAIT`` of ``echomq_min_replicas``) is the part it holds,
+:class:`~celery_echomq.store.runner.ScriptRunner`.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import redis
 from celery_echomq.store.codec import Stored, stored_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import Keyspace
-from celery_echomq.store.packing import packed
 from celery_echomq.store.replies import Status
 from celery_echomq.store.runner import ScriptRunner, Value
 from celery_echomq.store.script_values import (
@@ -33,6 +33,8 @@ from celery_echomq.store.script_values import (
     Handed,
     ParentRef,
     ResultWrite,
+    packed,
+    packed_options,
     status_of,
     stored_children,
     window_freed,
@@ -153,27 +155,39 @@ class Scripts:
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "recent"),
             self.keys.queue_key(queue, "counters"),
-            *(self.keys.job_key(queue, cid) for cid, _ in children),
+            *self.keys.job_keys(queue, [cid for cid, _ in children]),
         ]
-        argv: list[Value] = [parent_id, parent_payload, str(len(children))]
-        for cid, payload in children:
-            argv += [cid, payload]
-        argv += [outer, str(recent_ttl_ms), str(recent_max)]
-        if policy or locator_ttl or register or check or publish:
-            argv += [template, kinds, policy, str(locator_ttl) if locator_ttl else "", queue]
-            argv += [str(len(register)), *register]
-            argv += self.keys.check_parts() if check else ["", "", "", ""]
-            if locator_ttl:
-                keys.append(self.keys.locator_key(parent_id))
-            if register or check:
-                keys.append(self.keys.queues_key())
-            if publish:
-                keys += publish.lists
-                argv.append(str(publish.db))
-                for index, head, tail in publish.messages:
-                    argv += [str(index), head, tail]
-        elif kinds:
-            argv += [template, kinds]
+        argv: list[Value] = [
+            parent_id,
+            parent_payload,
+            str(len(children)),
+            packed([value for child in children for value in child]),
+            str(recent_ttl_ms),
+            str(recent_max),
+        ]
+        options: dict[str, Any] = {}
+        for name, given in (("outer", outer), ("template", template), ("kinds", kinds)):
+            if given:
+                options[name] = given
+        if policy:
+            options["policy"] = policy
+        if locator_ttl:
+            options["locator_ttl"] = locator_ttl
+            keys.append(self.keys.locator_key(parent_id))
+        if locator_ttl or check:
+            options["queue"] = queue
+        if register:
+            options["register"] = list(register)
+        if check:
+            options["check"] = self.keys.check_parts()
+        if register or check:
+            keys.append(self.keys.queues_key())
+        if publish:
+            keys += publish.lists
+            options["broker_db"] = publish.db
+            options["messages"] = [value for message in publish.messages for value in message]
+        if options:
+            argv.append(packed(options))
         reply = self._run("enqueue_flow", keys, argv)
         if isinstance(reply, list):
             return int(reply[0]), int(reply[1]) if reply[1] not in (b"", "", None) else None
@@ -204,7 +218,7 @@ class Scripts:
             self.keys.queue_key(queue, "counters"),
         ]
         argv = [parent_id, payload, str(n), policy, outer, str(recent_ttl_ms), str(recent_max)]
-        argv.append(packed(template=template or None))
+        argv.append(packed_options(template=template or None))
         return int(self._run("open_flow", keys, argv))
 
     def add_children(
@@ -236,7 +250,9 @@ class Scripts:
         for cid, payload, policy in children:
             argv += [cid, payload, policy]
         # The window's size, for its waiting children.
-        argv.append(packed(kinds=kinds or None, max_active=str(max_active) if max_active else None))
+        argv.append(
+            packed_options(kinds=kinds or None, max_active=str(max_active) if max_active else None)
+        )
         return int(self._run("add_children", keys, argv))
 
     def grow_flow(
@@ -289,7 +305,7 @@ class Scripts:
         ]
         for cid, payload, policy in (*local, *remote):
             argv += [cid, payload, policy]
-        argv.append(packed(max_active=str(max_active) if max_active else None))
+        argv.append(packed_options(max_active=str(max_active) if max_active else None))
         reply = self._run("grow_flow", keys, argv)
         started = int(reply[2]) if len(reply) > 2 else len(local)
         return status_of(reply[0]), int(reply[1]), started
@@ -358,7 +374,7 @@ class Scripts:
             str(priority),
             "1" if force else "0",
             str(retries),
-            packed(
+            packed_options(
                 mark=str(known) if known else None,
                 since=str(since) if since else None,
                 parent=parent,
@@ -480,7 +496,7 @@ class Scripts:
         lease), how large a released parent may be handed back inline, the flow's quorum and
         reducer."""
         releases = parent is not None and not remote and not next_step
-        return packed(
+        return packed_options(
             result=result.meta if result is not None else None,
             expires=str(result.expires) if result is not None and result.expires else None,
             inline=str(inline_max) if inline_max and releases else None,
@@ -557,7 +573,9 @@ class Scripts:
             "1" if remote else "0",
             "1" if carry else "0",
             # Released by a quorum of its children: credited here only on the parent's slot.
-            packed(quorum=parent.quorum or None if parent is not None and not remote else None),
+            packed_options(
+                quorum=parent.quorum or None if parent is not None and not remote else None
+            ),
         ]
         reply = window_freed(self._run("fail", keys, argv), freed)
         return status_of(reply[0]), text(reply[1]), len(reply) > 2
@@ -606,7 +624,7 @@ class Scripts:
             self.keys.queue_key(parent.queue, "counters"),
         ]
         argv = [parent.id, child_id, outcome, data, policy, str(ttl)]
-        argv.append(packed(quorum=parent.quorum or None))  # released by a quorum of them
+        argv.append(packed_options(quorum=parent.quorum or None))  # released by a quorum of them
         status, applied = self._run("credit", keys, argv)
         return status_of(status), text(applied)
 

@@ -16,7 +16,7 @@ from typing import Any
 from celery.utils.functional import maybe_list
 
 from celery_echomq import tracing
-from celery_echomq.errors import FlowFailed
+from celery_echomq.errors import FlowFailed, StoreFormatError
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
 from celery_echomq.send.errbacks import FAN, errbacks_left, ran_by_child
 from celery_echomq.send.freed import publish_freed
@@ -28,6 +28,7 @@ from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.store.store_format import tell_newer
 
 logger = logging.getLogger("celery_echomq")
 
@@ -359,20 +360,35 @@ def settle_failure(
     return status
 
 
-def credit_edges(state: EchoMQ, queue: str, job_id: str, outcome: str, data: bytes | str) -> None:
+def credit_edges(state: EchoMQ, queue: str, job_id: str, outcome: str, data: bytes | str) -> bool:
     """A finished job joined to more parents than its first (on_exists="join"): credit each of
     them (credit.lua, once per parent through its :settled, so a repeat changes nothing), act
     on what that made of it, then unstage the job. Recovery repeats it for a job left staged.
+    False when a parent was of a newer store format: the job stays staged for that release's
+    workers, whose recovery credits it.
     """
     keys = state.keys
+    credited = True
     for raw_id, spec in state.client.hscan_iter(keys.parents_key(queue, job_id), count=100):
         policy, _, parent_queue = text(spec).partition("|")
         parent = ParentRef(text(raw_id), parent_queue)
         failed = outcome == Status.FAILED
-        status, _ = state.scripts.credit(
-            parent, job_id, outcome, data, policy if failed else "", ttl=state.settings.result_ttl
-        )
+        try:
+            status, _ = state.scripts.credit(
+                parent,
+                job_id,
+                outcome,
+                data,
+                policy if failed else "",
+                ttl=state.settings.result_ttl,
+            )
+        except StoreFormatError as exc:
+            tell_newer(exc, f"credit of joined {job_id} to {parent.id}")
+            credited = False
+            continue
         logger.info("echomq: joined %s (%s) credited to %s: %s", job_id, outcome, parent.id, status)
         if status is not Status.DUPLICATE:
             follow(state, status, job_id, parent, str(data) if failed else "")
-    state.client.zrem(keys.queue_key(queue, "joined"), job_id)
+    if credited:
+        state.client.zrem(keys.queue_key(queue, "joined"), job_id)
+    return credited

@@ -34,6 +34,7 @@ from celery_echomq import (
 from celery_echomq.ops.listing import held_parents
 from celery_echomq.ops.views import read_tree, walk
 from celery_echomq.store.keyspace import check_id, id_of_row, row_id
+from celery_echomq.store.script_values import packed
 from tests.helpers import Env, Served, run, wait_for
 
 # A fixed uuid for the parametrized ids: every pytest-xdist process must collect the same
@@ -383,10 +384,10 @@ def test_the_scripts_gate_takes_a_celery_uuid_and_refuses_another_form(
         f"emq:{{{queue}}}:counters",
         f"emq:{{{queue}}}:JOB{child}",
     ]
-    argv = [parent, "p", "1", child, "c", "", "1000", "10"]
+    argv = [parent, "p", "1", packed([child, "c"]), "1000", "10"]
     for bad in (child.upper(), uuid.UUID(child).hex):
         with pytest.raises(KindError, match="EMQKIND"):
-            scripts._run("enqueue_flow", keys, [parent, "p", "1", bad, "c", "", "1000", "10"])
+            scripts._run("enqueue_flow", keys, [parent, "p", "1", packed([bad, "c"]), "1000", "10"])
         assert db.dbsize() == 0
     scripts._run("enqueue_flow", keys, argv)
     assert db.hget(keys[0], "state") == b"awaiting_children"

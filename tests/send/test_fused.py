@@ -5,6 +5,7 @@ flow still publishes nothing."""
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 import time
@@ -155,3 +156,41 @@ def test_the_broker_must_share_the_store_server(proj: Any, env: Env) -> None:
         elsewhere = redis.Redis.from_url(other.url(int(env.store.rsplit("/", 1)[1])))
         assert database_on_store_server(state, elsewhere) is None
     assert fused.SINCE_MARK < 0  # never a time the store's clock gives
+
+
+def test_children_of_other_options_among_alike_ones_keep_their_own_messages(
+    proj: Any, env: Env, where: tuple[str, redis.Redis, redis.Redis]
+) -> None:
+    """Children whose options differ from their siblings' (a time limit of their own), in
+    among alike ones: pushed by the enqueue too, each message with its own options and
+    arguments, never those of the child before it."""
+    queue, broker, _ = where
+    limited = {2, 4, 5}
+
+    def send() -> Any:
+        kids = [
+            proj.add.s(i, i).set(time_limit=30) if i in limited else proj.add.s(i, i)
+            for i in range(7)
+        ]
+        return flow(proj.tsum.s(), kids).apply_async(queue=queue)
+
+    send()  # the first of its shape: teaches both kinds of message
+    broker.delete(queue)
+    seen, stop = _watch(env)
+    try:
+        second = send()
+    finally:
+        stop()
+    pushes = [c for c in seen if c["command"].startswith("LPUSH")]
+    assert pushes and all(c["client_type"] == "lua" for c in pushes), pushes
+    messages = _messages(broker, queue)
+    assert [m["headers"]["argsrepr"] for m in messages] == [f"({i}, {i})" for i in range(7)]
+    bodies = [json.loads(base64.b64decode(m["body"])) for m in messages]
+    assert [body[0] for body in bodies] == [[i, i] for i in range(7)]
+    assert len({m["headers"]["id"] for m in messages}) == 7
+    assert all(m["headers"]["id"] == m["properties"]["correlation_id"] for m in messages)
+    assert [m["headers"]["timelimit"] for m in messages] == [
+        [30, None] if i in limited else [None, None] for i in range(7)
+    ]
+    assert {m["headers"]["echomq_p"] for m in messages} == {second.id}
+    assert {m["headers"]["root_id"] for m in messages} == {second.id}

@@ -335,6 +335,7 @@ def test_a_joined_job_whose_worker_died_after_completing_it_is_credited_by_recov
     """The worker that completed a shared job died before crediting its other parents (the
     completion as its script left it, then nothing): recovery credits them, once."""
     from celery_echomq.worker.recovery import run_pass
+    from celery_echomq.worker.recovery.sweep import anything_due
 
     queue = own_queue("join-rec")  # no worker consumes it: the test is the worker
     state = get_state(proj.app)
@@ -360,6 +361,8 @@ def test_a_joined_job_whose_worker_died_after_completing_it_is_credited_by_recov
     assert store.zscore(index, sid) is not None
     assert second.dependencies().outstanding == 1  # the second parent still waits
     store.zadd(index, {sid: 0})  # staged a stall timeout ago
+    # A worker's recovery loop runs a pass only when something is due: the staged job is.
+    assert anything_due(state, [queue])
     lines = run_pass(state, queues=[queue])
     assert any(f"credited the other parents of joined {sid}" in line for line in lines), lines
     assert second.dependencies() == (0, 1, 0, 0)

@@ -311,3 +311,29 @@ def test_a_chords_header_tasks_share_one_template_each_with_its_group_and_place(
     headers = [json.loads(m)["headers"] for m in fast[queue]]
     assert [h["group_index"] for h in headers] == [0, 1, 2] * 3 + [True]
     assert len({h["group"] for h in headers}) == 4
+
+
+@needs_batching
+def test_the_messages_built_for_an_enqueue_to_push_are_those_the_producer_would_publish(
+    proj: Any, env: Any, own_queue: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flow's alike children, built for its enqueue script to push (each after the first
+    from the values bound for the one before it): byte for byte what the producer would
+    have published, each with its own id, arguments and reprs."""
+    queue = own_queue("fastbuilt")
+    broker = redis.Redis.from_url(env.broker)
+    templates.TEMPLATES.clear()
+    publish.send_jobs(proj.app, _leaves(proj, _alike(proj, queue, 2)))  # learns the template
+    _drain(broker, [queue])
+    jobs = _leaves(proj, _alike(proj, queue, 5))
+    root = new_job_id()  # the flow's root, which every message names
+    for job in jobs:
+        job["options"]["root_id"] = root
+    built = publish.built_pushes(proj.app, jobs, lambda channel: 0, [True] * len(jobs))
+    assert built is not None
+    fast = [DELIVERY_TAG.sub(b'"delivery_tag": ""', message.encode()) for _, message in built[1]]
+    ordinary = _sent_as_the_producer_would(proj, monkeypatch, broker, queue, [jobs])
+    assert fast == ordinary[queue] and len(fast) == 5
+    headers = [json.loads(m)["headers"] for m in fast]
+    assert [h["argsrepr"] for h in headers] == [f"({i}, {i})" for i in range(5)]
+    assert {h["root_id"] for h in headers} == {root}

@@ -13,7 +13,7 @@ from pathlib import Path
 import redis
 
 from celery_echomq.store.keyspace import new_job_id
-from celery_echomq.store.packing import packed
+from celery_echomq.store.script_values import packed_options
 from celery_echomq.store.scripts import ParentRef, ResultWrite, Scripts
 from tests.helpers import KEYS, LEASE, TTL, enqueue, run_child
 
@@ -23,7 +23,7 @@ PIECES = sorted((LUA / "includes").glob("*.lua"))
 # Scripts still on positional optional arguments, each with why; README.md's "Where the
 # scripts still differ from this" names each of them.
 STILL_POSITIONAL = {
-    "enqueue_flow": "its children's arguments are repacked in a change of their own",
+    "enqueue_flow": "its options map and its KEYS after its children's rows are optional",
 }
 OPTIONS_DECLARED = re.compile(r"^-- ARGV\[([^\]]+)\]\s+the options, a msgpack map", re.M)
 OPTIONS_READ = "cmsgpack.unpack(ARGV[#ARGV])"
@@ -135,7 +135,7 @@ def test_options_reach_a_script_byte_for_byte_and_absent_ones_are_not_there(
     # Redis's own cmsgpack (the one the scripts read with): any bytes, a text, a left-out one.
     raw = bytes(range(256)) * 3
     read = "local o = cmsgpack.unpack(ARGV[#ARGV]); return {o.raw, o.text, tostring(o.none)}"
-    reply = db.eval(read, 0, "positional", packed(raw=raw, text="K/N", none=None))
+    reply = db.eval(read, 0, "positional", packed_options(raw=raw, text="K/N", none=None))
     assert reply == [raw, b"K/N", b"nil"]
 
 

@@ -13,6 +13,7 @@ from celery_echomq.store.codec import Delta
 from celery_echomq.store.keyspace import Keyspace, new_job_id
 from celery_echomq.store.loader import TRANSITIONS, load_source
 from celery_echomq.store.replies import WideCheck
+from celery_echomq.store.script_values import packed
 from celery_echomq.store.scripts import ParentRef, Scripts
 from tests.helpers import KEYS, LEASE, TTL, enqueue, run_child
 
@@ -83,7 +84,7 @@ def test_emqkind_refuses_before_any_write(
         keyspace.queue_key(queue, "pending"),
         *(f"emq:{{{queue}}}:{c}" for c in children),
     ]
-    argv = [parent, "p", "2", children[0], "a", children[1], "b"]
+    argv = [parent, "p", "2", packed([children[0], "a", children[1], "b"]), "1000", "10"]
     before = db.dbsize()
     with pytest.raises(KindError, match="EMQKIND"):
         scripts._run("enqueue_flow", keys, argv)

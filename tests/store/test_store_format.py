@@ -11,14 +11,14 @@ import redis
 
 from celery_echomq import StoreFormatError
 from celery_echomq.store.loader import TRANSITIONS
-from celery_echomq.store.packing import packed
 from celery_echomq.store.replies import Status
+from celery_echomq.store.script_values import packed
 from celery_echomq.store.scripts import ParentRef, Scripts
 from celery_echomq.store.store_format import STORE_FORMAT
 from tests.helpers import KEYS, LEASE, TTL, enqueue, run_child
 
 NEWER = str(STORE_FORMAT + 1)
-NO_OPTIONS = packed()  # the last ARGV of a script that takes options (lua/README.md)
+NO_OPTIONS = packed({})  # the last ARGV of a script that takes options (lua/README.md)
 
 # The scripts that write no row: a lease key, the queue's lease and hold sets, a parent's
 # staging hash (what grow_flow, which checks the parent, staged), and add_children, which
@@ -75,7 +75,10 @@ def calls(queue: str, parent: str, child: str) -> dict[str, tuple[list[str], lis
         "abandon_flow": (about_parent, [parent, "10"]),
         "grow_flow": (about_parent, [parent, "x", "payload", "0", "0", NO_OPTIONS]),
         # A nested flow's enqueue and open take over its placeholder: here the child's row.
-        "enqueue_flow": ([crow, *other], [child, "p", "0", parent, "10", "10"]),
+        "enqueue_flow": (
+            [crow, *other],
+            [child, "p", "0", packed([]), "10", "10", packed({"outer": parent})],
+        ),
         "open_flow": ([crow, *other], [child, "p", "0", "fail", parent, "10", "10", NO_OPTIONS]),
         "cancel_elsewhere": ([*other[:3], crow], [parent, "10", "0", child]),
         "deadline_cut": ([*other[:2], crow], [parent, "10", "fail", child]),

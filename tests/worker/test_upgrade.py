@@ -210,3 +210,31 @@ def test_a_flow_of_a_newer_format_is_left_untouched_and_logged_then_finished_by_
         store.hset(key, "format", str(STORE_FORMAT))
     assert res.get(timeout=60) == {"values": [0, 2, 4], "tag": tag}
     assert runs(store, tag) == 1
+
+
+def test_a_shared_job_credits_its_flows_and_leaves_a_newer_flows_credit_to_its_release(
+    env: Env, proj: Any, store: Any, own_queue: Any, workers: list[WorkerProcess]
+) -> None:
+    from celery_echomq import flow
+    from celery_echomq.store.store_format import STORE_FORMAT
+    from tests.helpers import KEYS, logged
+
+    queue, tag = own_queue("newer-join"), uuid.uuid4().hex[:10]
+    shared = proj.add.s(20, 22).set(task_id=f"JOB{uuid.uuid4().hex}")
+    first = flow(proj.collect.s(tag=f"{tag}-1"), [shared]).apply_async(queue=queue)
+    second = flow(proj.collect.s(tag=f"{tag}-2"), [shared]).apply_async(
+        queue=queue, on_exists="join"
+    )
+    newer = KEYS.job_key(queue, second.id)
+    store.hset(newer, "format", str(STORE_FORMAT + 1))  # the second flow is a newer release's
+
+    worker = start(workers, ROOT, env.environ(**fast_recovery()), queue)
+    assert first.get(timeout=30) == {"values": [42], "tag": f"{tag}-1"}
+    logged(worker, f"credit of joined {shared.id} to {second.id} left alone")
+    assert store.hget(newer, "state") == b"awaiting_children"
+    assert store.zscore(KEYS.queue_key(queue, "joined"), shared.id) is not None  # still staged
+    # Once a worker knows the flow's format, its recovery credits the staged edge.
+    store.hset(newer, "format", str(STORE_FORMAT))
+    assert second.get(timeout=60) == {"values": [42], "tag": f"{tag}-2"}
+    assert runs(store, f"{tag}-1") == runs(store, f"{tag}-2") == 1
+    assert worker.output().count(f"credit of joined {shared.id} to {second.id} left") == 1

@@ -8,47 +8,47 @@
 -- KEYS[4]      the queue's recent-flow index   emq:{q}:recent
 -- KEYS[5]      the queue's counters            emq:{q}:counters
 -- KEYS[5+i]    child i's row, i = 1..N         emq:{q}:JOBc
--- KEYS[6+N]    optional (with ARGV[10+2N]): the parent's locator   emq:loc:{JOBp}
--- KEYS[...]    optional (with ARGV[12+2N] > 0 or ARGV[13+2N+R] given): the registry of
---              queues that hold flows emq:queues (after the locator when both are given)
--- KEYS[...]    optional (with ARGV[13+2N+R]): the broker's lists the children's messages go
---              to, after the keys above
+-- KEYS[6+N]    optional (with the option locator_ttl): the parent's locator   emq:loc:{JOBp}
+-- KEYS[...]    optional (with the option register or check): the registry of queues that
+--              hold flows emq:queues (after the locator when both are given)
+-- KEYS[...]    optional (with the option broker_db): the broker's lists the children's
+--              messages go to, after the keys above
 --              (these live on other slots than the queue's: never passed on a Cluster)
 -- ARGV[1]      parent id
 -- ARGV[2]      parent payload
 -- ARGV[3]      N, the number of children
--- ARGV[2+2i]   child i's id
--- ARGV[3+2i]   child i's stored job: its payload, or its delta (see ARGV[8+2N])
--- ARGV[4+2N]   the outer flow's parent id when this flow is nested in another, else ''
--- ARGV[5+2N]   how long, in ms, a flow stays in the recent index (the result TTL)
--- ARGV[6+2N]   the most flows the recent index keeps
--- ARGV[7+2N]   optional: the template the children's deltas are stored against, kept on the
---              parent's row ('' or absent: none)
--- ARGV[8+2N]   optional: one character per child, 'd' where ARGV[3+2i] is a delta (the row
---              keeps it as 'delta' rather than 'payload': a small row stays a listpack),
---              'p' where it is a whole payload ('' or absent: every child's is a payload);
+-- ARGV[4]      the children, packed (msgpack): an array of 2N strings, child i's id at 2i-1 and
+--              its stored job at 2i: its payload, or its delta (see the option kinds)
+-- ARGV[5]      how long, in ms, a flow stays in the recent index (the result TTL)
+-- ARGV[6]      the most flows the recent index keeps
+-- ARGV[7]      optional ('' or absent: none): the options, packed (a msgpack map), each one
+--              absent where not given:
+--   outer      the outer flow's parent id when this flow is nested in another
+--   template   the template the children's deltas are stored against, kept on the parent's row
+--   kinds      one character per child, 'd' where its stored job is a delta (the row keeps it
+--              as 'delta' rather than 'payload': a small row stays a listpack), 'p' where it
+--              is a whole payload (absent: every child's is a payload);
 --              's', 'w', 'l' for the first, a middle and the last step of a linked chain, in
 --              order (includes/chain_step.lua: only its last is counted, only its first pending)
 --              'D', 'P' for a child waiting for a slot of the flow's window, as a delta or a
 --              payload (includes/window.lua: counted, not pending, its id in '<parent row>:window');
 --              'e', 'q' for a child of a flow with a window that goes out at once, as a delta or
 --              a payload (written as 'd' and 'p' are, marked 'windowed': it holds a slot)
--- ARGV[9+2N]   optional: the flow's policy, kept on the parent's row ('' or absent: none,
---              which reads as 'fail')
--- ARGV[10+2N]  optional: the locator's TTL in seconds; KEYS[6+N] is set to ARGV[11+2N] (the
---              queue's name) with it ('' or absent: no locator written here)
--- ARGV[11+2N]  the queue's name (with ARGV[10+2N])
--- ARGV[12+2N]  R, the number of queue names that follow ('' or absent: none)
--- ARGV[13+2N..12+2N+R] queue names to add to the registry (every queue of the flow's tree,
+--   policy     the flow's policy, kept on the parent's row (absent: none, which reads as 'fail')
+--   locator_ttl  the locator's TTL in seconds: KEYS[6+N] is set to the queue's name with it
+--              (absent: no locator written here)
+--   queue      the queue's name (with locator_ttl or check)
+--   register   an array of queue names to add to the registry (every queue of the flow's tree,
 --              so that recovery looks there; they land with the flow)
--- ARGV[13+2N+R..16+2N+R] optional: the key parts of the check across queues, on a store of
---              one server (includes/taken.lua): a row's head and tail around its queue, a
---              claim's head and tail around its id ('' or absent: no check, the host made it)
--- ARGV[17+2N+R] optional: the broker's database, on this same server: the children's
---              messages are pushed there in this step (absent: the host publishes them)
--- ARGV[18+2N+R..] with it, a triple per message: the 1-based index of its list among the
---              broker's KEYS, the message up to its enqueue time and the rest after it
---              (the message is head .. now .. tail, so it carries the time this step read)
+--   check      an array of the four key parts of the check across queues, on a store of one
+--              server (includes/taken.lua): a row's head and tail around its queue, a claim's
+--              head and tail around its id (absent: no check, the host made it)
+--   broker_db  the broker's database, on this same server: the children's messages are
+--              pushed there in this step (absent: the host publishes them)
+--   messages   with it, an array of triples, one after another: the 1-based index of a
+--              message's list among the broker's KEYS, the message up to its enqueue time and
+--              the rest after it (the message is head .. now .. tail, so it carries the time
+--              this step read)
 --
 -- Reply: {the counter (N, less the steps of chains before their last), now}: now is the server time in ms this script read, the score of
 -- every child in the pending set (so recovery can tell how long a job has waited).
@@ -64,17 +64,24 @@
 --- @include "chain_step"
 --- @include "window"
 
+-- The packed arguments: a table each (iterated, never unpack()ed whole: Lua's stack holds
+-- some thousands of values).
+local n = tonumber(ARGV[3])
+local children = cmsgpack.unpack(ARGV[4])
+local options = {}
+if (ARGV[7] or '') ~= '' then
+  options = cmsgpack.unpack(ARGV[7])
+end
 -- The id gate runs FIRST over the parent and every child id: a non-JOB id refuses before any
 -- write.
-local n = tonumber(ARGV[3])
-local refused = gate_ids(1, 1) or gate_ids(4, 2 + 2 * n, 2)
+local refused = gate_ids(1, 1) or gate_ids(1, 2 * n - 1, 2, children)
 if refused then
   return refused
 end
 -- Never overwrite: a parent or child row that exists belongs to another flow (or this one, sent twice).
 -- The one exception is a nested flow's parent: its outer flow wrote it as a pending child that
 -- no worker has claimed, carrying the outer parent id this call names. It becomes held here.
-local outer = ARGV[4 + 2 * n] or ''
+local outer = options.outer or ''
 -- A top-level flow (no outer) has no placeholder to find: the parent row and counter join the
 -- first slice's variadic EXISTS below, and their own reads are skipped (two commands a flow).
 local placeholder = {}
@@ -113,28 +120,28 @@ for first = 6, 5 + n, SLICE do
   if found > 0 then
     for i = first, last do
       if redis.call('EXISTS', KEYS[i]) > 0 then
-        return redis.error_reply('EMQEXISTS ' .. ARGV[2 * i - 8])
+        return redis.error_reply('EMQEXISTS ' .. children[2 * i - 11])
       end
     end
   end
 end
 -- The same ids on every other queue, before any write (a store of one server only).
-local registered = tonumber(ARGV[12 + 2 * n] or '') or 0
-local check = 13 + 2 * n + registered
+local register = options.register or {}
+local check = options.check
+local locator_ttl = options.locator_ttl
 local extra = 6 + n -- the first of the optional KEYS
-if (ARGV[10 + 2 * n] or '') ~= '' then
+if locator_ttl then
   extra = extra + 1 -- after the locator
 end
-if (ARGV[check] or '') ~= '' then
+if check then
   local ids = {}
   if outer == '' then
     ids[1] = ARGV[1]
   end
   for i = 1, n do
-    ids[#ids + 1] = ARGV[2 + 2 * i]
+    ids[#ids + 1] = children[2 * i - 1]
   end
-  local taken = taken_elsewhere(KEYS[extra],
-    {ARGV[check], ARGV[check + 1], ARGV[check + 2], ARGV[check + 3]}, ARGV[11 + 2 * n], ids)
+  local taken = taken_elsewhere(KEYS[extra], check, options.queue, ids)
   if taken then
     return taken
   end
@@ -143,8 +150,8 @@ end
 local now = now_ms()
 -- Each child: its row claimable (state pending), carrying the parent id, and in the pending
 -- set (one variadic ZADD per slice).
-local template = ARGV[7 + 2 * n] or ''
-local kinds = ARGV[8 + 2 * n] or ''
+local template = options.template or ''
+local kinds = options.kinds or ''
 local members = {}
 -- The parent's index of its children by position: the list '<its row>:children' (named
 -- from KEYS[1], on its slot; it expires with the flow's :dependencies, see 'expire'). What an
@@ -158,11 +165,11 @@ local counted, head, head_at = 0, '', 0
 -- The children waiting for a slot of the flow's window, in order.
 local waiting = {}
 local function id_at(i)
-  return ARGV[2 + 2 * i]
+  return children[2 * i - 1]
 end
 for i = 1, n do
   local child = KEYS[5 + i]
-  local cid = ARGV[2 + 2 * i]
+  local cid, stored = children[2 * i - 1], children[2 * i]
   local kind = string.byte(kinds, i)
   local pending = true
   local listed = true
@@ -170,19 +177,19 @@ for i = 1, n do
     if kind == STEP_FIRST then
       head, head_at = cid, i
     end
-    pending = write_step_row(child, ARGV[1], ARGV[3 + 2 * i], kind, head, ARGV[4 + 2 * i],
+    pending = write_step_row(child, ARGV[1], stored, kind, head, children[2 * i + 1],
       kind == STEP_LAST and step_ids(head_at, i, id_at) or nil)
     listed = kind == STEP_LAST
     if listed then
       counted = counted + 1
     end
   elseif is_waiting(kind) then
-    write_waiting_row(child, ARGV[1], ARGV[3 + 2 * i], kind)
+    write_waiting_row(child, ARGV[1], stored, kind)
     waiting[#waiting + 1] = cid
     pending = false
     counted = counted + 1
   else
-    write_child_row(child, ARGV[1], ARGV[3 + 2 * i], is_delta_out(kind),
+    write_child_row(child, ARGV[1], stored, is_delta_out(kind),
       is_windowed_out(kind))
     counted = counted + 1
   end
@@ -210,7 +217,7 @@ if placeholder[1] then
 end
 -- The parent: held out of pending (awaiting_children, in NO state set, so no claim reaches it)
 -- and the counter set to N. With no children there is nothing to wait for: release it now.
-local policy = ARGV[9 + 2 * n] or ''
+local policy = options.policy or ''
 if counted == 0 then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2],
     'format', STORE_FORMAT)
@@ -235,32 +242,32 @@ if counted == 0 and policy ~= '' then
 end
 -- Where a bare id lives, and where recovery looks: written with the flow, so a producer that
 -- dies after this script leaves neither missing, and a refused flow leaves neither behind.
-local locator_ttl = ARGV[10 + 2 * n] or ''
-if locator_ttl ~= '' then
-  redis.call('SET', KEYS[6 + n], ARGV[11 + 2 * n], 'EX', locator_ttl)
+if locator_ttl then
+  redis.call('SET', KEYS[6 + n], options.queue, 'EX', locator_ttl)
 end
-if registered > 0 then
-  redis.call('SADD', KEYS[extra], unpack(ARGV, 13 + 2 * n, 12 + 2 * n + registered))
+if #register > 0 then
+  redis.call('SADD', KEYS[extra], unpack(register))
 end
-if registered > 0 or (ARGV[check] or '') ~= '' then
+if #register > 0 or check then
   extra = extra + 1 -- after the registry
 end
-index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5 + 2 * n]), tonumber(ARGV[6 + 2 * n]))
+index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5]), tonumber(ARGV[6]))
 -- The children's messages, when the broker is a database of this server: the flow lands with
 -- its messages or not at all, in one round trip. Each list's messages in one LPUSH per slice,
 -- in the order given (what the host's own pipeline would push).
-local broker_db = ARGV[check + 4] or ''
-if broker_db ~= '' then
+local broker_db = options.broker_db
+if broker_db then
   local stamp = string.format('%d', now)
   local lists, order = {}, {}
-  for i = check + 5, #ARGV, 3 do
-    local key = KEYS[extra - 1 + tonumber(ARGV[i])]
+  local given = options.messages or {}
+  for i = 1, #given, 3 do
+    local key = KEYS[extra - 1 + given[i]]
     if not lists[key] then
       lists[key] = {}
       order[#order + 1] = key
     end
     local messages = lists[key]
-    messages[#messages + 1] = ARGV[i + 1] .. stamp .. ARGV[i + 2]
+    messages[#messages + 1] = given[i + 1] .. stamp .. given[i + 2]
   end
   redis.call('SELECT', tonumber(broker_db))
   for _, key in ipairs(order) do

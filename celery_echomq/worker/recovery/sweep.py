@@ -36,6 +36,7 @@ def anything_due(state: EchoMQ, queues: Iterable[str] | None = None) -> bool:
     due = {
         "adding": now - stall,
         "outbox": now - stall,
+        "joined": now - stall,
         "open": now - stall,
         "pending": now - stall,
         "active": now,

@@ -89,8 +89,10 @@ def uncredited_edges(state: EchoMQ, queue: str, batch: int) -> list[str]:
         if found in (b"done", b"failed"):
             outcome = Status.DONE if found == b"done" else Status.FAILED
             data = (value or b"") if found == b"done" else text(error or b"")
-            credit_edges(state, queue, job_id, outcome, data)
-            repairs.append(f"{queue}: credited the other parents of joined {job_id} ({outcome})")
+            if credit_edges(state, queue, job_id, outcome, data):
+                repairs.append(
+                    f"{queue}: credited the other parents of joined {job_id} ({outcome})"
+                )
         else:
             state.client.zrem(state.keys.queue_key(queue, "joined"), job_id)  # expired
     return repairs

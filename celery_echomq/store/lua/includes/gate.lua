@@ -1,4 +1,5 @@
--- gate_ids(first, last, step): the id gate, run before any write. Every ARGV[i] for
+-- gate_ids(first, last, step, values): the id gate, run before any write. Every values[i]
+-- (``values``: ARGV where not given, or a table a packed argument gave) for
 -- i = first, first + step, ... last must be a job id: a JOB id, or a uuid in Celery's own
 -- form (lower-case hex, 8-4-4-4-12), whose row the host names 'JOB' .. uuid; returns the
 -- EMQKIND error reply for the first that is neither, else nil. The host's keyspace gate
@@ -7,10 +8,13 @@
 local CELERY_UUID = '^' .. string.rep('[0-9a-f]', 8) .. '%-' .. string.rep('[0-9a-f]', 4)
   .. '%-' .. string.rep('[0-9a-f]', 4) .. '%-' .. string.rep('[0-9a-f]', 4) .. '%-'
   .. string.rep('[0-9a-f]', 12) .. '$'
-local function gate_ids(first, last, step)
+local function gate_ids(first, last, step, values)
+  values = values or ARGV
   for i = first, last, step or 1 do
-    local id = ARGV[i]
-    if string.sub(id, 1, 3) ~= 'JOB' and not string.find(id, CELERY_UUID) then
+    local id = values[i]
+    -- (a packed argument may give another type than a string)
+    if type(id) ~= 'string'
+        or (string.sub(id, 1, 3) ~= 'JOB' and not string.find(id, CELERY_UUID)) then
       return redis.error_reply('EMQKIND job id must be JOB-namespaced or a Celery uuid')
     end
   end
