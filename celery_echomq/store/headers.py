@@ -25,8 +25,8 @@ H_SINCE = "echomq_t"
 # masked, so that a worker reading another store can name both.
 H_STORE = "echomq_s"
 # "1" on the message of a chain's step that the completion of the step before handed out
-# active (complete.lua, ARGV[13]), and on no stored payload: its first delivery takes the step
-# in one script that writes its token (take_handed.lua) rather than the claim script.
+# active (complete.lua, its option 'lease'), and on no stored payload: its first delivery takes
+# the step in one script that writes its token (take_handed.lua) rather than the claim script.
 H_HANDED = "echomq_h"
 # "1": the store writes this job's result into Celery's result backend when the job completes
 # (the message says ignore_result, so Celery's trace writes none; see results.py).

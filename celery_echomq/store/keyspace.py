@@ -141,6 +141,12 @@ class Keyspace:
     def queue_key(self, queue: str, name: str) -> str:
         return f"{self.prefix}:{{{check_queue(queue)}}}:{name}"
 
+    def unused_key(self, queue: str) -> str:
+        """The queue's placeholder: what a script is passed on a KEYS slot whose key cannot be
+        named on the queue's slot in this call (a parent on another slot, no parent, no next
+        step, no result to write). No script writes it, so it never exists."""
+        return self.queue_key(queue, "unused")
+
     def flow_keys(self, queue: str, job_id: str) -> tuple[str, str, str]:
         """A parent's ``:dependencies``, ``:processed`` and ``:ignored`` keys."""
         row = self.job_key(queue, job_id)

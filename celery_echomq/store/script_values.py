@@ -31,6 +31,15 @@ def packed(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=False)  # type: ignore[no-any-return]
 
 
+def packed_options(**options: Value | None) -> bytes:
+    """A script's options as its last ARGV, one packed map (``lua/README.md``, "ARGV"): each
+    given one (a string or bytes, as the positional ARGV are), keyed by its name in the
+    script's header; None is not given, and is left out of the map, which the script reads as
+    nil (a caller passes ``x or None`` where an empty value means none). No position is padded
+    and none is read as ``''`` for being absent."""
+    return packed({name: value for name, value in options.items() if value is not None})
+
+
 def status_of(value: Any) -> Status:
     return Status(text(value))
 

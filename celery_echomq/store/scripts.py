@@ -4,10 +4,13 @@ dispatch, and those of operators and recovery (cancel, retry, release, requeue, 
 hand-over, abandon).
 
 Every method builds its KEYS through the :class:`~celery_echomq.store.keyspace.Keyspace` gate
-and maps the script's replies to :class:`~celery_echomq.store.replies.Status` and its error
-replies to Python errors (``EMQKIND`` -> :class:`KindError`). Running a script (EVALSHA, EVAL
-on NOSCRIPT, resent through a failover, the ``WAIT`` of ``echomq_min_replicas``) is the part
-it holds, :class:`~celery_echomq.store.runner.ScriptRunner`.
+(each slot one key, always passed: the queue's placeholder where a call has none), packs the
+options a call may leave out into one map, the last ARGV
+(:func:`~celery_echomq.store.script_values.packed_options`), and maps the script's replies to
+:class:`~celery_echomq.store.replies.Status` and its error replies to Python errors
+(``EMQKIND`` -> :class:`KindError`). Running a script (EVALSHA, EVAL on NOSCRIPT, resent
+through a failover, the ``WAIT`` of ``echomq_min_replicas``) is the part it holds,
+:class:`~celery_echomq.store.runner.ScriptRunner`.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from celery_echomq.store.script_values import (
     ParentRef,
     ResultWrite,
     packed,
+    packed_options,
     status_of,
     stored_children,
     window_freed,
@@ -214,8 +218,7 @@ class Scripts:
             self.keys.queue_key(queue, "counters"),
         ]
         argv = [parent_id, payload, str(n), policy, outer, str(recent_ttl_ms), str(recent_max)]
-        if template:
-            argv.append(template)
+        argv.append(packed_options(template=template or None))
         return int(self._run("open_flow", keys, argv))
 
     def add_children(
@@ -235,11 +238,10 @@ class Scripts:
         a slot from the start (``includes/window.lua``)."""
         keys = [
             self.keys.queue_key(queue, "pending"),
+            self.keys.window_key(queue, parent.id),
+            self.keys.queue_key(queue, "counters"),
             *(self.keys.job_key(queue, cid) for cid, _, _ in children),
         ]
-        if "D" in kinds or "P" in kinds:
-            keys.append(self.keys.window_key(queue, parent.id))
-            keys.append(self.keys.queue_key(queue, "counters"))
         argv: list[Value] = [
             parent.id,
             parent.queue if parent.queue != queue else "",
@@ -247,10 +249,10 @@ class Scripts:
         ]
         for cid, payload, policy in children:
             argv += [cid, payload, policy]
-        if kinds:
-            argv.append(kinds)
-        if max_active:
-            argv.append(str(max_active))  # the window's size, for its waiting children
+        # The window's size, for its waiting children.
+        argv.append(
+            packed_options(kinds=kinds or None, max_active=str(max_active) if max_active else None)
+        )
         return int(self._run("add_children", keys, argv))
 
     def grow_flow(
@@ -290,10 +292,10 @@ class Scripts:
             self.keys.queue_key(parent.queue, "pending"),
             self.keys.adding_key(parent.queue, parent.id),
             self.keys.queue_key(parent.queue, "adding"),
+            self.keys.queue_key(parent.queue, "counters"),  # its children waiting in windows
+            self.keys.window_key(parent.queue, parent.id),
             *(self.keys.job_key(parent.queue, cid) for cid, _, _ in local),
         ]
-        if max_active:  # its children waiting in windows are counted there
-            keys.append(self.keys.queue_key(parent.queue, "counters"))
         argv: list[Value] = [
             parent.id,
             payload_sha,
@@ -303,8 +305,7 @@ class Scripts:
         ]
         for cid, payload, policy in (*local, *remote):
             argv += [cid, payload, policy]
-        if max_active:
-            argv.append(str(max_active))
+        argv.append(packed_options(max_active=str(max_active) if max_active else None))
         reply = self._run("grow_flow", keys, argv)
         started = int(reply[2]) if len(reply) > 2 else len(local)
         return status_of(reply[0]), int(reply[1]), started
@@ -373,11 +374,12 @@ class Scripts:
             str(priority),
             "1" if force else "0",
             str(retries),
-            str(known) if known else "",
-            str(since) if since else "",
+            packed_options(
+                mark=str(known) if known else None,
+                since=str(since) if since else None,
+                parent=parent,
+            ),
         ]
-        if parent is not None:
-            argv.append(parent)
         status, attempts, holder, mark = self._run("claim", keys, argv)
         if mark not in (b"", "", None) and int(mark) > known:
             marks[(queue, priority)] = int(mark)
@@ -441,7 +443,6 @@ class Scripts:
         goes into ``freed`` for the caller to publish (None: left to recovery, a stall
         timeout later)."""
         remote = parent is not None and parent.queue != queue and not next_step
-        keys = self._complete_keys(queue, job_id, parent, next_step, remote)
         argv: list[Value] = [
             job_id,
             token,
@@ -450,75 +451,60 @@ class Scripts:
             parent.id if parent else "",
             value,
             "1" if remote else "0",
+            self._complete_options(result, next_step, hand_ms, parent, inline_max, remote),
         ]
-        argv += self._complete_options(result, next_step, inline_max if not remote else 0, parent)
-        self._complete_tail(queue, job_id, parent, next_step, hand_ms, result, keys, argv)
+        keys = self._complete_keys(queue, job_id, parent, next_step, result)
         reply = window_freed(self._run("complete", keys, argv), freed)
         return self._completed(reply, parent, inline_max)
 
     def _complete_keys(
-        self, queue: str, job_id: str, parent: ParentRef | None, next_step: str, remote: bool
-    ) -> list[str]:
-        """The job's keys, then where its value goes: the next step of its chain, the
-        queue's outbox (a parent on another slot), or its parent's keys."""
-        if next_step:
-            onward = [self.keys.job_key(queue, next_step), self.keys.queue_key(queue, "pending")]
-        elif remote:
-            onward = [self.keys.queue_key(queue, "outbox")]
-        else:
-            onward = self._parent_keys(
-                parent, "row", "dependencies", "processed", "pending", "counters"
-            )
-        return [
-            self.keys.job_key(queue, job_id),
-            self.keys.queue_key(queue, "active"),
-            *self.keys.flow_keys(queue, job_id),
-            *onward,
-        ]
-
-    @staticmethod
-    def _complete_options(
-        result: ResultWrite | None, next_step: str, inline_max: int, parent: ParentRef | None
-    ) -> list[Value]:
-        """ARGV[8..12]: the result to write, the next step of a chain, or how large a
-        released parent may be handed back inline."""
-        options: list[Value] = []
-        if result is not None:
-            options += ["1", result.meta, str(result.expires) if result.expires else ""]
-        if next_step:
-            options += [*([] if result is not None else ["", "", ""]), "", next_step]
-        elif inline_max and parent is not None:
-            options += [*([] if result is not None else ["", "", ""]), str(inline_max)]
-        return options + [""] * (5 - len(options))
-
-    def _complete_tail(
         self,
         queue: str,
         job_id: str,
         parent: ParentRef | None,
         next_step: str,
-        hand_ms: int,
         result: ResultWrite | None,
-        keys: list[str],
-        argv: list[Value],
-    ) -> None:
-        """The window's keys, then the job's other parents' edges (on_exists="join": the
-        index and :parents), each named by its KEYS position in ARGV[13] and ARGV[14]; the
-        next step's lease (ARGV[15]); the result's key, which stays the last."""
-        if parent is not None and not next_step:
-            argv.append(str(len(keys) + 1))
-            keys += self._window_keys(queue, parent)
-        else:
-            argv.append("")
-        argv.append(str(len(keys) + 1))
-        keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
-        if next_step and hand_ms:
-            argv.append(str(hand_ms))  # the next step handed out active, leased
-        elif parent is not None and (parent.quorum or parent.reduce):
-            # Released by a quorum of its children (ARGV[16]); its values folded (ARGV[17]).
-            argv += ["", parent.quorum, parent.reduce]
-        if result is not None:
-            keys.append(result.key)
+    ) -> list[str]:
+        """complete.lua's sixteen KEYS: the job's keys, its queue's sets, its parent's keys
+        (on this slot), its window, its chain's next step, its result's key; the queue's
+        placeholder where this call has no such key."""
+        unused = self.keys.unused_key(queue)
+        return [
+            self.keys.job_key(queue, job_id),
+            self.keys.queue_key(queue, "active"),
+            *self.keys.flow_keys(queue, job_id),
+            self.keys.queue_key(queue, "pending"),
+            self.keys.queue_key(queue, "counters"),
+            self.keys.queue_key(queue, "outbox"),
+            *self._edge_keys(queue, job_id),
+            *self._local_parent_keys(queue, parent, "row", "dependencies", "processed"),
+            self._window_key(queue, parent),
+            self.keys.job_key(queue, next_step) if next_step else unused,
+            result.key if result is not None else unused,
+        ]
+
+    @staticmethod
+    def _complete_options(
+        result: ResultWrite | None,
+        next_step: str,
+        hand_ms: int,
+        parent: ParentRef | None,
+        inline_max: int,
+        remote: bool,
+    ) -> bytes:
+        """complete.lua's options: the result to write, the next step of a chain (and its
+        lease), how large a released parent may be handed back inline, the flow's quorum and
+        reducer."""
+        releases = parent is not None and not remote and not next_step
+        return packed_options(
+            result=result.meta if result is not None else None,
+            expires=str(result.expires) if result is not None and result.expires else None,
+            inline=str(inline_max) if inline_max and releases else None,
+            next=next_step or None,
+            lease=str(hand_ms) if next_step and hand_ms else None,
+            quorum=parent.quorum or None if parent is not None else None,
+            reduce=parent.reduce or None if parent is not None else None,
+        )
 
     def _completed(
         self, reply: list[Any], parent: ParentRef | None, inline_max: int
@@ -571,20 +557,11 @@ class Scripts:
             self.keys.queue_key(queue, "active"),
             self.keys.queue_key(queue, "failed"),
             *self.keys.flow_keys(queue, job_id),
-            *(
-                [self.keys.queue_key(queue, "outbox")]
-                if remote
-                else self._parent_keys(
-                    parent,
-                    "row",
-                    "dependencies",
-                    "processed",
-                    "ignored",
-                    "pending",
-                    "failed",
-                    "counters",
-                )
-            ),
+            self.keys.queue_key(queue, "counters"),
+            self.keys.queue_key(queue, "outbox"),
+            *self._edge_keys(queue, job_id),
+            *self._local_parent_keys(queue, parent, "row", "dependencies", "processed", "ignored"),
+            self._window_key(queue, parent),
         ]
         argv = [
             job_id,
@@ -595,30 +572,34 @@ class Scripts:
             parent.id if parent else "",
             "1" if remote else "0",
             "1" if carry else "0",
+            # Released by a quorum of its children: credited here only on the parent's slot.
+            packed_options(
+                quorum=parent.quorum or None if parent is not None and not remote else None
+            ),
         ]
-        if parent is not None:
-            argv.append(str(len(keys) + 1))
-            keys += self._window_keys(queue, parent)
-        else:
-            argv.append("")
-        # Its other parents' edges (on_exists="join"): the index and :parents, last.
-        argv.append(str(len(keys) + 1))
-        keys += [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
-        if parent is not None and parent.quorum and not remote:
-            argv.append(parent.quorum)  # released by a quorum of its children (ARGV[11])
         reply = window_freed(self._run("fail", keys, argv), freed)
         return status_of(reply[0]), text(reply[1]), len(reply) > 2
 
-    def _window_keys(self, queue: str, parent: ParentRef) -> list[str]:
-        """The window of ``parent``'s children on ``queue``'s slot, that queue's pending
-        set and its counters: where a finishing child's flow keeps its waiting children, and
-        counts them. Passed for every child; the script looks only where the child's row says
-        it holds a slot (``windowed``), so a flow without a window costs no command for them."""
-        return [
-            self.keys.window_key(queue, parent.id),
-            self.keys.queue_key(queue, "pending"),
-            self.keys.queue_key(queue, "counters"),  # its children waiting in windows
-        ]
+    def _edge_keys(self, queue: str, job_id: str) -> list[str]:
+        """The queue's index of joined jobs to credit and the job's :parents: where a job
+        joined to more parents (on_exists="join") is staged as it finishes."""
+        return [self.keys.queue_key(queue, "joined"), self.keys.parents_key(queue, job_id)]
+
+    def _local_parent_keys(self, queue: str, parent: ParentRef | None, *names: str) -> list[str]:
+        """``parent``'s keys of ``names`` when it lives on ``queue``'s slot; else as many of the
+        queue's placeholder (no parent, or one on another slot: its keys cannot be passed)."""
+        if parent is None or parent.queue != queue:
+            return [self.keys.unused_key(queue)] * len(names)
+        return self._parent_keys(parent, *names)
+
+    def _window_key(self, queue: str, parent: ParentRef | None) -> str:
+        """The window of ``parent``'s children on ``queue``'s slot (the queue's placeholder when
+        there is no parent): where a finishing child's flow keeps its waiting children. Passed
+        for every child; the script looks only where the child's row says it holds a slot
+        (``windowed``), so a flow without a window costs no command for it."""
+        if parent is None:
+            return self.keys.unused_key(queue)
+        return self.keys.window_key(queue, parent.id)
 
     def credit(
         self,
@@ -643,8 +624,7 @@ class Scripts:
             self.keys.queue_key(parent.queue, "counters"),
         ]
         argv = [parent.id, child_id, outcome, data, policy, str(ttl)]
-        if parent.quorum:
-            argv.append(parent.quorum)  # released by a quorum of its children (ARGV[7])
+        argv.append(packed_options(quorum=parent.quorum or None))  # released by a quorum of them
         status, applied = self._run("credit", keys, argv)
         return status_of(status), text(applied)
 

@@ -18,6 +18,7 @@ from celery_echomq.store.store_format import STORE_FORMAT
 from tests.helpers import KEYS, LEASE, TTL, enqueue, run_child
 
 NEWER = str(STORE_FORMAT + 1)
+NO_OPTIONS = packed({})  # the last ARGV of a script that takes options (lua/README.md)
 
 # The scripts that write no row: a lease key, the queue's lease and hold sets, a parent's
 # staging hash (what grow_flow, which checks the parent, staged), and add_children, which
@@ -39,7 +40,7 @@ def everything(db: redis.Redis) -> dict[bytes, object]:
     return out
 
 
-def calls(queue: str, parent: str, child: str) -> dict[str, tuple[list[str], list[str]]]:
+def calls(queue: str, parent: str, child: str) -> dict[str, tuple[list[str], list[str | bytes]]]:
     """Each writing script's KEYS and ARGV for a call about ``parent``'s row or ``child``'s
     (``child`` active under token 't'), with the queue's other keys where the script wants
     them: every row it would write is one the test has marked newer."""
@@ -48,9 +49,9 @@ def calls(queue: str, parent: str, child: str) -> dict[str, tuple[list[str], lis
     about_parent = [prow, *other]
     about_child = [crow, *other]
     return {
-        "claim": (about_child, [child, "t2", str(LEASE), "0", "0", "0"]),
-        "complete": (about_child, [child, "t", "10", "0", parent, "1", "0", "", "", ""]),
-        "fail": (about_child, [child, "t", "E: x", "10", "0", parent, "0", "", "", ""]),
+        "claim": (about_child, [child, "t2", str(LEASE), "0", "0", "0", NO_OPTIONS]),
+        "complete": (about_child, [child, "t", "10", "0", parent, "1", "0", NO_OPTIONS]),
+        "fail": (about_child, [child, "t", "E: x", "10", "0", parent, "0", "0", NO_OPTIONS]),
         "retry": (about_child, [child, "t", "0"]),
         "hand_over": (about_child, [child, "t"]),
         "take_handed": (about_child, [child, "t3", parent]),
@@ -62,7 +63,7 @@ def calls(queue: str, parent: str, child: str) -> dict[str, tuple[list[str], lis
         "retry_counted": ([crow, prow, *other], [child, parent, "10"]),
         "dispatch": (about_parent, [parent, "0"]),
         "cancel": (about_parent, [parent, "10"]),
-        "credit": (about_parent, [parent, child, "done", "1", "10"]),
+        "credit": (about_parent, [parent, child, "done", "1", "", "10", NO_OPTIONS]),
         "deadline": (about_parent, [parent, "x", "fail", "10", "1000", "0"]),
         "deadline_done": (about_parent, [parent, "1"]),
         "deadline_arm": (about_child, [child, "in", "1000", parent]),
@@ -72,13 +73,13 @@ def calls(queue: str, parent: str, child: str) -> dict[str, tuple[list[str], lis
         "retry_parent": (about_parent, [parent, "10"]),
         "seal_flow": (about_parent, [parent, "10"]),
         "abandon_flow": (about_parent, [parent, "10"]),
-        "grow_flow": (about_parent, [parent, "x", "payload", "0", "0"]),
+        "grow_flow": (about_parent, [parent, "x", "payload", "0", "0", NO_OPTIONS]),
         # A nested flow's enqueue and open take over its placeholder: here the child's row.
         "enqueue_flow": (
             [crow, *other],
             [child, "p", "0", packed([]), "10", "10", packed({"outer": parent})],
         ),
-        "open_flow": ([crow, *other], [child, "p", "0", "fail", parent, "10", "10"]),
+        "open_flow": ([crow, *other], [child, "p", "0", "fail", parent, "10", "10", NO_OPTIONS]),
         "cancel_elsewhere": ([*other[:3], crow], [parent, "10", "0", child]),
         "deadline_cut": ([*other[:2], crow], [parent, "10", "fail", child]),
         "forget": ([*other[:8], crow], ["1", child, "0"]),

@@ -2,27 +2,29 @@
 -- that live on one queue's slot, claimable, each carrying its parent and its policy.
 --
 -- KEYS[1]     the queue's pending set
--- KEYS[1+i]   child i's row, i = 1..k
+-- KEYS[2]     the window of the parent's children on this slot (includes/window.lua): where
+--             a child of kind 'D' or 'P' is pushed
+-- KEYS[3]     the queue's counters (its children waiting in windows: 'window_waiting')
+-- KEYS[3+i]   child i's row, i = 1..k
 -- ARGV[1]     parent id
 -- ARGV[2]     the parent's queue when it differs from this one (the child's completion is
 --             then credited on the parent's slot by credit.lua); '' on the parent's slot
 -- ARGV[3]     k, the number of children in this call
 -- ARGV[1+3i]  child i's id
--- ARGV[2+3i]  child i's stored job: its payload, or its delta (see ARGV[4+3k])
+-- ARGV[2+3i]  child i's stored job: its payload, or its delta (see options.kinds)
 -- ARGV[3+3i]  child i's parent_policy ('' to use the flow's default, read on the parent's slot)
--- ARGV[4+3k]  optional: one character per child, 'd' where ARGV[2+3i] is a delta against the
---             template open_flow kept on the parent's row (only on the parent's own slot; the
---             row keeps it as 'delta', small enough to stay a listpack), 'p' where it is a
---             whole payload ('' or absent: every child's is a payload); 's', 'w', 'l' for
---             the first, a middle and the last step of a linked chain, in order, never split
---             across two calls (includes/chain_step.lua)
---             'D', 'P': a child waiting for a slot of its flow's window, as a delta or a
---             payload (includes/window.lua): written 'waiting', its id pushed to KEYS[2+k];
---             'e', 'q': a child of a flow with a window that goes out at once, as a delta or a
---             payload (written as 'd' and 'p' are, marked 'windowed': it holds a slot)
--- KEYS[2+k]   with a 'D' or 'P' kind: the window of the parent's children on this slot
--- KEYS[3+k]   with it: the queue's counters (its children waiting in windows: 'window_waiting')
--- ARGV[5+3k]  with it: the window's size, max_active
+-- ARGV[4+3k]  the options, a msgpack map (an option not given is not in it):
+--   kinds       one character per child, 'd' where ARGV[2+3i] is a delta against the template
+--               open_flow kept on the parent's row (only on the parent's own slot; the row
+--               keeps it as 'delta', small enough to stay a listpack), 'p' where it is a whole
+--               payload (not given: every child's is a payload); 's', 'w', 'l' for the first,
+--               a middle and the last step of a linked chain, in order, never split across
+--               two calls (includes/chain_step.lua)
+--               'D', 'P': a child waiting for a slot of its flow's window, as a delta or a
+--               payload (includes/window.lua): written 'waiting', its id pushed to KEYS[2];
+--               'e', 'q': a child of a flow with a window that goes out at once, as a delta
+--               or a payload (written as 'd' and 'p' are, marked 'windowed': it holds a slot)
+--   max_active  with a 'D' or 'P' kind: the window's size
 --
 -- Reply: the number of rows written. A row that already exists for this same parent is
 -- left as it is (a repeated add writes nothing twice).
@@ -43,15 +45,15 @@ local SLICE = 500
 local fresh = {}
 for first = 1, k, SLICE do
   local last = math.min(first + SLICE - 1, k)
-  if redis.call('EXISTS', unpack(KEYS, first + 1, last + 1)) == 0 then
+  if redis.call('EXISTS', unpack(KEYS, first + 3, last + 3)) == 0 then
     for i = first, last do
       fresh[#fresh + 1] = i
     end
   else
     for i = first, last do
-      local owner = redis.call('HGET', KEYS[1 + i], 'parent')
+      local owner = redis.call('HGET', KEYS[3 + i], 'parent')
       if owner == false then
-        if redis.call('EXISTS', KEYS[1 + i]) == 1 then
+        if redis.call('EXISTS', KEYS[3 + i]) == 1 then
           return redis.error_reply('EMQEXISTS ' .. ARGV[1 + 3 * i])
         end
         fresh[#fresh + 1] = i
@@ -62,7 +64,8 @@ for first = 1, k, SLICE do
   end
 end
 local now = now_ms()
-local kinds = ARGV[4 + 3 * k] or ''
+local options = cmsgpack.unpack(ARGV[#ARGV])
+local kinds = options.kinds or ''
 local members = {}
 local heads, head, head_at = {}, '', 0
 local function id_at(i)
@@ -78,7 +81,7 @@ end
 -- exist: none of them is pushed twice).
 local waiting = {}
 for n, i in ipairs(fresh) do
-  local row = KEYS[1 + i]
+  local row = KEYS[3 + i]
   local kind = string.byte(kinds, i)
   local pending = true
   if is_step(kind) then
@@ -108,6 +111,6 @@ for n, i in ipairs(fresh) do
   end
 end
 if #waiting > 0 then
-  window_push(KEYS[2 + k], waiting, tonumber(ARGV[5 + 3 * k]), KEYS[3 + k])
+  window_push(KEYS[2], waiting, tonumber(options.max_active), KEYS[3])
 end
 return #fresh

@@ -15,21 +15,22 @@
 -- ARGV[5]  '1' to take over a live lease: the caller knows the holder is dead
 -- ARGV[6]  the delivery's retry count (Celery's request.retries): a retry's message can
 --          arrive before the delivery that sent it has finished; it supersedes that one
--- ARGV[7]  optional: a claim mark the caller knows the queue has already reached for this
---          priority (marks only grow): a job pending since no later than that leaves the
---          marks unread and unwritten ('' or absent: always compare)
--- ARGV[8]  optional: when the job became pending, as its producer read the server's clock
---          just before enqueueing it (the message's echomq_t header), no later than its
---          pending score: spares the ZSCORE. A message re-published by recovery, or retried,
---          carries an older time or none ('': read the score), which can only leave a mark
---          lower, never claim that a job was delivered later than it was
--- ARGV[9]  optional: the parent id the delivery's message names ('' for none). The row's
---          own 'parent' decides: a message that names another (a forged or copied header)
---          claims nothing (absent: not compared, for a caller that knows no message)
+-- ARGV[7]  the options, a msgpack map (an option not given is not in it):
+--   mark    a claim mark the caller knows the queue has already reached for this priority
+--           (marks only grow): a job pending since no later than that leaves the marks unread
+--           and unwritten (not given: always compare)
+--   since   when the job became pending, as its producer read the server's clock just before
+--           enqueueing it (the message's echomq_t header), no later than its pending score:
+--           spares the ZSCORE. A message re-published by recovery, or retried, carries an
+--           older time or none (not given: read the score), which can only leave a mark
+--           lower, never claim that a job was delivered later than it was
+--   parent  the parent id the delivery's message names ('' for none). The row's own
+--           'parent' decides: a message that names another (a forged or copied header)
+--           claims nothing (not given: not compared, for a caller that knows no message)
 --
 -- Reply: {status, attempts, holder, mark}
 --   mark: the claim mark this priority is now known to have reached ('' when this claim
---   did not look), for the caller to pass as ARGV[7] next time
+--   did not look), for the caller to pass as options.mark next time
 --   "claimed"     pending -> active
 --   "taken_over"  it was active under another token whose lease had lapsed, whose holder the
 --                 caller knows to be dead, or whose delivery this one retries: that token is
@@ -51,6 +52,7 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
+local options = cmsgpack.unpack(ARGV[#ARGV])
 local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced', 'retries',
   'skipped', 'suspect', 'parent', 'format')
 refused = newer_format(row[9], KEYS[1])
@@ -61,7 +63,7 @@ local state = row[1]
 if not state then
   return {'missing', 0, '', ''}
 end
-if ARGV[9] and ARGV[9] ~= (row[8] or '') then
+if options.parent and options.parent ~= (row[8] or '') then
   redis.call('HINCRBY', KEYS[5], 'forged_refused', 1)
   return {'forged', tonumber(row[2]) or 0, '', ''}
 end
@@ -73,7 +75,7 @@ if state ~= 'pending' and state ~= 'active' then
   redis.call('HINCRBY', KEYS[5], 'duplicates_skipped', 1)
   return {state, attempts, '', ''}
 end
-local retries = tonumber(ARGV[6] or '0')
+local retries = tonumber(ARGV[6])
 local now = now_ms()
 if state == 'active' and ARGV[5] ~= '1' and retries <= (tonumber(row[5]) or 0) then
   local lease = tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or '0')
@@ -89,12 +91,12 @@ if state == 'pending' then
   -- the same priority that became pending well before it has been delivered too. The
   -- children of one flow share one pending time, so the caller's known mark spares most
   -- claims the read of the marks hash.
-  local raw = ARGV[8]
-  if not raw or raw == '' then
+  local raw = options.since
+  if not raw then
     raw = redis.call('ZSCORE', KEYS[2], ARGV[1])
   end
   local since = tonumber(raw or '0')
-  if raw and since > (tonumber(ARGV[7] or '') or 0) then
+  if raw and since > (tonumber(options.mark) or 0) then
     local current = tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or '0')
     if since > current then
       redis.call('HSET', KEYS[4], ARGV[4], raw)

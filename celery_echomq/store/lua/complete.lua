@@ -5,76 +5,74 @@
 -- KEYS[3]  the job's own :dependencies  } expired with the row when the job is itself a
 -- KEYS[4]  the job's own :processed     } flow parent (ARGV[4] == '1'): a finished flow
 -- KEYS[5]  the job's own :ignored       } must not outlive the result TTL
--- KEYS[6]  the parent row               } only when the job is a child whose parent
--- KEYS[7]  the parent's :dependencies   } lives on this slot; a non-flow completion
--- KEYS[8]  the parent's :processed      } passes none of these and never enters the
--- KEYS[9]  the parent's pending set     } fan-in branch
--- KEYS[10] the parent queue's counters   }
--- KEYS[6]  with ARGV[12], instead of the above: the next step's row } a chain's step but
--- KEYS[7]  the queue's pending set                                 } its last
--- KEYS[#KEYS] the job's key in Celery's Redis result backend, last, only when ARGV[8] == '1'
---          (after KEYS[2..5], KEYS[6] the outbox, or KEYS[6..10], whichever were passed)
+-- KEYS[6]  the queue's pending set (its parent's, when on this slot; its next step's; its
+--          window's)
+-- KEYS[7]  the queue's counters
+-- KEYS[8]  the queue's outbox (a parent on another slot: ARGV[7] == '1')
+-- KEYS[9]  the queue's index of joined jobs to credit  } includes/join.lua: read only
+-- KEYS[10] the job's :parents                          } when the row says 'joined'
+-- KEYS[11] the parent row            } when the job is a child whose parent lives on this
+-- KEYS[12] the parent's :dependencies } slot; otherwise the queue's placeholder key
+-- KEYS[13] the parent's :processed    } (Keyspace.unused_key), which no script writes
+-- KEYS[14] the window of the parent's children on this slot (includes/window.lua), or the
+--          placeholder when the job has no parent; looked at only when the job's row says it
+--          holds a slot of it ('windowed')
+-- KEYS[15] the next step's row (options.next), or the placeholder
+-- KEYS[16] the job's key in Celery's Redis result backend (options.result), or the placeholder
 -- ARGV[1]  job id
 -- ARGV[2]  the token the claim gave this delivery
 -- ARGV[3]  result TTL in seconds for the finished row
 -- ARGV[4]  '1' when the job is a flow parent, else '0'
 -- ARGV[5]  parent id ('' when none)
 -- ARGV[6]  the job's value, serialized
--- ARGV[7]  '1' when the parent lives on another slot: then KEYS[6] is this queue's outbox
---          and no parent keys are passed; the value is kept on the row and the child staged
---          in the outbox until credit.lua has counted it on the parent's slot
--- ARGV[8]  '1' when this script writes the job's result (the message said ignore_result and
---          the store's server and db are the result backend's; see results.py), else ''
--- ARGV[9]  the result's encoded meta, exactly as Celery's RedisBackend would store it
--- ARGV[10] its expiry in seconds (the backend's result_expires), '' for none
--- ARGV[11] optional: when this completion releases its parent (on this slot), hand the host
---          the parent to publish, as dispatch.lua would, inlining at most this many values
---          ('' or absent: the host calls dispatch itself)
--- ARGV[12] optional: the next step's id, on a chain's step but its last (its row's 'next');
---          then the value goes to that step, not to a parent ('' or absent: not a step). A
---          flow parent may be one (ARGV[4] == '1'): a chain's step held on its children
--- ARGV[13] optional: where the job's flow window keys are (includes/window.lua): KEYS[ARGV[13]]
---          the window of the job's parent on this slot, KEYS[ARGV[13] + 1] this queue's
---          pending set, KEYS[ARGV[13] + 2] its counters, before the result key ('' or
---          absent: no window looked at); looked at only when the job's row says it holds a
---          slot of it ('windowed')
--- ARGV[14] optional: i, where KEYS[i] is the queue's index of joined jobs to credit and
---          KEYS[i + 1] the job's :parents (includes/join.lua), after the window's keys and
---          before the result's key ('' or absent: none)
--- ARGV[15] optional, with ARGV[12]: a lease in ms. The next step is then handed out active
---          rather than made pending: its row 'active' with no token and 'attempts' 1, its lease
---          in the active set lapsing at server time + this, its 'started' the server time (its
---          pending time, should recovery find it never taken). The first delivery of its
---          message takes it by writing the token a claim would (HSETNX, see
---          worker/handoff.py), in place of the claim script ('' or absent: made pending)
+-- ARGV[7]  '1' when the parent lives on another slot: the value is kept on the row and the
+--          child staged in the outbox (KEYS[8]) until credit.lua has counted it on the
+--          parent's slot
+-- ARGV[8]  the options, a msgpack map (an option not given is not in it):
+--   result   the result's encoded meta, exactly as Celery's RedisBackend would store it: this
+--            script writes it to KEYS[16] (the message said ignore_result and the store's
+--            server and db are the result backend's; see results.py)
+--   expires  with result: its expiry in seconds (the backend's result_expires); not given:
+--            none
+--   inline   when this completion releases its parent (on this slot), hand the host the
+--            parent to publish, as dispatch.lua would, inlining at most this many values (not
+--            given: the host calls dispatch itself)
+--   next     the next step's id, on a chain's step but its last (its row's 'next'); then the
+--            value goes to that step (KEYS[15]), not to a parent. A flow parent may be one
+--            (ARGV[4] == '1'): a chain's step held on its children
+--   lease    with next: a lease in ms. The next step is then handed out active rather than
+--            made pending: its row 'active' with no token and 'attempts' 1, its lease in the
+--            active set lapsing at server time + this, its 'started' the server time (its
+--            pending time, should recovery find it never taken). The first delivery of its
+--            message takes it by writing the token a claim would (HSETNX, see
+--            worker/handoff.py), in place of the claim script (not given: made pending)
+--   quorum   "K/N", the job's flow is released by the K-th success of its N children
+--            (flow(..., quorum=K), includes/quorum.lua); not given: by the last of them
+--   reduce   the reducer (JSON) the job's flow folds its children's values with
+--            (flow(..., reduce=R), includes/reduce.lua), into the parent row's 'acc' as it
+--            credits this child; not given: none
 --
--- ARGV[16] optional: "K/N", the job's flow is released by the K-th success of its N children
---          (flow(..., quorum=K), includes/quorum.lua); '' or absent: by the last of them
--- ARGV[17] optional: the reducer (JSON) the job's flow folds its children's values with
---          (flow(..., reduce=R), includes/reduce.lua), into the parent row's 'acc' as it
---          credits this child; '' or absent: none
---
--- Reply: {status} or, when ARGV[8] == '1', {status, written}: written '1' when this call
--- wrote the result (the job's one active -> done transition), else '' (the host stores it the
--- way Celery would, which never overwrites a SUCCESS); whatever ARGV[8], written ends in '+'
--- when the job was joined to more parents and staged for the host to credit them
+-- Reply: {status, written}: written '1' when this call wrote options.result (the job's one
+-- active -> done transition), else '' (the host stores it the way Celery would, which never
+-- overwrites a SUCCESS); with or without a result, written ends in '+' when the job was
+-- joined to more parents and staged for the host to credit them
 --   "released"    credited, and it was the last outstanding child: the parent is now pending
---                 (the host dispatches it); with ARGV[11], the reply goes on with what
+--                 (the host dispatches it); with options.inline, the reply goes on with what
 --                 dispatch.lua replies: {"released", written, payload, "inline", id1,
 --                 value1, ...} or {"released", written, payload, "scan"}
 --   "credited"    credited; other children outstanding, or the parent no longer waits
 --   "staged"      finished and staged in the outbox (ARGV[7] == '1'): the host credits it
 --   "advanced"    a chain's step: finished, and the next step is now pending (or, with
---                 ARGV[15], active with no token) with this value as its 'input'; the reply
+--                 options.lease, active with no token) with this value as its 'input'; the reply
 --                 goes on with that step's payload, for the host to publish: {"advanced",
 --                 written, payload, now} (now: its pending score, the server's ms, which its
 --                 message carries so that its claim need not read it)
 --   "done"        finished; no parent to credit (or the next step no longer waits)
---   With ARGV[13], a child's "released", "credited" or "staged" reply ends with the next
+--   A windowed child's "released", "credited" or "staged" reply ends with the next
 --   child of its flow's window made pending, as a list: {"window", id, payload, delta,
 --   parent, now} (one of payload and delta ''), for the host to publish
 --   "stale"       the token is not the current one: nothing changed
---   "forged"      ARGV[5] is not the row's own parent, or ARGV[12] its own next step (a
+--   "forged"      ARGV[5] is not the row's own parent, or options.next its own next step (a
 --                 message's headers named another): nothing changed
 --   "<state>"     the job is not active (done, failed, pending, ...): nothing changed
 --   "released" or "credited" under a quorum: the K-th success, or one before it
@@ -94,8 +92,9 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
+local options = cmsgpack.unpack(ARGV[#ARGV])
 local is_parent = ARGV[4] == '1'
-local next_id = ARGV[12] or ''
+local next_id = options.next or ''
 -- A parent's credited_failed, read with its holder: its :ignored exists only once a child
 -- failed under 'ignore', which counts credited_failed in the same script (settle_child).
 -- Any other job's 'next' (a chain's step), which must be the one the message names: a step
@@ -122,15 +121,16 @@ end
 -- on this slot: ARGV[7] is '0' for a reducer's children, which send/reducers.py refuses
 -- elsewhere); written into the parent's 'acc' only where it is credited, once.
 local acc
-if (ARGV[17] or '') ~= '' and ARGV[5] ~= '' and next_id == '' and ARGV[7] ~= '1' then
+if options.reduce and ARGV[5] ~= '' and next_id == '' and ARGV[7] ~= '1' then
   local reason
-  acc, reason = fold_value(ARGV[17], redis.call('HGET', KEYS[6], 'acc'), ARGV[6])
+  acc, reason = fold_value(options.reduce, redis.call('HGET', KEYS[11], 'acc'), ARGV[6])
   if not acc then
     return {'unfoldable', '', reason}
   end
 end
 local ttl = tonumber(ARGV[3])
-local window_arg = windowed and 13 or 0
+-- The window of a child that holds a slot of it (a child's row has a parent: ARGV[5]).
+local window = windowed and ARGV[5] ~= '' and KEYS[14] or nil
 -- ZREM gives was_active: exactly one completion per active->done transition gets 1.
 local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('HSET', KEYS[1], 'state', 'done')
@@ -174,42 +174,39 @@ else
   expire_keys(ttl, {KEYS[1], KEYS[3], KEYS[4]})  -- no :ignored to expire
 end
 local written = ''
-if ARGV[8] == '1' and was_active == 1 then
+if options.result and was_active == 1 then
   -- What RedisBackend._set sends (SETEX or SET, then PUBLISH to the key's channel for a
   -- waiting AsyncResult.get), once: a stale or duplicate completion never rewrites it. Before
   -- the fan-in, so a released parent's waiter finds every child's result already stored.
-  local result_key = KEYS[#KEYS]
-  if ARGV[10] ~= '' then
-    redis.call('SET', result_key, ARGV[9], 'EX', ARGV[10])
+  if options.expires then
+    redis.call('SET', KEYS[16], options.result, 'EX', options.expires)
   else
-    redis.call('SET', result_key, ARGV[9])
+    redis.call('SET', KEYS[16], options.result)
   end
-  redis.call('PUBLISH', result_key, ARGV[9])
+  redis.call('PUBLISH', KEYS[16], options.result)
   written = '1'
 end
-local edges_at = tonumber(ARGV[14] or '')
-if was_active == 1 and edges_at
-    and stage_edges(KEYS[1], ARGV[1], KEYS[edges_at], KEYS[edges_at + 1], joined, ttl,
-      ARGV[6]) then
+if was_active == 1 and stage_edges(KEYS[1], ARGV[1], KEYS[9], KEYS[10], joined, ttl, ARGV[6])
+    then
   written = written .. '+' -- its other parents, for the host to credit
 end
 if next_id ~= '' then
   -- A chain's step: its value goes to the next step, which becomes pending, and this worker
   -- publishes it (recovery re-publishes it if that never happens). Once, inside was_active.
   if was_active == 1 then
-    local after = redis.call('HMGET', KEYS[6], 'state', 'payload')
+    local after = redis.call('HMGET', KEYS[15], 'state', 'payload')
     if after[1] == 'waiting' then
       local now = now_ms()
-      local lease = tonumber(ARGV[15] or '')
+      local lease = tonumber(options.lease)
       if lease then
         -- Handed out: the claim its worker would make is made here (the same slot: a linked
         -- run's steps share a queue), but for the token, which its first delivery writes.
-        redis.call('HSET', KEYS[6], 'state', 'active', 'input', ARGV[6], 'started', now,
+        redis.call('HSET', KEYS[15], 'state', 'active', 'input', ARGV[6], 'started', now,
           'attempts', '1')
         redis.call('ZADD', KEYS[2], now + lease, next_id)
       else
-        redis.call('HSET', KEYS[6], 'state', 'pending', 'input', ARGV[6])
-        redis.call('ZADD', KEYS[7], now, next_id)
+        redis.call('HSET', KEYS[15], 'state', 'pending', 'input', ARGV[6])
+        redis.call('ZADD', KEYS[6], now, next_id)
       end
       return {'advanced', written, after[2], now}
     end
@@ -219,29 +216,29 @@ end
 if ARGV[7] == '1' then
   if was_active == 1 then
     redis.call('HSET', KEYS[1], 'value', ARGV[6])
-    redis.call('ZADD', KEYS[6], now_ms(), ARGV[1])
-    return window_reply({'staged', written}, window_arg, ttl)
+    redis.call('ZADD', KEYS[8], now_ms(), ARGV[1])
+    return window_reply({'staged', written}, window, KEYS[6], KEYS[7], ttl)
   end
   return {'done', written}
 end
 -- The fan-in: EXACTLY once per child, inside was_active == 1, so a redelivered or stale
 -- completion never re-enters it.
 if ARGV[5] ~= '' and was_active == 1 then
-  local parent = {id = ARGV[5], row = KEYS[6], deps = KEYS[7], processed = KEYS[8],
-    pending = KEYS[9], counters = KEYS[10], quorum = ARGV[16], acc = acc}
+  local parent = {id = ARGV[5], row = KEYS[11], deps = KEYS[12], processed = KEYS[13],
+    pending = KEYS[6], counters = KEYS[7], quorum = options.quorum, acc = acc}
   local settled = settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]
   if settled == 'released' and (parent.quorum or '') ~= '' then
-    window_arg = 0 -- its quorum met: the children waiting for a slot are cut, none goes out
+    window = nil -- its quorum met: the children waiting for a slot are cut, none goes out
   end
-  if settled == 'released' and (ARGV[11] or '') ~= '' then
+  if settled == 'released' and options.inline then
     -- The one completion that released the parent publishes it: no dispatch call after.
     local payload = redis.call('HGET', parent.row, 'payload')
     local reply = hand_out(parent.row, parent.processed, parent.counters, payload,
-      tonumber(ARGV[11]), now_ms())
+      tonumber(options.inline), now_ms())
     table.insert(reply, 1, written)
     table.insert(reply, 1, settled)
-    return window_reply(reply, window_arg, ttl)
+    return window_reply(reply, window, KEYS[6], KEYS[7], ttl)
   end
-  return window_reply({settled, written}, window_arg, ttl)
+  return window_reply({settled, written}, window, KEYS[6], KEYS[7], ttl)
 end
 return {'done', written}

@@ -17,8 +17,9 @@
 -- ARGV[4]  the child's value (done) or "ExcType: message" (failed)
 -- ARGV[5]  the child's parent_policy ('' for the flow's default)
 -- ARGV[6]  result TTL in seconds
--- ARGV[7]  optional: "K/N", the parent is released by the K-th success of its N children
---          (flow(..., quorum=K), includes/quorum.lua); '' or absent: by the last of them
+-- ARGV[7]  the options, a msgpack map (an option not given is not in it):
+--   quorum  "K/N", the parent is released by the K-th success of its N children
+--           (flow(..., quorum=K), includes/quorum.lua); not given: by the last of them
 --
 -- Reply: {status, policy}
 --   "released"       the parent is now pending (the host dispatches it)
@@ -45,5 +46,5 @@ if redis.call('HSETNX', KEYS[5], ARGV[2], ARGV[3]) == 0 then
 end
 local parent = {id = ARGV[1], row = KEYS[1], deps = KEYS[2], processed = KEYS[3],
   ignored = KEYS[4], settled = KEYS[5], pending = KEYS[6], failed = KEYS[7],
-  counters = KEYS[8], quorum = ARGV[7]}
+  counters = KEYS[8], quorum = cmsgpack.unpack(ARGV[#ARGV]).quorum}
 return settle_child(parent, ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]))

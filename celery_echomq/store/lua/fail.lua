@@ -2,44 +2,40 @@
 -- FAILURE in the result backend. The child's parent_policy decides what that means.
 --
 -- KEYS[1]   the job row
--- KEYS[2]   the job's queue pending set
+-- KEYS[2]   the job's queue pending set (its parent's, when on this slot; its window's)
 -- KEYS[3]   the job's queue active set
 -- KEYS[4]   the job's queue failed set (score: time of failure; trimmed to the result TTL)
 -- KEYS[5]   the job's own :dependencies  } expired with the row when the job is itself a
 -- KEYS[6]   the job's own :processed     } flow parent (ARGV[5] == '1')
 -- KEYS[7]   the job's own :ignored       }
--- KEYS[8]   the parent row               } only when the job is a child whose parent
--- KEYS[9]   the parent's :dependencies   } lives on this slot
--- KEYS[10]  the parent's :processed      }
--- KEYS[11]  the parent's :ignored        }
--- KEYS[12]  the parent's pending set     }
--- KEYS[13]  the parent's failed set      }
--- KEYS[14]  the parent queue's counters   }
+-- KEYS[8]   the queue's counters (also its children waiting in windows, includes/unwait.lua)
+-- KEYS[9]   the queue's outbox (a parent on another slot: ARGV[7] == '1')
+-- KEYS[10]  the queue's index of joined jobs to credit  } includes/join.lua: read only when
+-- KEYS[11]  the job's :parents                          } the row says 'joined'
+-- KEYS[12]  the parent row             } when the job is a child whose parent lives on this
+-- KEYS[13]  the parent's :dependencies } slot; otherwise the queue's placeholder key
+-- KEYS[14]  the parent's :processed    } (Keyspace.unused_key), which no script writes
+-- KEYS[15]  the parent's :ignored      }
+-- KEYS[16]  the window of the parent's children on this slot (includes/window.lua), or the
+--           placeholder when the job has no parent; looked at only when the job's row says it
+--           holds a slot of it ('windowed')
 -- ARGV[1]   job id
 -- ARGV[2]   the claim's token; '' accepts any (revoke, recovery, hard time limit)
 -- ARGV[3]   the error, "ExcType: message"
 -- ARGV[4]   result TTL in seconds
 -- ARGV[5]   '1' when the job is a flow parent, else '0'
 -- ARGV[6]   parent id ('' when none)
--- ARGV[7]   '1' when the parent lives on another slot: then KEYS[8] is this queue's outbox
---           and no parent keys are passed; the child is staged there until credit.lua has
---           applied its policy on the parent's slot
+-- ARGV[7]   '1' when the parent lives on another slot: the child is staged in the outbox
+--           (KEYS[9]) until credit.lua has applied its policy on the parent's slot
 -- ARGV[8]   '1' to carry a nested flow's failure to its outer flow: the job is a nested
 --           flow's parent that one of its own children failed (policy fail), or that was
 --           cancelled, so it is failed or cancelled already; this applies that failure,
 --           once, to the flow it is a child of
 --           (ARGV[2] is then ignored). '0' otherwise
--- ARGV[9]   optional: KEYS[ARGV[9]] the window of the job's parent on this slot,
---           KEYS[ARGV[9] + 1] this queue's pending set and KEYS[ARGV[9] + 2] its counters
---           (includes/window.lua), after the keys above ('' or absent: no window looked
---           at); looked at only when the job's row says it holds a slot of it ('windowed'),
---           the counters also when it was waiting for one (includes/unwait.lua)
--- ARGV[10]  optional: i, where KEYS[i] is the queue's index of joined jobs to credit and
---           KEYS[i + 1] the job's :parents (includes/join.lua), after the keys above and
---           the window's ('' or absent: none)
--- ARGV[11]  optional: "K/N", the parent is released by the K-th success of its N children
+-- ARGV[9]   the options, a msgpack map (an option not given is not in it):
+--   quorum  "K/N", the parent is released by the K-th success of its N children
 --           (includes/quorum.lua): this failure is one child fewer that can succeed, and
---           fails the parent ("parent_failed") once fewer than K can ('' or absent: none)
+--           fails the parent ("parent_failed") once fewer than K can; not given: none
 --
 -- A chain's step but its last (its row has 'next') expires the steps after it with its own row
 -- (includes/chain_rest.lua: their rows, on this slot, named after its own).
@@ -61,7 +57,7 @@
 --                    worker reports a revoked message it drops however late it comes (a
 --                    cancelled flow forgotten while its messages still wait in the broker):
 --                    writing the failure would bring the forgotten row back
---   With ARGV[9], a child that was out (pending or active, or a nested flow carried) ends
+--   A windowed child that was out (pending or active, or a nested flow carried) ends
 --   its "parent_failed", "released", "credited" or "staged" reply with the next child of its
 --   flow's window made pending: {"window", id, payload, delta, parent, now} (complete.lua)
 -- A third element, 'edges', follows when the job was joined to more parents and was staged
@@ -81,6 +77,7 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
+local options = cmsgpack.unpack(ARGV[#ARGV])
 local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'next', 'joined',
   'windowed', 'chain', 'format')
 refused = newer_format(row[8], KEYS[1])
@@ -113,9 +110,8 @@ else
   redis.call('ZADD', KEYS[4], now, ARGV[1])
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
   redis.call('HSET', KEYS[1], 'state', 'failed', 'error', ARGV[3])
-  local at = tonumber(ARGV[9] or '')
-  if at then -- a child failed by its id while it waited for a slot of its window
-    left_window(KEYS[at + 2], state, row[7])
+  if ARGV[6] ~= '' then -- a child failed by its id while it waited for a slot of its window
+    left_window(KEYS[8], state, row[7])
   end
   expire_keys(ttl, ARGV[5] == '1' and {KEYS[1], KEYS[5], KEYS[6], KEYS[7]} or {KEYS[1]})
   if row[4] then
@@ -124,9 +120,8 @@ else
     expire_steps_after(KEYS[1], ARGV[1], row[4], ttl)
   end
 end
-local edges_at = tonumber(ARGV[10] or '')
-local shared = ARGV[8] ~= '1' and edges_at
-  and stage_edges(KEYS[1], ARGV[1], KEYS[edges_at], KEYS[edges_at + 1], row[5], ttl, nil)
+local shared = ARGV[8] ~= '1'
+  and stage_edges(KEYS[1], ARGV[1], KEYS[10], KEYS[11], row[5], ttl, nil)
 local function reply(r)
   if shared then
     r[#r + 1] = 'edges'
@@ -136,16 +131,17 @@ end
 local policy = redis.call('HGET', KEYS[1], 'parent_policy') or ''
 -- A child of a flow without a window holds no slot ('windowed' is on every child of one that
 -- has), nor does a waiting child failed by its id (revoked): it frees none.
-local window_arg = row[6] and state ~= 'waiting' and 9 or 0
+-- (A child's row has a parent: ARGV[6].)
+local window = row[6] and state ~= 'waiting' and ARGV[6] ~= '' and KEYS[16] or nil
 if ARGV[7] == '1' then
-  redis.call('ZADD', KEYS[8], now, ARGV[1])
-  return window_reply(reply({'staged', policy}), window_arg, ttl)
+  redis.call('ZADD', KEYS[9], now, ARGV[1])
+  return window_reply(reply({'staged', policy}), window, KEYS[2], KEYS[8], ttl)
 end
-if not KEYS[8] or edges_at == 8 then
+if ARGV[6] == '' then
   return reply({'failed', ''})
 end
-local parent = {id = ARGV[6], row = KEYS[8], deps = KEYS[9], processed = KEYS[10],
-  ignored = KEYS[11], pending = KEYS[12], failed = KEYS[13], counters = KEYS[14],
-  quorum = ARGV[11]}
+local parent = {id = ARGV[6], row = KEYS[12], deps = KEYS[13], processed = KEYS[14],
+  ignored = KEYS[15], pending = KEYS[2], failed = KEYS[4], counters = KEYS[8],
+  quorum = options.quorum}
 return window_reply(reply(settle_child(parent, ARGV[1], 'failed', ARGV[3], policy, ttl)),
-  window_arg, ttl)
+  window, KEYS[2], KEYS[8], ttl)

@@ -10,9 +10,11 @@
 -- KEYS[3]     the parent queue's pending set
 -- KEYS[4]     the parent's :adding (staged child id -> payload; "<id>:policy" -> its policy)
 -- KEYS[5]     the parent queue's adding set (parents with staged children; score: when)
--- KEYS[5+i]   child i's row on this slot, i = 1..k
--- KEYS[6+k]   with ARGV[6+3(k+r)]: the parent queue's counters (its children waiting in
---             windows: 'window_waiting')
+-- KEYS[6]     the parent queue's counters (its children waiting in windows:
+--             'window_waiting')
+-- KEYS[7]     the parent's window on this slot (includes/window.lua): where the children that
+--             find no room wait, with options.max_active
+-- KEYS[7+i]   child i's row on this slot, i = 1..k
 -- ARGV[1]     parent id
 -- ARGV[2]     SHA1 of the parent payload the host read (the payload is rewritten only if
 --             it is still that one: two concurrent adds never lose each other's ids)
@@ -21,9 +23,10 @@
 -- ARGV[5]     r, children staged for other slots
 -- ARGV[3+3i]  (i = 1..k+r) child i's id; ARGV[4+3i] its payload; ARGV[5+3i] its
 --             parent_policy ('' to use the flow's default)
--- ARGV[6+3(k+r)] optional: the flow's window, max_active (includes/window.lua; '' or absent:
---             none): as many of the children of this slot as it has room for are written
---             pending, in order, the others waiting at the end of '<parent row>:window'
+-- ARGV[6+3(k+r)] the options, a msgpack map (an option not given is not in it):
+--   max_active  the flow's window (includes/window.lua; not given: none): as many of the
+--               children of this slot as it has room for are written pending, in order, the
+--               others waiting at the end of its window (KEYS[7])
 --
 -- Reply: {status, n}
 --   {"added", counter, started}   written (and staged); the counter after the add; how many
@@ -54,17 +57,17 @@ if redis.sha1hex(row[2]) ~= ARGV[2] then
   return {'stale', 0}
 end
 for i = 1, k do
-  if redis.call('EXISTS', KEYS[5 + i]) == 1 then
+  if redis.call('EXISTS', KEYS[7 + i]) == 1 then
     return redis.error_reply('EMQEXISTS ' .. ARGV[3 + 3 * i])
   end
 end
 local now = now_ms()
-local size = tonumber(ARGV[6 + 3 * (k + r)] or '')
-local window = KEYS[1] .. ':window'
+local size = tonumber(cmsgpack.unpack(ARGV[#ARGV]).max_active)
+local window = KEYS[7]
 local room = size and window_room(size, KEYS[2], window, k) or k
 local waiting = {}
 for i = 1, k do
-  local child = KEYS[5 + i]
+  local child = KEYS[7 + i]
   if i > room then
     write_waiting_row(child, ARGV[1], ARGV[4 + 3 * i], WAIT_PAYLOAD)
     waiting[#waiting + 1] = ARGV[3 + 3 * i]
@@ -77,7 +80,7 @@ for i = 1, k do
   end
 end
 if #waiting > 0 then
-  window_push(window, waiting, size, KEYS[6 + k])
+  window_push(window, waiting, size, KEYS[6])
 end
 for i = k + 1, k + r do
   redis.call('HSET', KEYS[4], ARGV[3 + 3 * i], ARGV[4 + 3 * i])

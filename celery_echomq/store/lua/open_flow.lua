@@ -16,8 +16,9 @@
 -- ARGV[5]  the outer flow's parent id when this flow is nested ('' when not)
 -- ARGV[6]  how long, in ms, a flow stays in the recent index (the result TTL)
 -- ARGV[7]  the most flows the recent index keeps
--- ARGV[8]  optional: the template that add_children's deltas on this slot are stored against,
---          kept on the parent's row ('' or absent: none)
+-- ARGV[8]  the options, a msgpack map (an option not given is not in it):
+--   template  the template that add_children's deltas on this slot are stored against, kept
+--             on the parent's row (not given: none)
 --
 -- Reply: N + 1 (the counter).
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" the row exists
@@ -49,8 +50,9 @@ local now = now_ms()
 local n = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
   'policy', ARGV[4], 'format', STORE_FORMAT)
-if (ARGV[8] or '') ~= '' then
-  redis.call('HSET', KEYS[1], 'template', ARGV[8])
+local template = cmsgpack.unpack(ARGV[#ARGV]).template
+if template then
+  redis.call('HSET', KEYS[1], 'template', template)
 end
 redis.call('SET', KEYS[2], n + 1)
 redis.call('ZADD', KEYS[3], now, ARGV[1])

@@ -24,6 +24,6 @@ if refused then
 end
 redis.call('HSET', KEYS[1], 'state', 'pending')
 redis.call('ZREM', KEYS[3], ARGV[1])
-local due = now_ms() + tonumber(ARGV[3] or '0')
+local due = now_ms() + tonumber(ARGV[3])
 redis.call('ZADD', KEYS[2], due, ARGV[1])
 return {'retried'}

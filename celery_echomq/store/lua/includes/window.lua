@@ -144,17 +144,16 @@ local function window_free(window, pending, ttl, counters)
   return n > 0 and taken or nil
 end
 
--- window_reply(reply, arg, ttl): ``reply`` with the children the window let out appended, as a
--- list of its own (the last element: no other element of a reply is a list), when ARGV[arg]
--- names where the window's three keys are: KEYS[at] the window, KEYS[at + 1] its queue's
--- pending set, KEYS[at + 2] its queue's counters. Absent: ``reply`` as it is. Called once per
--- child that finishes, inside its one transition.
-local function window_reply(reply, arg, ttl)
-  local at = tonumber(ARGV[arg] or '')
-  if not at then
+-- window_reply(reply, window, pending, counters, ttl): ``reply`` with the children the window
+-- let out appended, as a list of its own (the last element: no other element of a reply is a
+-- list), when the finished child held a slot of ``window`` (its queue's ``pending`` set and
+-- ``counters`` beside it). ``window`` nil: ``reply`` as it is. Called once per child that
+-- finishes, inside its one transition.
+local function window_reply(reply, window, pending, counters, ttl)
+  if not window then
     return reply
   end
-  local taken = window_free(KEYS[at], KEYS[at + 1], ttl, KEYS[at + 2])
+  local taken = window_free(window, pending, ttl, counters)
   if taken then
     reply[#reply + 1] = taken
   end
