@@ -129,11 +129,16 @@ class RedisServer(ServerBase):
 
 
 def wait_replicated(primary: Any, replicas: int, timeout: float = 30.0) -> None:
-    """Until ``primary`` (a redis-py client) has ``replicas`` replicas online and in sync."""
+    """Until ``primary`` (a redis-py client) has ``replicas`` replicas online and in sync: each
+    has everything the primary had written when the wait began. That point, not the primary's
+    offset of the moment, since under writes a replica always trails the latest by a little."""
     deadline = time.monotonic() + timeout
     info: dict[str, Any] = {}
+    target: int | None = None
     while time.monotonic() < deadline:
         info = primary.info("replication")
+        if target is None:
+            target = int(info.get("master_repl_offset", 0))
         online = [
             value
             for key, value in info.items()
@@ -141,8 +146,7 @@ def wait_replicated(primary: Any, replicas: int, timeout: float = 30.0) -> None:
             and isinstance(value, dict)
             and value.get("state") == "online"
         ]
-        offset = info.get("master_repl_offset", 0)
-        if len(online) >= replicas and all(r.get("offset", -1) >= offset for r in online):
+        if len(online) >= replicas and all(r.get("offset", -1) >= target for r in online):
             return
         time.sleep(0.05)
     raise RuntimeError(f"fewer than {replicas} replicas in sync within {timeout} s: {info}")
