@@ -858,11 +858,16 @@ class Scripts:
         released: Sequence[str] = (),
     ) -> int:
         """Renew this worker's leases on ``queue``: the deadlines of the ``running`` jobs (still
-        active) and the holds on the ``held`` ones (received, not started), to now + lease;
-        end the holds on the ``released`` ones (held before, started or gone since)."""
+        active, and not handed over to a replacement) and the holds on the ``held`` ones
+        (received, not started), to now + lease; end the holds on the ``released`` ones (held
+        before, started or gone since)."""
         if not running and not held and not released:
             return 0
-        keys = [self.keys.queue_key(queue, "active"), self.keys.queue_key(queue, "reserved")]
+        keys = [
+            self.keys.queue_key(queue, "active"),
+            self.keys.queue_key(queue, "reserved"),
+            *(self.keys.job_key(queue, job_id) for job_id in running),
+        ]
         argv = [str(lease_ms), str(len(running)), str(len(held)), *running, *held, *released]
         return int(self._run("extend", keys, argv))
 

@@ -623,6 +623,21 @@ def test_hand_over_keeps_a_replaced_job_for_its_replacements_outcome(
     )
 
 
+def test_a_renewal_leaves_a_job_handed_over_due_for_recovery(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    # A worker may still list a replaced request as running a moment after its body handed
+    # the job over: its renewal must not put recovery's look at the replacement a lease later.
+    _, (child, other) = enqueue(scripts, queue, 2)
+    for job in (child, other):
+        scripts.claim(queue, job, "t", LEASE)
+    assert scripts.hand_over(queue, child, "t") == "handed_over"
+    due = db.zscore(KEYS.queue_key(queue, "active"), child)
+    assert due is not None and due <= now_ms(db)
+    assert scripts.extend(queue, [child, other], 10 * LEASE) == 1  # the other job's alone
+    assert db.zscore(KEYS.queue_key(queue, "active"), child) == due
+
+
 def test_a_retry_is_pending_from_when_it_is_due(
     db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:

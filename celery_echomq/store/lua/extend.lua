@@ -5,6 +5,7 @@
 --
 -- KEYS[1]   the queue's active set (score: when the holder's lease lapses)
 -- KEYS[2]   the queue's reserved set (score: when the worker's hold on a received job lapses)
+-- KEYS[2+j] the row of the j-th running job, j = 1..n
 -- ARGV[1]   lease in ms: each lease becomes at least server time + lease
 -- ARGV[2]   n, the number of running job ids that follow
 -- ARGV[3]   m, the number of held job ids that follow them
@@ -14,7 +15,10 @@
 --
 -- Reply: the number of leases moved. A running job that is not in the active set (finished,
 -- failed, retried, or not claimed yet) is left out: this script never makes a job active, and
--- never shortens a lease. A held job's entry is dropped here, by the worker that made it, on
+-- never shortens a lease. Nor is one whose body handed it over to a replacement (its row says
+-- 'replaced', hand_over.lua): a worker can still list its request as running for a moment
+-- after the hand-over, and a renewal then would put recovery's look at the replacement's
+-- outcome a whole lease later. A held job's entry is dropped here, by the worker that made it, on
 -- its next tick after the job started (not by the claim: most jobs start before any tick has
 -- held them, and a claim would pay a ZREM for nothing), and lapses on its own if its worker
 -- dies. An entry left a moment after its claim is harmless: recovery reads the reserved set
@@ -36,7 +40,8 @@ end
 for i = 4, held do
   local current = redis.call('ZSCORE', KEYS[i <= running and 1 or 2], ARGV[i])
   if i <= running then
-    if current and tonumber(current) < deadline then
+    local replaced = redis.call('HEXISTS', KEYS[i - 1], 'replaced') == 1
+    if current and tonumber(current) < deadline and not replaced then
       redis.call('ZADD', KEYS[1], deadline, ARGV[i])
       moved = moved + 1
     end
