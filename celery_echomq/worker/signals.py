@@ -299,8 +299,9 @@ def on_postrun(
 
 def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
     headers = getattr(request, "request_dict", None) or {}
-    if headers.get(H_QUEUE):
-        _deliveries(request.app).received.put(request.id, Headers(headers))
+    state = find_state(getattr(request, "app", None)) if headers.get(H_QUEUE) else None
+    if state is not None:
+        state.deliveries.received.put(request.id, Headers(headers))
 
 
 def on_revoked(
