@@ -35,8 +35,6 @@ from celery_echomq.send.join import EAGER_JOIN, check_on_exists, eager_joined, e
 from celery_echomq.send.plan import (
     Plan,
     check_depth,
-    child_id,
-    is_flow,
     parent_args,
     plan_children,
     plan_flow,
@@ -47,6 +45,7 @@ from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
 from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
 from celery_echomq.store.headers import H_REDUCE, H_RESULT
+from celery_echomq.store.planned import Node, PlannedChain, PlannedJob
 from celery_echomq.store.state import find_state
 from celery_echomq.worker.settle import error_text
 
@@ -59,7 +58,7 @@ class Growing:
     plan: Plan
     fanin: FanIn
     # (signature, id, planned job, args, kwargs) per child, in the order they run.
-    entries: list[tuple[Any, str, dict[str, Any], tuple[Any, ...], dict[str, Any]]]
+    entries: list[tuple[Any, str, Node, tuple[Any, ...], dict[str, Any]]]
 
     def add(self, sigs: Sequence[Any]) -> list[str]:
         """Append ``sigs`` as children (what ``grow_flow.lua`` does on a worker)."""
@@ -321,7 +320,7 @@ class _Level:
             if ok and self.reducer is not None:  # folded as reduce.lua folds it, or failed
                 ok, data = self.fold(cid, job, data)
             # A chain's failure is its failed step's, named by its own id (as on a worker).
-            settled = cid if ok or "steps" not in job else str(res.id)
+            settled = cid if ok or not isinstance(job, PlannedChain) else str(res.id)
             if not ok and isinstance(getattr(res, "result", None), BaseException):
                 self.errors[settled] = res.result
             if self.fanin.settle(settled, ok, data, child.options.get("parent_policy")):
@@ -331,7 +330,7 @@ class _Level:
             if isinstance(self.fanin, QuorumFanIn) and self.parent_res is not None:
                 break  # its quorum met: the children not started never run
 
-    def fold(self, cid: str, job: dict[str, Any], value: Any) -> tuple[bool, Any]:
+    def fold(self, cid: str, job: Node, value: Any) -> tuple[bool, Any]:
         """``value`` folded into the accumulator (as reduce.lua folds it), or the child failed
         with the reason; its result stored as its worker stores it (_run_child kept Celery's
         trace from storing a SUCCESS before this), under ``task_store_eager_result``."""
@@ -380,29 +379,30 @@ class _Level:
 def _run_child(
     app: Any,
     child: Any,
-    job: dict[str, Any],
+    job: Node,
     partial: tuple[Any, ...],
     kwargs: dict[str, Any],
     cid: str,
     seen: dict[str, FanIn],
     root: str,
 ) -> Any:
-    if "steps" in job:
+    if isinstance(job, PlannedChain):
         return _run_steps(app, child, job, partial, kwargs, seen, root)
-    if is_flow(child):
+    if isinstance(job, Plan):
         inner_partial = () if child.immutable else (*partial, *child.args)
-        inner = Plan.from_dict(job["nested"])
+        inner = job
         inner_opts = {k: v for k, v in child.options.items() if k in ("link", "link_error")}
         return _run(app, child, inner, inner_partial, kwargs, inner_opts, seen)
-    joined = eager_joined(cid, job)  # on_exists="join": a job run before is not run again
+    message = job.message
+    joined = eager_joined(cid, message)  # on_exists="join": a job run before is not run again
     if joined is not None:
         return joined
     run = child.clone(args=partial, kwargs=kwargs) if partial or kwargs else child
     # A child of a flow with a reducer stores its result once its value is folded (_Level's
     # fold), as on a worker: Celery's trace stores none.
-    held = {"ignore_result": True} if _held(job) else {}
+    held = {"ignore_result": True} if _held(message) else {}
     with under_root(root):
-        return eager_ran(cid, job, run.apply(task_id=cid, throw=False, **held))
+        return eager_ran(cid, message, run.apply(task_id=cid, throw=False, **held))
 
 
 def _held(job: dict[str, Any]) -> bool:
@@ -411,11 +411,15 @@ def _held(job: dict[str, Any]) -> bool:
     return bool(headers.get(H_REDUCE) and headers.get(H_RESULT))
 
 
-def _store_child(app: Any, cid: str, job: dict[str, Any], outcome: Any) -> None:
+def _store_child(app: Any, cid: str, node: Node, outcome: Any) -> None:
     """A folded child's result, SUCCESS or (``outcome`` a ReduceError) FAILURE, stored as
-    Celery's eager trace would have stored it: only with ``task_store_eager_result``."""
+    Celery's eager trace would have stored it: only with ``task_store_eager_result`` (a
+    nested flow's parent stores its own)."""
     from celery.app.task import Context
 
+    if not isinstance(node, PlannedJob):
+        return
+    job = node.message
     task = app.tasks.get(str(job.get("task")))
     if not _held(job) or task is None or task.ignore_result or not task.store_eager_result:
         return
@@ -458,7 +462,7 @@ def under_root(root: str) -> Iterator[None]:
 def _run_steps(
     app: Any,
     chain: Any,
-    job: dict[str, Any],
+    job: PlannedChain,
     partial: tuple[Any, ...],
     kwargs: dict[str, Any],
     seen: dict[str, FanIn],
@@ -469,13 +473,13 @@ def _run_steps(
     of the step that failed (the chain's failure, as on a worker). A first step that is a
     flow runs as one, its children given the partial arguments."""
     res: Any = None
-    for i, (step, planned) in enumerate(zip(chain.tasks, job["steps"], strict=True)):
+    for i, (step, planned) in enumerate(zip(chain.tasks, job.steps, strict=True)):
         if i == 0:
-            res = _run_child(app, step, planned, partial, kwargs, child_id(planned), seen, root)
+            res = _run_child(app, step, planned, partial, kwargs, planned.id, seen, root)
         else:
             run = step if step.immutable else step.clone(args=(res.result,))
             with under_root(root):
-                res = run.apply(task_id=planned["options"]["task_id"], throw=False)
+                res = run.apply(task_id=planned.id, throw=False)
         if res.state != states.SUCCESS:
             break
     return res

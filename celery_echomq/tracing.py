@@ -85,14 +85,6 @@ def _system(app: Any) -> str:
     return "redis" if scheme == "rediss" else (scheme or "celery")
 
 
-def _jobs(plan: Any) -> Iterator[dict[str, Any]]:
-    for level in plan.levels():
-        yield level.parent
-        for job in level.children:
-            if "nested" not in job:
-                yield job
-
-
 @contextlib.contextmanager
 def flow_span(app: Any, plan: Any, fan_in: str = "") -> Iterator[None]:
     """The PRODUCER span of a flow's ``apply_async``; its context goes into every message."""
@@ -118,7 +110,7 @@ def flow_span(app: Any, plan: Any, fan_in: str = "") -> Iterator[None]:
             carrier: dict[str, str] = {}
             propagate.inject(carrier)
             if carrier:
-                for job in _jobs(plan):
+                for job in plan.messages():
                     headers = job["options"].setdefault("headers", {})
                     headers.update(carrier)
         yield

@@ -15,7 +15,7 @@ from typing import Any
 from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.send.encoding import Encoded
 from celery_echomq.send.join import Joined, join_level
-from celery_echomq.send.plan import Plan, child_queue, row_ids
+from celery_echomq.send.plan import Plan
 from celery_echomq.store.headers import is_open_header
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
@@ -65,11 +65,11 @@ def enqueue_chunked(
     rows = iter(zip(encoded.children, kinds, strict=True))
     for job in level.children:
         group = []
-        for _ in row_ids(job):
+        for _ in job.row_ids():
             (cid, payload), kind = next(rows)
             group.append((cid, payload, level.child_policies.get(cid, ""), kind))
         if group[0][0] not in joined:  # a joined job has its row: it gains an edge instead
-            by_queue.setdefault(child_queue(job), []).append(group)
+            by_queue.setdefault(job.queue, []).append(group)
     parent = ParentRef(level.parent_id, level.queue)
     open_key = state.keys.queue_key(level.queue, "open")
     for queue, groups in by_queue.items():

@@ -10,8 +10,9 @@ from typing import Any, NamedTuple
 from kombu.exceptions import EncodeError
 
 from celery_echomq.send.fan_in import waiting_kinds
-from celery_echomq.send.plan import Plan, child_id, child_queue
+from celery_echomq.send.plan import Plan
 from celery_echomq.store.codec import child_template, job_delta
+from celery_echomq.store.planned import PlannedChain, PlannedJob, stored_node
 from celery_echomq.store.state import EchoMQ
 
 # A chain's steps, by their kind (enqueue_flow.lua, add_children.lua): its first step, pending;
@@ -39,6 +40,7 @@ class Encoded(NamedTuple):
 
 
 def _encode(state: EchoMQ, job: dict[str, Any], where: str) -> bytes:
+    """``job`` (a message or a node's stored form) encoded, or refused naming ``where``."""
     try:
         return state.dumps(job)
     except Exception as exc:
@@ -64,39 +66,41 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
         # The template lives on the parent's row: only a child on the same slot (routed to
         # the parent's queue) can be stored against it.
         template = child_template(
-            j for j in level.children if "steps" not in j and child_queue(j) == level.queue
+            j.message
+            for j in level.children
+            if isinstance(j, PlannedJob) and j.queue == level.queue
         )
         children = []
         kinds = []
         alike = []
         dumps = state.dumps
         for position, job in enumerate(level.children, 1):
-            if "steps" in job:
-                steps = job["steps"]
+            if isinstance(job, PlannedChain):
+                steps = job.steps
                 for i, step in enumerate(steps):
                     where = f"flow {level.parent_id}: child {position}, step {i + 1}"
-                    children.append((child_id(step), _encode(state, step, where)))
+                    children.append((step.id, _encode(state, stored_node(step), where)))
                 kinds.append(STEP_FIRST + STEP_WAITING * (len(steps) - 2) + STEP_LAST)
                 alike.append(False)
                 continue
-            cid = child_id(job)
+            cid = job.id
             delta = None
-            if template is not None and child_queue(job) == level.queue:
-                delta = job_delta(template, job)
+            if template is not None and isinstance(job, PlannedJob) and job.queue == level.queue:
+                delta = job_delta(template, job.message)
             kinds.append("p" if delta is None else "d")
             alike.append(delta is not None and "task" not in delta and "options" not in delta)
             try:
-                children.append((cid, dumps(job if delta is None else delta)))
+                children.append((cid, dumps(stored_node(job) if delta is None else delta)))
             except Exception as exc:
                 # Named only when it fails: a flow encodes thousands of children.
-                what = "a nested flow" if "nested" in job else job["task"]
+                what = "a nested flow" if isinstance(job, Plan) else job.message["task"]
                 where = f"flow {level.parent_id}: child {position} ({what}, {cid})"
                 raise _refused(state, where, exc) from exc
         where = f"flow {level.parent_id}: the parent ({level.parent['task']})"
         parent = _encode(state, level.parent, where)
         kinds = list(waiting_kinds("".join(kinds), level.max_active))
         if template is None:
-            told = any("steps" in job for job in level.children) or level.max_active > 0
+            told = any(isinstance(j, PlannedChain) for j in level.children) or level.max_active > 0
             encoded[level.parent_id] = Encoded(parent, children, kinds="".join(kinds) * told)
             continue
         where = f"flow {level.parent_id}: its children's template ({template['task']})"

@@ -47,10 +47,10 @@ import json
 import logging
 from typing import Any
 
-from celery_echomq.send.entries import child_queue
 from celery_echomq.send.jobs import mark_for_store
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_QUEUE, H_QUORUM, H_REDUCE
+from celery_echomq.store.planned import Node, Plan, PlannedChain
 from celery_echomq.store.state import EchoMQ
 
 MAX_ACTIVE_ALLOWED = (
@@ -67,7 +67,7 @@ def check_max_active(value: object, where: str = "flow(max_active=...)") -> int 
     return value
 
 
-def window_of(plan: Any, kwargs: dict[str, Any]) -> None:
+def window_of(plan: Plan, kwargs: dict[str, Any]) -> None:
     """Give a planned level its window (from its flow signature's ``kwargs``), kept on its
     parent's stored job too (what ``add_children`` and ``show`` read); refuse a window the
     store cannot keep, before anything is written."""
@@ -75,13 +75,13 @@ def window_of(plan: Any, kwargs: dict[str, Any]) -> None:
     if size is None:
         return
     for job in plan.children:
-        if "steps" in job:
+        if isinstance(job, PlannedChain):
             raise ValueError(
                 f"flow {plan.parent_id}: max_active={size} takes tasks and flows as children, "
                 "not a chain of tasks; allowed: wrap the chain in a flow of its own, or no "
                 "max_active"
             )
-    queues = sorted({child_queue(job) for job in plan.children})
+    queues = sorted({job.queue for job in plan.children})
     if len(queues) > 1:
         raise ValueError(
             f"flow {plan.parent_id}: max_active={size} needs every child on one queue (the "
@@ -109,7 +109,7 @@ def waiting_kinds(kinds: str, size: int) -> str:
     return kinds[:size].translate(_OUT_IN_WINDOW) + kinds[size:].upper()
 
 
-def windowed(parent: dict[str, Any], queue: str, added: list[dict[str, Any]]) -> int:
+def windowed(parent: dict[str, Any], queue: str, added: list[Node]) -> int:
     """The window of a running flow (``parent``: its stored job, on ``queue``) that
     ``added`` children join, 0 for none; refuses children its window cannot take, before
     anything is written: ``grow_flow`` keeps the window on the parent's slot, so they must
@@ -118,7 +118,7 @@ def windowed(parent: dict[str, Any], queue: str, added: list[dict[str, Any]]) ->
     if not size:
         return 0
     where = parent.get("window_queue") or queue
-    strays = sorted({child_queue(job) for job in added} - {queue})
+    strays = sorted({job.queue for job in added} - {queue})
     if where != queue or strays:
         raise ValueError(
             f"flow {(parent.get('options') or {}).get('task_id')}: children added to a flow "
@@ -150,7 +150,7 @@ def _headers(job: dict[str, Any]) -> dict[str, Any]:
     return headers
 
 
-def quorum_of(plan: Any, kwargs: dict[str, Any]) -> None:
+def quorum_of(plan: Plan, kwargs: dict[str, Any]) -> None:
     """Give a planned level its quorum (from its flow signature's ``kwargs``): kept on its
     parent's stored job, and on every child's message; refuse one that cannot be met or that
     the store cannot count, before anything is written."""
@@ -164,19 +164,20 @@ def quorum_of(plan: Any, kwargs: dict[str, Any]) -> None:
             f"allowed: a quorum of at most {total}, or none"
         )
     for job in plan.children:
-        if "steps" in job:
+        if isinstance(job, PlannedChain):
             raise ValueError(
                 f"flow {plan.parent_id}: quorum={need} takes tasks and flows as children, not "
                 "a chain of tasks; allowed: wrap the chain in a flow of its own, or no quorum"
             )
     plan.parent["quorum"] = need
     # The queues of its children on other slots than its own: where cut_rest cancels them.
-    elsewhere = sorted({child_queue(job) for job in plan.children} - {plan.queue})
+    elsewhere = sorted({job.queue for job in plan.children} - {plan.queue})
     if elsewhere:
         plan.parent["quorum_queues"] = elsewhere
     mark = f"{need}/{total}"
     for job in plan.children:
-        _headers(job["nested"]["parent"] if "nested" in job else job)[H_QUORUM] = mark
+        if not isinstance(job, PlannedChain):  # refused above
+            _headers(job.message)[H_QUORUM] = mark
 
 
 def refuse_growth(job: dict[str, Any]) -> None:
@@ -190,7 +191,7 @@ def refuse_growth(job: dict[str, Any]) -> None:
         )
 
 
-def fan_in_of(plan: Any, kwargs: dict[str, Any]) -> None:
+def fan_in_of(plan: Plan, kwargs: dict[str, Any]) -> None:
     """A planned level's quorum and reducer (send/fan_in.py), from its flow's ``kwargs``."""
     quorum_of(plan, kwargs)
     reduce_of(plan, kwargs)
@@ -264,7 +265,7 @@ def empty(spec: list[Any]) -> Any:
     return EMPTY.get(spec[0], [])
 
 
-def reduce_of(plan: Any, kwargs: dict[str, Any]) -> None:
+def reduce_of(plan: Plan, kwargs: dict[str, Any]) -> None:
     """Give a planned level its reducer (from its flow signature's ``kwargs``): kept on its
     parent's stored job and on every child's message; refuse one the store cannot fold.
 
@@ -276,7 +277,7 @@ def reduce_of(plan: Any, kwargs: dict[str, Any]) -> None:
     if spec is None:
         return
     for job in plan.children:
-        if "steps" in job or child_queue(job) != plan.queue:
+        if isinstance(job, PlannedChain) or job.queue != plan.queue:
             raise ValueError(
                 f"flow {plan.parent_id}: reduce={kwargs['reduce']!r} takes tasks and flows on "
                 f"its parent's queue {plan.queue!r} as children (the values are folded on its "
@@ -285,7 +286,9 @@ def reduce_of(plan: Any, kwargs: dict[str, Any]) -> None:
     plan.parent["reduce"] = spec
     mark = json.dumps(spec)
     for job in plan.children:
-        target = job["nested"]["parent"] if "nested" in job else job
+        if isinstance(job, PlannedChain):  # refused above
+            continue
+        target = job.message
         target["options"].setdefault("headers", {})[H_REDUCE] = mark
         mark_for_store(target)
 

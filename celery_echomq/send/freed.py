@@ -13,6 +13,7 @@ from celery_echomq import tracing
 from celery_echomq.config import safe_url
 from celery_echomq.send.start import publish, with_since
 from celery_echomq.store.codec import Delta, load_job
+from celery_echomq.store.planned import is_nested_entry
 from celery_echomq.store.script_values import Freed
 from celery_echomq.store.state import EchoMQ
 
@@ -46,7 +47,7 @@ def publish_freed(state: EchoMQ, queue: str, freed: list[Freed]) -> None:
         except Exception as exc:  # left pending: recovery reports and re-publishes it
             logger.warning("echomq: window child %s on %s not published: %s", one.id, queue, exc)
             continue
-        if isinstance(job, dict) and "nested" not in job:
+        if isinstance(job, dict) and not is_nested_entry(job):
             job = with_since(job, one.since, store)
         jobs.append(job)
     if not jobs:

@@ -30,18 +30,13 @@ from celery import current_app
 from celery_echomq.errors import EchoMQError, FlowClosedError, FlowExistsError
 from celery_echomq.send.fan_in import refuse_growth, windowed
 from celery_echomq.send.ids import claim_ids, release_claims
-from celery_echomq.send.plan import (
-    Plan,
-    check_depth,
-    child_id,
-    child_queue,
-    plan_children,
-    set_root,
-)
-from celery_echomq.send.start import publish, start_flow
+from celery_echomq.send.plan import Plan, check_depth, plan_children, set_root
+from celery_echomq.send.publish import send_jobs
+from celery_echomq.send.start import start_flow
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
 from celery_echomq.store.keyspace import check_unique
+from celery_echomq.store.planned import Node, PlannedJob, node_of, stored_node
 from celery_echomq.store.reads import locate
 from celery_echomq.store.replies import Status
 from celery_echomq.store.results import writes_results
@@ -106,7 +101,7 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
         linked=False,
     )
     check_unique([parent.id, *(cid for level in plan.levels() for cid in level.child_ids())])
-    if any("nested" in j for j in plan.children):
+    if any(isinstance(j, Plan) for j in plan.children):
         check_depth(plan, state.settings.max_depth, _levels_above(state, parent))
     claims: list[str] = []
     try:
@@ -125,7 +120,7 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
             raise _closed(parent, text(row_state) if row_state is not None else "missing")
         job = state.loads(payload)
         listed = set(job["children"])
-        fresh = [j for j in plan.children if child_id(j) not in listed]
+        fresh = [j for j in plan.children if j.id not in listed]
         if not fresh:
             return []
         refuse_growth(job)
@@ -137,19 +132,16 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
         local: list[tuple[str, bytes, str]] = []
         remote: list[tuple[str, bytes, str]] = []
         for j in fresh:
-            cid = child_id(j)
-            row = (cid, state.dumps(j), plan.child_policies.get(cid, ""))
-            (local if child_queue(j) == parent.queue else remote).append(row)
-        _refuse_taken(state, [j for j in fresh if child_queue(j) != parent.queue])
-        claims += claim_ids(state, {child_id(j): child_queue(j) for j in fresh})
-        queues = {parent.queue, *(child_queue(j) for j in fresh)}
-        queues.update(lv.queue for j in fresh if "nested" in j for lv in _levels(j))
-        queues.update(
-            child_queue(c) for j in fresh if "nested" in j for lv in _levels(j) for c in lv.children
-        )
+            row = (j.id, state.dumps(stored_node(j)), plan.child_policies.get(j.id, ""))
+            (local if j.queue == parent.queue else remote).append(row)
+        _refuse_taken(state, [j for j in fresh if j.queue != parent.queue])
+        claims += claim_ids(state, {j.id: j.queue for j in fresh})
+        queues = {parent.queue, *(j.queue for j in fresh)}
+        for level in (lv for j in fresh if isinstance(j, Plan) for lv in j.levels()):
+            queues.update([level.queue, *(c.queue for c in level.children)])
         # Before the rows land, as in start_flow: recovery must find their queues.
         client.sadd(keys.queues_key(), *sorted(queues))
-        job["children"] = [*job["children"], *(child_id(j) for j in fresh)]
+        job["children"] = [*job["children"], *(j.id for j in fresh)]
         status, counter, started = scripts.grow_flow_windowed(
             parent, hashlib.sha1(payload).hexdigest(), state.dumps(job), local, remote, size
         )
@@ -167,11 +159,11 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
     # A windowed flow's children past its room wait: their turn publishes them.
     out = fresh[:started] if size else fresh
     for j in out:
-        if "nested" in j:
-            start_flow(state, Plan.from_dict(j["nested"]))
-    leaves = [j for j in out if "nested" not in j]
+        if isinstance(j, Plan):
+            start_flow(state, j)
+    leaves = [j.message for j in out if isinstance(j, PlannedJob)]
     if leaves:
-        publish(state.app, leaves)
+        send_jobs(state.app, leaves)
     logger.info(
         "echomq: %d children added to flow %s (%d on other queues); counter %d",
         len(fresh),
@@ -179,7 +171,7 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
         len(remote),
         counter,
     )
-    return [child_id(j) for j in fresh]
+    return [j.id for j in fresh]
 
 
 def _levels_above(state: EchoMQ, parent: ParentRef) -> int:
@@ -198,22 +190,18 @@ def _levels_above(state: EchoMQ, parent: ParentRef) -> int:
     return above
 
 
-def _levels(job: dict[str, Any]) -> list[Plan]:
-    return list(Plan.from_dict(job["nested"]).levels())
-
-
-def _refuse_taken(state: EchoMQ, remote: list[dict[str, Any]]) -> None:
+def _refuse_taken(state: EchoMQ, remote: list[Node]) -> None:
     """A child of another slot whose id another flow already uses is refused here, before the
     parent's step: grow_flow can check only its own slot's rows."""
     if not remote:
         return
     pipe = state.client.pipeline(transaction=False)
     for j in remote:
-        pipe.exists(state.keys.job_key(child_queue(j), child_id(j)))
+        pipe.exists(state.keys.job_key(j.queue, j.id))
     for j, there in zip(remote, pipe.execute(), strict=True):
         if there:
             raise FlowExistsError(
-                f"job id {child_id(j)!r} already exists in Redis; a flow never overwrites a "
+                f"job id {j.id!r} already exists in Redis; a flow never overwrites a "
                 "job (nothing was written or published)"
             )
 
@@ -227,7 +215,8 @@ def write_staged(state: EchoMQ, parent: ParentRef, staged: list[tuple[str, bytes
     """
     by_queue: dict[str, list[tuple[str, bytes, str]]] = {}
     for cid, payload, policy in staged:
-        by_queue.setdefault(child_queue(state.loads(payload)), []).append((cid, payload, policy))
+        queue = node_of(state.loads(payload)).queue
+        by_queue.setdefault(queue, []).append((cid, payload, policy))
     chunk = state.settings.chunk_size
     for queue, rows in by_queue.items():
         for start in range(0, len(rows), chunk):

@@ -36,10 +36,10 @@ from typing import Any
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 
 from celery_echomq.errors import DuplicateIdError, FlowExistsError
-from celery_echomq.send.entries import Level, child_queue, first_job, row_ids
 from celery_echomq.send.shapes import SPREAD_TASK, is_linked
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import check_id, check_unique, new_job_id
+from celery_echomq.store.planned import Plan, PlannedJob
 from celery_echomq.store.replies import exists_error
 from celery_echomq.store.state import EchoMQ
 
@@ -186,45 +186,45 @@ class CycleError(DuplicateIdError):
     """A job listed under itself: it would wait for its own value."""
 
 
-def _call(job: dict[str, Any]) -> tuple[Any, ...]:
-    return (job.get("task"), job.get("args"), job.get("kwargs"), child_queue(job))
+def _call(job: PlannedJob) -> tuple[Any, ...]:
+    message = job.message
+    return (message.get("task"), message.get("args"), message.get("kwargs"), job.queue)
 
 
-def check_ids(levels: Sequence[Level], parent_id: str, shared: bool) -> dict[str, str]:
+def check_ids(levels: Sequence[Plan], parent_id: str, shared: bool) -> dict[str, str]:
     """Every id of a tree names one row; with ``shared``, a task listed by several of its
     flows is one job. Returns each shared task's id -> the flow (its parent's id) that
     writes it, the first in ``levels``' order (outer first, as they are written)."""
-    ids = [parent_id, *(cid for level in levels for e in level.children for cid in row_ids(e))]
+    ids = [parent_id, *(cid for level in levels for cid in level.child_row_ids())]
     if not shared:
         check_unique(ids)
         return {}
     check_unique(dict.fromkeys(ids))  # a uuid and 'JOB' + it are still one row
-    owners: dict[str, tuple[str, dict[str, Any] | None]] = {parent_id: ("", None)}
+    owners: dict[str, tuple[str, PlannedJob | None]] = {parent_id: ("", None)}
     under: dict[str, str] = {}  # a nested flow's parent id -> the flow that lists it
     writes: dict[str, str] = {}
     for level in levels:
         listed: set[str] = set()
         for entry in level.children:
-            job = first_job(entry)
-            if "nested" in job:
-                under[str(job["nested"]["parent_id"])] = level.parent_id
-            plain = "nested" not in job and "steps" not in entry
-            for cid in row_ids(entry):
+            if isinstance(head := entry.head, Plan):
+                under[head.parent_id] = level.parent_id
+            plain = entry if isinstance(entry, PlannedJob) else None
+            for cid in entry.row_ids():
                 if cid in listed:
                     raise DuplicateIdError(
                         f"job id {cid!r} appears twice among the children of flow "
                         f"{level.parent_id!r}: a flow waits for a job once"
                     )
                 listed.add(cid)
-                _place(cid, level.parent_id, job if plain else None, owners, under, writes)
+                _place(cid, level.parent_id, plain, owners, under, writes)
     return writes
 
 
 def _place(
     cid: str,
     flow_id: str,
-    job: dict[str, Any] | None,
-    owners: dict[str, tuple[str, dict[str, Any] | None]],
+    job: PlannedJob | None,
+    owners: dict[str, tuple[str, PlannedJob | None]],
     under: dict[str, str],
     writes: dict[str, str],
 ) -> None:

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery_echomq.errors import FlowExistsError, OnExistsError
-from celery_echomq.send.entries import child_queue, first_job
 from celery_echomq.send.ids import check_ids
-from celery_echomq.send.plan import Plan, child_id
+from celery_echomq.send.plan import Plan
 from celery_echomq.store.codec import (
     STORED_FIELDS,
     Delta,
@@ -35,6 +34,7 @@ from celery_echomq.store.codec import (
     stored_of,
 )
 from celery_echomq.store.connection import text
+from celery_echomq.store.planned import PlannedJob
 from celery_echomq.store.replies import Status
 from celery_echomq.store.script_values import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -149,11 +149,8 @@ def joined_children(state: EchoMQ, plan: Plan) -> dict[str, Joined]:
     wanted: list[tuple[str, str, dict[str, Any]]] = []
     for level in plan.levels():
         for entry in level.children:
-            job = first_job(entry)
-            if "nested" in job or "steps" in entry:
-                continue
-            cid = job["options"]["task_id"]
-            wanted.append((child_queue(entry), cid, job))
+            if isinstance(entry, PlannedJob):
+                wanted.append((entry.queue, entry.id, entry.message))
     rows = _read(state, [(q, cid) for q, cid, _ in wanted])
     joined: dict[str, Joined] = {}
     for (queue, cid, job), row in zip(wanted, rows, strict=True):
@@ -210,9 +207,9 @@ def shared_in_canvas(plan: Plan, joined: dict[str, Joined]) -> dict[str, Joined]
     found: dict[str, Joined] = {}
     for level in plan.levels():
         for entry in level.children:
-            cid = child_id(entry)
+            cid = entry.id
             if cid in writes and cid not in joined and cid not in found:
-                found[cid] = Joined(cid, child_queue(entry), "pending", entry, writes[cid])
+                found[cid] = Joined(cid, entry.queue, "pending", entry, writes[cid])
     return found
 
 

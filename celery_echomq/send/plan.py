@@ -1,27 +1,20 @@
 """A flow, planned: every id assigned and gated, every message built, before anything is
 sent.
 
-Pure: nothing here touches Redis or the broker. ``send/start.py`` sends a :class:`Plan`; the
-headers it writes on each job are named in ``store/headers.py``.
+Pure: nothing here touches Redis or the broker. The plan is made of ``store/planned.py``'s
+types (a level, a task, a linked chain); ``send/start.py`` sends a :class:`Plan`; the headers
+it writes on each job are named in ``store/headers.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery import current_task
 from celery.canvas import Signature
 
-from celery_echomq.send.entries import (
-    check_depth,
-    child_id,
-    child_queue,
-    first_job,
-    row_ids,
-    too_deep,
-)
+from celery_echomq.errors import DepthError
 from celery_echomq.send.fan_in import fan_in_of, window_of
 from celery_echomq.send.ids import check_ids
 from celery_echomq.send.jobs import (
@@ -38,72 +31,9 @@ from celery_echomq.send.links import queue_runs
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
+from celery_echomq.store.planned import Node, Plan, PlannedChain, PlannedJob
 
-__all__ = ["Plan", "check_depth", "child_id", "child_queue", "first_job", "row_ids", "too_deep"]
-
-
-@dataclass
-class Plan:
-    """A flow with every id assigned and every message built, before anything is sent.
-
-    A nested flow's entry in ``children`` is ``{"nested": <its Plan as a dict>}``; its
-    ``outer`` is the id of the flow it is a child of. A linked chain's is ``{"steps": [<each
-    step's job>]}``: one child, whose id is its last step's; its first step may be a nested
-    flow's entry (the step held on that flow's children, the tasks after it waiting rows).
-    """
-
-    queue: str
-    parent_id: str
-    parent: dict[str, Any]
-    children: list[dict[str, Any]] = field(default_factory=list)
-    policy: str = "fail"
-    child_policies: dict[str, str] = field(default_factory=dict)
-    outer: str = ""
-    # The parent takes its one child's value as is, not as a list (a chain's step).
-    single: bool = False
-    # Children whose values the parent does not get (a spread, see shapes.py).
-    silent: list[str] = field(default_factory=list)
-    max_active: int = 0  # the most children out at once; 0: no window (send/fan_in.py)
-
-    def to_dict(self) -> dict[str, Any]:
-        # Not dataclasses.asdict: it rebuilds every dict subclass it meets from a generator,
-        # which a Signature (a link, an argument) cannot be made from. The values are the
-        # plan's own, never shared with another.
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
-        return cls(**data)
-
-    def levels(self, whole: bool = False) -> Iterator[Plan]:
-        """This flow, then every nested flow it starts with (``whole``: of the tree), outer
-        before inner; one waiting for a slot of a window is enqueued when its turn comes."""
-        yield self
-        for job in self.children if whole else self.started():
-            if "nested" in (job := first_job(job)):
-                yield from Plan.from_dict(job["nested"]).levels(whole)
-
-    def started(self) -> list[dict[str, Any]]:
-        """The children published at the start: the first ``max_active``, or all of them."""
-        return self.children[: self.max_active or None]
-
-    def child_ids(self) -> list[str]:
-        return [child_id(job) for job in self.children]
-
-    def row_ids(self) -> list[str]:
-        """The ids of every row this level writes for its children: each step of a chain."""
-        return [cid for job in self.children for cid in row_ids(job)]
-
-    def valued_ids(self) -> list[str]:
-        """The children whose values the parent gets, in order."""
-        silent = set(self.silent)
-        return [cid for cid in self.child_ids() if cid not in silent]
-
-    def chunked(self, chunk_size: int) -> bool:
-        """Whether this level takes open/add/seal instead of one enqueue_flow script."""
-        return len(self.children) > chunk_size or any(
-            child_queue(job) != self.queue for job in self.children
-        )
+__all__ = ["Plan", "check_depth", "plan_flow", "too_deep"]
 
 
 def is_flow(sig: Any) -> bool:
@@ -212,19 +142,19 @@ def flow_root(options: dict[str, Any], flow_id: str) -> str:
     return str(caller) if caller else flow_id
 
 
-def set_root(jobs: Iterable[dict[str, Any]], root: str) -> None:
-    """Give every job of ``jobs`` (child tasks, and every parent and child of nested flows)
+def set_root(nodes: Iterable[Node], root: str) -> None:
+    """Give every job of ``nodes`` (child tasks, and every parent and child of nested flows)
     ``root`` as its Celery ``root_id``: monitors (Flower, ``celery events``) then draw the
     flow as one tree, as they draw a chord's tasks under the task that started it. A job's
     own ``root_id`` gives way: the outermost flow's root is the one its tree can have."""
-    for job in jobs:
-        if "nested" in job:
-            job["nested"]["parent"]["options"]["root_id"] = root
-            set_root(job["nested"]["children"], root)
-        elif "steps" in job:
-            set_root(job["steps"], root)  # its first may be a nested flow's entry
+    for node in nodes:
+        if isinstance(node, Plan):
+            node.parent["options"]["root_id"] = root
+            set_root(node.children, root)
+        elif isinstance(node, PlannedChain):
+            set_root(node.steps, root)  # its first may be a nested flow
         else:
-            job["options"]["root_id"] = root
+            node.message["options"]["root_id"] = root
 
 
 def plan_children(
@@ -269,10 +199,10 @@ def plan_children(
             if linked:
                 steps = _steps(app, plan, child, args, kwargs, shared, child_results, store_results)
             if steps is not None:
-                plan.children.append({"steps": steps})
+                plan.children.append(PlannedChain(steps))
                 if child_policy is not None:
                     for step in steps:
-                        cid = child_id(step)
+                        cid = step.id
                         plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
                 continue
             policy_of = child.options.get("parent_policy")
@@ -285,7 +215,7 @@ def plan_children(
             cid = inner.parent_id
             if silent:
                 plan.silent.append(cid)
-            plan.children.append({"nested": inner.to_dict()})
+            plan.children.append(inner)
         else:
             cid = child_job_id(child.options, position)
             if args or kwargs:
@@ -301,7 +231,7 @@ def plan_children(
                 job["options"].setdefault("ignore_result", True)
             elif store_results:
                 mark_for_store(job)
-            plan.children.append(job)
+            plan.children.append(PlannedJob(job))
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
 
@@ -360,7 +290,7 @@ def _steps(
     shared: dict[str, Any],
     child_results: bool,
     store_results: bool,
-) -> list[dict[str, Any]] | None:
+) -> list[PlannedJob | Plan] | None:
     """A linked chain's steps as jobs, each naming the flow's parent and the step after it
     (:data:`H_NEXT`); None when its steps live on more than one queue's slot (one script
     cannot make the next step pending there: the chain is then planned as nested flows).
@@ -374,12 +304,12 @@ def _steps(
         return None
     step_queue = queues[0]
     ids = [job_id_of(task.options) for task in tasks[head is not None :]]
-    jobs: list[dict[str, Any]] = []
+    jobs: list[PlannedJob | Plan] = []
     if head is not None:
         nested = _nested(app, plan, head, args, kwargs, shared, child_results, store_results)
         nested.parent["options"]["headers"][H_NEXT] = ids[0]
         ids.insert(0, nested.parent_id)
-        jobs.append({"nested": nested.to_dict()})
+        jobs.append(nested)
     for i, task in enumerate(tasks):
         if i == 0 and head is not None:
             continue
@@ -395,5 +325,30 @@ def _steps(
             job["options"].setdefault("ignore_result", True)
         elif store_results:
             mark_for_store(job)
-        jobs.append(job)
+        jobs.append(PlannedJob(job))
     return jobs
+
+
+def check_depth(plan: Plan, limit: int, above: int = 0) -> None:
+    """Refuse a tree whose deepest path has more than ``limit`` flow levels (``above``: the
+    levels over ``plan``'s parent, for children added to a nested flow)."""
+    deepest, stack = 0, [(plan.children, above + 1)]
+    while stack:
+        children, depth = stack.pop()
+        deepest = max(deepest, depth)
+        heads = (child.head for child in children)
+        stack.extend((head.children, depth + 1) for head in heads if isinstance(head, Plan))
+    if deepest > limit:
+        raise DepthError(
+            f"flow {plan.parent_id} is {deepest} levels deep (flows nested in flows: a group, "
+            "chord or flow step of a chain counts as a level, a run of tasks as none); "
+            f"allowed: at most {limit} (the echomq_max_depth setting); nothing was sent"
+        )
+
+
+def too_deep(limit: int) -> DepthError:
+    """What a tree too deep for Python to plan raises (its depth was never counted)."""
+    return DepthError(
+        f"flow tree too deep to plan; allowed: at most {limit} levels (the echomq_max_depth "
+        "setting); nothing was sent"
+    )

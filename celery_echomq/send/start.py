@@ -23,10 +23,11 @@ from celery_echomq.send.dispatch import declare_reply_queue, dispatch_parent
 from celery_echomq.send.encoding import Encoded, encode_plan
 from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.join import Joined, joins_by_level
-from celery_echomq.send.plan import Plan, child_id, child_queue, first_job, row_ids
+from celery_echomq.send.plan import Plan
 from celery_echomq.send.publish import SINCE_MARK, prepare, send_jobs
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
+from celery_echomq.store.planned import PlannedJob, nested_plan
 from celery_echomq.store.replies import Status, WideCheck
 from celery_echomq.store.script_values import BrokerPushes
 from celery_echomq.store.state import EchoMQ, get_state
@@ -109,7 +110,7 @@ def _prepare(state: EchoMQ, plan: Plan, joined: dict[str, Joined]) -> _Start:
     chunk = state.settings.chunk_size
     chunked = [takes_chunked_path(level, chunk, joins[level.parent_id]) for level in levels]
     queues = {level.queue for level in levels}
-    queues.update(child_queue(job) for level in levels for job in level.children)
+    queues.update(child.queue for level in levels for child in level.children)
     return _Start(
         levels,
         chunked,
@@ -220,7 +221,8 @@ def _fused(state: EchoMQ, start: _Start, encoded: dict[str, Encoded]) -> BrokerP
     plain = not (start.cluster or start.chunked[0] or one.child_policies)
     if len(levels) != 1 or not one.children or not plain:
         return None
-    jobs = [with_since(first_job(j), SINCE_MARK, start.store) for j in one.started()]
+    heads, store = [child.head for child in one.started()], start.store
+    jobs = [with_since(h.message, SINCE_MARK, store) for h in heads if isinstance(h, PlannedJob)]
     return prepare(state, jobs, encoded[one.parent_id].alike)
 
 
@@ -275,7 +277,7 @@ def _enqueue_levels(
             claims += claim_ids(state, placed([level]))
             _, since[level.parent_id] = enqueue(check=False)
         register = []
-        written.append((level.queue, level.parent_id, level.row_ids()))
+        written.append((level.queue, level.parent_id, level.child_row_ids()))
         whole.append(level)
     return whole, settled
 
@@ -309,13 +311,14 @@ def _publish_levels(state: EchoMQ, start: _Start, since: dict[str, int | None]) 
     """The leaves' messages (a nested flow's parent is no leaf: its own level holds it), and
     the parents with no children, which run at once."""
     leaves = [
-        with_since(first_job(job), since[level.parent_id], start.store)
+        with_since(head.message, since[level.parent_id], start.store)
         for level in start.levels
-        for job in level.started()
-        if "nested" not in first_job(job) and child_id(job) not in start.joins[level.parent_id]
+        for child in level.started()
+        if isinstance(head := child.head, PlannedJob)
+        and child.id not in start.joins[level.parent_id]
     ]
     if leaves:
-        publish(state.app, leaves)
+        send_jobs(state.app, leaves)
     for level in start.levels:
         if not level.children:
             dispatch_parent(state, level.queue, level.parent_id)
@@ -326,7 +329,7 @@ def placed(levels: list[Plan]) -> dict[str, str]:
     the queue its row lives on."""
     return {
         **{lv.parent_id: lv.queue for lv in levels if not lv.outer},
-        **{cid: child_queue(j) for lv in levels for j in lv.children for cid in row_ids(j)},
+        **{cid: c.queue for lv in levels for c in lv.children for cid in c.row_ids()},
     }
 
 
@@ -364,10 +367,12 @@ def resume_nested(state: EchoMQ, plan: Plan) -> None:
 
 
 def publish(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
-    """Publish stored job dicts in one batch; a nested flow's entry resumes that flow (its
-    outer flow landed, it did not: starting it is what is left to do)."""
-    jobs = list(jobs)
-    send_jobs(app, [job for job in jobs if "nested" not in job])
+    """Publish stored jobs (decoded) in one batch; a nested flow's entry resumes that flow
+    (its outer flow landed, it did not: starting it is what is left to do)."""
+    messages = []
     for job in jobs:
-        if "nested" in job:
-            resume_nested(get_state(app), Plan.from_dict(job["nested"]))
+        if (nested := nested_plan(job)) is not None:
+            resume_nested(get_state(app), nested)
+        else:
+            messages.append(job)
+    send_jobs(app, messages)

@@ -178,15 +178,14 @@ def child_template(jobs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The template a level's children are stored against: the first child job's dict
     without its task_id; None when the level has no child job (only nested flows)."""
     for job in jobs:
-        if "nested" not in job:
-            return {**job, "options": {**job["options"], "task_id": None}}
+        return {**job, "options": {**job["options"], "task_id": None}}
     return None
 
 
 def job_delta(template: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] | None:
-    """What ``job`` differs from ``template`` in (its task_id aside): the fields to store in
-    its row. None when it is not told that way (a nested flow's entry): store it whole."""
-    if "nested" in job or list(job) != list(template):
+    """What ``job`` (a task's message) differs from ``template`` in (its task_id aside): the
+    fields to store in its row. None when it is not told that way: store it whole."""
+    if list(job) != list(template):
         return None
     delta: dict[str, Any] = {}
     for key, value in job.items():

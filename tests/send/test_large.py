@@ -18,8 +18,9 @@ import redis
 from celery_echomq import get_state
 from celery_echomq.config import Settings
 from celery_echomq.embedded import RedisServer
-from celery_echomq.send.plan import child_id, plan_flow
+from celery_echomq.send.plan import plan_flow
 from celery_echomq.store.loader import load_source
+from celery_echomq.store.planned import stored_node
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
 from tests.helpers import KEYS, Env, Worker
@@ -96,7 +97,7 @@ def test_large_enqueue_of_100000_children_keeps_every_script_call_short(
         options={"queue": "large"},
     )
     assert plan.chunked(settings.chunk_size)
-    rows = [(child_id(job), state.dumps(job), "") for job in plan.children]
+    rows = [(node.id, state.dumps(stored_node(node)), "") for node in plan.children]
     parent = ParentRef(plan.parent_id, plan.queue)
 
     def enqueue() -> None:

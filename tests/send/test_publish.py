@@ -22,6 +22,7 @@ from celery_echomq.send import publish, templates
 from celery_echomq.send.envelope import fast_repr
 from celery_echomq.send.plan import plan_flow
 from celery_echomq.send.start import with_since
+from celery_echomq.store.planned import PlannedJob
 from tests.helpers import needs_batching, new_job_id
 
 VALUES: list[Any] = [
@@ -87,7 +88,10 @@ def _leaves(proj: Any, canvas: Any) -> list[dict[str, Any]]:
         kwargs=None,
         options=dict(canvas.options),
     )
-    leaves = [job for level in plan.levels() for job in level.children if "nested" not in job]
+    leaves = [
+        node.message for level in plan.levels() for node in level.children
+        if isinstance(node, PlannedJob)
+    ]  # fmt: skip
     return [with_since(job, 1_700_000_000_000, "redis://127.0.0.1:6379/0") for job in leaves]
 
 

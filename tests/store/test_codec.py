@@ -9,6 +9,15 @@ from kombu.exceptions import EncodeError
 from kombu.serialization import dumps, register, unregister
 
 from celery_echomq.store.codec import child_template, job_delta, join_job, serialize
+from celery_echomq.store.planned import (
+    Plan,
+    PlannedChain,
+    PlannedJob,
+    is_row_job,
+    nested_plan,
+    node_of,
+    stored_node,
+)
 
 
 def job(task_id: str, *args: Any, task: str = "t.add", **options: Any) -> dict[str, Any]:
@@ -27,7 +36,7 @@ def job(task_id: str, *args: Any, task: str = "t.add", **options: Any) -> dict[s
 
 def test_only_what_differs_is_stored_and_the_join_gives_the_job_back() -> None:
     first = job("JOB1", 1, 2)
-    template = child_template([{"nested": {}}, first])
+    template = child_template([first])
     assert template is not None and template["options"]["task_id"] is None
     assert job_delta(template, first) == {}
     assert job_delta(template, job("JOB2", 3, 4)) == {"args": [3, 4]}
@@ -60,11 +69,54 @@ def test_keyword_arguments_in_another_order_are_stored() -> None:
     assert job_delta(template, other) == {"kwargs": {"y": 2, "x": 1}}
 
 
-def test_a_nested_flows_entry_is_stored_whole() -> None:
-    assert child_template([{"nested": {"parent_id": "JOBn"}}]) is None
+def nested(parent_id: str, *children: PlannedJob | Plan | PlannedChain) -> Plan:
+    return Plan(queue="q", parent_id=parent_id, parent=job(parent_id), children=list(children))
+
+
+def test_a_job_of_other_fields_is_stored_whole() -> None:
+    assert child_template([]) is None
     template = child_template([job("JOB1")])
     assert template is not None
-    assert job_delta(template, {"nested": {"parent_id": "JOBn"}}) is None
+    assert job_delta(template, {**job("JOB2"), "chord_size": 2}) is None
+
+
+def test_every_kind_of_node_reads_back_as_it_was_planned() -> None:
+    chain = PlannedChain([nested("JOBh", PlannedJob(job("JOBh1"))), PlannedJob(job("JOBs2"))])
+    inner = nested("JOBi", PlannedJob(job("JOBi1")), chain)
+    inner.policy, inner.child_policies, inner.outer = "continue", {"JOBi1": "ignore"}, "JOBo"
+    inner.silent, inner.max_active, inner.single = ["JOBi1"], 1, True
+    for node in (PlannedJob(job("JOB1", 1)), chain, inner):
+        assert node_of(stored_node(node)) == node
+    assert nested_plan(stored_node(inner)) == inner
+    assert nested_plan(job("JOB1")) is None
+
+
+def test_a_nested_flow_kept_by_the_previous_release_reads_back() -> None:
+    """Rows keep the form the previous release wrote: its flows in flight finish."""
+    kept = {
+        "nested": {
+            "queue": "q",
+            "parent_id": "JOBn",
+            "parent": job("JOBn"),
+            "children": [job("JOBc1"), {"steps": [job("JOBs1"), job("JOBs2")]}],
+            "policy": "fail",
+            "child_policies": {},
+            "outer": "JOBo",
+            "single": False,
+            "silent": [],
+        }
+    }
+    plan = nested_plan(kept)
+    assert plan is not None and plan.max_active == 0 and plan.outer == "JOBo"
+    assert [c.id for c in plan.children] == ["JOBc1", "JOBs2"]
+    assert plan.children[1].row_ids() == ["JOBs1", "JOBs2"]
+
+
+@pytest.mark.parametrize("stored", [None, 3, "job", [], {}, {"task": "t.add"}, {"steps": []}])
+def test_what_is_no_job_is_refused_by_name(stored: Any) -> None:
+    assert not is_row_job(stored)
+    with pytest.raises(ValueError, match="not a stored job"):
+        node_of(stored)
 
 
 @pytest.mark.parametrize("serializer", ["json", "pickle", "yaml-like", "raw"])

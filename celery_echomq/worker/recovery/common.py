@@ -13,6 +13,7 @@ from celery_echomq.send.plan import parent_args, valued
 from celery_echomq.store.codec import Stored, TemplateMissingError, load_job
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import check_id
+from celery_echomq.store.planned import is_row_job
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
@@ -88,10 +89,7 @@ def decode_job(
             "echomq recovery: the stored payload of %s on %s was refused: %s", job_id, queue, exc
         )
         return None
-    # A job, or a nested flow's entry (``{"nested": plan}``: publishing it resumes the flow).
-    if not isinstance(job, dict) or not (
-        isinstance(job.get("options"), dict) or isinstance(job.get("nested"), dict)
-    ):
+    if not is_row_job(job):
         logger.warning(
             "echomq recovery: the stored payload of %s on %s is not a job", job_id, queue
         )

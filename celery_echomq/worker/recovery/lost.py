@@ -25,6 +25,7 @@ from celery_echomq.send.start import publish
 from celery_echomq.store.codec import read_stored
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_NEXT, Headers, parent_ref
+from celery_echomq.store.planned import is_nested_entry, nested_plan
 from celery_echomq.store.replies import STARTED, Status
 from celery_echomq.store.state import EchoMQ
 from celery_echomq.store.store_format import newer_than_known
@@ -196,7 +197,7 @@ def _ran_without_extension(
     the extension and has a final state in the result backend (it is settled from it here), or
     the backend cannot be read now (the next pass looks again). ``(False, None)``: no such
     evidence, the job may be re-published."""
-    if "nested" in job:
+    if is_nested_entry(job):
         return False, None  # a nested flow's entry: no body of its own, nothing in the backend
     try:
         status, result = backend_outcome(state, job_id)
@@ -302,8 +303,8 @@ def _republish_pending(
     with tracing.job_context(job):
         publish(state.app, [job])
     waited = (now - since) / 1000
-    if "nested" in job:
-        outer = job["nested"].get("outer")
+    if (nested := nested_plan(job)) is not None:
+        outer = nested.outer
         return f"{queue}: resumed nested flow {job_id} of parent {outer} (pending {waited:.1f}s)"
     ref = parent_ref(Headers.of_job(job))
     of = ""

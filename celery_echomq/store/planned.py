@@ -1,0 +1,236 @@
+"""A flow, planned: its typed nodes.
+
+A flow's level is a :class:`Plan` (its parent's message and its children); each child is a
+:class:`PlannedJob` (one task's message), a :class:`Plan` of its own (a nested flow, its
+``outer`` naming the flow it is a child of) or a :class:`PlannedChain` (a linked chain: one
+child whose id is its last step's, its first step a job or a nested flow). Each node says
+its id, its queue and which rows it writes; nothing needs to guess a node's kind from a
+dict's keys. What a row keeps of a node (:func:`stored_node`) and the one way to read it back
+(:func:`node_of`) are at the end of this module: the planner's types are not the stored
+format, and nothing else reads a stored node's keys. Pure.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, TypeGuard
+
+from celery_echomq.store.headers import H_QUEUE
+
+
+@dataclass
+class PlannedJob:
+    """One task's message in a flow: a child, or a step of a linked chain. ``message`` is
+    the job dict its Celery message is built from (task, args, kwargs, options, ...)."""
+
+    message: dict[str, Any]
+
+    @property
+    def id(self) -> str:
+        return str(self.message["options"]["task_id"])
+
+    @property
+    def queue(self) -> str:
+        return str(self.message["options"]["headers"][H_QUEUE])
+
+    @property
+    def head(self) -> PlannedJob:
+        """The node published first when this child starts: itself."""
+        return self
+
+    def row_ids(self) -> list[str]:
+        """The rows this child writes on its level: its own."""
+        return [self.id]
+
+
+@dataclass
+class PlannedChain:
+    """A linked chain as one child: its steps in order, the first a job or a nested flow
+    (the step held on that flow's children), the others jobs written as waiting rows."""
+
+    steps: list[PlannedJob | Plan]
+
+    @property
+    def id(self) -> str:
+        """The chain's id as a child: its last step's (whose value the parent gets)."""
+        return self.steps[-1].id
+
+    @property
+    def queue(self) -> str:
+        return self.steps[0].queue
+
+    @property
+    def head(self) -> PlannedJob | Plan:
+        """The node published first when the chain starts: its first step."""
+        return self.steps[0]
+
+    def row_ids(self) -> list[str]:
+        """The rows the chain writes on its level: one per step."""
+        return [step.id for step in self.steps]
+
+
+@dataclass
+class Plan:
+    """A flow level with every id assigned and every message built, before anything is sent;
+    as a child of another level, a nested flow (``outer``: the id of the flow it is a child
+    of)."""
+
+    queue: str
+    parent_id: str
+    parent: dict[str, Any]
+    children: list[Node] = field(default_factory=list)
+    policy: str = "fail"
+    child_policies: dict[str, str] = field(default_factory=dict)
+    outer: str = ""
+    # The parent takes its one child's value as is, not as a list (a chain's step).
+    single: bool = False
+    # Children whose values the parent does not get (a spread, see send/shapes.py).
+    silent: list[str] = field(default_factory=list)
+    max_active: int = 0  # the most children out at once; 0: no window (send/fan_in.py)
+
+    @property
+    def id(self) -> str:
+        """A nested flow's id as a child: its parent's."""
+        return self.parent_id
+
+    @property
+    def head(self) -> Plan:
+        """The node published first when this nested flow starts: itself (its own level)."""
+        return self
+
+    @property
+    def message(self) -> dict[str, Any]:
+        """The message that stands for this flow among its siblings: its parent's."""
+        return self.parent
+
+    def row_ids(self) -> list[str]:
+        """The rows this nested flow writes on the level it is a child of: its parent's."""
+        return [self.parent_id]
+
+    def levels(self, whole: bool = False) -> Iterator[Plan]:
+        """This flow, then every nested flow it starts with (``whole``: of the tree), outer
+        before inner; one waiting for a slot of a window is enqueued when its turn comes."""
+        yield self
+        for child in self.children if whole else self.started():
+            if isinstance(head := child.head, Plan):
+                yield from head.levels(whole)
+
+    def messages(self) -> Iterator[dict[str, Any]]:
+        """Every message this flow's start sends or holds: each started level's parent and
+        each of its tasks (a nested flow's parent is its own level's)."""
+        for level in self.levels():
+            yield level.parent
+            for child in level.children:
+                steps = child.steps if isinstance(child, PlannedChain) else [child]
+                yield from (step.message for step in steps if isinstance(step, PlannedJob))
+
+    def started(self) -> list[Node]:
+        """The children published at the start: the first ``max_active``, or all of them."""
+        return self.children[: self.max_active or None]
+
+    def child_ids(self) -> list[str]:
+        return [child.id for child in self.children]
+
+    def child_row_ids(self) -> list[str]:
+        """The ids of every row this level writes for its children: each step of a chain."""
+        return [cid for child in self.children for cid in child.row_ids()]
+
+    def valued_ids(self) -> list[str]:
+        """The children whose values the parent gets, in order."""
+        silent = set(self.silent)
+        return [cid for cid in self.child_ids() if cid not in silent]
+
+    def chunked(self, chunk_size: int) -> bool:
+        """Whether this level takes open/add/seal instead of one enqueue_flow script."""
+        return len(self.children) > chunk_size or any(
+            child.queue != self.queue for child in self.children
+        )
+
+
+# A flow's child: a task, a nested flow or a linked chain.
+Node = PlannedJob | Plan | PlannedChain
+
+
+# What a row keeps of a planned node (the row's ``format`` field says which release's form):
+# a job, its message dict as it is; a nested flow, ``{"nested": {<its level's fields>,
+# "children": [<each child, so kept>]}}``; a linked chain (inside a nested flow's children),
+# ``{"steps": [<each step, so kept>]}``. Rows of formats 1 and 2 keep the same form.
+NESTED, STEPS = "nested", "steps"
+
+
+def stored_node(node: Node) -> dict[str, Any]:
+    """What a row keeps of ``node`` (its messages are shared, not copied)."""
+    if isinstance(node, PlannedJob):
+        return node.message
+    if isinstance(node, PlannedChain):
+        return {STEPS: [stored_node(step) for step in node.steps]}
+    return {
+        NESTED: {
+            "queue": node.queue,
+            "parent_id": node.parent_id,
+            "parent": node.parent,
+            "children": [stored_node(child) for child in node.children],
+            "policy": node.policy,
+            "child_policies": node.child_policies,
+            "outer": node.outer,
+            "single": node.single,
+            "silent": node.silent,
+            "max_active": node.max_active,
+        }
+    }
+
+
+def node_of(stored: Any) -> Node:
+    """The planned node a row keeps (decoded); ``ValueError`` when it keeps none: neither a
+    job (a dict with its options) nor a nested flow's or a chain's entry."""
+    if isinstance(stored, dict):
+        if isinstance(level := stored.get(NESTED), dict):
+            return _plan_of(level)
+        if isinstance(steps := stored.get(STEPS), list) and steps:
+            return PlannedChain([_step_of(step) for step in steps])
+        if isinstance(stored.get("options"), dict):
+            return PlannedJob(stored)
+    raise ValueError(f"not a stored job: {type(stored).__name__}")
+
+
+def is_row_job(stored: Any) -> TypeGuard[dict[str, Any]]:
+    """Whether a row's stored job (decoded) is one a row can keep and a publish can send: a
+    task's message, or a nested flow's entry (publishing it starts that flow)."""
+    return isinstance(stored, dict) and (
+        isinstance(stored.get("options"), dict) or is_nested_entry(stored)
+    )
+
+
+def is_nested_entry(stored: Any) -> bool:
+    """Whether a stored job is a nested flow's entry, not a task's own message."""
+    return isinstance(stored, dict) and isinstance(stored.get(NESTED), dict)
+
+
+def nested_plan(stored: Any) -> Plan | None:
+    """The nested flow a stored job is the entry of (publishing it starts that flow), or
+    None for a task's own message."""
+    level = stored.get(NESTED) if isinstance(stored, dict) else None
+    return _plan_of(level) if isinstance(level, dict) else None
+
+
+def _plan_of(level: dict[str, Any]) -> Plan:
+    return Plan(
+        queue=str(level["queue"]),
+        parent_id=str(level["parent_id"]),
+        parent=level["parent"],
+        children=[node_of(child) for child in level.get("children") or ()],
+        policy=str(level.get("policy") or "fail"),
+        child_policies=dict(level.get("child_policies") or {}),
+        outer=str(level.get("outer") or ""),
+        single=bool(level.get("single")),
+        silent=list(level.get("silent") or ()),
+        max_active=int(level.get("max_active") or 0),
+    )
+
+
+def _step_of(stored: Any) -> PlannedJob | Plan:
+    node = node_of(stored)
+    if isinstance(node, PlannedChain):
+        raise ValueError("a chain's step is a job or a nested flow, not a chain")
+    return node
