@@ -45,7 +45,7 @@ from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
 from celery_echomq.send.tasks import register_tasks
 from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
 from celery_echomq.store.headers import H_REDUCE, H_RESULT
-from celery_echomq.store.planned import Node, PlannedChain, PlannedJob
+from celery_echomq.store.planned import Node, PlannedChain, PlannedJob, held_of
 from celery_echomq.store.state import find_state
 from celery_echomq.worker.settle import error_text
 
@@ -219,7 +219,7 @@ class _Level:
         # Children added while this runs are appended to the entries, and to child_ids (the
         # order the parent gets their values in).
         self.child_ids = plan.child_ids()
-        quorum = int(plan.parent.get("quorum") or 0)
+        quorum = held_of(plan.parent).quorum
         self.fanin = seen[plan.parent_id] = (
             QuorumFanIn(
                 plan.parent_id,
@@ -251,7 +251,7 @@ class _Level:
             ],
         )
         self.deadline = _deadline_of(plan)
-        self.reducer: list[Any] | None = plan.parent.get("reduce")
+        self.reducer: list[Any] | None = held_of(plan.parent).reduce
         self.acc: Any = empty(self.reducer) if self.reducer is not None else None
 
     def run(self) -> EagerFlowResult:

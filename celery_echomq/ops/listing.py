@@ -31,6 +31,7 @@ from celery_echomq.errors import CursorError, ListingError
 from celery_echomq.store.connection import text
 from celery_echomq.store.cursor import Cursor
 from celery_echomq.store.keyspace import check_queue, id_of_row
+from celery_echomq.store.planned import held_of
 from celery_echomq.store.reads import counts_of
 from celery_echomq.store.state import EchoMQ, get_state
 
@@ -265,7 +266,7 @@ class _Pager:
             return None, job_id  # content this process does not accept: listed unnamed
         if not isinstance(job, dict):
             return None, job_id
-        return job.get("task"), str(job.get("fan_in") or job_id)
+        return job.get("task"), held_of(job).fan_in or job_id
 
     def _counts(self, flows: list[tuple[str, str]]) -> list[Any]:
         keys, pipe = self.store.keys, self.store.client.pipeline(transaction=False)

@@ -40,6 +40,7 @@ from celery_echomq.ops.views import (
 from celery_echomq.send.fan_in import empty
 from celery_echomq.store.connection import text
 from celery_echomq.store.cursor import Cursor, cursor_text, hash_page
+from celery_echomq.store.planned import held_of
 from celery_echomq.store.reads import FAILED_PREFIX, counts_of, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
 
@@ -386,16 +387,15 @@ def with_fan_in(state: EchoMQ, queue: str, job_id: str, stored: Any, info: FlowI
         job = state.loads(stored) if stored else None
     except Exception:  # a payload this app cannot read: no window to show
         return info
-    if not isinstance(job, dict):
-        return info
-    if job.get("quorum"):
-        info = replace(info, quorum=int(job["quorum"]))
-    if job.get("reduce"):
+    held = held_of(job)
+    if held.quorum:
+        info = replace(info, quorum=held.quorum)
+    if held.reduce:
         acc = state.client.hget(state.keys.job_key(queue, job_id), "acc")
-        folded = empty(job["reduce"]) if acc is None else json.loads(acc)  # reduce.lua's JSON
-        info = replace(info, reduce=list(job["reduce"]), acc=folded)
-    if job.get("max_active"):
-        where = str(job.get("window_queue") or queue)
+        folded = empty(held.reduce) if acc is None else json.loads(acc)  # reduce.lua's JSON
+        info = replace(info, reduce=held.reduce, acc=folded)
+    if held.max_active:
+        where = held.window_queue or queue
         waiting = state.client.llen(state.keys.window_key(where, job_id))
-        info = replace(info, max_active=int(job["max_active"]), waiting=int(waiting))
+        info = replace(info, max_active=held.max_active, waiting=int(waiting))
     return info

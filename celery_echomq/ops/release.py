@@ -23,6 +23,7 @@ from celery_echomq.ops.outcomes import ReleaseOutcome
 from celery_echomq.ops.views import JobNode
 from celery_echomq.send.dispatch import dispatch_parent
 from celery_echomq.store.connection import text
+from celery_echomq.store.planned import held_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ
 
@@ -40,8 +41,8 @@ def _fan_in(state: EchoMQ, node: JobNode) -> str:
         job = stored_job(state, node.queue, node.id)
     except Exception:  # a payload this process cannot read names no fan-in
         return ""
-    fan_in = job.get("fan_in") if isinstance(job, dict) else None
-    return str(fan_in) if fan_in and fan_in != node.id else ""
+    fan_in = held_of(job).fan_in
+    return fan_in if fan_in != node.id else ""
 
 
 @dataclass

@@ -24,6 +24,7 @@ from celery_echomq.ops.nodes import (
 from celery_echomq.ops.timing import finish_times
 from celery_echomq.store.codec import Delta, Step, load_job, stored_of
 from celery_echomq.store.connection import text
+from celery_echomq.store.planned import held_of
 from celery_echomq.store.reads import counts_of, indexed_children, locate, scan_queues
 from celery_echomq.store.state import EchoMQ
 
@@ -111,7 +112,7 @@ def _task_and_children(
         job = load_value(state, stored)
     if not isinstance(job, dict):
         return None, [], (None, None)
-    children = job.get("children") or []
+    children = held_of(job).children
     return job.get("task"), [str(c) for c in children], arguments(state, job)
 
 

@@ -14,10 +14,11 @@ from typing import Any
 
 from celery_echomq import tracing
 from celery_echomq.send.fan_in import accumulated, cut_rest, quorum_values
-from celery_echomq.send.plan import parent_args, valued
+from celery_echomq.send.plan import parent_args
 from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.codec import with_input
 from celery_echomq.store.headers import H_HANDED, H_SINCE
+from celery_echomq.store.planned import held_of
 from celery_echomq.store.script_values import Handed
 from celery_echomq.store.state import EchoMQ
 
@@ -88,18 +89,19 @@ def publish_handed(state: EchoMQ, parent_id: str, handed: Handed, released_by: s
     that released it): its payload with its children's values as its arguments."""
     payload, stored = handed
     job = state.loads(payload)
+    held = held_of(job)
     values: Any
-    if job.get("reduce"):
+    if held.reduce:
         values = accumulated(state, job)  # its first argument: the accumulator
-    elif job.get("quorum"):
+    elif held.quorum:
         values = quorum_values(state, job, stored)
     else:
-        values = [state.loads(stored[cid]) for cid in valued(job) if cid in stored]
+        values = [state.loads(stored[cid]) for cid in held.valued() if cid in stored]
     job["args"] = parent_args(job, values)
     if released_by:
         job["options"]["parent_id"] = released_by
     with tracing.job_context(job):
         send_jobs(state.app, [job])
     logger.info("echomq: parent %s dispatched", parent_id)
-    if job.get("quorum"):
+    if held.quorum:
         cut_rest(state, job)  # the children not started never run

@@ -23,6 +23,7 @@ from celery_echomq.send.plan import Plan
 from celery_echomq.send.shapes import COLLECT_TASK, as_plain
 from celery_echomq.send.signatures import merge_callbacks
 from celery_echomq.store.headers import H_CHORD, chord_headers
+from celery_echomq.store.planned import held_of
 
 # The H_CHORD of a chord's flow parent whose header another job of the flow holds.
 FAN = "fan"
@@ -85,14 +86,14 @@ def errbacks_left(job: dict[str, Any], child_id: str) -> list[Any]:
     them: each step has the chain's, as Celery gives a chain's ``link_error`` to each task)."""
     if ran_by_child(job, child_id):
         return []
-    ran = job.get("step_errbacks") or []
+    ran = held_of(job).step_errbacks
     return [e for e in maybe_list(job["options"].get("link_error")) or [] if e not in ran]
 
 
 def ran_by_child(job: dict[str, Any], child_id: str) -> bool:
     """Whether a parent failed by ``child_id`` had its errbacks run already: a collect failed
     by one of its group's tasks, which carried them (see :func:`give_errbacks`)."""
-    return job.get("task") == COLLECT_TASK and child_id not in (job.get("silent") or ())
+    return job.get("task") == COLLECT_TASK and child_id not in held_of(job).silent
 
 
 def mark_chord(plan: Plan, fan: str | None, options: dict[str, Any]) -> None:

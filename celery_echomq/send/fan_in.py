@@ -50,7 +50,7 @@ from typing import Any
 from celery_echomq.send.jobs import mark_for_store
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_QUEUE, H_QUORUM, H_REDUCE
-from celery_echomq.store.planned import Node, Plan, PlannedChain
+from celery_echomq.store.planned import Node, Plan, PlannedChain, held_of, keep
 from celery_echomq.store.state import EchoMQ
 
 MAX_ACTIVE_ALLOWED = (
@@ -89,8 +89,7 @@ def window_of(plan: Plan, kwargs: dict[str, Any]) -> None:
             "children routed to one queue (it may differ from the parent's), or no max_active"
         )
     plan.max_active = size
-    plan.parent["max_active"] = size
-    plan.parent["window_queue"] = queues[0] if queues else plan.queue
+    keep(plan.parent, max_active=size, window_queue=queues[0] if queues else plan.queue)
 
 
 # A windowed level's first children, out at once, are marked as holding a slot (``e``, ``q``:
@@ -114,10 +113,11 @@ def windowed(parent: dict[str, Any], queue: str, added: list[Node]) -> int:
     ``added`` children join, 0 for none; refuses children its window cannot take, before
     anything is written: ``grow_flow`` keeps the window on the parent's slot, so they must
     be on the parent's queue, as the flow's own children must."""
-    size = int(parent.get("max_active") or 0)
+    held = held_of(parent)
+    size = held.max_active
     if not size:
         return 0
-    where = parent.get("window_queue") or queue
+    where = held.window_queue or queue
     strays = sorted({job.queue for job in added} - {queue})
     if where != queue or strays:
         raise ValueError(
@@ -169,11 +169,11 @@ def quorum_of(plan: Plan, kwargs: dict[str, Any]) -> None:
                 f"flow {plan.parent_id}: quorum={need} takes tasks and flows as children, not "
                 "a chain of tasks; allowed: wrap the chain in a flow of its own, or no quorum"
             )
-    plan.parent["quorum"] = need
+    keep(plan.parent, quorum=need)
     # The queues of its children on other slots than its own: where cut_rest cancels them.
     elsewhere = sorted({job.queue for job in plan.children} - {plan.queue})
     if elsewhere:
-        plan.parent["quorum_queues"] = elsewhere
+        keep(plan.parent, quorum_queues=elsewhere)
     mark = f"{need}/{total}"
     for job in plan.children:
         if not isinstance(job, PlannedChain):  # refused above
@@ -183,10 +183,10 @@ def quorum_of(plan: Plan, kwargs: dict[str, Any]) -> None:
 def refuse_growth(job: dict[str, Any]) -> None:
     """Refuse children added to a flow released by a quorum (``job``: its parent's stored
     job): its children's messages carry the N of "K of N", fixed when it was sent."""
-    if job.get("quorum"):
+    if quorum := held_of(job).quorum:
         raise ValueError(
             f"flow {(job.get('options') or {}).get('task_id')}: a flow with "
-            f"quorum={job['quorum']} takes no added children (its quorum counts the children "
+            f"quorum={quorum} takes no added children (its quorum counts the children "
             "it was sent with); allowed: add_children to a flow without a quorum"
         )
 
@@ -203,7 +203,7 @@ def quorum_values(state: EchoMQ, job: dict[str, Any], stored: dict[str, Any]) ->
     failed by its deadline may find more counted meanwhile)."""
     queue = str(_headers(job).get(H_QUEUE) or "")
     key = state.keys.job_key(queue, str(job["options"]["task_id"])) + ":quorum"
-    order = [text(cid) for cid in state.client.lrange(key, 0, int(job["quorum"]) - 1)]
+    order = [text(cid) for cid in state.client.lrange(key, 0, held_of(job).quorum - 1)]
     return [state.loads(stored[cid]) for cid in order if cid in stored]
 
 
@@ -213,12 +213,13 @@ def cut_rest(state: EchoMQ, job: dict[str, Any]) -> list[str]:
     parent dispatched again by recovery) finds none outstanding. Returns the ids cancelled."""
     queue = str(_headers(job).get(H_QUEUE) or "")
     parent_id = str(job["options"]["task_id"])
-    children = [str(cid) for cid in job.get("children") or ()]
+    held = held_of(job)
+    children = held.children
     chunk = state.settings.chunk_size
     cut: list[str] = []
     # On each slot its children live on, one script call per chunk (a row another slot holds
     # is not there: left alone).
-    for where in (queue, *(str(q) for q in job.get("quorum_queues") or ())):
+    for where in (queue, *held.quorum_queues):
         for start in range(0, len(children), chunk):
             cut += state.scripts.cancel_elsewhere(
                 where,
@@ -283,7 +284,7 @@ def reduce_of(plan: Plan, kwargs: dict[str, Any]) -> None:
                 f"its parent's queue {plan.queue!r} as children (the values are folded on its "
                 "slot), not a chain of tasks; allowed: wrap the chain in a flow of its own"
             )
-    plan.parent["reduce"] = spec
+    keep(plan.parent, reduce=spec)
     mark = json.dumps(spec)
     for job in plan.children:
         if isinstance(job, PlannedChain):  # refused above
@@ -362,4 +363,7 @@ def accumulated(state: EchoMQ, job: dict[str, Any]) -> Any:
     headers = job["options"].get("headers") or {}
     row = state.keys.job_key(str(headers[H_QUEUE]), str(job["options"]["task_id"]))
     acc = state.client.hget(row, "acc")
-    return empty(job["reduce"]) if acc is None else json.loads(acc)  # reduce.lua writes JSON
+    if acc is not None:
+        return json.loads(acc)  # reduce.lua writes JSON
+    spec = held_of(job).reduce
+    return empty(spec) if spec else []

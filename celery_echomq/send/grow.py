@@ -36,7 +36,7 @@ from celery_echomq.send.start import start_flow
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
 from celery_echomq.store.keyspace import check_unique
-from celery_echomq.store.planned import Node, PlannedJob, node_of, stored_node
+from celery_echomq.store.planned import Node, PlannedJob, held_of, keep, node_of, stored_node
 from celery_echomq.store.reads import locate
 from celery_echomq.store.replies import Status
 from celery_echomq.store.results import writes_results
@@ -119,7 +119,8 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
         if row_state != b"awaiting_children" or payload is None:
             raise _closed(parent, text(row_state) if row_state is not None else "missing")
         job = state.loads(payload)
-        listed = set(job["children"])
+        children = held_of(job).children
+        listed = set(children)
         fresh = [j for j in plan.children if j.id not in listed]
         if not fresh:
             return []
@@ -141,7 +142,7 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
             queues.update([level.queue, *(c.queue for c in level.children)])
         # Before the rows land, as in start_flow: recovery must find their queues.
         client.sadd(keys.queues_key(), *sorted(queues))
-        job["children"] = [*job["children"], *(j.id for j in fresh)]
+        keep(job, children=[*children, *(j.id for j in fresh)])
         status, counter, started = scripts.grow_flow_windowed(
             parent, hashlib.sha1(payload).hexdigest(), state.dumps(job), local, remote, size
         )

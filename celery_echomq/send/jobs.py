@@ -11,6 +11,7 @@ from celery_echomq.errors import PolicyError
 from celery_echomq.send.signatures import CALLBACKS, STEP_ERRBACKS, merge_callbacks
 from celery_echomq.store.headers import H_RESULT, RESERVED
 from celery_echomq.store.keyspace import check_id, check_queue, new_job_id
+from celery_echomq.store.planned import keep
 
 POLICIES = ("fail", "ignore", "remove", "continue", "fail_at_end")
 # The policies under which a failed child fails its parent: at once, or once every other
@@ -90,7 +91,7 @@ def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -
     }
     ran = opts.pop(STEP_ERRBACKS, None)  # its own or its flow node's: never handed down
     if ran:
-        job["step_errbacks"] = ran  # not an option Celery is sent: see send/errbacks.py
+        keep(job, step_errbacks=ran)  # not an option Celery is sent: see send/errbacks.py
     return job
 
 

@@ -34,7 +34,7 @@ from celery_echomq.store.codec import (
     stored_of,
 )
 from celery_echomq.store.connection import text
-from celery_echomq.store.planned import PlannedJob
+from celery_echomq.store.planned import PlannedJob, held_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.script_values import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -131,7 +131,7 @@ def existing_flow(state: EchoMQ, plan: Plan) -> bool:
     _, stored = row
     if not _same_call(state, stored, plan.parent):
         _refuse(plan.parent_id, stored, plan.parent)
-    had = list(stored.get("children") or [])
+    had = list(held_of(stored).children)
     if had != plan.child_ids():
         raise FlowExistsError(
             f"flow {plan.parent_id!r} already exists in Redis with children {had!r}; this "

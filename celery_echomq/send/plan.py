@@ -31,7 +31,7 @@ from celery_echomq.send.links import queue_runs
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
-from celery_echomq.store.planned import Node, Plan, PlannedChain, PlannedJob
+from celery_echomq.store.planned import Node, Plan, PlannedChain, PlannedJob, held_of, keep
 
 __all__ = ["Plan", "check_depth", "plan_flow", "too_deep"]
 
@@ -45,17 +45,9 @@ def parent_args(job: dict[str, Any], values: list[Any]) -> list[Any]:
     chain's step), then its own; an immutable parent's own alone."""
     if job.get("immutable"):
         return list(job["args"])
-    if job.get("single"):
+    if held_of(job).single:
         return [values[0] if values else None, *job["args"]]
     return [values, *job["args"]]
-
-
-def valued(job: dict[str, Any]) -> list[str]:
-    """The ids of a stored parent's children whose values it gets, in order."""
-    silent = job.get("silent")
-    if not silent:
-        return list(job["children"])
-    return [cid for cid in job["children"] if cid not in set(silent)]
 
 
 def plan_flow(
@@ -115,11 +107,11 @@ def plan_flow(
     plan.parent["options"]["task_id"] = parent_id
     if store_results:
         mark_for_store(plan.parent)
-    plan.parent["children"] = plan.child_ids()
+    keep(plan.parent, children=plan.child_ids())
     if single:
-        plan.parent["single"] = True
+        keep(plan.parent, single=True)
     if plan.silent:
-        plan.parent["silent"] = list(plan.silent)
+        keep(plan.parent, silent=list(plan.silent))
     if not outer:
         # Every id of the tree once: a nested parent is listed as its outer flow's child.
         check_ids(list(plan.levels(True)), parent_id, shared_jobs)  # shared: see send/ids.py

@@ -28,6 +28,7 @@ from celery_echomq.send.start import start_flow
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_QUEUE
 from celery_echomq.store.keyspace import new_job_id
+from celery_echomq.store.planned import keep
 from celery_echomq.store.replies import Status
 from celery_echomq.store.results import writes_results
 from celery_echomq.store.state import EchoMQ
@@ -134,7 +135,7 @@ def _planned(
     fan_in_of(plan, shape.kwargs)  # its quorum or reducer, kept there and on its children
     if fan and fan != plan.parent_id:
         # What operators' repairs follow from the flow's id to its children (release).
-        plan.parent["fan_in"] = fan
+        keep(plan.parent, fan_in=fan)
     mark_chord(plan, fan, sending.chord)  # a chord on the engine (chords.py)
     return plan
 

@@ -13,6 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from celery_echomq.errors import DeadlineError
+from celery_echomq.store.planned import held_of, keep
 
 ON_DEADLINE = ("fail", "continue")
 # A deadline further away than this is almost certainly a unit mistake (ms for s).
@@ -95,14 +96,14 @@ def stamp(plan: Any, kwargs: dict[str, Any]) -> None:
     the stored payload of the job that holds its children, which the store arms and fires."""
     spec = kwargs.get("deadline")
     if spec:
-        plan.parent["deadline"] = deadline_spec(spec)
-        plan.parent["on_deadline"] = check_on_deadline(kwargs.get("on_deadline", "fail"))
+        on_deadline = check_on_deadline(kwargs.get("on_deadline", "fail"))
+        keep(plan.parent, deadline=deadline_spec(spec), on_deadline=on_deadline)
 
 
 def level_deadline(level: Any) -> tuple[dict[str, float], str] | None:
     """A planned level's deadline spec and on_deadline, or None when it has none."""
-    spec = level.parent.get("deadline")
-    return (spec, str(level.parent.get("on_deadline", "fail"))) if spec else None
+    held = held_of(level.parent)
+    return (held.deadline, held.on_deadline) if held.deadline else None
 
 
 NAMED = 10  # ids a message names (the error's ``outstanding`` holds up to NAMED_MAX)

@@ -13,7 +13,7 @@ format, and nothing else reads a stored node's keys. Pure.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, TypeGuard
 
 from celery_echomq.store.headers import H_QUEUE
@@ -150,6 +150,68 @@ class Plan:
 
 # A flow's child: a task, a nested flow or a linked chain.
 Node = PlannedJob | Plan | PlannedChain
+
+
+@dataclass
+class Held:
+    """What a held parent's message keeps beside Celery's own fields (task, arguments,
+    options): its children and how its flow fans in. The planner writes it (:func:`keep`),
+    whoever releases, shows, cuts or grows the flow reads it (:func:`held_of`)."""
+
+    children: list[str] = field(default_factory=list)
+    # Children whose values the parent does not get (a spread's).
+    silent: list[str] = field(default_factory=list)
+    single: bool = False  # a chain's step: the one value as is, not a list
+    quorum: int = 0  # released once this many children succeeded; 0: by all of them
+    quorum_queues: list[str] = field(default_factory=list)  # its children's other queues
+    reduce: list[Any] | None = None  # the reducer its children's values are folded by
+    max_active: int = 0  # its window; 0: none
+    window_queue: str = ""  # the queue its window's children are on
+    deadline: dict[str, float] | None = None
+    on_deadline: str = "fail"
+    fan_in: str = ""  # the job that holds the flow's children, where it is not the parent
+    step_errbacks: list[Any] = field(default_factory=list)  # errbacks its chain's steps ran
+
+    def valued(self) -> list[str]:
+        """The children whose values the parent gets, in order."""
+        if not self.silent:
+            return list(self.children)
+        silent = set(self.silent)
+        return [cid for cid in self.children if cid not in silent]
+
+
+HELD_FIELDS = frozenset(f.name for f in fields(Held))
+
+
+def keep(message: dict[str, Any], **facts: Any) -> None:
+    """Write ``facts`` (fields of :class:`Held`) into a parent's message."""
+    unknown = sorted(set(facts) - HELD_FIELDS)
+    if unknown:
+        raise TypeError(f"not what a held parent keeps: {', '.join(unknown)}")
+    message.update(facts)
+
+
+def held_of(message: Any) -> Held:
+    """What a parent's stored message (decoded) keeps of its flow; all defaults for anything
+    else (a task's message, content that is no job)."""
+    if not isinstance(message, dict):
+        return Held()
+    get = message.get
+    # The ids as kept (str each), not copied: a large flow's parent lists many.
+    return Held(
+        children=get("children") or [],
+        silent=get("silent") or [],
+        single=bool(get("single")),
+        quorum=int(get("quorum") or 0),
+        quorum_queues=[str(q) for q in get("quorum_queues") or ()],
+        reduce=list(reduce) if (reduce := get("reduce")) else None,
+        max_active=int(get("max_active") or 0),
+        window_queue=str(get("window_queue") or ""),
+        deadline=get("deadline") or None,
+        on_deadline=str(get("on_deadline") or "fail"),
+        fan_in=str(get("fan_in") or ""),
+        step_errbacks=list(get("step_errbacks") or ()),
+    )
 
 
 # What a row keeps of a planned node (the row's ``format`` field says which release's form):

@@ -23,6 +23,7 @@ from celery_echomq.store.connection import text
 from celery_echomq.store.deadline_spec import exceeded
 from celery_echomq.store.deadlines import Fired
 from celery_echomq.store.headers import H_PARENT, outer_ref
+from celery_echomq.store.planned import held_of
 from celery_echomq.store.reads import indexed_children, scan_queues
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -83,7 +84,7 @@ def fire_one(state: EchoMQ, queue: str, parent_id: str) -> Step | None:
     client, keys = state.client, state.keys
     for _ in range(STALE_TRIES):
         job, children, check = _flow_of(state, queue, parent_id)
-        on_deadline = str((job or {}).get("on_deadline", "fail"))
+        on_deadline = held_of(job).on_deadline
         here: list[Any] = []
         for start in range(0, len(children), store.CUT_CHUNK):
             pipe = client.pipeline(transaction=False)
@@ -124,7 +125,7 @@ def _flow_of(
         return job, ids, f"n:{len(ids)}"
     payload = state.client.hget(key, "payload")
     job = _job(state, payload)
-    children = [str(c) for c in (job or {}).get("children") or []]
+    children = [str(c) for c in held_of(job).children]
     return job, children, hashlib.sha1(payload or b"").hexdigest()
 
 

@@ -22,6 +22,7 @@ from celery_echomq.send.errbacks import FAN, errbacks_left, ran_by_child
 from celery_echomq.send.freed import publish_freed
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_CHORD, outer_ref
+from celery_echomq.store.planned import held_of
 from celery_echomq.store.pulse import note_done
 from celery_echomq.store.reads import steps_from
 from celery_echomq.store.replies import UNSETTLED, Status
@@ -98,7 +99,7 @@ def held_on_step(state: EchoMQ, queue: str, job_id: str) -> bool:
     """Whether ``job_id`` is a chain's step held on the step before it (a group after a step,
     say): failed, it was failed by that step, never by work of its own."""
     payload = state.client.hget(state.keys.job_key(queue, job_id), "payload")
-    return bool(payload) and bool(state.loads(payload).get("single"))
+    return bool(payload) and held_of(state.loads(payload)).single
 
 
 def errbacks_ran_by(state: EchoMQ, queue: str, job_id: str) -> list[Any]:
@@ -156,7 +157,8 @@ def parent_failed(
             state.app.backend.chord_error_from_stack(callback, exc)
         logger.info("echomq: chord body %s failed: child %s failed: %s", parent_id, child_id, error)
         return exc, outer
-    if body == FAN and child_id == job.get("fan_in"):
+    held = held_of(job)
+    if body == FAN and child_id == held.fan_in:
         # A chord whose header another job held: that job's failure ran Celery's handling.
         record_failure(state, parent_id, exc, job, call_errbacks=False)
         return exc, outer
@@ -166,12 +168,12 @@ def parent_failed(
         exc = own_error(state, child_id) or exc
         record_failure(state, parent_id, exc, job, call_errbacks=False)
         return exc, outer
-    if job.get("quorum"):
+    if held.quorum:
         # Fewer than its quorum can still succeed: the script's words. Its other children
         # go on, as under policy fail (a retry counts their successes).
         said = state.client.hget(state.keys.job_key(queue, parent_id), "error")
         exc = FlowFailed(f"flow {parent_id}: {text(said or '')}", child_id, error, parent_id)
-    elif job.get("single") or ran_by_child(job, child_id):
+    elif held.single or ran_by_child(job, child_id):
         # A chain's step held on the step before it, or a group parent's task: that task's
         # own error, as a chord's chain or group body raises it (Celery's chain stores it
         # for every task after the one that failed).

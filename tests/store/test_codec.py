@@ -10,10 +10,13 @@ from kombu.serialization import dumps, register, unregister
 
 from celery_echomq.store.codec import child_template, job_delta, join_job, serialize
 from celery_echomq.store.planned import (
+    Held,
     Plan,
     PlannedChain,
     PlannedJob,
+    held_of,
     is_row_job,
+    keep,
     nested_plan,
     node_of,
     stored_node,
@@ -132,3 +135,16 @@ def test_a_message_is_encoded_as_kombu_encodes_it(serializer: str) -> None:
                 serialize(lambda: None, serializer)
     finally:
         unregister("yaml-like")
+
+
+def test_what_a_held_parent_keeps_reads_back_and_nothing_else_is_kept() -> None:
+    message = job("JOBp")
+    keep(message, children=["JOB1", "JOB2", "JOB3"], silent=["JOB2"], quorum=2)
+    keep(message, reduce=["sum"], deadline={"in": 5.0}, on_deadline="continue")
+    held = held_of(message)
+    assert held.valued() == ["JOB1", "JOB3"] and held.quorum == 2 and held.reduce == ["sum"]
+    assert held.deadline == {"in": 5.0} and held.on_deadline == "continue"
+    assert held_of(job("JOB1")) == Held() and held_of(None) == Held()
+    with pytest.raises(TypeError, match="not what a held parent keeps: quorom"):
+        keep(message, quorom=3)
+    assert "quorom" not in message

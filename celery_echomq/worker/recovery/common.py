@@ -9,11 +9,11 @@ from typing import Any
 import redis
 
 from celery_echomq.errors import InvalidIdError, StoreFormatError
-from celery_echomq.send.plan import parent_args, valued
+from celery_echomq.send.plan import parent_args
 from celery_echomq.store.codec import Stored, TemplateMissingError, load_job
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import check_id
-from celery_echomq.store.planned import is_row_job
+from celery_echomq.store.planned import held_of, is_row_job
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
@@ -105,7 +105,7 @@ def with_values(state: EchoMQ, queue: str, parent_id: str, job: dict[str, Any]) 
     _, processed, _ = state.keys.flow_keys(queue, parent_id)
     chunk = state.settings.chunk_size
     stored = {text(k): v for k, v in state.client.hscan_iter(processed, count=chunk)}
-    values = [state.loads(stored[cid]) for cid in valued(job) if cid in stored]
+    values = [state.loads(stored[cid]) for cid in held_of(job).valued() if cid in stored]
     job["args"] = parent_args(job, values)
     return job
 

@@ -13,6 +13,7 @@ from celery_echomq.send.grow import write_staged
 from celery_echomq.store.codec import STORED_FIELDS, stored_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import Headers, is_open_header, parent_ref
+from celery_echomq.store.planned import held_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -107,7 +108,7 @@ def _seal_or_abandon(state: EchoMQ, queue: str, parent_id: str) -> str | None:
     client, keys = state.client, state.keys
     payload = client.hget(keys.job_key(queue, parent_id), "payload")
     job = decode_job(state, queue, parent_id, payload)
-    children: list[str] = list(job.get("children") or []) if job else []
+    children = list(held_of(job).children)
     # The children of one flow may live on any queue's slot; a row that names this parent is
     # one add_children wrote.
     queues = sorted(text(q) for q in client.smembers(keys.queues_key()))
