@@ -31,8 +31,7 @@ from celery_echomq.errors import EchoMQError, FlowClosedError, FlowExistsError
 from celery_echomq.send.fan_in import refuse_growth, windowed
 from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.plan import Plan, check_depth, plan_children, set_root
-from celery_echomq.send.publish import send_jobs
-from celery_echomq.send.start import start_flow
+from celery_echomq.send.start import publish, start_flow
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
 from celery_echomq.store.keyspace import check_unique
@@ -164,7 +163,7 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
             start_flow(state, j)
     leaves = [j.message for j in out if isinstance(j, PlannedJob)]
     if leaves:
-        send_jobs(state.app, leaves)
+        publish(state.app, leaves)
     logger.info(
         "echomq: %d children added to flow %s (%d on other queues); counter %d",
         len(fresh),

@@ -318,7 +318,7 @@ def _publish_levels(state: EchoMQ, start: _Start, since: dict[str, int | None]) 
         and child.id not in start.joins[level.parent_id]
     ]
     if leaves:
-        send_jobs(state.app, leaves)
+        publish(state.app, leaves)
     for level in start.levels:
         if not level.children:
             dispatch_parent(state, level.queue, level.parent_id)

@@ -22,10 +22,10 @@ from tests.helpers import LOGDIR, ROOT, Env, fast_recovery, wait_for
 
 pytestmark = pytest.mark.e2e
 
-# The last landed release before the store's format was recorded: its rows carry no 'format'
-# (format 1), which this release must read and finish. Move it to the release before the next
-# one that changes the format.
-PREVIOUS_RELEASE = "5833a56"
+# The landed releases whose flows in flight this release must finish, each with the format its
+# rows carry: the last before the store's format was recorded (no 'format' field: format 1),
+# and the last landed release (format 2). Add each release that changes the format.
+RELEASES = {"5833a56": None, "c4bdd09": b"2"}
 
 # What the previous release's producer sends, every shape a flow can be in when its workers go
 # away: each flow's id (its parent counts its runs under "<tag>-<name>") and the id of the
@@ -87,22 +87,28 @@ EXPECTED: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def previous_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The previous landed release's tree, from this repository's own history."""
+@pytest.fixture(params=sorted(RELEASES))
+def release(request: pytest.FixtureRequest) -> str:
+    """A landed release's commit."""
+    return str(request.param)
+
+
+@pytest.fixture
+def previous_tree(release: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A landed release's tree, from this repository's own history."""
     git = shutil.which("git")
     known = git and subprocess.run(
-        [git, "-C", str(ROOT), "cat-file", "-e", f"{PREVIOUS_RELEASE}^{{commit}}"],
+        [git, "-C", str(ROOT), "cat-file", "-e", f"{release}^{{commit}}"],
         capture_output=True,
     )
     if not known or known.returncode != 0:
         pytest.skip(
-            f"no git history with commit {PREVIOUS_RELEASE} (an sdist, a shallow clone, no git): "
+            f"no git history with commit {release} (an sdist, a shallow clone, no git): "
             "the upgrade test needs the previous release's tree from the repository's history"
         )
-    tree = tmp_path_factory.mktemp("previous-release")
+    tree = tmp_path_factory.mktemp(f"release-{release}")
     archive = subprocess.run(
-        [git, "-C", str(ROOT), "archive", PREVIOUS_RELEASE], capture_output=True, check=True
+        [git, "-C", str(ROOT), "archive", release], capture_output=True, check=True
     )
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
     return tree
@@ -141,6 +147,7 @@ def test_flows_in_flight_on_the_previous_release_finish_after_an_upgrade_worker_
     proj: Any,
     store: Any,
     own_queue: Any,
+    release: str,
     previous_tree: Path,
     workers: list[WorkerProcess],
 ) -> None:
@@ -153,8 +160,8 @@ def test_flows_in_flight_on_the_previous_release_finish_after_an_upgrade_worker_
     assert produced.returncode == 0, produced.stderr[-3000:]
     sent = json.loads(produced.stdout.strip().splitlines()[-1])
     ids: dict[str, str] = sent["flows"]
-    # The rows the previous release wrote carry no format: format 1.
-    assert not store.hexists(f"emq:{{{queue}}}:{ids['held']}", "format")
+    # The rows the previous release wrote carry its format (none: format 1).
+    assert store.hget(f"emq:{{{queue}}}:{ids['held']}", "format") == RELEASES[release]
 
     old = start(workers, previous_tree, old_env, queue)
     # Mid-child: the slow children run (and, a chain step in flight, its slow step) when the
