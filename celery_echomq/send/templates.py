@@ -19,7 +19,6 @@ from __future__ import annotations
 import operator
 import os
 import re
-import weakref
 from json.encoder import encode_basestring_ascii as quoted
 from typing import Any
 
@@ -30,6 +29,7 @@ from celery_echomq.send.envelope import PER_MESSAGE, queue_of, same
 from celery_echomq.send.pushes import REDIS_TRANSPORT, RedisPushes
 from celery_echomq.store.codec import serialize
 from celery_echomq.store.keyspace import uuid4_hex
+from celery_echomq.store.state import get_state
 
 __all__ = ["Prepared", "quoted", "token"]
 
@@ -134,9 +134,10 @@ class Templates:
     def of(cls, app: Any, channel: Any) -> Templates:
         """The channel's templates, for one more batch (new ones after a fork or for another
         app)."""
-        templates = TEMPLATES.get(channel)
+        kept = get_state(app).message_templates
+        templates = kept.get(channel)
         if templates is None or templates.pid != os.getpid() or templates.amqp is not app.amqp:
-            templates = TEMPLATES[channel] = cls(app.amqp)
+            templates = kept[channel] = cls(app.amqp)
         templates.batch += 1
         templates.maxlevels = _UNREAD  # read where a repr needs it, once a batch
         return templates
@@ -392,10 +393,6 @@ def is_group(group_id: Any, group_index: Any) -> bool:
     return (group_id is None or type(group_id) is str) and (
         group_index is None or type(group_index) is int
     )
-
-
-# The templates of each kombu channel (see Templates.of).
-TEMPLATES: weakref.WeakKeyDictionary[Any, Templates] = weakref.WeakKeyDictionary()
 
 
 def _marker(slot: str) -> str:

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, cast
@@ -104,6 +105,9 @@ class EchoMQ:
         # The rows of a newer store format this process has said it leaves alone (one log
         # line each, however often it meets them; store/store_format.py).
         self.told_newer: Kept[str, bool] = Kept(10_000)
+        # The message templates of each kombu channel this app publishes a flow's jobs on
+        # (send/templates.py's Templates), gone with the channel.
+        self.message_templates: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
     @property
     def settings(self) -> Settings:

@@ -17,8 +17,8 @@ import redis
 from celery import signals, signature
 from celery.utils.saferepr import saferepr
 
-from celery_echomq import flow
-from celery_echomq.send import publish, templates
+from celery_echomq import flow, get_state
+from celery_echomq.send import publish
 from celery_echomq.send.envelope import fast_repr
 from celery_echomq.send.plan import plan_flow
 from celery_echomq.send.start import with_since
@@ -145,7 +145,7 @@ def test_fast_path_publishes_what_the_producer_would(
     broker = redis.Redis.from_url(env.broker)
     jobs = _leaves(proj, _varied_flow(proj, q1, q2))
     templated = count_templated(monkeypatch)
-    templates.TEMPLATES.clear()  # no template from an earlier test's batch
+    get_state(proj.app).message_templates.clear()  # no template from an earlier test's batch
     publish.send_jobs(proj.app, jobs)
     fast = _drain(broker, [q1, q2])
     with monkeypatch.context() as m:
@@ -227,7 +227,7 @@ def test_a_later_batch_is_built_from_the_templates_an_earlier_one_learnt(
     queue = own_queue("fastlater")
     broker = redis.Redis.from_url(env.broker)
     templated = count_templated(monkeypatch)
-    templates.TEMPLATES.clear()
+    get_state(proj.app).message_templates.clear()
     batches = [_leaves(proj, _alike(proj, queue, 3)) for _ in range(3)]
     for i, jobs in enumerate(batches):
         for job in jobs:
@@ -252,7 +252,7 @@ def test_the_jobs_of_one_template_may_each_name_their_own_parent_task(
     queue = own_queue("fastparent")
     broker = redis.Redis.from_url(env.broker)
     templated = count_templated(monkeypatch)
-    templates.TEMPLATES.clear()
+    get_state(proj.app).message_templates.clear()
     parents = [None, new_job_id(), new_job_id(), None, str(uuid.uuid4())]
     batches = [_leaves(proj, _alike(proj, queue, 1)) for _ in parents]
     for jobs, parent in zip(batches, parents, strict=True):
@@ -274,7 +274,7 @@ def test_a_template_is_not_used_where_kombu_would_declare_again(
     would, rather than reuse a template."""
     queue = own_queue("fastdeclare")
     broker = redis.Redis.from_url(env.broker)
-    templates.TEMPLATES.clear()
+    get_state(proj.app).message_templates.clear()
     publish.send_jobs(proj.app, _leaves(proj, _alike(proj, queue, 2)))
     with proj.app.producer_or_acquire(None) as producer:
         declared = producer.channel.connection.client.declared_entities
@@ -298,7 +298,7 @@ def test_a_chords_header_tasks_share_one_template_each_with_its_group_and_place(
     queue = own_queue("fastgroup")
     broker = redis.Redis.from_url(env.broker)
     templated = count_templated(monkeypatch)
-    templates.TEMPLATES.clear()
+    get_state(proj.app).message_templates.clear()
     batches = [_leaves(proj, _alike(proj, queue, 3)) for _ in range(3)]
     for jobs in batches:
         group_id = str(uuid.uuid4())
@@ -326,7 +326,7 @@ def test_the_messages_built_for_an_enqueue_to_push_are_those_the_producer_would_
     have published, each with its own id, arguments and reprs."""
     queue = own_queue("fastbuilt")
     broker = redis.Redis.from_url(env.broker)
-    templates.TEMPLATES.clear()
+    get_state(proj.app).message_templates.clear()
     publish.send_jobs(proj.app, _leaves(proj, _alike(proj, queue, 2)))  # learns the template
     _drain(broker, [queue])
     jobs = _leaves(proj, _alike(proj, queue, 5))
