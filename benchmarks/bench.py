@@ -81,6 +81,9 @@ MODES = ("group", "chord", "flow")
 # flow engine (celery_echomq/chords.py).
 CHORD_ENGINE = "chord-engine"
 DEADLINE_S = 3600
+# A flow with a window (``max_active``): ``flow-window`` (the peers bench's "flow window").
+WINDOW = "flow-window"
+WINDOW_SIZE = int(os.environ.get("BENCH_WINDOW", "20"))
 TRACED_QUEUE = "bench_traced"
 BULLMQ_DIR = HERE / "bullmq"
 BULLMQ_DB = 3
@@ -260,6 +263,8 @@ def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
             canvases.append(chord(children, parent))
         elif mode == DEADLINE:
             canvases.append(flow(parent, children, deadline=DEADLINE_S))
+        elif mode == WINDOW:
+            canvases.append(flow(parent, children, max_active=WINDOW_SIZE))
         elif mode.startswith("flow"):
             canvases.append(flow(parent, children))
         else:

@@ -40,7 +40,14 @@ HERE = Path(__file__).resolve().parent
 VENV = bench.ROOT / ".cache" / "peers-venv"
 REQUIREMENTS = HERE / "requirements.txt"
 PEERS_SIZES = "200x5,20x50"
-CELERY_PEERS = {"celery group": "group", "celery chord": "chord", "flow": "flow"}
+CELERY_PEERS = {
+    "celery group": "group",
+    "celery chord": "chord",
+    "flow": "flow",
+    # max_active=BENCH_WINDOW (20 by default) children at once; run it by name (--peer).
+    "flow window": bench.WINDOW,
+}
+OPT_IN = {"flow window"}
 # Each subprocess peer on a database of its own (Celery's broker and backend are 0 and 1).
 DRIVERS = {
     "dramatiq group+callback": ("dramatiq_driver.py", 4),
@@ -357,7 +364,7 @@ def render(summary: dict[str, Any], peers: Sequence[str]) -> str:
 def main(
     sizes: Sequence[bench.Size], rounds: int, only: Sequence[str] | None, out: Path | None
 ) -> dict[str, Any]:
-    peers = [p for p in (*CELERY_PEERS, *DRIVERS) if not only or p in only]
+    peers = [p for p in (*CELERY_PEERS, *DRIVERS) if (p in only if only else p not in OPT_IN)]
     logs = bench.ROOT / ".cache" / "peers-logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.time()
