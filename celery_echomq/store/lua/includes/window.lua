@@ -88,7 +88,7 @@ local PASS_OVER = 100
 -- 'window_waiting'). A cancelled one means the flow's
 -- waiting children were cancelled or cut together (cancel, a deadline): the window goes.
 local function window_take(window, pending, count, taken)
-  local n, now = 0, now_ms()
+  local n = 0
   for _ = 1, count + PASS_OVER do
     if n == count then
       break
@@ -101,7 +101,7 @@ local function window_take(window, pending, count, taken)
     local found = redis.call('HMGET', row, 'state', 'payload', 'delta', 'parent')
     if found[1] == 'waiting' then
       redis.call('HSET', row, 'state', 'pending', 'attempts', '0', 'windowed', '1')
-      redis.call('ZADD', pending, now, id)
+      redis.call('ZADD', pending, now_text(), id)
       taken[#taken + 1] = id
       taken[#taken + 1] = found[2] or ''
       taken[#taken + 1] = found[3] or ''
@@ -127,15 +127,16 @@ local function window_free(window, pending, ttl, counters)
   if not batch then
     return nil
   end
-  local free = redis.call('HINCRBY', slots, 'free', 1)
+  local free = redis.call('HINCRBY', slots, 'free', '1')
   if free < tonumber(batch) then
     return nil
   end
   local taken = {'window', now_ms()}
   local n = window_take(window, pending, free, taken)
   if n > 0 then -- (never -0: Redis reads no integer in it)
-    redis.call('HINCRBY', slots, 'free', -n)
-    redis.call('HINCRBY', counters, 'window_waiting', -n)
+    local out = string.format('%d', -n)
+    redis.call('HINCRBY', slots, 'free', out)
+    redis.call('HINCRBY', counters, 'window_waiting', out)
   end
   if redis.call('EXISTS', window) == 0 then
     -- Nothing waits any more (children added later open it again): it goes with the flow.
