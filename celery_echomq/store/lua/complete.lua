@@ -89,7 +89,9 @@
 --- @include "reduce"
 -- The window's functions (includes/window.lua) are made only when a child that holds a slot
 -- of one finishes: a script's local functions are made anew on every call, a dozen of them
--- for the window, which a flow without one never calls.
+-- for the window, which a flow without one never calls. (What window.lua includes, now_ms and
+-- format, is included above, at the top: the loader writes a piece once, where it first
+-- appears, and the rest of this script reads them.)
 local function window_functions()
 --- @include "window"
   return window_reply
