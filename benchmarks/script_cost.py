@@ -11,7 +11,9 @@ used_cpu_user + used_cpu_sys) around each phase: the enqueue, the children's cla
 completions, the parents' claims and completions. What a real run adds (kombu's messages and
 acks, the results' SUBSCRIBEs) is not here, so the figures move with the scripts alone and
 spread far less than ``bench --peers``'s: the tool to compare two versions of the scripts
-(run it from each tree, interleaved). ``commandstats`` gives the scripts' inner commands.
+(``--against DIR``: the scripts of another tree (its ``celery_echomq/store/lua``) run too, round
+for round with this tree's on the same server, and the report gives both and their per-round
+ratio: two versions of the scripts compared with the least noise this machine allows.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import redis  # noqa: E402
 
 from celery_echomq import flow  # noqa: E402
 from celery_echomq.embedded import RedisServer  # noqa: E402
+from celery_echomq.store import loader  # noqa: E402
 from celery_echomq.store.connection import text  # noqa: E402
 from celery_echomq.store.script_values import Freed, ParentRef, ResultWrite  # noqa: E402
 from celery_echomq.store.state import get_state  # noqa: E402
@@ -44,42 +47,82 @@ QUEUE = "celery"
 PHASES = ("enqueue", "claim", "complete", "parent claim", "parent complete")
 
 
+def registered_from(client: Any, lua_dir: Path) -> dict[str, Any]:
+    """Every transition of the tree whose scripts are in ``lua_dir``, registered on ``client``
+    (store/loader.py's expansion, reading that directory)."""
+    own = loader._read_lua
+
+    def read(*parts: str) -> str:
+        return lua_dir.joinpath(*parts).read_text("utf-8")
+
+    loader._read_lua = read
+    try:
+        return {n: client.register_script(loader.load_source(n)) for n in loader.TRANSITIONS}
+    finally:
+        loader._read_lua = own
+
+
 def cpu(admin: Any) -> float:
     info = admin.info("cpu")
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
-def one_round(admin: Any, size: bench.Size, window: int | None) -> dict[str, float]:
-    """One round's Redis CPU per 1,000 children, by phase (the server's CPU read at each
-    phase's ends only). Without a window: every child claimed, then every child completed,
-    then the parents claimed, then completed. With one, a child's claim and completion and
-    the claims of the children it freed run in turn, so they count as one phase (claim)."""
+def one_round(
+    admin: Any, size: bench.Size, window: int | None, sets: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, float]]:
+    """One round's Redis CPU per 1,000 children, by set of scripts and phase. The flows are
+    dealt to the sets in blocks of about 50 children, alternating, and every phase runs block
+    by block, its set's scripts registered, the server's CPU read at each block's ends: both
+    sets meet the same moments of a shared machine. Without a window: every child claimed,
+    then every child completed, then the parents claimed, then completed. With one, a child's
+    claim and completion and the claims of the children it freed run in turn, so they count
+    as one phase (claim)."""
     state = get_state(bench_app.app)
-    scripts, keys = state.scripts, state.keys
+    scripts, keys, runner = state.scripts, state.keys, state.scripts.runner
     lease, ttl, chunk = (
         state.settings.stall_ms,
         state.settings.result_ttl,
         state.settings.chunk_size,
     )
     opts = {"max_active": window} if window else {}
+    names = list(sets)
+    per_block = max(1, 50 // size.children)
+    blocks = [(names[(k // per_block) % len(names)], k) for k in range(size.flows)]
     canvases = [
         flow(bench_app.tsum.s(), [bench_app.add.s(i, i) for i in range(size.children)], **opts)
         for _ in range(size.flows)
     ]
     bench.only_queue(QUEUE)
-    spent = dict.fromkeys(PHASES, 0.0)
-    c0 = cpu(admin)
-    parents = [c.apply_async().id for c in canvases]
-    spent["enqueue"] = cpu(admin) - c0
+    spent = {name: dict.fromkeys(PHASES, 0.0) for name in names}
+    children = {name: 0 for name in names}
+
+    def by_block(phase: str, work: Any) -> None:
+        """``work(k)`` for each flow k, a block at a time, timed under its set's scripts."""
+        for first in range(0, size.flows, per_block):
+            name = blocks[first][0]
+            runner.registered = sets[name]
+            c0 = cpu(admin)
+            for k in range(first, min(first + per_block, size.flows)):
+                work(k)
+            spent[name][phase] += cpu(admin) - c0
+
+    parents: list[str] = [""] * size.flows
+
+    def enqueue(k: int) -> None:
+        parents[k] = canvases[k].apply_async().id
+
+    by_block("enqueue", enqueue)
+    for name, _ in blocks:
+        children[name] += size.children
     client = state.client
     pending = keys.queue_key(QUEUE, "pending")
-    ready: dict[str, list[tuple[str, int]]] = {}
+    ready: list[list[tuple[str, int]]] = []
     for pid in parents:
         kids = [text(c) for c in client.lrange(keys.job_key(QUEUE, pid) + ":children", 0, -1)]
         scores = [client.zscore(pending, k) for k in kids]
-        ready[pid] = [(k, int(s)) for k, s in zip(kids, scores, strict=True) if s is not None]
+        ready.append([(k, int(s)) for k, s in zip(kids, scores, strict=True) if s is not None])
     tokens: dict[str, str] = {}
-    handed: dict[str, Any] = {}
+    released: set[str] = set()
 
     def claim(pid: str, kid: str, since: int) -> None:
         tokens[kid] = new_token()
@@ -101,40 +144,47 @@ def one_round(admin: Any, size: bench.Size, window: int | None) -> dict[str, flo
             freed=freed,
         )
         if got is not None:
-            handed[pid] = got
+            released.add(pid)
         return freed
 
-    c0 = cpu(admin)
+    def run_windowed(k: int) -> None:
+        kids = ready[k]
+        while kids:
+            kid, since = kids.pop()
+            claim(parents[k], kid, since)
+            kids.extend((f.id, f.since) for f in complete(parents[k], kid))
+
     if window:
-        for pid, kids in ready.items():
-            while kids:
-                kid, since = kids.pop()
-                claim(pid, kid, since)
-                kids.extend((f.id, f.since) for f in complete(pid, kid))
-        spent["claim"] = cpu(admin) - c0
+        by_block("claim", run_windowed)
     else:
-        for pid, kids in ready.items():
-            for kid, since in kids:
-                claim(pid, kid, since)
-        c1 = cpu(admin)
-        for pid, kids in ready.items():
-            for kid, _ in kids:
-                complete(pid, kid)
-        spent["claim"], spent["complete"] = c1 - c0, cpu(admin) - c1
-    if len(handed) < len(parents):
-        print(f"  ({len(parents) - len(handed)} parents not released)", file=sys.stderr)
-    parents = [p for p in parents if p in handed]
-    c0 = cpu(admin)
-    for pid in parents:
-        tokens[pid] = new_token()
-        scripts.claim(QUEUE, pid, tokens[pid], lease)
-    c1 = cpu(admin)
-    for pid in parents:
-        scripts.complete_settling(
-            QUEUE, pid, tokens.pop(pid), ttl=ttl, is_parent=True, parent=None, value=b"10"
-        )
-    spent["parent claim"], spent["parent complete"] = c1 - c0, cpu(admin) - c1
-    return {p: v * 1e6 / size.total for p, v in spent.items()}
+        by_block("claim", lambda k: [claim(parents[k], c, t) for c, t in ready[k]])
+        by_block("complete", lambda k: [complete(parents[k], c) for c, _ in ready[k]])
+    if len(released) < len(parents):
+        print(f"  ({len(parents) - len(released)} parents not released)", file=sys.stderr)
+
+    def parent_claim(k: int) -> None:
+        if parents[k] in released:
+            tokens[parents[k]] = new_token()
+            scripts.claim(QUEUE, parents[k], tokens[parents[k]], lease)
+
+    def parent_complete(k: int) -> None:
+        if parents[k] in released:
+            scripts.complete_settling(
+                QUEUE,
+                parents[k],
+                tokens.pop(parents[k]),
+                ttl=ttl,
+                is_parent=True,
+                parent=None,
+                value=b"10",
+            )
+
+    by_block("parent claim", parent_claim)
+    by_block("parent complete", parent_complete)
+    return {
+        name: {p: v * 1e6 / max(1, children[name]) for p, v in spent[name].items()}
+        for name in names
+    }
 
 
 def main() -> None:
@@ -143,31 +193,52 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--window", type=int, default=None, help="max_active of every flow")
     p.add_argument("--pid-file", type=Path, help="write the server's pid here, then wait 2 s")
+    p.add_argument("--against", type=Path, help="another tree's celery_echomq/store/lua")
     args = p.parse_args()
     with RedisServer() as server:
         base = f"redis://127.0.0.1:{server.port}"
         bench_app.configure(base)
         admin = redis.Redis.from_url(f"{base}/0")
-        one_round(admin, bench.Size(4, 5), args.window)  # warm: scripts loaded
+        runner = get_state(bench_app.app).scripts.runner
+        sets = {"this tree": dict(runner.registered)}
+        if args.against:
+            sets["against"] = registered_from(runner.client, args.against)
+        one_round(admin, bench.Size(4, 5), args.window, sets)  # warm: scripts loaded
         if args.pid_file:  # for a profiler to attach to the server (perf record -p)
             args.pid_file.write_text(str(admin.info("server")["process_id"]))
             time.sleep(2)
         for size in args.sizes:
-            rounds = []
-            for _ in range(args.rounds):
+            rounds: dict[str, list[dict[str, float]]] = {name: [] for name in sets}
+            for rnd in range(args.rounds):
+                order = {n: sets[n] for n in bench.rotated(list(sets), rnd)}
                 admin.flushall()
                 time.sleep(0.05)
-                rounds.append(one_round(admin, size, args.window))
+                for name, got in one_round(admin, size, args.window, order).items():
+                    rounds[name].append(got)
             label = f"{size.label}" + (f" window {args.window}" if args.window else "")
             print(f"{label}: Redis CPU ms per 1,000 children, median [min-max] of {args.rounds}")
-            for phase in (*PHASES, "total"):
-                vals = [
-                    sum(r[q] for q in PHASES if q != "enqueue") if phase == "total" else r[phase]
-                    for r in rounds
+            totals = {}
+            for name, mine in rounds.items():
+                print(f" {name}")
+                for phase in (*PHASES, "total"):
+                    vals = [
+                        sum(r[q] for q in PHASES if q != "enqueue")
+                        if phase == "total"
+                        else r[phase]
+                        for r in mine
+                    ]
+                    totals[name] = vals
+                    print(
+                        f"  {phase:<18}{statistics.median(vals):8.1f}  "
+                        f"[{min(vals):.1f}-{max(vals):.1f}]"
+                    )
+            if "against" in totals:
+                ratios = [
+                    a / b for a, b in zip(totals["this tree"], totals["against"], strict=True)
                 ]
                 print(
-                    f"  {phase:<18}{statistics.median(vals):8.1f}  "
-                    f"[{min(vals):.1f}-{max(vals):.1f}]"
+                    f" this tree / against, total per round: median {statistics.median(ratios):.3f}"
+                    f" [{min(ratios):.3f}-{max(ratios):.3f}]"
                 )
 
 
