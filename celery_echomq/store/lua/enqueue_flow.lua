@@ -220,13 +220,13 @@ end
 local policy = options.policy or ''
 if counted == 0 then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2],
-    'format', STORE_FORMAT)
+    'format', STORE_FORMAT_TEXT)
   redis.call('ZADD', KEYS[3], now_text(), ARGV[1])
   redis.call('HINCRBY', KEYS[5], 'released', '1')
 else
   -- The row in one HSET: its template and policy, where given, with its state.
   local row = {'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
-    'format', STORE_FORMAT}
+    'format', STORE_FORMAT_TEXT}
   if template ~= '' then
     row[#row + 1], row[#row + 2] = 'template', template
   end

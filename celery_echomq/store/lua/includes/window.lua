@@ -36,7 +36,7 @@ end
 -- child.
 local function write_waiting_row(row, parent_id, stored, kind)
   redis.call('HSET', row, 'state', 'waiting', kind == WAIT_DELTA and 'delta' or 'payload', stored,
-    'parent', parent_id, 'format', STORE_FORMAT)
+    'parent', parent_id, 'format', STORE_FORMAT_TEXT)
 end
 
 -- window_push(window, ids, size, counters): the waiting children's ids at the end of the
