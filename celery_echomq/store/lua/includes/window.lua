@@ -88,7 +88,7 @@ local PASS_OVER = 100
 -- 'window_waiting'). A cancelled one means the flow's
 -- waiting children were cancelled or cut together (cancel, a deadline): the window goes.
 local function window_take(window, pending, count, taken)
-  local n = 0
+  local n, members = 0, {}
   for _ = 1, count + PASS_OVER do
     if n == count then
       break
@@ -101,7 +101,12 @@ local function window_take(window, pending, count, taken)
     local found = redis.call('HMGET', row, 'state', 'payload', 'delta', 'parent')
     if found[1] == 'waiting' then
       redis.call('HSET', row, 'state', 'pending', 'attempts', '0', 'windowed', '1')
-      redis.call('ZADD', pending, now_text(), id)
+      members[#members + 1] = now_text()
+      members[#members + 1] = id
+      if #members == 1000 then -- one ZADD per slice of 500 (Lua's unpack has a stack limit)
+        redis.call('ZADD', pending, unpack(members))
+        members = {}
+      end
       taken[#taken + 1] = id
       taken[#taken + 1] = found[2] or ''
       taken[#taken + 1] = found[3] or ''
@@ -111,6 +116,9 @@ local function window_take(window, pending, count, taken)
       redis.call('DEL', window)
       break
     end
+  end
+  if #members > 0 then
+    redis.call('ZADD', pending, unpack(members))
   end
   return n
 end
