@@ -902,6 +902,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         help="with --peers: run only this peer (repeatable; e.g. flow, 'bullmq flow')",
     )
+    p.add_argument(
+        "--against",
+        type=Path,
+        help="with --peers: the flow also as peer 'flow (against)', on a worker of its own "
+        "running the scripts of this directory (another tree's celery_echomq/store/lua)",
+    )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench-*.json)")
     p.add_argument("--max-seconds", type=int, default=1500, help="stop everything after this long")
     args = p.parse_args(argv)
@@ -944,7 +950,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
             signal.signal(sig, _on_signal)
         signal.alarm(args.max_seconds)
-        return runner.main(args.sizes, args.rounds, args.peer, args.out)
+        return runner.main(args.sizes, args.rounds, args.peer, args.out, args.against)
     modes: list[str] = list(MODES if args.no_lean else (*MODES, LEAN))
     modes.append(CHORD_ENGINE)
     if not args.no_deadline:
