@@ -905,7 +905,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--against",
         type=Path,
-        help="with --peers: the flow also as peer 'flow (against)', on a worker of its own "
+        help="with --peers: the flow (and a windowed flow) also as peer 'flow (against)' ('flow "
+        "window (against)'), on a worker of its own "
         "running the scripts of this directory (another tree's celery_echomq/store/lua)",
     )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench-*.json)")

@@ -48,9 +48,10 @@ CELERY_PEERS = {
     "flow window": bench.WINDOW,
 }
 OPT_IN = {"flow window"}
-# With --against DIR: the flow again, on a worker of its own whose store (and this producer's,
-# for its rounds) runs the scripts of DIR, another tree's: a before and after in one run.
-AGAINST = "flow (against)"
+# With --against DIR: the flow (and the windowed flow, when it runs) again, on a worker of its
+# own whose store (and this producer's, for its rounds) runs the scripts of DIR, another
+# tree's: a before and after in one run.
+AGAINST = {"flow (against)": "flow", "flow window (against)": bench.WINDOW}
 AGAINST_QUEUE = "against"
 # Each subprocess peer on a database of its own (Celery's broker and backend are 0 and 1).
 DRIVERS = {
@@ -273,7 +274,7 @@ def one_run(
     against: Celery | None = None,
 ) -> PeerRun:
     target: Celery | Driver
-    if peer == AGAINST:
+    if peer in AGAINST:
         target = against  # type: ignore[assignment]
     else:
         target = celery if peer in CELERY_PEERS else drivers[peer]  # type: ignore[assignment]
@@ -283,7 +284,7 @@ def one_run(
         polls0 = target.polls if isinstance(target, Celery) else 0
         cpu0, cmds0, usec0 = redis_cpu(admin), bench.command_counts(admin), command_usec(admin)
         if isinstance(target, Celery):
-            seconds = target.run(CELERY_PEERS.get(peer, "flow"), size)
+            seconds = target.run({**CELERY_PEERS, **AGAINST}[peer], size)
         else:
             seconds = target.run(size)
         # The work after the last value (acks, the parent's own completion) belongs to the run.
@@ -404,7 +405,10 @@ def main(
 ) -> dict[str, Any]:
     peers = [p for p in (*CELERY_PEERS, *DRIVERS) if (p in only if only else p not in OPT_IN)]
     if against_lua is not None:
-        peers.insert(peers.index("flow") + 1 if "flow" in peers else 0, AGAINST)
+        for name, mode in AGAINST.items():
+            own = next(p for p, m in CELERY_PEERS.items() if m == mode)
+            if own in peers:
+                peers.insert(peers.index(own) + 1, name)
     logs = bench.ROOT / ".cache" / "peers-logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -432,7 +436,7 @@ def main(
         drivers = start_drivers(base, logs, set(peers))
         for d in drivers.values():
             stack.callback(d.stop)
-        peers = [p for p in peers if p in CELERY_PEERS or p in drivers or p == AGAINST]
+        peers = [p for p in peers if p in CELERY_PEERS or p in drivers or p in AGAINST]
         versions = {p: drivers[p].version for p in peers if p in drivers}
         if celery is not None:
             versions = {"celery": celery.version, **versions}
@@ -465,7 +469,7 @@ def main(
     report["runs"] = [asdict(r) for r in runs]
     report["summary"] = summarize(runs, peers, sizes)
     print(render(report["summary"], peers))
-    celery_modes = [p for p in (*CELERY_PEERS, AGAINST) if p in peers]
+    celery_modes = [p for p in (*CELERY_PEERS, *AGAINST) if p in peers]
     report["commands"] = {}
     for size in sizes:
         table = where_commands_go(runs, size.label, celery_modes)
