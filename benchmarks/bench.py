@@ -81,6 +81,9 @@ MODES = ("group", "chord", "flow")
 # flow engine (celery_echomq/chords.py).
 CHORD_ENGINE = "chord-engine"
 DEADLINE_S = 3600
+# A flow with a window (``max_active``): ``flow-window`` (the peers bench's "flow window").
+WINDOW = "flow-window"
+WINDOW_SIZE = int(os.environ.get("BENCH_WINDOW", "20"))
 TRACED_QUEUE = "bench_traced"
 BULLMQ_DIR = HERE / "bullmq"
 BULLMQ_DB = 3
@@ -260,6 +263,8 @@ def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
             canvases.append(chord(children, parent))
         elif mode == DEADLINE:
             canvases.append(flow(parent, children, deadline=DEADLINE_S))
+        elif mode == WINDOW:
+            canvases.append(flow(parent, children, max_active=WINDOW_SIZE))
         elif mode.startswith("flow"):
             canvases.append(flow(parent, children))
         else:
@@ -897,6 +902,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         help="with --peers: run only this peer (repeatable; e.g. flow, 'bullmq flow')",
     )
+    p.add_argument(
+        "--against",
+        type=Path,
+        help="with --peers: the flow (and a windowed flow) also as peer 'flow (against)' ('flow "
+        "window (against)'), on a worker of its own "
+        "running the scripts of this directory (another tree's celery_echomq/store/lua)",
+    )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench-*.json)")
     p.add_argument("--max-seconds", type=int, default=1500, help="stop everything after this long")
     args = p.parse_args(argv)
@@ -939,7 +951,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
             signal.signal(sig, _on_signal)
         signal.alarm(args.max_seconds)
-        return runner.main(args.sizes, args.rounds, args.peer, args.out)
+        return runner.main(args.sizes, args.rounds, args.peer, args.out, args.against)
     modes: list[str] = list(MODES if args.no_lean else (*MODES, LEAN))
     modes.append(CHORD_ENGINE)
     if not args.no_deadline:

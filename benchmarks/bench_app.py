@@ -24,11 +24,28 @@ ENV_READY = "ECHOMQ_BENCH_READY_FILE"
 # opentelemetry-instrumentation-celery, spans dropped by the exporter (tests/otel_setup.py,
 # as benchmarks/tracing_cost.py's workers have them).
 ENV_OTEL = "ECHOMQ_BENCH_OTEL"
+# A directory of another tree's scripts (its celery_echomq/store/lua): this process's store
+# runs those (bench --peers --against: the worker of the "flow (against)" peer).
+ENV_LUA = "ECHOMQ_BENCH_LUA"
 # The flow store shares the result backend's database: then a flow job's completion writes its
 # result too (celery_echomq/store/results.py).
 BROKER_DB, BACKEND_DB, STORE_DB = 0, 1, 1
 
 app = Celery("bench_app")
+
+
+def read_scripts_from(lua_dir: Path) -> None:
+    """Every script this process's store loads from now on is read from ``lua_dir``."""
+    from celery_echomq.store import loader
+
+    def read(*parts: str) -> str:
+        return lua_dir.joinpath(*parts).read_text("utf-8")
+
+    loader._read_lua = read
+
+
+if os.environ.get(ENV_LUA):
+    read_scripts_from(Path(os.environ[ENV_LUA]))
 
 
 def configure(url: str, *, install: bool = True) -> Celery:

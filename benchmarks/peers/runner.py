@@ -40,7 +40,19 @@ HERE = Path(__file__).resolve().parent
 VENV = bench.ROOT / ".cache" / "peers-venv"
 REQUIREMENTS = HERE / "requirements.txt"
 PEERS_SIZES = "200x5,20x50"
-CELERY_PEERS = {"celery group": "group", "celery chord": "chord", "flow": "flow"}
+CELERY_PEERS = {
+    "celery group": "group",
+    "celery chord": "chord",
+    "flow": "flow",
+    # max_active=BENCH_WINDOW (20 by default) children at once; run it by name (--peer).
+    "flow window": bench.WINDOW,
+}
+OPT_IN = {"flow window"}
+# With --against DIR: the flow (and the windowed flow, when it runs) again, on a worker of its
+# own whose store (and this producer's, for its rounds) runs the scripts of DIR, another
+# tree's: a before and after in one run.
+AGAINST = {"flow (against)": "flow", "flow window (against)": bench.WINDOW}
+AGAINST_QUEUE = "against"
 # Each subprocess peer on a database of its own (Celery's broker and backend are 0 and 1).
 DRIVERS = {
     "dramatiq group+callback": ("dramatiq_driver.py", 4),
@@ -185,10 +197,22 @@ def redis_cpu(admin: Any) -> float:
 
 
 class Celery:
-    """chord, group and flow on one `celery worker -P prefork -c 2` (bench.py's)."""
+    """chord, group and flow on one `celery worker -P prefork -c 2` (bench.py's); with
+    ``lua``, the flow alone on its own queue, its scripts read from that directory (in the
+    worker, and in this producer while it runs)."""
 
-    def __init__(self, base: str, admin: Any) -> None:
-        self.worker = bench.Worker(base, "celery")
+    def __init__(self, base: str, admin: Any, lua: Path | None = None) -> None:
+        self.queue = AGAINST_QUEUE if lua else "celery"
+        env = {bench_app.ENV_LUA: str(lua)} if lua else None
+        self.worker = bench.Worker(base, self.queue, extra_env=env)
+        self.scripts: dict[str, Any] | None = None
+        if lua is not None:
+            from script_cost import registered_from
+
+            from celery_echomq.store.state import get_state
+
+            runner = get_state(bench_app.app).scripts.runner
+            self.scripts = registered_from(runner.client, lua)
         self.backend = redis.Redis.from_url(f"{base}/{bench_app.BACKEND_DB}")
         self.admin = admin
         self.version = __import__("celery").__version__
@@ -210,8 +234,21 @@ class Celery:
             time.sleep(0.005)
 
     def run(self, mode: str, size: bench.Size) -> float:
-        canvases = bench.build(mode, size)
-        bench.only_queue("celery")
+        queue = None if self.queue == "celery" else self.queue
+        canvases = bench.build(mode, size, queue=queue)
+        bench.only_queue(self.queue)
+        if self.scripts is None:
+            return self._run(mode, size, canvases)
+        from celery_echomq.store.state import get_state
+
+        runner = get_state(bench_app.app).scripts.runner
+        own, runner.registered = runner.registered, self.scripts
+        try:
+            return self._run(mode, size, canvases)
+        finally:
+            runner.registered = own
+
+    def _run(self, mode: str, size: bench.Size, canvases: list[Any]) -> float:
         t0 = time.perf_counter()
         results = [c.apply_async() for c in canvases]
         self.wait([i for r in results for i in bench.result_ids(mode, r)], 600)
@@ -234,15 +271,20 @@ def one_run(
     rnd: int,
     celery: Celery | None,
     drivers: dict[str, Driver],
+    against: Celery | None = None,
 ) -> PeerRun:
-    target: Celery | Driver = celery if peer in CELERY_PEERS else drivers[peer]  # type: ignore[assignment]
+    target: Celery | Driver
+    if peer in AGAINST:
+        target = against  # type: ignore[assignment]
+    else:
+        target = celery if peer in CELERY_PEERS else drivers[peer]  # type: ignore[assignment]
     target.signal(signal.SIGCONT)
     try:
         bench.settle(admin, limit=2.0)
         polls0 = target.polls if isinstance(target, Celery) else 0
         cpu0, cmds0, usec0 = redis_cpu(admin), bench.command_counts(admin), command_usec(admin)
         if isinstance(target, Celery):
-            seconds = target.run(CELERY_PEERS[peer], size)
+            seconds = target.run({**CELERY_PEERS, **AGAINST}[peer], size)
         else:
             seconds = target.run(size)
         # The work after the last value (acks, the parent's own completion) belongs to the run.
@@ -355,9 +397,18 @@ def render(summary: dict[str, Any], peers: Sequence[str]) -> str:
 
 
 def main(
-    sizes: Sequence[bench.Size], rounds: int, only: Sequence[str] | None, out: Path | None
+    sizes: Sequence[bench.Size],
+    rounds: int,
+    only: Sequence[str] | None,
+    out: Path | None,
+    against_lua: Path | None = None,
 ) -> dict[str, Any]:
-    peers = [p for p in (*CELERY_PEERS, *DRIVERS) if not only or p in only]
+    peers = [p for p in (*CELERY_PEERS, *DRIVERS) if (p in only if only else p not in OPT_IN)]
+    if against_lua is not None:
+        for name, mode in AGAINST.items():
+            own = next(p for p, m in CELERY_PEERS.items() if m == mode)
+            if own in peers:
+                peers.insert(peers.index(own) + 1, name)
     logs = bench.ROOT / ".cache" / "peers-logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.time()
@@ -376,25 +427,31 @@ def main(
             celery = Celery(base, admin)
             stack.callback(celery.worker.stop)
             stack.callback(celery.signal, signal.SIGCONT)
+        against: Celery | None = None
+        if against_lua is not None:
+            against = Celery(base, admin, against_lua)
+            stack.callback(against.worker.stop)
+            stack.callback(against.signal, signal.SIGCONT)
+            report["against"] = str(against_lua)
         drivers = start_drivers(base, logs, set(peers))
         for d in drivers.values():
             stack.callback(d.stop)
-        peers = [p for p in peers if p in CELERY_PEERS or p in drivers]
+        peers = [p for p in peers if p in CELERY_PEERS or p in drivers or p in AGAINST]
         versions = {p: drivers[p].version for p in peers if p in drivers}
         if celery is not None:
             versions = {"celery": celery.version, **versions}
         report["versions"] = versions
-        for target in [celery, *drivers.values()]:
+        for target in [celery, against, *drivers.values()]:
             if target is not None:
                 target.signal(signal.SIGSTOP)
         for peer in peers:  # warm up: scripts loaded, connections made, pools forked
-            one_run(admin, peer, bench.Size(4, 5), -1, celery, drivers)
+            one_run(admin, peer, bench.Size(4, 5), -1, celery, drivers, against)
         active = list(peers)
         for size in sizes:
             for rnd in range(rounds):
                 for peer in bench.rotated(list(active), rnd):
                     try:
-                        run = one_run(admin, peer, size, rnd, celery, drivers)
+                        run = one_run(admin, peer, size, rnd, celery, drivers, against)
                     except RuntimeError as exc:  # a peer that fails leaves the others running
                         log(f"bench --peers: {peer} dropped: {exc}")
                         report.setdefault("dropped", {})[peer] = str(exc)
@@ -412,7 +469,7 @@ def main(
     report["runs"] = [asdict(r) for r in runs]
     report["summary"] = summarize(runs, peers, sizes)
     print(render(report["summary"], peers))
-    celery_modes = [p for p in CELERY_PEERS if p in peers]
+    celery_modes = [p for p in (*CELERY_PEERS, *AGAINST) if p in peers]
     report["commands"] = {}
     for size in sizes:
         table = where_commands_go(runs, size.label, celery_modes)

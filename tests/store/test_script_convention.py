@@ -13,6 +13,7 @@ from pathlib import Path
 import redis
 
 from celery_echomq.store.keyspace import new_job_id
+from celery_echomq.store.loader import load_source
 from celery_echomq.store.script_values import packed_options
 from celery_echomq.store.scripts import ParentRef, ResultWrite, Scripts
 from tests.helpers import KEYS, LEASE, TTL, enqueue, run_child
@@ -121,6 +122,16 @@ def test_the_exceptions_are_named_where_the_convention_is_described() -> None:
     readme = (LUA / "README.md").read_text(encoding="utf-8")
     differ = readme.split("## Where the scripts still differ from this", 1)[1]
     assert [name for name in STILL_POSITIONAL if f"`{name}.lua`" not in differ] == []
+
+
+def test_the_window_made_on_demand_reads_pieces_written_above_it() -> None:
+    # complete.lua makes the window's functions inside a function, only for a windowed child:
+    # the pieces window.lua includes must be written before, at the top, where the rest of
+    # the script reads them too (the loader writes a piece once, where it first appears).
+    source = load_source("complete")
+    inner = source.index("local function window_functions()")
+    for piece in ("local function now_ms()", "local function now_text()", "newer_format("):
+        assert source.index(piece) < inner, piece
 
 
 def test_the_host_pads_no_argument() -> None:

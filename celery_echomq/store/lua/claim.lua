@@ -107,12 +107,15 @@ if state == 'pending' then
   redis.call('ZREM', KEYS[2], ARGV[1])
 end
 attempts = attempts + 1
-redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'started', now,
-  'attempts', attempts, 'retries', retries)
+-- Numbers go to Redis as strings made here ('%d'): a Lua number passed to redis.call is
+-- printed with '%.17g', which costs the server several times more (the same digits for these
+-- integers). 'retries' is the host's own decimal.
+redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'started',
+  string.format('%d', now), 'attempts', string.format('%d', attempts), 'retries', ARGV[6])
 if row[4] or row[6] or row[7] then
   redis.call('HDEL', KEYS[1], 'skipped', 'replaced', 'suspect')
 end
-redis.call('ZADD', KEYS[3], now + tonumber(ARGV[3]), ARGV[1])
+redis.call('ZADD', KEYS[3], string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
 if state == 'active' then
   return {'taken_over', attempts, row[3] or '', mark}
 end

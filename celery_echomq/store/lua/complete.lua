@@ -85,9 +85,25 @@
 --- @include "holder"
 --- @include "settle_child"
 --- @include "hand_out"
---- @include "window"
 --- @include "join"
 --- @include "reduce"
+-- The window's functions (includes/window.lua) are made only when a child that holds a slot
+-- of one finishes: a script's local functions are made anew on every call, a dozen of them
+-- for the window, which a flow without one never calls. (What window.lua includes, now_ms and
+-- format, is included above, at the top: the loader writes a piece once, where it first
+-- appears, and the rest of this script reads them.)
+local function window_functions()
+--- @include "window"
+  return window_reply
+end
+
+-- window_reply's reply: ``reply`` as it is when ``window`` is nil.
+local function with_window(reply, window, pending, counters, ttl)
+  if not window then
+    return reply
+  end
+  return window_functions()(reply, window, pending, counters, ttl)
+end
 local refused = gate_ids(1, 1)
 if refused then
   return refused
@@ -166,12 +182,14 @@ if not is_parent then
 elseif not failed_children then
   cut('template', true)
 end
+-- The TTL as the host's decimal (ARGV[3]): a Lua number passed to redis.call is printed with
+-- '%.17g' on every call. A job that is not a parent has its row alone to expire.
 if not is_parent then
-  expire_keys(ttl, {KEYS[1]})
+  redis.call('EXPIRE', KEYS[1], ARGV[3])
 elseif failed_children then
-  expire_keys(ttl, {KEYS[1], KEYS[3], KEYS[4], KEYS[5]})
+  expire_keys(ARGV[3], {KEYS[1], KEYS[3], KEYS[4], KEYS[5]})
 else
-  expire_keys(ttl, {KEYS[1], KEYS[3], KEYS[4]})  -- no :ignored to expire
+  expire_keys(ARGV[3], {KEYS[1], KEYS[3], KEYS[4]})  -- no :ignored to expire
 end
 local written = ''
 if options.result and was_active == 1 then
@@ -217,7 +235,7 @@ if ARGV[7] == '1' then
   if was_active == 1 then
     redis.call('HSET', KEYS[1], 'value', ARGV[6])
     redis.call('ZADD', KEYS[8], now_ms(), ARGV[1])
-    return window_reply({'staged', written}, window, KEYS[6], KEYS[7], ttl)
+    return with_window({'staged', written}, window, KEYS[6], KEYS[7], ttl)
   end
   return {'done', written}
 end
@@ -234,11 +252,11 @@ if ARGV[5] ~= '' and was_active == 1 then
     -- The one completion that released the parent publishes it: no dispatch call after.
     local payload = redis.call('HGET', parent.row, 'payload')
     local reply = hand_out(parent.row, parent.processed, parent.counters, payload,
-      tonumber(options.inline), now_ms())
+      tonumber(options.inline), now_text())
     table.insert(reply, 1, written)
     table.insert(reply, 1, settled)
-    return window_reply(reply, window, KEYS[6], KEYS[7], ttl)
+    return with_window(reply, window, KEYS[6], KEYS[7], ttl)
   end
-  return window_reply({settled, written}, window, KEYS[6], KEYS[7], ttl)
+  return with_window({settled, written}, window, KEYS[6], KEYS[7], ttl)
 end
 return {'done', written}

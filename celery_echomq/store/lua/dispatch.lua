@@ -36,4 +36,4 @@ if last then
     return {}
   end
 end
-return hand_out(KEYS[1], KEYS[2], KEYS[3], row[3], tonumber(ARGV[3]), now)
+return hand_out(KEYS[1], KEYS[2], KEYS[3], row[3], tonumber(ARGV[3]), now_text())

@@ -194,7 +194,7 @@ for i = 1, n do
     counted = counted + 1
   end
   if pending then
-    members[#members + 1] = now
+    members[#members + 1] = now_text() -- a string: see includes/now_ms.lua
     members[#members + 1] = cid
   end
   if listed then
@@ -220,13 +220,13 @@ end
 local policy = options.policy or ''
 if counted == 0 then
   redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2],
-    'format', STORE_FORMAT)
-  redis.call('ZADD', KEYS[3], now, ARGV[1])
-  redis.call('HINCRBY', KEYS[5], 'released', 1)
+    'format', STORE_FORMAT_TEXT)
+  redis.call('ZADD', KEYS[3], now_text(), ARGV[1])
+  redis.call('HINCRBY', KEYS[5], 'released', '1')
 else
   -- The row in one HSET: its template and policy, where given, with its state.
   local row = {'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
-    'format', STORE_FORMAT}
+    'format', STORE_FORMAT_TEXT}
   if template ~= '' then
     row[#row + 1], row[#row + 2] = 'template', template
   end
@@ -234,9 +234,9 @@ else
     row[#row + 1], row[#row + 2] = 'policy', policy
   end
   redis.call('HSET', KEYS[1], unpack(row))
-  redis.call('HINCRBY', KEYS[5], 'held', 1)
+  redis.call('HINCRBY', KEYS[5], 'held', '1')
 end
-redis.call('SET', KEYS[2], counted)
+redis.call('SET', KEYS[2], string.format('%d', counted))
 if counted == 0 and policy ~= '' then
   redis.call('HSET', KEYS[1], 'policy', policy)
 end

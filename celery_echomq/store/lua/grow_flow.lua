@@ -92,7 +92,7 @@ if r > 0 then
   redis.call('ZADD', KEYS[5], now, ARGV[1])
 end
 -- The parent's format is its flow's newest (includes/format.lua): raised to this release's.
-redis.call('HSET', KEYS[1], 'payload', ARGV[3], 'format', STORE_FORMAT)
+redis.call('HSET', KEYS[1], 'payload', ARGV[3], 'format', STORE_FORMAT_TEXT)
 -- The new children at the end of the parent's index by position, the list '<its row>:children'
 -- (see enqueue_flow; a flow written before the index existed has none: its pages read the
 -- payload, and it gets none now, which would list only the new ones).

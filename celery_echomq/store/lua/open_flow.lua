@@ -49,7 +49,7 @@ end
 local now = now_ms()
 local n = tonumber(ARGV[3])
 redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
-  'policy', ARGV[4], 'format', STORE_FORMAT)
+  'policy', ARGV[4], 'format', STORE_FORMAT_TEXT)
 local template = cmsgpack.unpack(ARGV[#ARGV]).template
 if template then
   redis.call('HSET', KEYS[1], 'template', template)

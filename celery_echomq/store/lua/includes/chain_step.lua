@@ -22,7 +22,7 @@ local function write_step_row(row, parent_id, stored, kind, head, next_id, steps
     link, linked = 'steps', steps
   end
   redis.call('HSET', row, 'state', state, 'attempts', '0', 'payload', stored,
-    'parent', parent_id, 'chain', head, link, linked, 'format', STORE_FORMAT)
+    'parent', parent_id, 'chain', head, link, linked, 'format', STORE_FORMAT_TEXT)
   return kind == STEP_FIRST
 end
 

@@ -11,5 +11,5 @@ local function write_child_row(row, parent_id, stored, is_delta, windowed)
   -- Without the mark, 'parent' again stands in for it (the same field, the same value).
   redis.call('HSET', row, 'state', 'pending', 'attempts', '0',
     is_delta and 'delta' or 'payload', stored, 'parent', parent_id,
-    windowed and 'windowed' or 'parent', windowed and '1' or parent_id, 'format', STORE_FORMAT)
+    windowed and 'windowed' or 'parent', windowed and '1' or parent_id, 'format', STORE_FORMAT_TEXT)
 end

@@ -2,6 +2,9 @@
 -- the rows a script creates carry it as their 'format' field; a row without one was written
 -- before formats were recorded (format 1, read and finished as it is).
 local STORE_FORMAT = tonumber('@STORE_FORMAT@')
+-- The same, as the string a script writes into a row's 'format' (a Lua number passed to
+-- redis.call is printed with '%.17g' on every call: one a child on the enqueue's path).
+local STORE_FORMAT_TEXT = '@STORE_FORMAT@'
 
 -- newer_format(found, row): the EMQFORMAT error reply when ``found`` (a row's 'format' field,
 -- nil for none) is newer than this release knows, else nil. Every writing script runs it on

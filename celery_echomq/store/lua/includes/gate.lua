@@ -5,9 +5,11 @@
 -- EMQKIND error reply for the first that is neither, else nil. The host's keyspace gate
 -- already refused such ids: this keeps a script called by any other client from writing
 -- outside the JOB namespace.
-local CELERY_UUID = '^' .. string.rep('[0-9a-f]', 8) .. '%-' .. string.rep('[0-9a-f]', 4)
-  .. '%-' .. string.rep('[0-9a-f]', 4) .. '%-' .. string.rep('[0-9a-f]', 4) .. '%-'
-  .. string.rep('[0-9a-f]', 12) .. '$'
+-- The pattern of 8-4-4-4-12 lower-case hex digits, written out: a literal is a constant of the
+-- compiled script, where a pattern built with string.rep and '..' would be built again on
+-- every call of every script.
+local CELERY_UUID =
+  '^[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]%-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]%-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]%-[0-9a-f][0-9a-f][0-9a-f][0-9a-f]%-[0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f][0-9a-f]$'
 local function gate_ids(first, last, step, values)
   values = values or ARGV
   for i = first, last, step or 1 do

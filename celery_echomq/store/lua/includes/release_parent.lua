@@ -5,10 +5,10 @@
 -- happen once. ``counters`` (the queue's counters hash) counts the release and one parent
 -- fewer held: what the dashboard's gauges read without scanning the keyspace.
 local function release_parent(row, pending, parent_id, counters)
-  redis.call('ZADD', pending, now_ms(), parent_id)
+  redis.call('ZADD', pending, now_text(), parent_id)
   redis.call('HSET', row, 'state', 'pending')
-  redis.call('HINCRBY', counters, 'released', 1)
-  redis.call('HINCRBY', counters, 'held', -1)
+  redis.call('HINCRBY', counters, 'released', '1')
+  redis.call('HINCRBY', counters, 'held', '-1')
 end
 
 -- release_if_last(row, pending, parent_id, left, counters): release the parent when ``left``

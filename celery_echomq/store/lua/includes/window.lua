@@ -36,7 +36,7 @@ end
 -- child.
 local function write_waiting_row(row, parent_id, stored, kind)
   redis.call('HSET', row, 'state', 'waiting', kind == WAIT_DELTA and 'delta' or 'payload', stored,
-    'parent', parent_id, 'format', STORE_FORMAT)
+    'parent', parent_id, 'format', STORE_FORMAT_TEXT)
 end
 
 -- window_push(window, ids, size, counters): the waiting children's ids at the end of the
@@ -88,7 +88,7 @@ local PASS_OVER = 100
 -- 'window_waiting'). A cancelled one means the flow's
 -- waiting children were cancelled or cut together (cancel, a deadline): the window goes.
 local function window_take(window, pending, count, taken)
-  local n, now = 0, now_ms()
+  local n, members = 0, {}
   for _ = 1, count + PASS_OVER do
     if n == count then
       break
@@ -101,7 +101,12 @@ local function window_take(window, pending, count, taken)
     local found = redis.call('HMGET', row, 'state', 'payload', 'delta', 'parent')
     if found[1] == 'waiting' then
       redis.call('HSET', row, 'state', 'pending', 'attempts', '0', 'windowed', '1')
-      redis.call('ZADD', pending, now, id)
+      members[#members + 1] = now_text()
+      members[#members + 1] = id
+      if #members == 1000 then -- one ZADD per slice of 500 (Lua's unpack has a stack limit)
+        redis.call('ZADD', pending, unpack(members))
+        members = {}
+      end
       taken[#taken + 1] = id
       taken[#taken + 1] = found[2] or ''
       taken[#taken + 1] = found[3] or ''
@@ -111,6 +116,9 @@ local function window_take(window, pending, count, taken)
       redis.call('DEL', window)
       break
     end
+  end
+  if #members > 0 then
+    redis.call('ZADD', pending, unpack(members))
   end
   return n
 end
@@ -127,15 +135,16 @@ local function window_free(window, pending, ttl, counters)
   if not batch then
     return nil
   end
-  local free = redis.call('HINCRBY', slots, 'free', 1)
+  local free = redis.call('HINCRBY', slots, 'free', '1')
   if free < tonumber(batch) then
     return nil
   end
   local taken = {'window', now_ms()}
   local n = window_take(window, pending, free, taken)
   if n > 0 then -- (never -0: Redis reads no integer in it)
-    redis.call('HINCRBY', slots, 'free', -n)
-    redis.call('HINCRBY', counters, 'window_waiting', -n)
+    local out = string.format('%d', -n)
+    redis.call('HINCRBY', slots, 'free', out)
+    redis.call('HINCRBY', counters, 'window_waiting', out)
   end
   if redis.call('EXISTS', window) == 0 then
     -- Nothing waits any more (children added later open it again): it goes with the flow.
