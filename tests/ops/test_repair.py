@@ -85,8 +85,9 @@ def test_retry_reruns_the_failed_children_and_get_returns_the_parents_value(
     )
 
     # The very result that saw the failure looks at the store again: it waits for the new
-    # outcome rather than answer from its cache.
-    assert res.state == "PENDING"
+    # outcome (or, the retried children quick, has it already) rather than answer FAILURE
+    # from its cache.
+    assert res.state in ("PENDING", "SUCCESS")
     assert settle(res) == {"values": [2, 10, 20], "tag": tag}
     fresh = FlowResult(res.id, app=proj.app)
     assert fresh.dependencies() == (0, 3, 0, 0)  # each child counted once
