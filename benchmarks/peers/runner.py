@@ -273,11 +273,8 @@ def one_run(
     drivers: dict[str, Driver],
     against: Celery | None = None,
 ) -> PeerRun:
-    target: Celery | Driver
-    if peer in AGAINST:
-        target = against  # type: ignore[assignment]
-    else:
-        target = celery if peer in CELERY_PEERS else drivers[peer]  # type: ignore[assignment]
+    own = against if peer in AGAINST else celery
+    target: Celery | Driver = own if peer in CELERY_PEERS or peer in AGAINST else drivers[peer]  # type: ignore[assignment]
     target.signal(signal.SIGCONT)
     try:
         bench.settle(admin, limit=2.0)
