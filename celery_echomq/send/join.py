@@ -208,8 +208,10 @@ def shared_in_canvas(plan: Plan, joined: dict[str, Joined]) -> dict[str, Joined]
     for level in plan.levels():
         for entry in level.children:
             cid = entry.id
-            if cid in writes and cid not in joined and cid not in found:
-                found[cid] = Joined(cid, entry.queue, "pending", entry, writes[cid])
+            if not isinstance(entry, PlannedJob) or cid not in writes:
+                continue  # only a task is shared (send/ids.py)
+            if cid not in joined and cid not in found:
+                found[cid] = Joined(cid, entry.queue, "pending", entry.message, writes[cid])
     return found
 
 

@@ -177,9 +177,8 @@ def _same(a: Any, b: Any) -> bool:
 def child_template(jobs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The template a level's children are stored against: the first child job's dict
     without its task_id; None when the level has no child job (only nested flows)."""
-    for job in jobs:
-        return {**job, "options": {**job["options"], "task_id": None}}
-    return None
+    first = next(iter(jobs), None)
+    return None if first is None else {**first, "options": {**first["options"], "task_id": None}}
 
 
 def job_delta(template: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] | None:
