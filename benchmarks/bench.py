@@ -84,6 +84,10 @@ DEADLINE_S = 3600
 # A flow with a window (``max_active``): ``flow-window`` (the peers bench's "flow window").
 WINDOW = "flow-window"
 WINDOW_SIZE = int(os.environ.get("BENCH_WINDOW", "20"))
+# A plain group with one task more than a flow's children: as many Celery messages as a flow
+# sends (its children and its parent), none of them fanned in (the peers bench's "celery group
+# + 1"). A flow beside it shows what the fan-in costs beyond the parent's own message.
+GROUP_ONE_MORE = "group-one-more"
 TRACED_QUEUE = "bench_traced"
 BULLMQ_DIR = HERE / "bullmq"
 BULLMQ_DB = 3
@@ -259,6 +263,8 @@ def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
         parent = bench_app.tsum.s().set(**opts)
         if mode == "group":
             canvases.append(group(children))
+        elif mode == GROUP_ONE_MORE:
+            canvases.append(group([*children, bench_app.add.s(0, 0).set(**opts)]))
         elif mode in ("chord", "chord-chain", CHORD_ENGINE):
             canvases.append(chord(children, parent))
         elif mode == DEADLINE:
@@ -276,6 +282,8 @@ def expected(mode: str, size: Size) -> Any:
     if mode.endswith("-chain"):
         return sum(i + size.steps for i in range(size.children))
     values = [2 * i for i in range(size.children)]
+    if mode == GROUP_ONE_MORE:
+        return [*values, 0]
     return values if mode == "group" else sum(values)
 
 
@@ -354,7 +362,7 @@ def only_queue(queue: str) -> None:
 
 
 def result_ids(mode: str, res: Any) -> list[str]:
-    return [r.id for r in res.results] if mode == "group" else [res.id]
+    return [r.id for r in res.results] if mode in ("group", GROUP_ONE_MORE) else [res.id]
 
 
 def run_once(

@@ -27,6 +27,13 @@ ENV_OTEL = "ECHOMQ_BENCH_OTEL"
 # A directory of another tree's scripts (its celery_echomq/store/lua): this process's store
 # runs those (bench --peers --against: the worker of the "flow (against)" peer).
 ENV_LUA = "ECHOMQ_BENCH_LUA"
+# "1": a what-if, never a mode of the package (bench --peers's "flow (claim in completion)"):
+# this worker's pool processes hold each claim back and send it in one write
+# with the completion (or failure) that follows, so the claim costs the server no wake-up of
+# its own. The body then runs before anything has checked its delivery: a forged or duplicate
+# message would run its body, which is what the claim is there to prevent. It measures what
+# the claim's round trip costs, and nothing else.
+ENV_CLAIM_WITH_COMPLETION = "ECHOMQ_BENCH_CLAIM_WITH_COMPLETION"
 # The flow store shares the result backend's database: then a flow job's completion writes its
 # result too (celery_echomq/store/results.py).
 BROKER_DB, BACKEND_DB, STORE_DB = 0, 1, 1
@@ -46,6 +53,40 @@ def read_scripts_from(lua_dir: Path) -> None:
 
 if os.environ.get(ENV_LUA):
     read_scripts_from(Path(os.environ[ENV_LUA]))
+
+
+def send_claims_with_completions() -> None:
+    """The what-if of :data:`ENV_CLAIM_WITH_COMPLETION`: ``ScriptRunner.run`` answers a claim
+    as claimed at once and sends it, as a raw EVALSHA, in one pipeline with the next
+    completion or failure this process runs."""
+    from celery_echomq.store.runner import ScriptRunner
+
+    run = ScriptRunner.run
+    held: list[tuple[Any, Any]] = []
+    loaded: list[bool] = []
+
+    def run_holding_claims(self: ScriptRunner, name: str, keys: Any, args: Any) -> Any:
+        if name == "claim":
+            held[:] = [(keys, args)]
+            return [b"claimed", 1, b"", b""]
+        if name not in ("complete", "fail") or not held:
+            return run(self, name, keys, args)
+        ((claim_keys, claim_args),) = held
+        held.clear()
+        if not loaded:  # a raw EVALSHA has no NOSCRIPT fallback: load them once
+            for script in self.registered.values():
+                self.client.script_load(script.script)
+            loaded.append(True)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.evalsha(self.registered["claim"].sha, len(claim_keys), *claim_keys, *claim_args)
+        pipe.evalsha(self.registered[name].sha, len(keys), *keys, *args)
+        return pipe.execute()[1]
+
+    ScriptRunner.run = run_holding_claims  # type: ignore[method-assign]
+
+
+if os.environ.get(ENV_CLAIM_WITH_COMPLETION) == "1":
+    send_claims_with_completions()
 
 
 def configure(url: str, *, install: bool = True) -> Celery:

@@ -46,13 +46,23 @@ CELERY_PEERS = {
     "flow": "flow",
     # max_active=BENCH_WINDOW (20 by default) children at once; run it by name (--peer).
     "flow window": bench.WINDOW,
+    # As many Celery messages as a flow (N children and one task for its parent), no fan-in.
+    "celery group + 1": bench.GROUP_ONE_MORE,
 }
-OPT_IN = {"flow window"}
+# A what-if, never a mode of the package: the flow on a worker of its own whose pool processes
+# send each claim in one write with the completion after it (bench_app.py's
+# ENV_CLAIM_WITH_COMPLETION), so that the claim costs the server no wake-up of its own. What it
+# saves is what the claim's round trip costs; what it gives up is the claim's guard.
+WHAT_IF = {"flow (claim in completion)": "flow"}
+WHAT_IF_QUEUE = "whatif"
+OPT_IN = {"flow window", "celery group + 1", *WHAT_IF}
 # With --against DIR: the flow (and the windowed flow, when it runs) again, on a worker of its
 # own whose store (and this producer's, for its rounds) runs the scripts of DIR, another
 # tree's: a before and after in one run.
 AGAINST = {"flow (against)": "flow", "flow window (against)": bench.WINDOW}
 AGAINST_QUEUE = "against"
+# Every peer a Celery worker of this bench runs, and the bench.py mode it runs.
+CELERY_MODES = {**CELERY_PEERS, **AGAINST, **WHAT_IF}
 # Each subprocess peer on a database of its own (Celery's broker and backend are 0 and 1).
 DRIVERS = {
     "dramatiq group+callback": ("dramatiq_driver.py", 4),
@@ -199,11 +209,20 @@ def redis_cpu(admin: Any) -> float:
 class Celery:
     """chord, group and flow on one `celery worker -P prefork -c 2` (bench.py's); with
     ``lua``, the flow alone on its own queue, its scripts read from that directory (in the
-    worker, and in this producer while it runs)."""
+    worker, and in this producer while it runs); with ``queue`` and ``env``, on that queue, a
+    worker with those variables set."""
 
-    def __init__(self, base: str, admin: Any, lua: Path | None = None) -> None:
-        self.queue = AGAINST_QUEUE if lua else "celery"
-        env = {bench_app.ENV_LUA: str(lua)} if lua else None
+    def __init__(
+        self,
+        base: str,
+        admin: Any,
+        lua: Path | None = None,
+        *,
+        queue: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.queue = queue or (AGAINST_QUEUE if lua else "celery")
+        env = {**({bench_app.ENV_LUA: str(lua)} if lua else {}), **(env or {})}
         self.worker = bench.Worker(base, self.queue, extra_env=env)
         self.scripts: dict[str, Any] | None = None
         if lua is not None:
@@ -272,16 +291,17 @@ def one_run(
     celery: Celery | None,
     drivers: dict[str, Driver],
     against: Celery | None = None,
+    what_if: Celery | None = None,
 ) -> PeerRun:
-    own = against if peer in AGAINST else celery
-    target: Celery | Driver = own if peer in CELERY_PEERS or peer in AGAINST else drivers[peer]  # type: ignore[assignment]
+    own = against if peer in AGAINST else what_if if peer in WHAT_IF else celery
+    target: Celery | Driver = own if peer in CELERY_MODES else drivers[peer]  # type: ignore[assignment]
     target.signal(signal.SIGCONT)
     try:
         bench.settle(admin, limit=2.0)
         polls0 = target.polls if isinstance(target, Celery) else 0
         cpu0, cmds0, usec0 = redis_cpu(admin), bench.command_counts(admin), command_usec(admin)
         if isinstance(target, Celery):
-            seconds = target.run({**CELERY_PEERS, **AGAINST}[peer], size)
+            seconds = target.run(CELERY_MODES[peer], size)
         else:
             seconds = target.run(size)
         # The work after the last value (acks, the parent's own completion) belongs to the run.
@@ -400,7 +420,9 @@ def main(
     out: Path | None,
     against_lua: Path | None = None,
 ) -> dict[str, Any]:
-    peers = [p for p in (*CELERY_PEERS, *DRIVERS) if (p in only if only else p not in OPT_IN)]
+    peers = [
+        p for p in (*CELERY_PEERS, *WHAT_IF, *DRIVERS) if (p in only if only else p not in OPT_IN)
+    ]
     if against_lua is not None:
         for name, mode in AGAINST.items():
             own = next(p for p, m in CELERY_PEERS.items() if m == mode)
@@ -430,25 +452,31 @@ def main(
             stack.callback(against.worker.stop)
             stack.callback(against.signal, signal.SIGCONT)
             report["against"] = str(against_lua)
+        what_if: Celery | None = None
+        if set(peers) & set(WHAT_IF):
+            flag = {bench_app.ENV_CLAIM_WITH_COMPLETION: "1"}
+            what_if = Celery(base, admin, queue=WHAT_IF_QUEUE, env=flag)
+            stack.callback(what_if.worker.stop)
+            stack.callback(what_if.signal, signal.SIGCONT)
         drivers = start_drivers(base, logs, set(peers))
         for d in drivers.values():
             stack.callback(d.stop)
-        peers = [p for p in peers if p in CELERY_PEERS or p in drivers or p in AGAINST]
+        peers = [p for p in peers if p in CELERY_MODES or p in drivers]
         versions = {p: drivers[p].version for p in peers if p in drivers}
         if celery is not None:
             versions = {"celery": celery.version, **versions}
         report["versions"] = versions
-        for target in [celery, against, *drivers.values()]:
+        for target in [celery, against, what_if, *drivers.values()]:
             if target is not None:
                 target.signal(signal.SIGSTOP)
         for peer in peers:  # warm up: scripts loaded, connections made, pools forked
-            one_run(admin, peer, bench.Size(4, 5), -1, celery, drivers, against)
+            one_run(admin, peer, bench.Size(4, 5), -1, celery, drivers, against, what_if)
         active = list(peers)
         for size in sizes:
             for rnd in range(rounds):
                 for peer in bench.rotated(list(active), rnd):
                     try:
-                        run = one_run(admin, peer, size, rnd, celery, drivers, against)
+                        run = one_run(admin, peer, size, rnd, celery, drivers, against, what_if)
                     except RuntimeError as exc:  # a peer that fails leaves the others running
                         log(f"bench --peers: {peer} dropped: {exc}")
                         report.setdefault("dropped", {})[peer] = str(exc)
@@ -466,7 +494,7 @@ def main(
     report["runs"] = [asdict(r) for r in runs]
     report["summary"] = summarize(runs, peers, sizes)
     print(render(report["summary"], peers))
-    celery_modes = [p for p in (*CELERY_PEERS, *AGAINST) if p in peers]
+    celery_modes = [p for p in CELERY_MODES if p in peers]
     report["commands"] = {}
     for size in sizes:
         table = where_commands_go(runs, size.label, celery_modes)
