@@ -908,7 +908,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--peer",
         action="append",
-        help="with --peers: run only this peer (repeatable; e.g. flow, 'bullmq flow')",
+        help="with --peers: run only this peer (repeatable; e.g. flow, 'bullmq flow'); "
+        "'flow window', 'celery group + 1' and 'flow (claim in completion)' run only by name",
     )
     p.add_argument(
         "--against",
