@@ -150,6 +150,12 @@ def command_counts(admin: redis.Redis) -> dict[str, int]:  # type: ignore[type-a
     return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
 
 
+def redis_cpu(admin: Any) -> float:
+    """The server's CPU seconds so far (``INFO cpu``: used_cpu_user + used_cpu_sys)."""
+    cpu = admin.info("cpu")
+    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
+
+
 def command_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     delta = {k: v - before.get(k, 0) for k, v in after.items() if k not in OWN_COMMANDS}
     return {k: v for k, v in sorted(delta.items()) if v}

@@ -20,11 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+for p in (str(HERE), str(ROOT)):
+    if p not in sys.path:
+        sys.path.insert(0, p)
 
 import redis  # noqa: E402
+from bench import redis_cpu  # noqa: E402
 
 from celery_echomq.embedded import RedisServer  # noqa: E402
 
@@ -35,11 +38,6 @@ redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'attempts', '1'
 redis.call('ZADD', KEYS[3], ARGV[3], ARGV[1])
 return redis.call('TIME')
 """
-
-
-def server_cpu(client: Any) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def rows(client: Any, n: int) -> None:
@@ -54,7 +52,7 @@ def rows(client: Any, n: int) -> None:
 def per_call_us(client: Any, n: int, send: Callable[[Any, int], None], batched: bool) -> float:
     """Server CPU per call, in microseconds, of ``n`` calls of ``send``."""
     rows(client, n)
-    before = server_cpu(client)
+    before = redis_cpu(client)
     if batched:
         pipe = client.pipeline(transaction=False)
         for i in range(n):
@@ -63,7 +61,7 @@ def per_call_us(client: Any, n: int, send: Callable[[Any, int], None], batched: 
     else:
         for i in range(n):
             send(client, i)
-    return (server_cpu(client) - before) * 1e6 / n
+    return (redis_cpu(client) - before) * 1e6 / n
 
 
 def main() -> None:

@@ -62,11 +62,6 @@ def registered_from(client: Any, lua_dir: Path) -> dict[str, Any]:
         loader._read_lua = own
 
 
-def cpu(admin: Any) -> float:
-    info = admin.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
 def one_round(
     admin: Any, size: bench.Size, window: int | None, sets: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, float]]:
@@ -101,10 +96,10 @@ def one_round(
         for first in range(0, size.flows, per_block):
             name = blocks[first][0]
             runner.registered = sets[name]
-            c0 = cpu(admin)
+            c0 = bench.redis_cpu(admin)
             for k in range(first, min(first + per_block, size.flows)):
                 work(k)
-            spent[name][phase] += cpu(admin) - c0
+            spent[name][phase] += bench.redis_cpu(admin) - c0
 
     parents: list[str] = [""] * size.flows
 

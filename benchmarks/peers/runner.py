@@ -201,11 +201,6 @@ def command_usec(admin: Any) -> dict[str, int]:
     return {name.removeprefix("cmdstat_"): int(v["usec"]) for name, v in stats.items()}
 
 
-def redis_cpu(admin: Any) -> float:
-    cpu = admin.info("cpu")
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
-
-
 class Celery:
     """chord, group and flow on one `celery worker -P prefork -c 2` (bench.py's); with
     ``lua``, the flow alone on its own queue, its scripts read from that directory (in the
@@ -299,14 +294,22 @@ def one_run(
     try:
         bench.settle(admin, limit=2.0)
         polls0 = target.polls if isinstance(target, Celery) else 0
-        cpu0, cmds0, usec0 = redis_cpu(admin), bench.command_counts(admin), command_usec(admin)
+        cpu0, cmds0, usec0 = (
+            bench.redis_cpu(admin),
+            bench.command_counts(admin),
+            command_usec(admin),
+        )
         if isinstance(target, Celery):
             seconds = target.run(CELERY_MODES[peer], size)
         else:
             seconds = target.run(size)
         # The work after the last value (acks, the parent's own completion) belongs to the run.
         bench.settle(admin, limit=2.0)
-        cpu1, cmds1, usec1 = redis_cpu(admin), bench.command_counts(admin), command_usec(admin)
+        cpu1, cmds1, usec1 = (
+            bench.redis_cpu(admin),
+            bench.command_counts(admin),
+            command_usec(admin),
+        )
     finally:
         target.signal(signal.SIGSTOP)
     delta = bench.command_delta(cmds0, cmds1)
