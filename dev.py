@@ -11,6 +11,10 @@ python3 dev.py test ARGS        # one pytest run of what ARGS select, on real wo
 python3 dev.py test --all ARGS  # ARGS added to each run of a tier (--fast ARGS too)
 python3 dev.py lint             # ruff check, ruff format --check, mypy --strict
 python3 dev.py bench [ARGS]     # the flow vs chord vs group benchmark
+python3 dev.py wheel            # the sdist and wheel into dist/, checked, and the wheel (not an
+                                # editable install) in a fresh venv with each extra, running
+                                # the quickstart and the smoke (.ci/wheel)
+python3 dev.py docs [ARGS]      # the documentation as a site in site/: mkdocs build --strict
 
 The fast tier is every test not marked e2e, with the canvas and policy tests' worker on an
 in-process worker (ECHOMQ_TEST_WORKER=inprocess). The smoke is the tests marked smoke: a few
@@ -40,6 +44,8 @@ EXTRAS = {
     "test": "test,lint",
     "bench": "test",
     "lint": "test,lint,dashboard",
+    "wheel": "release,test",
+    "docs": "docs",
 }
 NO_TESTS = 5  # pytest's exit status when it collected or selected nothing
 # The tiers: (title, marker expression, the fast tier's in-process worker, xdist processes
@@ -151,6 +157,12 @@ def main(argv: list[str]) -> int:
         return test(rest)
     if command == "bench":
         return run([str(PY), "benchmarks/bench.py", *rest])
+    if command == "wheel":
+        return run(["bash", ".ci/wheel"], {**os.environ, "ECHOMQ_PYTHON": str(PY)})
+    if command == "docs":
+        # Without the theme's banner about MkDocs 2.0, which the docs extra keeps below.
+        env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
+        return run([str(PY), "-m", "mkdocs", "build", "--strict", *rest], env)
     code = run([str(PY), "-m", "ruff", "check", "."])
     code |= run([str(PY), "-m", "ruff", "format", "--check", "."])
     return code | run([str(PY), "-m", "mypy"])

@@ -92,7 +92,7 @@ __all__ = [
     "retry_flow",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def install(app: Any) -> EchoMQ:
