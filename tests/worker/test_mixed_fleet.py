@@ -20,9 +20,10 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery, chord
+from celery.exceptions import ChordError
 
 import celery_echomq
-from celery_echomq import flow
+from celery_echomq import FlowFailed, flow
 from celery_echomq.embedded.worker import WorkerProcess
 from tests.helpers import (
     KEYS,
@@ -133,6 +134,52 @@ def test_jobs_a_worker_without_the_extension_ran_are_settled_never_run_again(
             logged(new, f"completed {cid} from its SUCCESS result")
             assert f"{cid}] received" not in new.output()
         assert not store.hget(KEYS.queue_key(queue, "counters"), "republished")
+    finally:
+        app.close()
+
+
+def test_a_failure_a_worker_without_the_extension_ran_fails_the_flow_once(
+    env: Env, proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any, kind: str
+) -> None:
+    """On the fast path: the header task that failed there is failed from its FAILURE, the
+    others completed from their SUCCESS, none run again, and the body never runs."""
+    queue, tag, flag = own_queue("fleetfail"), uuid.uuid4().hex, f"flag:{uuid.uuid4().hex}"
+    app = producer(env, env.store)
+    try:
+        old = start_worker(
+            queues=queue, extra_env=fast_recovery(ECHOMQ_T_PLAIN="1", ECHOMQ_T_BACKEND=env.store)
+        )
+        good = task(app, "counted", 1, tag).set(task_id=f"JOB{uuid.uuid4().hex}", queue=queue)
+        bad = task(app, "flaky", 2, flag).set(task_id=f"JOB{uuid.uuid4().hex}", queue=queue)
+        body = task(app, "collect", tag=tag).set(queue=queue)
+        ids = [good.options["task_id"], bad.options["task_id"]]
+        res = (
+            chord([good, bad], body).apply_async()
+            if kind == "chord"
+            else flow(body, [good, bad]).apply_async(queue=queue)
+        )
+        wait_for(lambda: all(f"{cid}] " in old.output() for cid in ids), timeout=TIMEOUT)
+        wait_for(lambda: f"{ids[1]}] raised unexpected" in old.output(), timeout=30)
+        wait_for(lambda: f"{ids[0]}] succeeded" in old.output(), timeout=30)
+        old.stop()
+
+        new = start_worker(queues=queue, extra_env=fast_recovery(ECHOMQ_T_BACKEND=env.store))
+        if kind == "chord":
+            # get() raises the failed header task's own error; the body's result is the
+            # ChordError Celery words (tests/canvas/test_chords.py).
+            with pytest.raises(ValueError, match=f"flag {flag} not set"):
+                res.get(timeout=TIMEOUT)
+            wait_for(lambda: res.state == "FAILURE", timeout=30)
+            assert isinstance(res.result, ChordError)
+            assert str(res.result).startswith(f"Dependency {ids[1]} raised ValueError(")
+        else:
+            with pytest.raises(FlowFailed) as failed:
+                res.get(timeout=TIMEOUT)
+            assert failed.value.child_id == ids[1]
+        logged(new, f"failed {ids[1]} from its FAILURE result")
+        logged(new, f"completed {ids[0]} from its SUCCESS result")
+        assert ran(store, f"counted:{tag}") == ran(store, f"flaky:{flag}") == 1
+        assert ran(store, f"collect:{tag}") == 0
     finally:
         app.close()
 
