@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -132,6 +133,27 @@ def quiet(read: Any) -> Any:
 
     wait_for(same, timeout=30)
     return last[0]
+
+
+def release_tree(release: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A landed release's tree (``git archive`` of its commit in this repository's history),
+    for subprocesses that put it first on their PYTHONPATH; skips without that history."""
+    git = shutil.which("git")
+    known = git and subprocess.run(
+        [git, "-C", str(ROOT), "cat-file", "-e", f"{release}^{{commit}}"],
+        capture_output=True,
+    )
+    if not git or not known or known.returncode != 0:
+        pytest.skip(
+            f"no git history with commit {release} (an sdist, a shallow clone, no git): "
+            "the test needs that release's tree from the repository's history"
+        )
+    tree = tmp_path_factory.mktemp(f"release-{release}")
+    archive = subprocess.run(
+        [git, "-C", str(ROOT), "archive", release], capture_output=True, check=True
+    )
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree
 
 
 needs_own_backend_db = pytest.mark.skipif(

@@ -268,6 +268,15 @@ def retry_later(self: Any, x: int, tries: int) -> int:
     return x
 
 
+@app.task(bind=True, max_retries=1)
+def retry_once(self: Any, x: int, tag: str, countdown: float) -> int:
+    """Retry once, ``countdown`` seconds on; counts each run under ``retry_once:<tag>``."""
+    mark(f"retry_once:{tag}")
+    if not self.request.retries:
+        raise self.retry(countdown=countdown)
+    return x
+
+
 @app.task(
     bind=True, autoretry_for=(Flaky,), max_retries=5, default_retry_delay=1, retry_jitter=False
 )

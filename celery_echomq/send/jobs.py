@@ -96,8 +96,13 @@ def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -
 
 
 def mark_for_store(job: dict[str, Any]) -> None:
-    """Send ``job`` with ``ignore_result`` and the :data:`H_RESULT` header: the store writes
-    its result when it completes, in the same script call (see store/results.py).
+    """Mark ``job`` with the :data:`H_RESULT` header: the store writes its result when it
+    completes, in the same script call (see store/results.py).
+
+    The message does not say ``ignore_result``: a worker with the extension keeps Celery's
+    trace from storing the SUCCESS itself once it holds the job (``hold_result``), while a
+    worker without it (a fleet half upgraded) stores the result as for any task, and recovery
+    settles the job from that result rather than run it again.
 
     Not for a job whose options decide ``ignore_result`` themselves, nor for one that is part
     of a chord (a flow in a chord's header): Celery's ``mark_as_done`` must store its result
@@ -106,5 +111,4 @@ def mark_for_store(job: dict[str, Any]) -> None:
     options = job["options"]
     if "ignore_result" in options or options.get("chord"):
         return
-    options["ignore_result"] = True
     options["headers"][H_RESULT] = "1"

@@ -29,7 +29,8 @@ H_STORE = "echomq_s"
 # the step in one script that writes its token (take_handed.lua) rather than the claim script.
 H_HANDED = "echomq_h"
 # "1": the store writes this job's result into Celery's result backend when the job completes
-# (the message says ignore_result, so Celery's trace writes none; see results.py).
+# (the worker that holds the job keeps Celery's trace from writing it; the message itself does
+# not say ignore_result, so a worker without the extension stores it; see results.py).
 H_RESULT = "echomq_r"
 # On the parent of a flow that stands for a chord (``echomq_chords``, see chords.py): the
 # chord's body as Celery would send it (its failure is then Celery's, from the body), or "1"

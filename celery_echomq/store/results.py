@@ -3,11 +3,20 @@
 
 Where the app's result backend is Celery's plain ``RedisBackend`` on the very server and
 database of the flow store, a flow job whose options leave ``ignore_result`` unset is sent with
-``ignore_result`` and the ``echomq_r`` header (see send/plan.py): Celery's trace stores nothing,
-and the worker hands ``complete.lua`` exactly what ``RedisBackend`` would have written (key,
-encoded meta, expiry), which it SETs and PUBLISHes on the job's one active -> done transition.
-The other outcomes (FAILURE, RETRY, STARTED, REVOKED) are rare and are stored here through the
-backend, as Celery would have stored them had the message not said ``ignore_result``.
+the ``echomq_r`` header (see send/plan.py), its message silent on ``ignore_result``. A worker
+with the extension, once its claim holds the job, sets ``ignore_result`` on the running
+request (:func:`hold_result`), which Celery's ``mark_as_done`` reads: its trace stores no
+SUCCESS, and the worker hands ``complete.lua`` exactly what ``RedisBackend`` would have written
+(key, encoded meta, expiry), which it SETs and PUBLISHes on the job's one active -> done
+transition. The other outcomes (FAILURE, RETRY, STARTED, REVOKED) are rare and are stored here
+through the backend, as Celery would have stored them for a request that did not ignore its
+result.
+
+A worker without the extension (a fleet half upgraded) reads a plain message and stores the
+result as for any task: recovery finds the job still pending with a final state in the backend
+and settles it from that result, never running it again (worker/recovery/lost.py). Had the
+message said ``ignore_result``, such a worker would store nothing, and the job would be taken
+for lost and run a second time.
 
 A worker whose backend turns out not to be on the store's server (another configuration than
 the producer's) stores the result through the backend before the job completes: a job sent
@@ -151,13 +160,23 @@ def _ours(task: Any, request: Any) -> bool:
     return marked(request) and not task.ignore_result
 
 
+def hold_result(request: Any) -> None:
+    """For a marked job this delivery holds (its claim made, its STARTED stored): Celery's
+    trace stores no SUCCESS for it from here on (``mark_as_done`` reads the request's
+    ``ignore_result``), since its completion writes it; its errors are stored as for a
+    message that said ``ignore_result`` (the ``store_*`` functions below). Nothing to send:
+    the fast path stays one round trip per job."""
+    if marked(request):
+        request.ignore_result = True
+
+
 def success_write(state: EchoMQ, task: Any, request: Any, result: Any) -> ResultWrite | None:
     """For a marked job that succeeded: what ``complete`` writes, computed as Celery's
     ``KeyValueStoreBackend._store_result`` would (``None``: nothing for the script to write;
     where the backend is not on the store's server, the result is stored here first)."""
     if not _ours(task, request) or not getattr(request, "ignore_result", False):
-        # Not marked, or Celery's mark_as_done stored it already: a message that does not say
-        # ignore_result (Celery 5.3 retries a task with its class's ignore_result).
+        # Not marked, or Celery's mark_as_done stored it already: a request that did not
+        # ignore its result (not held: see hold_result).
         return None
     backend = task.backend
     if fusable(state, backend):

@@ -31,6 +31,8 @@ from celery_echomq.store.headers import (
 )
 from celery_echomq.store.replies import DUPLICATE_DELIVERY, STARTED, Status
 from celery_echomq.store.results import (
+    hold_result,
+    marked,
     store_failure,
     store_refused,
     store_retry,
@@ -136,9 +138,12 @@ def _claim_delivery(
 
 
 def _started(state: EchoMQ, task: Any, task_id: str, token: str) -> None:
-    """This delivery holds the job: its token for the outcome, its STARTED state stored."""
+    """This delivery holds the job: its token for the outcome, its STARTED state stored, and
+    (a job whose result the store writes) Celery's own SUCCESS store held back; after
+    store_started, which reads what the message said."""
     state.deliveries.tokens[task_id] = token
     store_started(task, task.request)
+    hold_result(task.request)
 
 
 def skip_duplicate(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
@@ -158,6 +163,21 @@ def skip_duplicate(self: Any, task_id: str, args: Any, kwargs: Any) -> None:
         tracing.parent_started(state, getattr(self.request, H_QUEUE), task_id, self.request)
 
 
+_celery_signature_from_request = Task.signature_from_request
+
+
+def retry_signature(self: Any, request: Any = None, *args: Any, **options: Any) -> Any:
+    """``Task.signature_from_request`` for every task, which Celery's retry sends: a job whose
+    result the store writes is sent again as its producer sent it, silent on
+    ``ignore_result`` (``hold_result`` set it on the running request alone), so that a worker
+    without the extension that takes the retry stores its result, and recovery settles the
+    job from it rather than run it again. One header lookup for any other task's retry."""
+    sig = _celery_signature_from_request(self, request, *args, **options)
+    if "ignore_result" not in options and marked(self.request if request is None else request):
+        sig.options.pop("ignore_result", None)
+    return sig
+
+
 def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
     request = sender.request
     state = _flow_state(sender, request)
@@ -173,7 +193,7 @@ def on_success(sender: Any = None, result: Any = None, **_: Any) -> None:
     reason = refusal(parent.reduce, value) if parent is not None and parent.reduce else None
     if reason is not None:
         # A value its flow's reducer cannot fold: the child fails, its FAILURE stored first
-        # (no SUCCESS was: the message said ignore_result), as for a task that raised.
+        # (no SUCCESS was: hold_result held Celery's back), as for a task that raised.
         store_refused(sender, request, reason)
         settle_failure(
             state,
@@ -361,3 +381,5 @@ def connect() -> None:
     # calls an overridden before_start (see celery.app.trace.task_has_custom).
     if Task.before_start is not skip_duplicate:
         Task.before_start = skip_duplicate
+    if Task.signature_from_request is not retry_signature:
+        Task.signature_from_request = retry_signature

@@ -97,10 +97,11 @@ def test_a_childs_stored_result_is_what_celery_stores_for_a_plain_task(
     plain = app.send_task("tests.proj.add", (2, 2), queue=queue)
     assert plain.get(timeout=TIMEOUT) == 4
 
-    # Marked: sent with ignore_result, so only the store can have written these results.
+    # Marked, and silent on ignore_result: a worker without the extension would store the
+    # result itself (tests/worker/test_mixed_fleet.py shows that only the script writes it).
     for job_id in (*ids, res.id):
         headers, ignore = headers_of(app, queue, job_id)
-        assert headers[H_RESULT] == "1" and ignore is True
+        assert headers[H_RESULT] == "1" and ignore is None
     assert [AsyncResult(cid, app=app).get(timeout=TIMEOUT) for cid in ids] == [0, 2, 4]
     reference = stored(env, env.store, plain.id)
     assert reference is not None
@@ -176,8 +177,8 @@ def test_a_failing_child_raises_as_a_chord_child_would(env: Env, fused: tuple[Ce
 def test_a_child_past_its_hard_time_limit_fails_as_a_chord_child_would(
     env: Env, fused: tuple[Celery, str]
 ) -> None:
-    # Reported by the worker's main process (the pool process is killed): Celery stores no
-    # FAILURE for a message that says ignore_result; the store's receiver does.
+    # Reported by the worker's main process (the pool process is killed), which stores the
+    # FAILURE (the message does not say ignore_result); the store's receiver stores none more.
     app, queue = fused
     slow = f"JOB{uuid.uuid4().hex}"
     res = flow(

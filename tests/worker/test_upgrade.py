@@ -7,7 +7,6 @@ every flow, each parent once, with the values the flow was sent for.
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
 import uuid
@@ -18,7 +17,7 @@ from typing import Any
 import pytest
 
 from celery_echomq.embedded.worker import WorkerProcess
-from tests.helpers import LOGDIR, ROOT, Env, fast_recovery, wait_for
+from tests.helpers import LOGDIR, ROOT, Env, fast_recovery, release_tree, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -96,22 +95,7 @@ def release(request: pytest.FixtureRequest) -> str:
 @pytest.fixture
 def previous_tree(release: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A landed release's tree, from this repository's own history."""
-    git = shutil.which("git")
-    known = git and subprocess.run(
-        [git, "-C", str(ROOT), "cat-file", "-e", f"{release}^{{commit}}"],
-        capture_output=True,
-    )
-    if not known or known.returncode != 0:
-        pytest.skip(
-            f"no git history with commit {release} (an sdist, a shallow clone, no git): "
-            "the upgrade test needs the previous release's tree from the repository's history"
-        )
-    tree = tmp_path_factory.mktemp(f"release-{release}")
-    archive = subprocess.run(
-        [git, "-C", str(ROOT), "archive", release], capture_output=True, check=True
-    )
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    return tree
+    return release_tree(release, tmp_path_factory)
 
 
 def on_previous(env: Env, tree: Path, **extra: str) -> dict[str, str]:

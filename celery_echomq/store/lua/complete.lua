@@ -30,8 +30,8 @@
 --          parent's slot
 -- ARGV[8]  the options, a msgpack map (an option not given is not in it):
 --   result   the result's encoded meta, exactly as Celery's RedisBackend would store it: this
---            script writes it to KEYS[16] (the message said ignore_result and the store's
---            server and db are the result backend's; see results.py)
+--            script writes it to KEYS[16] (the worker held Celery's own write back and the
+--            store's server and db are the result backend's; see results.py)
 --   expires  with result: its expiry in seconds (the backend's result_expires); not given:
 --            none
 --   inline   when this completion releases its parent (on this slot), hand the host the
