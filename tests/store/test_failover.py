@@ -361,11 +361,12 @@ def test_readonly_store_is_retried_until_it_takes_writes(
     primary_replica: tuple[RedisServer, RedisServer],
 ) -> None:
     """A plain redis:// URL that names a demoted primary (a replica): writes answer READONLY
-    and are retried; once the server is promoted they land."""
+    and are retried; once the server is promoted they land. A replica still, past the retry:
+    the store refuses writes, and the error says so."""
     _, replica = primary_replica
     settings = Settings(redis_url=replica.url(0), store_retry_timeout=0.5)
     _, scripts = scripts_for(settings)
-    with pytest.raises(StoreUnavailableError, match="ReadOnlyError"):
+    with pytest.raises(StoreUnavailableError, match="refuses writes: it is a read-only replica"):
         scripts.enqueue_flow("q", new_job_id(), b"p", [(new_job_id(), b"c")])
 
     _, scripts = scripts_for(dataclasses.replace(settings, store_retry_timeout=20.0))
