@@ -402,8 +402,8 @@ def test_flows_under_a_store_that_fills_up_mid_flight_run_each_body_once(
             drain(server.client())
             for f, (res, _) in enumerate(sent):
                 assert res.get(timeout=60) == sum(f * 10 + i for i in range(4))
-            assert "its body does not run here: it is deferred to recovery" in worker.output()
             ran_once(worker, *(i for res, ids in sent for i in (res.id, *ids)))
+            assert "its body does not run here: it is deferred to recovery" in worker.output()
         finally:
             worker.stop()
             producer.close()
