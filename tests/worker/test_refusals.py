@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
+from celery.result import AsyncResult
 
 import celery_echomq
 from celery_echomq import StoreWriteRefusedError, flow
@@ -174,6 +175,52 @@ def test_a_flow_sent_to_a_full_store_is_refused_naming_it_and_writes_and_publish
 
         drain(direct)  # healed: the same flow starts
         assert sig.apply_async(queue=queue).id == parent
+
+
+@pytest.mark.e2e
+def test_a_flow_whose_messages_the_broker_refused_is_published_by_recovery_once_it_heals(
+    env: Env,
+) -> None:
+    """The store took the flow, the broker (a Redis out of memory) refused its messages: the
+    error names the broker and says the flow is in the store; once the broker takes writes,
+    recovery publishes the children and the flow runs, each body once."""
+    with RedisServer() as store, RedisServer() as broker:
+        producer = Celery(f"full-{uuid.uuid4().hex[:6]}", set_as_current=False)
+        producer.conf.update(broker_url=broker.url(0), result_backend=env.backend)
+        producer.conf.echomq_redis_url = store.url(0)
+        celery_echomq.install(producer)
+        full = broker.client()
+        full.set("ballast", "x" * 100_000)
+        fill(full)
+        parent = new_job_id()
+        kids = [producer.signature("tests.proj.add", (1, 2), task_id=new_job_id()) for _ in "ab"]
+        sig = flow(producer.signature("tests.proj.tsum", task_id=parent), kids, app=producer)
+        with pytest.raises(StoreWriteRefusedError) as caught:
+            sig.apply_async(queue="q")
+        said = str(caught.value)
+        assert said.startswith(f"the broker {broker.url(0)} refuses writes: it is out of memory")
+        assert f"flow {parent} was written to the store, but not every message" in said
+        assert row(store.client(), "q", parent)["state"] == "awaiting_children"
+
+        drain(full)
+        worker = Worker(
+            env,
+            queues="q",
+            name=f"broker-{uuid.uuid4().hex[:6]}",
+            extra_env={
+                "ECHOMQ_T_BROKER": broker.url(0),
+                "ECHOMQ_T_STORE": store.url(0),
+                "ECHOMQ_T_STALL": "2",
+                "ECHOMQ_T_RECOVERY_INTERVAL": "0.5",
+            },
+        )
+        try:
+            assert AsyncResult(parent, app=producer).get(timeout=30) == 6
+            ran_once(worker, parent, *(k.id for k in kids))
+            assert "re-published" in worker.output()
+        finally:
+            worker.stop()
+            producer.close()
 
 
 # --- a claim refused: the body waits, then runs once ---------------------------------------------
