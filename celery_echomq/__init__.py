@@ -33,6 +33,7 @@ from celery_echomq.errors import (
     ReplicationError,
     StoreFormatError,
     StoreUnavailableError,
+    StoreWriteRefusedError,
 )
 from celery_echomq.ops.listing import FlowRow, list_flows
 from celery_echomq.ops.outcomes import ReleaseOutcome, RetryOutcome
@@ -78,6 +79,7 @@ __all__ = [
     "RetryOutcome",
     "StoreFormatError",
     "StoreUnavailableError",
+    "StoreWriteRefusedError",
     "UnknownFlowError",
     "add_children",
     "children_values",

@@ -192,6 +192,29 @@ class StoreConnectionError(StoreUnavailableError, redis.exceptions.ConnectionErr
     """
 
 
+class StoreWriteRefusedError(StoreUnavailableError, redis.exceptions.ResponseError):
+    """The flow store answers but refuses writes: out of memory under a ``maxmemory-policy``
+    that evicts nothing it may (``OOM``), a read-only replica (``READONLY``), a failed RDB save
+    with ``stop-writes-on-bgsave-error`` (``MISCONF``), too few replicas for
+    ``min-replicas-to-write`` (``NOREPLICAS``).
+
+    The message names the store (its URL without a password), the refusal, what heals it and
+    what was or was not written. ``store`` is that URL, ``code`` the reply's first word,
+    ``cause`` and ``heal`` the refusal and its remedy in words (store/refusals.py). Also a
+    ``redis.ResponseError``, what redis-py raised for the refusal, so code that catches one
+    still does.
+    """
+
+    def __init__(
+        self, message: str = "", store: str = "", code: str = "", cause: str = "", heal: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.store, self.code, self.cause, self.heal = store, code, cause, heal
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class StoreFormatError(EchoMQError):
     """A row of the store is in a newer format than this release knows (the scripts'
     ``EMQFORMAT`` reply): a newer celery-echomq wrote it. Nothing was written; the row is left

@@ -96,6 +96,7 @@ FAULT_MODULES = frozenset(
         "canvas/test_faults",
         "store/test_failover",
         "worker/test_soak",
+        "worker/test_refusals",
     }
 )
 FAULT_NAME = re.compile(r"kill|crash|died|failover")
@@ -120,6 +121,7 @@ SLOW_TESTS = frozenset(
         "test_release_reads_the_counts_alone_and_revoke_stops_2500_children_a_chunk_at_a_time",
         "test_doctor_counts_the_sentinels_and_replicas_of_a_sentinel_store",
         "test_flows_in_flight_on_the_previous_release_finish_after_an_upgrade_worker_killed",
+        "test_flows_under_a_store_that_fills_up_mid_flight_run_each_body_once",
     }
 )
 RESULT_PATH_MODULES = frozenset(

@@ -4,6 +4,8 @@ two of them use lives here (fixtures in the conftest.py of their folder)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 import re
 import shutil
@@ -14,6 +16,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ from celery_echomq.embedded import WorkerProcess
 from celery_echomq.result import FlowResult
 from celery_echomq.store.keyspace import Keyspace, new_job_id
 from celery_echomq.store.scripts import ParentRef, Scripts
+from celery_echomq.store.state import _ATTR, EchoMQ, get_state
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -438,3 +443,32 @@ def script_args(store: redis.Redis) -> list[int]:
         more = re.search(rb"\.\.\. \((\d+) more arguments\)", entry["command"])
         sizes.append(31 + int(more.group(1)) if more else len(words))
     return sizes
+
+
+# --- which bodies ran, and a store of one test's own ------------------------------------------
+
+
+_SUCCEEDED = re.compile(r"Task (\S+)\[(JOB\w+)\] succeeded")
+
+
+def runs_in_log(*logs: Path) -> Counter[str]:
+    """How many times each task id's body ran to success, from the workers' INFO logs."""
+    counts: Counter[str] = Counter()
+    for log in logs:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        counts.update(m.group(2) for m in _SUCCEEDED.finditer(text))
+    return counts
+
+
+@contextlib.contextmanager
+def store_of(app: Any, **changes: Any) -> Iterator[EchoMQ]:
+    """This process's app stores its flows elsewhere for one test, then goes back."""
+    saved = get_state(app)
+    state = EchoMQ(app, dataclasses.replace(saved.settings, **changes))
+    setattr(app, _ATTR, state)
+    try:
+        yield state
+    finally:
+        setattr(app, _ATTR, saved)
+        if state._client is not None:
+            state._client.close()

@@ -32,11 +32,12 @@ from celery_echomq.send.fan_in import refuse_growth, windowed
 from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.plan import Plan, check_depth, plan_children, set_root
 from celery_echomq.send.start import publish, start_flow
-from celery_echomq.store.connection import text
+from celery_echomq.store.connection import describe, text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
 from celery_echomq.store.keyspace import check_unique
 from celery_echomq.store.planned import Node, PlannedJob, held_of, keep, node_of, stored_node
 from celery_echomq.store.reads import locate
+from celery_echomq.store.refusals import named_refusal
 from celery_echomq.store.replies import Status
 from celery_echomq.store.results import writes_results
 from celery_echomq.store.scripts import ParentRef
@@ -103,14 +104,27 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
     if any(isinstance(j, Plan) for j in plan.children):
         check_depth(plan, state.settings.max_depth, _levels_above(state, parent))
     claims: list[str] = []
+    landed: list[str] = []
     try:
-        return _grow(state, parent, plan, claims)
+        with named_refusal(describe(state.settings), lambda: _refused_outcome(parent, landed)):
+            return _grow(state, parent, plan, claims, landed)
     finally:
         # Landed or refused: the rows stand for their ids from now on.
         release_claims(state, claims)
 
 
-def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> list[str]:
+def _refused_outcome(parent: ParentRef, landed: list[str]) -> str:
+    if not landed:
+        return f"no child was added to flow {parent.id}: nothing was written or published"
+    return (
+        f"{len(landed)} children were added to flow {parent.id}, but not every one of them was "
+        "written or published: recovery finishes adding them once the store takes writes"
+    )
+
+
+def _grow(
+    state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str], landed: list[str]
+) -> list[str]:
     keys, client, scripts = state.keys, state.client, state.scripts
     row_key = keys.job_key(parent.queue, parent.id)
     for _ in range(MAX_STALE):
@@ -146,6 +160,7 @@ def _grow(state: EchoMQ, parent: ParentRef, plan: Plan, claims: list[str]) -> li
             parent, hashlib.sha1(payload).hexdigest(), state.dumps(job), local, remote, size
         )
         if status is Status.ADDED:
+            landed += [j.id for j in fresh]
             break
         if status is not Status.STALE:
             raise _closed(parent, str(status))

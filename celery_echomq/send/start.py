@@ -17,7 +17,12 @@ import redis
 from redis.cluster import RedisCluster
 
 from celery_echomq.config import safe_url
-from celery_echomq.errors import EchoMQError, FlowExistsError, StoreUnavailableError
+from celery_echomq.errors import (
+    EchoMQError,
+    FlowExistsError,
+    StoreUnavailableError,
+    StoreWriteRefusedError,
+)
 from celery_echomq.send.chunked import Written, enqueue_chunked, takes_chunked_path
 from celery_echomq.send.dispatch import declare_reply_queue, dispatch_parent
 from celery_echomq.send.encoding import Encoded, encode_plan
@@ -25,9 +30,11 @@ from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.join import Joined, joins_by_level
 from celery_echomq.send.plan import Plan
 from celery_echomq.send.publish import SINCE_MARK, prepare, send_jobs
+from celery_echomq.store.connection import describe
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
 from celery_echomq.store.planned import PlannedJob, nested_plan
+from celery_echomq.store.refusals import named_refusal, refusal_of
 from celery_echomq.store.replies import Status, WideCheck
 from celery_echomq.store.script_values import BrokerPushes
 from celery_echomq.store.state import EchoMQ, get_state
@@ -75,7 +82,8 @@ def start_flow(
             f" ({len(start.levels) - 1} nested flows)" if len(start.levels) > 1 else "",
         )
     if fused is None:  # else its children's messages were pushed by its enqueue
-        _publish_levels(state, start, since)
+        with _publish_refused(state, plan):
+            _publish_levels(state, start, since)
     return settled
 
 
@@ -151,10 +159,33 @@ def _land(
 
 
 @contextlib.contextmanager
-def _store_errors(state: EchoMQ, plan: Plan, written: Written) -> Iterator[None]:
-    """A store that goes away mid-start raises StoreUnavailableError, saying what landed."""
+def _publish_refused(state: EchoMQ, plan: Plan) -> Iterator[None]:
+    """The flow landed; a refusal now is the broker's (a Redis broker out of memory, say) or,
+    for a parent with no children, the store's dispatch: StoreWriteRefusedError, naming it."""
     try:
         yield
+    except Exception as exc:
+        if refusal_of(exc) is None:
+            raise
+        store = isinstance(exc, StoreWriteRefusedError)
+        where = describe(state.settings) if store else safe_url(str(state.app.conf.broker_url))
+        outcome = (
+            f"flow {plan.parent_id} was written to the store, but not every message of it was "
+            "published: recovery publishes what is missing once it takes writes"
+        )
+        with named_refusal(where, lambda: outcome, "the flow store" if store else "the broker"):
+            raise
+
+
+@contextlib.contextmanager
+def _store_errors(state: EchoMQ, plan: Plan, written: Written) -> Iterator[None]:
+    """A store that goes away mid-start raises StoreUnavailableError, saying what landed; one
+    that refuses writes, StoreWriteRefusedError."""
+    try:
+        with named_refusal(describe(state.settings), lambda: _refused_outcome(plan, written)):
+            yield
+    except StoreWriteRefusedError:
+        raise
     except (redis.ConnectionError, redis.TimeoutError) as exc:
         where = f"Redis at {safe_url(state.settings.redis_url or '')!r}"
         if not written:
@@ -166,6 +197,18 @@ def _store_errors(state: EchoMQ, plan: Plan, written: Written) -> Iterator[None]
             f"{where} became unavailable ({exc}) after flow {plan.parent_id} was enqueued; "
             "nothing was published: recovery publishes its children once Redis is back"
         ) from exc
+
+
+def _refused_outcome(plan: Plan, written: Written) -> str:
+    """What a start refused by the store left: its first write is refused whole (a script
+    refused at its first write wrote nothing), and one refused later is taken back."""
+    if not written:
+        return f"flow {plan.parent_id} was not started: nothing of it was written or published"
+    return (
+        f"flow {plan.parent_id} was written in part ({len(written)} steps), not taken "
+        "back; nothing was published: recovery publishes what landed, or fails a level "
+        "left open as abandoned, once the store takes writes"
+    )
 
 
 @contextlib.contextmanager
@@ -186,6 +229,18 @@ def _taken_back_on_refusal(
     wrote, so bad input leaves nothing behind."""
     try:
         yield
+    except StoreUnavailableError:
+        # Not bad input: the store refused a write, or went away. What landed is taken back
+        # if the store lets it (under OOM it does: a deletion is not refused); else it stays
+        # for recovery, as after a producer that died there, and the error says so.
+        try:
+            _rollback(state, written)
+            disarm(state, armed)
+        except Exception as exc:
+            logger.warning("echomq: flow %s not taken back: %s", plan.parent_id, exc)
+        else:
+            written.clear()
+        raise
     except EchoMQError:
         _rollback(state, written)
         disarm(state, armed)

@@ -31,6 +31,7 @@ from celery_echomq.errors import FlowExistsError, ReplicationError, StoreConnect
 from celery_echomq.store import connection as store
 from celery_echomq.store.connection import CLUSTER_RETRYABLE, call_until, text
 from celery_echomq.store.loader import TRANSITIONS, load_source
+from celery_echomq.store.refusals import refusal_of, refused
 from celery_echomq.store.replies import server_error
 
 Value = bytes | str
@@ -182,13 +183,16 @@ class ScriptRunner:
         retry_timeout: float = 20.0,
         min_replicas: int = 0,
         min_replicas_timeout: float = 1.0,
+        store: str = "",
     ) -> None:
         """``retry_timeout``: how long a transition waits for an unreachable store (the
         client's own retry, see connection.py) before :class:`StoreUnavailableError`.
         ``min_replicas``: WAIT for that many replicas after each transition that must survive
         a failover, up to ``min_replicas_timeout`` seconds, else :class:`ReplicationError`.
+        ``store``: the store's URL without a password, which a refusal names.
         """
         self.client = client
+        self.store = store
         self.retry_timeout = retry_timeout
         self.min_replicas = min_replicas
         self.min_replicas_timeout = min_replicas_timeout
@@ -240,6 +244,9 @@ class ScriptRunner:
             logger.warning("echomq: %s; its reply is followed", exc)
             return exc.reply
         except store.CLUSTER_RETRYABLE as exc:
+            refusal = refusal_of(exc)
+            if refusal is not None:  # READONLY past the retry: no failover promoted a primary
+                raise refused(refusal, self.store, f"{name} wrote nothing", exc) from exc
             seconds, setting = store.bound_of(self.retry_timeout)
             raise StoreConnectionError(
                 f"the flow store is unavailable: {name} failed, retried for up to "
@@ -247,6 +254,13 @@ class ScriptRunner:
                 f"({type(exc).__name__}: {exc})"
             ) from exc
         except redis.ResponseError as exc:
+            refusal = refusal_of(exc)
+            if refusal is not None:
+                # Refused at its first write (OOM, MISCONF, NOREPLICAS): it wrote nothing. Not
+                # retried here: a producer is told at once, a claim defers its body, and a
+                # worker's outcome is retried by its caller while it holds the job's lease
+                # (worker/settle.py), with backoff that adds no load to a full server.
+                raise refused(refusal, self.store, f"{name} wrote nothing", exc) from exc
             raised = server_error(exc, _queue_of(keys))
             if (
                 isinstance(raised, FlowExistsError)

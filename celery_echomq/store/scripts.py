@@ -54,6 +54,7 @@ class Scripts:
         retry_timeout: float = 20.0,
         min_replicas: int = 0,
         min_replicas_timeout: float = 1.0,
+        store: str = "",
     ) -> None:
         """``retry_timeout``: how long a transition waits for an unreachable store (the
         client's own retry, see connection.py) before :class:`StoreUnavailableError`.
@@ -67,6 +68,7 @@ class Scripts:
             retry_timeout=retry_timeout,
             min_replicas=min_replicas,
             min_replicas_timeout=min_replicas_timeout,
+            store=store,
         )
         # (queue, priority) -> a claim mark this process has seen the queue reach. Marks only
         # grow, so a claim of a job pending since no later than that need not read them (the

@@ -20,7 +20,7 @@ from kombu.serialization import loads, prepare_accept_content, registry
 from celery_echomq.config import Settings, missing_url_error, read_settings
 from celery_echomq.errors import ConfigError, StoreFormatError
 from celery_echomq.store.codec import serialize
-from celery_echomq.store.connection import make_client
+from celery_echomq.store.connection import describe, make_client
 from celery_echomq.store.keyspace import Keyspace
 from celery_echomq.store.scripts import Scripts
 
@@ -159,6 +159,7 @@ class EchoMQ:
                         retry_timeout=settings.store_retry_timeout,
                         min_replicas=settings.min_replicas,
                         min_replicas_timeout=settings.min_replicas_timeout,
+                        store=describe(settings),
                     )
                     self._pid = os.getpid()
 

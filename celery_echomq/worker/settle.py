@@ -4,14 +4,26 @@ lives, and act on what that made of the parent (dispatch it, or record its failu
 What the worker's signal receivers and recovery call; each step is one script call, and what
 follows it (a publish, a result written to Celery's backend) is repeated by recovery if the
 process dies in between.
+
+A store that refuses writes (store/refusals.py) refuses the transition whole: it wrote nothing.
+The delivery that ran the body retries it (:func:`retry_refused`), with backoff, for as long as
+it still holds the job's lease: the outcome lands once the store heals, and nothing else
+records it (where the store writes the job's result, not even Celery's backend), so giving up
+early would have recovery run the body again. Renewals are writes too: none lands while the
+store refuses, so the lease lapses at most ``echomq_stall_timeout`` after the last one, which
+the worker made no more than a third of a stall timeout before the refusal began. A refusal
+that ends within two thirds of ``echomq_stall_timeout`` therefore costs no second run; a
+longer one may: the lease lapses, this delivery gives up, and recovery runs the body again
+once the store takes writes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from celery.utils.functional import maybe_list
 
@@ -20,17 +32,112 @@ from celery_echomq.errors import FlowFailed, StoreFormatError
 from celery_echomq.send.dispatch import dispatch_parent, publish_handed, publish_step
 from celery_echomq.send.errbacks import FAN, errbacks_left, ran_by_child
 from celery_echomq.send.freed import publish_freed
-from celery_echomq.store.connection import text
+from celery_echomq.store.connection import backoff, describe, text
 from celery_echomq.store.headers import H_CHORD, outer_ref
 from celery_echomq.store.planned import held_of
 from celery_echomq.store.pulse import note_done
 from celery_echomq.store.reads import steps_from
+from celery_echomq.store.refusals import refusal_of
 from celery_echomq.store.replies import UNSETTLED, Status
 from celery_echomq.store.script_values import Freed, Handed
 from celery_echomq.store.scripts import ParentRef, ResultWrite
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
+
+T = TypeVar("T")
+
+# A refused transition is tried again after 0.1 s, doubling up to 2 s, half jittered: a full
+# server is asked a few times a second per pool process at first, then every second or two.
+REFUSED_BASE, REFUSED_CAP = 0.1, 2.0
+
+
+def lease_held(state: EchoMQ, queue: str, job_id: str, token: str) -> bool:
+    """Whether the job is still active under ``token`` with a lease that has not lapsed, by
+    the store's clock: reads, which a store that refuses writes still answers."""
+    keys = state.keys
+    pipe = state.client.pipeline(transaction=False)
+    pipe.hget(keys.job_key(queue, job_id), "token")
+    pipe.zscore(keys.queue_key(queue, "active"), job_id)
+    holder, lease = pipe.execute()
+    seconds, micros = state.client.time()
+    now = int(seconds) * 1000 + int(micros) // 1000
+    return bool(token) and text(holder) == token and lease is not None and float(lease) > now
+
+
+def retry_refused(
+    state: EchoMQ, do: Callable[[], T], holds: Callable[[], bool], what: str, left: str
+) -> T:
+    """``do()``, a step after a body ran, retried with backoff while the store refuses writes
+    and ``holds()`` says it is still this worker's to make; any other error is raised at once.
+
+    A refused script wrote nothing, so trying it again is safe (and every transition is
+    idempotent under its own checks besides). ``what`` names the step; ``left``, what becomes
+    of it if ``holds()`` ends first (the refusal is then raised)."""
+    failures = 0
+    while True:
+        try:
+            result = do()
+        except Exception as exc:
+            refusal = refusal_of(exc)
+            if refusal is None:
+                raise
+            failures += 1
+            if not holds():
+                logger.warning(
+                    "echomq: the flow store %s still refuses writes (%s): %s was not made; %s",
+                    describe(state.settings),
+                    refusal.cause,
+                    what,
+                    left,
+                )
+                raise
+            if failures == 1:
+                logger.warning(
+                    "echomq: the flow store %s refuses writes: %s. %s is retried until it "
+                    "lands (once %s)",
+                    describe(state.settings),
+                    refusal.cause,
+                    what[:1].upper() + what[1:],
+                    refusal.heal,
+                )
+            time.sleep(backoff(failures, REFUSED_BASE, REFUSED_CAP))
+            continue
+        if failures:
+            logger.warning("echomq: %s landed, after %d refused attempts", what, failures)
+        return result
+
+
+def while_leased(state: EchoMQ, queue: str, job_id: str, token: str) -> Callable[[], bool]:
+    """A delivery's outcome is its to record while it holds the job's lease."""
+    return lambda: lease_held(state, queue, job_id, token)
+
+
+def for_a_while(state: EchoMQ) -> Callable[[], bool]:
+    """A step that follows an outcome that landed (crediting a parent on another slot,
+    dispatching a released one) is retried for ``echomq_store_retry_timeout``, as through a
+    failover; recovery makes it after that."""
+    until = time.monotonic() + state.settings.store_retry_timeout
+    return lambda: time.monotonic() < until
+
+
+def outcome_of(
+    state: EchoMQ, queue: str, job_id: str, token: str, what: str, do: Callable[[], T]
+) -> T:
+    """The transition that records what a delivery's body did (``what``), retried while the
+    store refuses writes and the delivery holds the job's lease; without a token (a failure
+    the main process reports for a pool process it lost) it is tried once."""
+    if not token:
+        return do()
+    return retry_refused(
+        state,
+        do,
+        while_leased(state, queue, job_id, token),
+        f"{what} of {job_id} on {queue}",
+        "its lease lapsed: recovery takes the job back and runs its body again once the "
+        "store takes writes (a refusal shorter than two thirds of echomq_stall_timeout "
+        "costs no second run)",
+    )
 
 
 def error_text(exc: BaseException) -> str:
@@ -265,19 +372,26 @@ def settle_success(
     child's FAILURE with the reason its flow's reducer gave for not folding its value (the
     worker's own check, send/fan_in.py's ``refusal``, says the same first)."""
     freed: list[Freed] = []
-    status, written, handed, shared = state.scripts.complete_settling(
+    status, written, handed, shared = outcome_of(
+        state,
         queue,
         job_id,
         token,
-        ttl=state.settings.result_ttl,
-        is_parent=is_parent,
-        parent=parent,
-        value=value,
-        result=result,
-        inline_max=state.settings.chunk_size,
-        next_step=next_step,
-        freed=freed,
-        hand_ms=state.settings.stall_ms if next_step else 0,
+        "the completion",
+        lambda: state.scripts.complete_settling(
+            queue,
+            job_id,
+            token,
+            ttl=state.settings.result_ttl,
+            is_parent=is_parent,
+            parent=parent,
+            value=value,
+            result=result,
+            inline_max=state.settings.chunk_size,
+            next_step=next_step,
+            freed=freed,
+            hand_ms=state.settings.stall_ms if next_step else 0,
+        ),
     )
     if freed:
         publish_freed(state, queue, freed)
@@ -306,7 +420,13 @@ def settle_success(
         publish_step(state, next_step, handed[0], value, previous=job_id, since=since, handed=True)
         return status
     if status is Status.STAGED and parent is not None:
-        status, _ = credit_remote(state, queue, job_id, parent, Status.DONE, value, "")
+        status, _ = _credited(
+            state,
+            token,
+            job_id,
+            parent,
+            lambda: credit_remote(state, queue, job_id, parent, Status.DONE, value, ""),
+        )
     if parent is not None:
         follow(state, status, job_id, parent, handed=handed)
     return status
@@ -329,16 +449,23 @@ def settle_failure(
     apply that failure, once, to the flow it belongs to (see fail.lua).
     """
     freed: list[Freed] = []
-    status, policy, shared = state.scripts.fail_settling(
+    status, policy, shared = outcome_of(
+        state,
         queue,
         job_id,
         token,
-        error,
-        ttl=state.settings.result_ttl,
-        is_parent=is_parent,
-        parent=parent,
-        carry=carry,
-        freed=freed,
+        "the failure",
+        lambda: state.scripts.fail_settling(
+            queue,
+            job_id,
+            token,
+            error,
+            ttl=state.settings.result_ttl,
+            is_parent=is_parent,
+            parent=parent,
+            carry=carry,
+            freed=freed,
+        ),
     )
     if freed:
         publish_freed(state, queue, freed)
@@ -352,13 +479,43 @@ def settle_failure(
     if shared:
         credit_edges(state, queue, job_id, Status.FAILED, error)
     if status is Status.STAGED and parent is not None:
-        status, policy = credit_remote(state, queue, job_id, parent, Status.FAILED, error, policy)
+        staged_policy = policy
+        status, policy = _credited(
+            state,
+            token,
+            job_id,
+            parent,
+            lambda: credit_remote(
+                state, queue, job_id, parent, Status.FAILED, error, staged_policy
+            ),
+        )
     if parent is None or status in UNSETTLED:
         return status
     logger.info("echomq: child %s failed under policy %s: %s", job_id, policy, error)
     tracing.child_failed(job_id, parent.id, policy, error, status is Status.PARENT_FAILED)
     follow(state, status, job_id, parent, error)
     return status
+
+
+def _credited(
+    state: EchoMQ,
+    token: str,
+    job_id: str,
+    parent: ParentRef,
+    do: Callable[[], tuple[Status, str]],
+) -> tuple[Status, str]:
+    """A delivery's credit of its child to a parent on another slot, retried through a
+    refusal for a while (the outcome it follows has landed: recovery credits the outbox's
+    entries, so no body runs twice for it); recovery's own, once."""
+    if not token:
+        return do()
+    return retry_refused(
+        state,
+        do,
+        for_a_while(state),
+        f"crediting {job_id} to its parent {parent.id}",
+        "recovery credits it from the outbox once the store takes writes",
+    )
 
 
 def credit_edges(state: EchoMQ, queue: str, job_id: str, outcome: str, data: bytes | str) -> bool:

@@ -19,6 +19,7 @@ from celery.exceptions import Ignore, TaskRevokedError
 from celery_echomq import tracing
 from celery_echomq.errors import ReplicationError, StoreFormatError
 from celery_echomq.send.fan_in import refusal
+from celery_echomq.store.connection import describe
 from celery_echomq.store.headers import (
     H_FLOW,
     H_HANDED,
@@ -29,6 +30,7 @@ from celery_echomq.store.headers import (
     Headers,
     parent_ref,
 )
+from celery_echomq.store.refusals import refusal_of
 from celery_echomq.store.replies import DUPLICATE_DELIVERY, STARTED, Status
 from celery_echomq.store.results import (
     hold_result,
@@ -45,7 +47,13 @@ from celery_echomq.store.state import Deliveries, EchoMQ, find_state
 from celery_echomq.worker.checks import on_worker_ready
 from celery_echomq.worker.claims import claim, new_token, warn_no_row
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
-from celery_echomq.worker.settle import error_text, fail_later_steps, settle_failure, settle_success
+from celery_echomq.worker.settle import (
+    error_text,
+    fail_later_steps,
+    outcome_of,
+    settle_failure,
+    settle_success,
+)
 
 logger = logging.getLogger("celery_echomq")
 
@@ -83,6 +91,57 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         # message is gone) and finishes it.
         state.deliveries.skipped.add(task_id)
         state.tell_newer(exc, f"delivery of {task_id} on {queue} (its body is skipped)")
+    except Exception as exc:
+        if task_id in state.deliveries.tokens:
+            raise  # claimed: what failed came after (its STARTED state), and the body runs
+        # No claim, whatever the reason (a store that refuses writes, one out of reach, a
+        # claim not replicated): a body run unclaimed could run again, or settle nothing.
+        _defer(state, task_id, queue, exc)
+
+
+def _defer(state: EchoMQ, task_id: str, queue: str, exc: Exception) -> None:
+    """The claim failed: the body does not run here (before_start's Ignore acknowledges the
+    message) and the job is left to recovery. A claim that wrote nothing leaves the row
+    pending, whose message is gone: recovery re-publishes it on the claim marks' or the
+    broker's evidence. A claim that landed but whose reply was lost leaves the row active under
+    a token no process holds: nothing renews its lease, and recovery takes it back once the
+    lease lapses (echomq_stall_timeout)."""
+    state.deliveries.skipped.add(task_id)
+    if isinstance(exc, ReplicationError):
+        # The claim is on the primary alone: a failover may lose it, and with it whatever this
+        # body would do (a parent run on a release the new primary never had runs again).
+        logger.warning(
+            "echomq: %s; the body of %s is deferred to recovery, and runs once the primary has "
+            "%d replica(s) connected (or echomq_min_replicas is lowered)",
+            exc,
+            task_id,
+            exc.wanted,
+        )
+        return
+    store = describe(state.settings)
+    refusal = refusal_of(exc)
+    if refusal is not None:
+        logger.warning(
+            "echomq: the flow store %s refuses writes: %s. The claim of %s on %s wrote "
+            "nothing, so its body does not run here: it is deferred to recovery, which "
+            "re-publishes the job once the store takes writes again (once %s)",
+            store,
+            refusal.cause,
+            task_id,
+            queue,
+            refusal.heal,
+        )
+        return
+    logger.warning(
+        "echomq: the claim of %s on %s failed against the flow store %s (%s: %s), so its body "
+        "does not run here: it is deferred to recovery, which takes the job back once the "
+        "store answers (a claim that landed unanswered: once its lease lapses)",
+        task_id,
+        queue,
+        store,
+        type(exc).__name__,
+        exc,
+    )
 
 
 def _claim_delivery(
@@ -94,22 +153,9 @@ def _claim_delivery(
         _started(state, task, task_id, token)
         logger.debug("echomq: took handed step %s", task_id)
         return
-    try:
-        status, attempts = claim(state, request, queue, task_id, token, named)
-    except ReplicationError as exc:
-        # The claim is on the primary alone: a failover may lose it, and with it whatever this
-        # body would do (a parent run on a release the new primary never had runs again).
-        # The body waits instead: its lease lapses and recovery re-publishes the job, from
-        # whatever store survives.
-        state.deliveries.skipped.add(task_id)
-        logger.warning(
-            "echomq: %s; the body of %s is deferred to recovery, and runs once the primary has "
-            "%d replica(s) connected (or echomq_min_replicas is lowered)",
-            exc,
-            task_id,
-            exc.wanted,
-        )
-        return
+    # A claim that raises (a refusal, the store out of reach, a claim not replicated) is
+    # deferred by on_prerun: the body waits, and recovery re-publishes the job.
+    status, attempts = claim(state, request, queue, task_id, token, named)
     if status in STARTED:
         _started(state, task, task_id, token)
         if status is Status.CLAIMED:
@@ -291,8 +337,14 @@ def on_retry(
         )
     token = state.deliveries.tokens.pop(request.id, None)
     if token is not None:
-        status = state.scripts.retry(
-            getattr(request, H_QUEUE), request.id, token, _due_in_ms(reason)
+        queue = getattr(request, H_QUEUE)
+        status = outcome_of(
+            state,
+            queue,
+            request.id,
+            token,
+            "the retry",
+            lambda: state.scripts.retry(queue, request.id, token, _due_in_ms(reason)),
         )
         logger.info("echomq: retry %s -> %s", request.id, status)
 
@@ -313,7 +365,15 @@ def on_postrun(
         return
     # Ignore without a duplicate: the body replaced itself (Task.replace) or chose to leave its
     # state to another task. The job waits for the outcome stored under its id.
-    status = store.scripts.hand_over(getattr(request, H_QUEUE), task_id, token)
+    queue = getattr(request, H_QUEUE)
+    status = outcome_of(
+        store,
+        queue,
+        task_id,
+        token,
+        "the hand-over",
+        lambda: store.scripts.hand_over(queue, task_id, token),
+    )
     logger.info("echomq: %s handed over to its replacement (%s)", task_id, status)
 
 

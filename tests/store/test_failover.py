@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -23,7 +22,6 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -52,8 +50,7 @@ from celery_echomq.store.connection import make_client
 from celery_echomq.store.keyspace import Keyspace, new_job_id
 from celery_echomq.store.loader import load_source
 from celery_echomq.store.scripts import ParentRef, Scripts
-from celery_echomq.store.state import _ATTR, EchoMQ, get_state
-from tests.helpers import KEYS, LOGDIR, ROOT, Env, Worker, logged
+from tests.helpers import KEYS, LOGDIR, ROOT, Env, Worker, logged, runs_in_log, store_of
 
 LEASE = 60_000
 TTL = 600
@@ -364,11 +361,12 @@ def test_readonly_store_is_retried_until_it_takes_writes(
     primary_replica: tuple[RedisServer, RedisServer],
 ) -> None:
     """A plain redis:// URL that names a demoted primary (a replica): writes answer READONLY
-    and are retried; once the server is promoted they land."""
+    and are retried; once the server is promoted they land. A replica still, past the retry:
+    the store refuses writes, and the error says so."""
     _, replica = primary_replica
     settings = Settings(redis_url=replica.url(0), store_retry_timeout=0.5)
     _, scripts = scripts_for(settings)
-    with pytest.raises(StoreUnavailableError, match="ReadOnlyError"):
+    with pytest.raises(StoreUnavailableError, match="refuses writes: it is a read-only replica"):
         scripts.enqueue_flow("q", new_job_id(), b"p", [(new_job_id(), b"c")])
 
     _, scripts = scripts_for(dataclasses.replace(settings, store_retry_timeout=20.0))
@@ -585,31 +583,6 @@ def test_min_replicas_a_claim_not_replicated_defers_the_body_to_recovery(
 
 
 # --- Failover under load, with real workers -------------------------------------------------
-
-_SUCCEEDED = re.compile(r"Task (\S+)\[(JOB\w+)\] succeeded")
-
-
-def runs_in_log(*logs: Path) -> Counter[str]:
-    """How many times each task id's body ran to success, from the workers' INFO logs."""
-    counts: Counter[str] = Counter()
-    for log in logs:
-        text = log.read_text(errors="replace") if log.exists() else ""
-        counts.update(m.group(2) for m in _SUCCEEDED.finditer(text))
-    return counts
-
-
-@contextlib.contextmanager
-def store_of(app: Any, **changes: Any) -> Iterator[EchoMQ]:
-    """This process's app stores its flows elsewhere for one test, then goes back."""
-    saved = get_state(app)
-    state = EchoMQ(app, dataclasses.replace(saved.settings, **changes))
-    setattr(app, _ATTR, state)
-    try:
-        yield state
-    finally:
-        setattr(app, _ATTR, saved)
-        if state._client is not None:
-            state._client.close()
 
 
 class Traffic:

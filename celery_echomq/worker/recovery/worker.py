@@ -16,9 +16,11 @@ from typing import Any
 from celery import bootsteps
 
 from celery_echomq.send.start import publish
+from celery_echomq.store.connection import backoff, describe
 from celery_echomq.store.headers import H_QUEUE
 from celery_echomq.store.pulse import record_pass, sample
 from celery_echomq.store.reads import queues_of
+from celery_echomq.store.refusals import refusal_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ, find_state
 from celery_echomq.worker.claims import holder_prefix, pid_alive
@@ -182,8 +184,9 @@ class RecoveryLoop:
             return None
         return {str(name) for name in self.app.amqp.queues.consume_from}
 
-    def look(self, renew_all: bool) -> None:
-        """One tick: lease what is new (or everything), end the leases of dead holders."""
+    def look(self, renew_all: bool) -> bool:
+        """One tick: lease what is new (or everything), end the leases of dead holders.
+        Whether it wrote to the store."""
         now = held_jobs()
         before, self._held = self._held, now
         gone = {
@@ -210,29 +213,63 @@ class RecoveryLoop:
         }
         if fresh or released:
             renew(self.state, fresh, released)
+        return bool(gone or fresh or released)
 
     def _run(self) -> None:
         start = time.monotonic()
         next_pass = start  # a worker that starts after a crash repairs at once
         next_renew = start
+        next_look = start
+        # Consecutive refusals of the store (store/refusals.py): of a renewal, of a pass.
+        refused = {"renew": 0, "pass": 0}
         while not self._stop.is_set():
-            renew_all = time.monotonic() >= next_renew
-            if renew_all:
-                next_renew = time.monotonic() + self.renew_every
-            try:
-                self.look(renew_all)
-            except Exception as exc:
-                logger.warning("echomq recovery: could not renew leases: %s", exc)
-                self._held = {}  # lease everything again at the next tick
+            if time.monotonic() >= next_look:
+                renew_all = time.monotonic() >= next_renew
+                if renew_all:
+                    next_renew = time.monotonic() + self.renew_every
+                try:
+                    if self.look(renew_all):
+                        refused["renew"] = 0
+                except Exception as exc:
+                    self._held = {}  # lease everything again at the next look
+                    if self._refused(exc, refused, "renew", "leases are not renewed"):
+                        # A renewal is a write: none lands while the store refuses them, and
+                        # asking every tick adds load to a full server. Backoff, capped so a
+                        # healed store has this worker's leases renewed well before any lapses.
+                        wait = backoff(refused["renew"], self.tick, self.renew_every / 2)
+                        next_look = time.monotonic() + wait
+                    else:
+                        logger.warning("echomq recovery: could not renew leases: %s", exc)
             if time.monotonic() >= next_pass:
                 next_pass = time.monotonic() + self.interval
                 try:
                     leased_pass(self.state, self.holder, self.queues())
                     record_pass(self.state, self.name, self.queues())
+                    refused["pass"] = 0
                 except Exception as exc:
-                    logger.warning("echomq recovery: pass failed: %s: %s", type(exc).__name__, exc)
+                    if not self._refused(exc, refused, "pass", "recovery passes repair nothing"):
+                        logger.warning(
+                            "echomq recovery: pass failed: %s: %s", type(exc).__name__, exc
+                        )
             self._pulse()
             self._stop.wait(self.tick)
+
+    def _refused(self, exc: Exception, refused: dict[str, int], what: str, meaning: str) -> bool:
+        """Whether ``exc`` is the store refusing writes; told once until ``what`` lands again."""
+        refusal = refusal_of(exc)
+        if refusal is None:
+            return False
+        refused[what] += 1
+        if refused[what] == 1:
+            logger.warning(
+                "echomq recovery: the flow store %s refuses writes (%s): %s until it takes them "
+                "again (once %s)",
+                describe(self.state.settings),
+                refusal.cause,
+                meaning,
+                refusal.heal,
+            )
+        return True
 
     def _pulse(self) -> None:
         """Once a minute: that minute's sample of the counters of the queues this worker
