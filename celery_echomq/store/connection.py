@@ -300,7 +300,8 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
 
 def _checked_select(client: Any, settings: Settings) -> Any:
     """``client`` whose connections turn the server's refusal of the URL's database (``ERR DB
-    index is out of range``) into a ConfigError naming the setting: no retry waits it out."""
+    index is out of range``) into a ConfigError naming the setting: no retry waits it out; and
+    whose health check takes a MISCONF answer for a live server."""
     pool = client.connection_pool
     base = pool.connection_class
     where = f"{settings.url_setting}={safe_url(settings.redis_url or '')!r}"
@@ -317,6 +318,16 @@ def _checked_select(client: Any, settings: Settings) -> Any:
                     f"{where}: the server has no database {getattr(self, 'db', '?')} "
                     f"(Redis: {exc}); name one below its `databases` setting (16 by default)"
                 ) from None
+
+        def _send_ping(self) -> None:
+            # The health check's PING (before a new connection's first command): a server whose
+            # last snapshot or AOF write failed refuses PING with the writes (MISCONF), yet it
+            # answers and serves reads, which say why it refuses writes (doctor, show).
+            try:
+                super()._send_ping()
+            except ResponseError as exc:
+                if not str(exc).startswith("MISCONF"):
+                    raise
 
     Checked.__name__ = Checked.__qualname__ = base.__name__
     pool.connection_class = Checked
