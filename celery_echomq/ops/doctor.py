@@ -72,10 +72,13 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
     facts.nodes = server_info.node_facts(client)
     facts.user = server_info.whoami(client)
     probe = state.keys.probe_key()
-    facts.refused = server_info.refused_commands(
-        client, server_info.required_commands(), probe, "celery-task-meta-doctor"
-    )
     facts.fast_path = writes_results(state)
+    commands = server_info.required_commands()
+    if not facts.fast_path:
+        # The scripts publish only results, on the fast path: no channel is needed (and
+        # probed, Redis would log the refusal of one).
+        commands.pop("PUBLISH")
+    facts.refused = server_info.refused_commands(client, commands, probe, "celery-task-meta-doctor")
     if facts.refused is not None:
         facts.refused_elsewhere = _refused_elsewhere(state, facts.fast_path)
     if (settings.redis_url or "").startswith("redis+cluster://"):
@@ -102,7 +105,8 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
 def _refused_elsewhere(state: EchoMQ, fast_path: bool) -> dict[str, dict[str, str]]:
     """The user's rights on the keys the scripts write beside the store's: Celery's result
     keys (the fast path) and the broker's default queue where the broker is a Redis on the
-    store's own server (a small flow's enqueue pushes its children's messages there)."""
+    store's own server with the store's user (a small flow's enqueue pushes its children's
+    messages there)."""
     probes: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {}
     if fast_path:
         probes[RESULT_KEYS] = ("celery-task-meta-doctor", {"SET": ("K", "v")})

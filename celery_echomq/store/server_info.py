@@ -111,32 +111,25 @@ def required_commands() -> dict[str, tuple[str, ...]]:
     return needed
 
 
+# A transaction (redis-py's pipeline(transaction=True): a flow's start in phases, a retry with a
+# new deadline) and the doctor's probe of the user's rights (MULTI ... DISCARD). Not probed
+# inside the probe's own transaction: a user refused MULTI is told so.
+TRANSACTION_COMMANDS = ("MULTI", "EXEC", "DISCARD")
 # What ``celery echomq doctor`` sends besides, each optional: refused, its check says what it
 # could not read (CONFIG GET could also read the server's passwords: left out of the user).
 DOCTOR_COMMANDS = ("ACL|WHOAMI", "CONFIG|GET", "CLUSTER|INFO")
-# The keys and channels beside the store's own (``<echomq_key_prefix>:*``) that its scripts
-# write: Celery's result keys and their channels where the result backend shares the store's
-# database (the fast path), and the broker's queues where kombu's Redis transport is on the
-# store's server (a small flow's enqueue pushes its children's messages).
+# Celery's result keys and channels: the scripts write and publish them where the result
+# backend is the store's own server, database and user (the fast path).
 RESULT_KEYS = "celery-task-meta-*"
 
 
-def acl_setuser(
-    user: str = "flows",
-    password: str = "PASSWORD",
-    *,
-    prefix: str = "emq",
-    results: bool = True,
-    queues: tuple[str, ...] = ("celery",),
-) -> str:
-    """The least-privilege ``ACL SETUSER`` line for the store's user: the commands of
-    :func:`required_commands` and nothing else, on the store's keys (and, as asked, the
-    result backend's and the broker queues')."""
-    keys = [f"~{prefix}:*", *([f"~{RESULT_KEYS}"] if results else []), *(f"~{q}" for q in queues)]
-    channels = [f"&{RESULT_KEYS}"] if results else []
-    commands = [f"+{name.lower()}" for name in sorted(required_commands())]
-    return " ".join(["ACL SETUSER", user, "reset", "on", f">{password}", *keys, *channels,
-                     *commands])  # fmt: skip
+def acl_setuser(user: str = "flows", password: str = "PASSWORD", *, prefix: str = "emq") -> str:
+    """The least-privilege ``ACL SETUSER`` line for a user of the store's own: the commands of
+    :func:`required_commands` and a transaction's, on the store's keys, no channel."""
+    # resetchannels: on Redis 6.2, ``reset`` leaves every channel allowed (acl-pubsub-default).
+    commands = sorted({*required_commands(), *TRANSACTION_COMMANDS})
+    rules = ["reset", "on", f">{password}", f"~{prefix}:*", "resetchannels"]
+    return " ".join(["ACL SETUSER", user, *rules, *(f"+{name.lower()}" for name in commands)])
 
 
 def primaries(client: Any) -> list[tuple[str, Any]]:

@@ -337,3 +337,97 @@ def test_doctor_names_flows_a_newer_release_wrote_as_wrong(env: Env, good: dict[
     assert f"store format {STORE_FORMAT + 1} (e.g. {parent} on {queue})" in wrong[0]
     assert f"newer than format {STORE_FORMAT}" in wrong[0]
     assert "-> change: upgrade celery-echomq" in wrong[0]
+
+
+# --- The least-privilege user of docs/production.md, on a real server and a real worker ---------
+
+PRODUCE = """
+from celery_echomq import flow
+from tests import proj
+print([flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(8)]).apply_async().get(timeout=90)
+       for _ in range(2)])
+"""
+
+
+def _documented_user(server: Any, drop: tuple[str, ...] = ()) -> dict[str, str]:
+    """The ACL user of docs/production.md on ``server`` (less ``drop``), and the URLs of a
+    deployment whose store it is (the broker and the backend keep the default user)."""
+    (line,) = [
+        line
+        for line in (ROOT / "docs" / "production.md").read_text().splitlines()
+        if line.startswith("ACL SETUSER ")
+    ]
+    words = [w for w in line.replace(">PASSWORD", ">pw").split() if w not in drop]
+    server.client().execute_command(*words)
+    return {
+        "ECHOMQ_T_BROKER": server.url(0),
+        "ECHOMQ_T_BACKEND": server.url(1),
+        "ECHOMQ_T_STORE": f"redis://flows:pw@127.0.0.1:{server.port}/1",
+    }
+
+
+def test_a_user_with_exactly_the_documented_rights_runs_flows_and_doctor_finds_none_missing(
+    env: Env,
+) -> None:
+    with RedisServer(None, "--appendonly", "yes") as server:
+        urls = _documented_user(server)
+        worker = Worker(env, queues="celery", concurrency=2, name="acl", extra_env=urls)
+        try:
+            produced = subprocess.run(
+                [sys.executable, "-c", PRODUCE],
+                cwd=ROOT,
+                env=env.environ(**urls),
+                capture_output=True,
+                text=True,
+                timeout=180,
+            )
+            text = doctor(env, **urls)
+            as_json = doctor(env, "--json", **urls)
+        finally:
+            worker.stop()
+        denied = server.client().execute_command("ACL", "LOG")
+    print(f"$ celery echomq doctor\n{text.stdout}")  # what an operator reads (-s)
+    assert produced.returncode == 0, produced.stdout + produced.stderr
+    assert produced.stdout.strip() == "[56, 56]"
+    # Nothing the worker or the producer needs was denied: only what the doctor goes without
+    # (CONFIG GET, ACL WHOAMI: it says what it could not read), and what redis-py asks of a
+    # new connection and goes on without (CLIENT SETINFO and the like).
+    refused = {(e[b"reason"], e[b"object"]) for e in denied}
+    assert refused <= {(b"command", b"config"), (b"command", b"acl"), (b"command", b"client")}
+    assert text.returncode == 0, text.stdout + text.stderr
+    found = statuses(as_json)
+    assert found["ACL"] == {
+        "check": "ACL",
+        "status": "ok",
+        "detail": "the store's user may run every command the store sends, on its keys",
+        "change": "",
+    }
+    assert found["workers"]["detail"].startswith("1 worker(s) with celery-echomq")
+
+
+def test_a_user_missing_a_documented_right_gets_a_doctor_line_naming_it(env: Env) -> None:
+    with RedisServer(None, "--appendonly", "yes") as server:
+        urls = _documented_user(server, drop=("+hincrby", "+script|load"))
+        text = doctor(env, **urls)
+        as_json = doctor(env, "--json", **urls)
+        # The user shared with the result backend (the fast path): the results' keys and
+        # channels, which the store's own line leaves out, are missing.
+        shared = {**urls, "ECHOMQ_T_BACKEND": urls["ECHOMQ_T_STORE"]}
+        _documented_user(server)
+        fast = statuses(doctor(env, "--json", **shared))
+    print(f"$ celery echomq doctor\n{text.stdout}")  # what an operator reads (-s)
+    assert text.returncode == 1, text.stdout + text.stderr
+    acl = statuses(as_json)["ACL"]
+    assert acl["status"] == "wrong"
+    assert acl["detail"] == "the store's user may not run HINCRBY, SCRIPT|LOAD"
+    assert acl["change"] == "ACL SETUSER <user> +hincrby +script|load"
+    wrong = [line for line in text.stdout.splitlines() if line.startswith("WRONG")]
+    assert wrong == [f"WRONG  ACL: {acl['detail']} -> change: {acl['change']}"]
+    assert "fast path" in fast["result backend"]["detail"]
+    assert fast["ACL"]["detail"] == (
+        "the store's user may not publish on the channels celery-task-meta-*; may not write "
+        "Celery's results celery-task-meta-* (SET refused)"
+    )
+    assert fast["ACL"]["change"] == (
+        "ACL SETUSER <user> &celery-task-meta-* ~celery-task-meta-*"
+    )

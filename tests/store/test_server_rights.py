@@ -24,7 +24,12 @@ import celery_echomq
 from celery_echomq import flow
 from celery_echomq.embedded import RedisServer
 from celery_echomq.errors import ConfigError
-from celery_echomq.store.server_info import DOCTOR_COMMANDS, acl_setuser, required_commands
+from celery_echomq.store.server_info import (
+    DOCTOR_COMMANDS,
+    TRANSACTION_COMMANDS,
+    acl_setuser,
+    required_commands,
+)
 from celery_echomq.store.server_versions import (
     LUA_ADVISORIES,
     MIN_SERVER,
@@ -54,10 +59,9 @@ def documented_commands() -> set[str]:
 def test_the_documented_acl_line_is_the_one_the_code_needs() -> None:
     line = documented_line()
     assert line == acl_setuser()
-    assert line.startswith("ACL SETUSER flows reset on >PASSWORD ~emq:* ")
-    assert "~celery-task-meta-* ~celery &celery-task-meta-*" in line
-    # Least privilege: nothing by category, nothing that reads or changes the server.
-    assert "@" not in line and "+eval " not in line
+    # Its keys, no channel, no category: each command named.
+    assert line.startswith("ACL SETUSER flows reset on >PASSWORD ~emq:* resetchannels +")
+    assert "&" not in line and "@" not in line and "+eval " not in line
     assert not documented_commands() & {"CONFIG|GET", "CONFIG", "KEYS", "FLUSHDB", "EVAL"}
 
 
@@ -96,7 +100,12 @@ def python_commands() -> set[str]:
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
             name = node.func.attr
-            if name == "execute_command" and node.args:
+            if name == "pipeline" and not any(
+                k.arg == "transaction" and isinstance(k.value, ast.Constant) and not k.value.value
+                for k in node.keywords
+            ):
+                found.update({"MULTI", "EXEC"})  # redis-py's pipeline is a transaction by default
+            elif name in ("execute_command", "send_command") and node.args:
                 words = [a.value for a in node.args[:2] if isinstance(a, ast.Constant)]
                 if words and isinstance(words[0], str):
                     upper = [str(w).upper() for w in words]
@@ -120,10 +129,11 @@ def test_every_command_the_python_sends_is_granted_or_the_doctors_own() -> None:
     # The reader reads: these are sent from Python, not only by the scripts.
     assert {"HGET", "HMGET", "ZRANGEBYSCORE", "WAIT", "TIME", "INFO", "SCAN", "HSCAN"} <= sent
     assert {"CONFIG|GET", "ACL|WHOAMI", "CLUSTER|INFO"} <= sent
+    assert {"MULTI", "EXEC", "DISCARD"} <= sent  # a transaction; the doctor's probe
     assert sent - documented_commands() - set(DOCTOR_COMMANDS) == set()
     # And what redis-py sends on its own: scripts loaded, the database selected, a health PING.
     assert {"EVALSHA", "SCRIPT|LOAD", "SCRIPT|EXISTS", "SELECT", "PING"} <= documented_commands()
-    assert documented_commands() == set(required_commands())
+    assert documented_commands() == {*required_commands(), *TRANSACTION_COMMANDS}
 
 
 # --- The Lua advisories, by version (pure) -------------------------------------------------------
