@@ -428,6 +428,4 @@ def test_a_user_missing_a_documented_right_gets_a_doctor_line_naming_it(env: Env
         "the store's user may not publish on the channels celery-task-meta-*; may not write "
         "Celery's results celery-task-meta-* (SET refused)"
     )
-    assert fast["ACL"]["change"] == (
-        "ACL SETUSER <user> &celery-task-meta-* ~celery-task-meta-*"
-    )
+    assert fast["ACL"]["change"] == ("ACL SETUSER <user> &celery-task-meta-* ~celery-task-meta-*")
