@@ -1,6 +1,6 @@
 """What the flow store's Redis servers say of themselves: the facts a worker checks at start
-and ``celery echomq doctor`` reads (``ops/doctor.py`` judges them), the server's version
-checked once per process at the store's first use, and whether the store refuses writes now.
+and ``celery echomq doctor`` reads (``ops/doctor.py`` judges them), and whether the store
+refuses writes now.
 
 Reads only: INFO, CONFIG GET, TIME, CLUSTER INFO, the Sentinels' view of the primary, and the
 store user's rights probed inside a transaction that is discarded, so that nothing runs.
@@ -19,9 +19,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from celery_echomq.errors import ConfigError
 from celery_echomq.store.connection import text
-from celery_echomq.store.server_versions import dotted, server_of
 
 logger = logging.getLogger("celery_echomq.store")
 
@@ -291,37 +289,6 @@ def replicas_of(client: Any, key: str) -> tuple[str, int]:
         return f"{node.host}:{node.port}", int(info.get("connected_slaves", 0))
     (address, primary), *_ = primaries(client)
     return address, int(primary.info("replication").get("connected_slaves", 0))
-
-
-def require_version(client: Any, minimum: tuple[int, ...], where: str) -> None:
-    """Raise ConfigError when the store's server (each master of a Cluster) is older than
-    ``minimum`` (its Redis version; Valkey's compatible one): one INFO server, once per
-    process (the state calls it where it makes its client), sent as any command is, so it
-    rides through a failover. A user refused INFO is not checked here (``doctor`` says what
-    it cannot read)."""
-    try:
-        if isinstance(client, RedisCluster):
-            replies = client.info("server", target_nodes=RedisCluster.PRIMARIES)
-            if "redis_version" in replies:  # one master: its reply, not one per node
-                replies = {"its master": replies}
-        else:
-            replies = {"": client.info("server")}
-    except redis.ResponseError as exc:
-        logger.debug("echomq: the store's version not checked (INFO refused): %s", exc)
-        return
-    for node, info in replies.items():
-        server = server_of(info)
-        if server.compat >= minimum:
-            continue
-        found = f"{server}" + (
-            "" if server.name == "Redis" else f" (Redis {dotted(server.compat)})"
-        )
-        at = f" ({node})" if node else ""
-        raise ConfigError(
-            f"{where}: the flow store's server{at} is {found}, older than Redis "
-            f"{dotted(minimum)}, the oldest celery-echomq runs on: upgrade it to Redis "
-            f"{dotted(minimum)} or newer (or any Valkey)"
-        )
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 Version = tuple[int, ...]
 
 # The oldest Redis the store runs on, and why no older one: channel rules in an ACL
-# (``&celery-task-meta-*``, the least-privilege user of docs/production.md) came in 6.2, and
-# every test runs on a Redis 6.2. The scripts alone need 5.0 (a script writes after TIME:
+# (``resetchannels``, the least-privilege user of docs/production.md) came in 6.2, and every
+# test runs on a Redis 6.2. The scripts alone need 5.0 (a script writes after TIME:
 # effects replication, the default since 5.0). Valkey reports Redis 7.2.4 as redis_version.
 MIN_SERVER: Version = (6, 2)
 
@@ -120,3 +120,16 @@ LUA_ADVISORIES: tuple[Advisory, ...] = (
 def open_advisories(server: Server) -> list[Advisory]:
     """The advisories ``server``'s version is open to (a back-ported fix is not seen)."""
     return [a for a in LUA_ADVISORIES if a.open_on(server)]
+
+
+def too_old(info: Mapping[str, Any], minimum: Version) -> str | None:
+    """What is wrong with the server whose INFO is ``info`` when it is older than ``minimum``
+    (by its Redis version; Valkey's compatible one), else None."""
+    server = server_of(info)
+    if server.compat >= minimum:
+        return None
+    found = f"{server}" + ("" if server.name == "Redis" else f" (Redis {dotted(server.compat)})")
+    return (
+        f"the flow store's server is {found}, older than Redis {dotted(minimum)}, the oldest "
+        f"celery-echomq runs on: upgrade it to Redis {dotted(minimum)} or newer (or any Valkey)"
+    )

@@ -20,10 +20,9 @@ from kombu.serialization import loads, prepare_accept_content, registry
 from celery_echomq.config import Settings, missing_url_error, read_settings
 from celery_echomq.errors import ConfigError, StoreFormatError
 from celery_echomq.store.codec import serialize
-from celery_echomq.store.connection import describe, make_client
+from celery_echomq.store.connection import make_client
 from celery_echomq.store.keyspace import Keyspace
 from celery_echomq.store.scripts import Scripts
-from celery_echomq.store.server_info import require_version
 from celery_echomq.store.server_versions import MIN_SERVER
 
 __all__ = [
@@ -89,9 +88,9 @@ class EchoMQ:
     before ``config_from_object`` or a test plugin that supplies the URLs. ``settings``
     given here are used as they are (the CLI's, with its own timeouts).
 
-    The store's first use in a process checks its server's version (one INFO): one older
-    than ``min_version`` (``MIN_SERVER``; None: not checked, as by ``doctor``, which says it
-    itself) raises ConfigError naming both.
+    The store's first use in a process checks its server's version (one INFO, on its first
+    connection): one older than ``min_version`` (``MIN_SERVER``; None: not checked, as by
+    ``doctor``, which says it itself) raises ConfigError naming both.
     """
 
     def __init__(
@@ -165,11 +164,7 @@ class EchoMQ:
                     settings = self.settings
                     if settings.redis_url is None:
                         raise missing_url_error()
-                    client = make_client(settings)
-                    if self.min_version is not None:
-                        where = f"{settings.url_setting}={describe(settings)!r}"
-                        require_version(client, self.min_version, where)
-                    self._client = client
+                    self._client = make_client(settings, min_version=self.min_version)
                     self._scripts = Scripts(
                         self._client,
                         self.keys,

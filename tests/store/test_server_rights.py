@@ -228,8 +228,8 @@ def test_a_server_older_than_the_minimum_is_refused_at_first_use_naming_both(
     assert "upgrade it to Redis 99.1 or newer" in message
     # Refused before anything was written, and again at the next use (nothing is kept).
     assert server.client(db=1).dbsize() == 0 and server.client(db=0).dbsize() == 0
-    with pytest.raises(ConfigError):
-        _ = state.client
+    with pytest.raises(ConfigError, match=r"older than Redis 99\.1"):
+        state.client.get("anything")
 
 
 def test_a_supported_server_is_checked_once_per_process(server: RedisServer) -> None:
@@ -244,3 +244,18 @@ def test_a_supported_server_is_checked_once_per_process(server: RedisServer) -> 
     # The first flows: the reading before them and the process's one INFO server; the next
     # flows: the reading alone.
     assert [sent[1] - sent[0], sent[2] - sent[1]] == [2, 1]
+
+
+def test_doctor_names_a_server_below_the_minimum_and_the_version_it_needs() -> None:
+    from celery_echomq.ops.doctor import check_version
+    from celery_echomq.store.server_info import NodeFacts
+
+    old = NodeFacts("10.0.0.5:6379", {"redis_version": "6.0.16"}, None)
+    finding = check_version([old])
+    assert (finding.status, finding.change) == (
+        "wrong",
+        "upgrade to Redis 6.2 or newer (or any Valkey)",
+    )
+    assert finding.detail.startswith("Redis 6.0.16: older than Redis 6.2, the oldest")
+    valkey = NodeFacts("a", {"redis_version": "7.2.4", "valkey_version": "8.1.1"}, None)
+    assert check_version([valkey]).detail == "Valkey 8.1.1 (Redis 6.2 or newer needed)"
