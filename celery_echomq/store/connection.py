@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar, overload
 
 import redis
-from redis._parsers.helpers import parse_info
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode, RedisCluster
 from redis.exceptions import (
@@ -311,7 +310,7 @@ def _checked(base: Any, settings: Settings, minimum: tuple[int, ...] | None) -> 
     unreachable store as it would); and whose health check takes a MISCONF answer for a live
     server."""
     where = f"{settings.url_setting}={safe_url(settings.redis_url or '')!r}"
-    checked = threading.Event() if minimum is not None else None
+    checked = threading.Event()
 
     class Checked(base):  # type: ignore[misc]
         def on_connect_check_health(self, *args: Any, **kwargs: Any) -> None:
@@ -325,13 +324,14 @@ def _checked(base: Any, settings: Settings, minimum: tuple[int, ...] | None) -> 
                     f"{where}: the server has no database {getattr(self, 'db', '?')} "
                     f"(Redis: {exc}); name one below its `databases` setting (16 by default)"
                 ) from None
-            if checked is not None and minimum is not None and not checked.is_set():
+            if minimum is not None and not checked.is_set():
                 self.send_command("INFO", "server", check_health=False)
                 try:
-                    info = parse_info(text(self.read_response()))  # type: ignore[no-untyped-call]
+                    reply = text(self.read_response())
                 except ResponseError:  # INFO refused to this user: doctor says what it cannot read
-                    info = None
-                wrong = too_old(info, minimum) if info is not None else None
+                    reply = ""
+                fields = (line.split(":", 1) for line in reply.splitlines() if ":" in line)
+                wrong = too_old(dict(fields), minimum) if reply else None
                 if wrong is not None:
                     self.disconnect()
                     raise ConfigError(f"{where}: {wrong}")
@@ -371,8 +371,7 @@ def make_client(settings: Settings | str, *, min_version: tuple[int, ...] | None
         return _sentinel_client(settings, kwargs, min_version)
     if url.startswith("redis+cluster://"):
         first, seeds = parse_cluster_url(url)
-        tls = url.startswith("rediss") or bool(kwargs.get("ssl"))
-        base = redis.SSLConnection if tls else redis.Connection
+        base = redis.SSLConnection if kwargs.get("ssl") else redis.Connection
         try:
             cluster = RetryingCluster(
                 url=first,
