@@ -50,7 +50,7 @@ from celery_echomq.ops.listing import MAX_LIMIT, STATES, queue_stats, read_flows
 from celery_echomq.ops.pages import FILTERS, MAX_PAGE, PAGE, read_flow
 from celery_echomq.ops.progress import render_progress
 from celery_echomq.ops.rendering import render_rows, render_tree, show_every
-from celery_echomq.ops.replication import replication_wait
+from celery_echomq.ops.replication import replication_wait, store_refusal
 from celery_echomq.ops.views import FINISHED, node_dict, tree_json
 from celery_echomq.store.connection import describe
 from celery_echomq.store.state import EchoMQ
@@ -127,6 +127,9 @@ def show(
     waits = replication_wait(state, node.queue, job_id, node.state)
     if waits:
         click.echo(waits)
+    refusing = store_refusal(state)
+    if refusing:
+        click.echo(refusing)
 
 
 @echomq.command(name="list")
@@ -247,12 +250,13 @@ def stats(ctx: click.Context, as_json: bool) -> None:
 def doctor_command(ctx: click.Context, as_json: bool) -> None:
     """Check the deployment: one line per check, each wrong one with what to change.
 
-    The store's memory policy, persistence, server version, replicas against
-    echomq_min_replicas, the ACL user's rights, Cluster or Sentinel, whether the result
+    The store's memory policy, persistence, server version and the Lua advisories it is
+    open to (a note), whether it refuses writes now, replicas against echomq_min_replicas,
+    the ACL user's rights, Cluster or Sentinel, whether the result
     backend takes the fast path, and the clocks of this host and of every live worker against
     the store's. Reads only. Exit status 1 when any check is wrong (a note is not).
     """
-    state = cli_state(ctx)
+    state = cli_state(ctx, check_version=False)
     findings = doctor.diagnose(doctor.read_facts(state))
     report = doctor.as_json(describe(state.settings), findings)
     if as_json:

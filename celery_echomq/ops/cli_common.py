@@ -49,8 +49,10 @@ def cli_app(ctx: click.Context) -> Any:
     return app
 
 
-def cli_state(ctx: click.Context) -> EchoMQ:
-    """The flow store as this command reads it: the app's settings, this command's timeouts."""
+def cli_state(ctx: click.Context, *, check_version: bool = True) -> EchoMQ:
+    """The flow store as this command reads it: the app's settings, this command's timeouts.
+    ``check_version=False``: a server older than the oldest supported is not refused at the
+    first command (``doctor`` reports it among its findings)."""
     made = ctx.meta.get(_STATE_KEY)
     if made is not None:
         return cast(EchoMQ, made)
@@ -64,6 +66,8 @@ def cli_state(ctx: click.Context) -> EchoMQ:
         app,
         dataclasses.replace(settings, store_retry_timeout=timeout, transport_options=options),
     )
+    if not check_version:
+        state.min_version = None
     ctx.meta[_STATE_KEY] = state
     return state
 

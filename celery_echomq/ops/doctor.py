@@ -5,25 +5,32 @@ what to change.
 see store/server_info.py); each ``check_*`` is pure: facts in, one :class:`Finding` out. A
 finding is ``ok``, a ``note`` (works, and could be better) or ``wrong`` (a flow can be lost,
 stall or fail): the command exits 1 when any is wrong.
+
+A server open to a Lua advisory by its version is a note, not wrong: the version cannot tell a
+build whose distribution back-ported the fixes (Debian's 7.0.15-1~deb12u10 has them), and a
+check that fails on every such server would fail a large fleet's every run until its operators
+stopped reading it. The note names what to verify; the exit status stays about flows.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import redis
+
 from celery_echomq.config import Settings, safe_url
 from celery_echomq.ops.fleet import Finding, ask_workers, check_workers, has_extension
-from celery_echomq.store import server_info, store_format
+from celery_echomq.store import server_info, server_versions, store_format
 from celery_echomq.store.connection import describe
 from celery_echomq.store.reads import queues_of
-from celery_echomq.store.results import writes_results
-from celery_echomq.store.server_info import NodeFacts
+from celery_echomq.store.results import database_on_store_server, writes_results
+from celery_echomq.store.server_info import RESULT_KEYS, NodeFacts, refusals_of
+from celery_echomq.store.server_versions import MIN_SERVER, dotted, open_advisories, server_of
 from celery_echomq.store.state import EchoMQ
 
-# The oldest Redis this project is tested against.
-MIN_VERSION = (6, 2)
 # A host clock further than this from the store's moves what is timed by host clocks (an
 # aware-datetime deadline, a retry's countdown, Celery's eta and expires) by more than the
 # deadline poller's own period (worker/deadline_poller.py). Leases and deadlines in seconds
@@ -40,6 +47,9 @@ class Facts:
     nodes: list[NodeFacts] = field(default_factory=list)
     user: str | None = None
     refused: dict[str, str] | None = None
+    # Beside the store's keys, what its scripts write elsewhere: the key pattern the user
+    # needs (Celery's results, a broker queue on the store's server) -> the commands refused.
+    refused_elsewhere: dict[str, dict[str, str]] = field(default_factory=dict)
     cluster: dict[str, str] | None = None
     sentinels: tuple[str, list[tuple[str, dict[str, Any] | str]]] | None = None
     fast_path: bool = False
@@ -62,13 +72,18 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
     facts.nodes = server_info.node_facts(client)
     facts.user = server_info.whoami(client)
     probe = state.keys.probe_key()
-    facts.refused = server_info.refused_commands(
-        client, server_info.required_commands(), probe, "celery-task-meta-doctor"
-    )
+    facts.fast_path = writes_results(state)
+    commands = server_info.required_commands()
+    if not facts.fast_path:
+        # The scripts publish only results, on the fast path: no channel is needed (and
+        # probed, Redis would log the refusal of one).
+        commands.pop("PUBLISH")
+    facts.refused = server_info.refused_commands(client, commands, probe, "celery-task-meta-doctor")
+    if facts.refused is not None:
+        facts.refused_elsewhere = _refused_elsewhere(state, facts.fast_path)
     if (settings.redis_url or "").startswith("redis+cluster://"):
         facts.cluster = server_info.cluster_state(client)
     facts.sentinels = server_info.sentinel_view(client)
-    facts.fast_path = writes_results(state)
     facts.backend = safe_url(str(state.app.conf.result_backend or "none"))
     facts.local_clock = server_info.clock_offset(client)
     try:
@@ -85,6 +100,31 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
     except Exception as exc:  # the broker unreachable: the workers cannot be asked
         facts.workers = f"{type(exc).__name__}: {exc}"
     return facts
+
+
+def _refused_elsewhere(state: EchoMQ, fast_path: bool) -> dict[str, dict[str, str]]:
+    """The user's rights on the keys the scripts write beside the store's: Celery's result
+    keys (the fast path) and the broker's default queue where the broker is a Redis on the
+    store's own server with the store's user (a small flow's enqueue pushes its children's
+    messages there)."""
+    probes: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {}
+    if fast_path:
+        probes[RESULT_KEYS] = ("celery-task-meta-doctor", {"SET": ("K", "v")})
+    broker = str(state.app.conf.broker_url or "")
+    if broker.startswith(("redis://", "rediss://", "unix://")):
+        try:
+            on_store = database_on_store_server(state, redis.Redis.from_url(broker))
+        except ValueError:  # a URL redis-py does not read (kombu's own options): not compared
+            on_store = None
+        queue = str(state.app.conf.task_default_queue or "celery")
+        if on_store is not None:
+            probes[queue] = (queue, {"LPUSH": ("K", "v")})
+    found: dict[str, dict[str, str]] = {}
+    for pattern, (key, commands) in probes.items():
+        refused = server_info.refused_commands(state.client, commands, key, "")
+        if refused:
+            found[pattern] = refused
+    return found
 
 
 def _each(nodes: list[NodeFacts], bad: dict[str, str]) -> str:
@@ -140,24 +180,71 @@ def check_persistence(nodes: list[NodeFacts]) -> Finding:
     return Finding("persistence", "wrong", _each(nodes, bad), change)
 
 
-def _version(info: dict[str, Any]) -> tuple[tuple[int, ...], str]:
-    raw = str(info.get("redis_version", "0"))
-    name = f"Valkey {info['valkey_version']}" if "valkey_version" in info else f"Redis {raw}"
-    return tuple(int(p) for p in raw.split(".")[:2] if p.isdigit()), name
-
-
 def check_version(nodes: list[NodeFacts]) -> Finding:
-    found = {n.address: _version(n.info) for n in nodes}
-    bad = {a: name for a, (v, name) in found.items() if v < MIN_VERSION}
-    names = sorted({name for _, name in found.values()})
+    found = {n.address: server_of(n.info) for n in nodes}
+    bad = {a: str(server) for a, server in found.items() if server.compat < MIN_SERVER}
+    names = sorted({str(server) for server in found.values()})
+    oldest = dotted(MIN_SERVER)
     if not bad:
-        return Finding("server version", "ok", ", ".join(names))
-    oldest = ".".join(map(str, MIN_VERSION))
+        return Finding(
+            "server version", "ok", f"{', '.join(names)} (Redis {oldest} or newer needed)"
+        )
     return Finding(
         "server version",
         "wrong",
-        f"{_each(nodes, bad)}: older than Redis {oldest}, the oldest this release is tested on",
-        f"upgrade to Redis {oldest} or newer",
+        f"{_each(nodes, bad)}: older than Redis {oldest}, the oldest this release runs on (a "
+        "process's first use of the store refuses it)",
+        f"upgrade to Redis {oldest} or newer (or any Valkey)",
+    )
+
+
+def check_advisories(nodes: list[NodeFacts]) -> Finding:
+    """The published Lua advisories each server is open to by its version (a note: see the
+    module's docstring)."""
+    servers = {n.address: server_of(n.info) for n in nodes}
+    open_to = {a: open_advisories(server) for a, server in servers.items()}
+    if not any(open_to.values()):
+        known = sorted({cve for a in server_versions.LUA_ADVISORIES for cve in a.cves})
+        names = ", ".join(sorted({str(s) for s in servers.values()}))
+        return Finding("Lua advisories", "ok", f"{names}: past {', '.join(known)} by version")
+    said = {
+        address: f"{servers[address]} is open by version to "
+        + "; ".join(
+            f"{', '.join(a.cves)} ({a.what}; fixed in {a.fixes(servers[address])})" for a in found
+        )
+        for address, found in open_to.items()
+        if found
+    }
+    return Finding(
+        "Lua advisories",
+        "note",
+        f"{_each(nodes, said)}. A distribution may have back-ported the fixes and kept the "
+        "version (Debian's 7.0.15-1~deb12u10 has them): a warning to verify, not a proof",
+        "upgrade to a fixed release, or confirm the package has the fixes (its changelog names "
+        "the CVEs); every transition runs as Lua, so the store's user can reach them",
+    )
+
+
+def _config_of(node: NodeFacts) -> Callable[[str], str | None]:
+    """``node``'s CONFIG as read (None for each setting where CONFIG GET was refused)."""
+    return lambda name: (node.config or {}).get(name)
+
+
+def check_writes(nodes: list[NodeFacts]) -> Finding:
+    """Whether a primary refuses writes now (store/server_info.py's ``refusals_of``, the one
+    judgement ``show`` and the dashboard also print)."""
+    refusals = [r for n in nodes for r in refusals_of(n.address, n.info, _config_of(n))]
+    if not refusals:
+        return Finding("writes", "ok", "accepted (no OOM, replica, failed save or missing replica)")
+    by_node: dict[str, list[str]] = {}
+    for r in refusals:
+        by_node.setdefault(r.address, []).append(r.why)
+    return Finding(
+        "writes",
+        "wrong",
+        f"{_each(nodes, {a: '; '.join(w) for a, w in by_node.items()})}: every transition is "
+        "refused, so no flow starts or moves",
+        "; ".join(dict.fromkeys(r.heals for r in refusals)),
     )
 
 
@@ -201,7 +288,12 @@ def check_replicas(nodes: list[NodeFacts], wanted: int) -> Finding:
     return Finding("replicas", "ok", f"{counts}, echomq_min_replicas={wanted}")
 
 
-def check_acl(user: str | None, refused: dict[str, str] | None, prefix: str) -> Finding:
+def check_acl(
+    user: str | None,
+    refused: dict[str, str] | None,
+    prefix: str,
+    elsewhere: dict[str, dict[str, str]] | None = None,
+) -> Finding:
     who = f"user {user!r}" if user else "the store's user"
     if refused is None:
         return Finding(
@@ -210,8 +302,9 @@ def check_acl(user: str | None, refused: dict[str, str] | None, prefix: str) -> 
             f"{who} may not run MULTI, so its rights could not be probed",
             f"check with ACL DRYRUN {user or '<user>'} EVALSHA ... as an administrator",
         )
-    if not refused:
-        return Finding("ACL", "ok", f"{who} may run every command the store sends")
+    elsewhere = elsewhere or {}
+    if not refused and not elsewhere:
+        return Finding("ACL", "ok", f"{who} may run every command the store sends, on its keys")
     # Redis says which right is missing: to run the command, or to touch a key or a channel.
     commands = sorted(n for n, why in refused.items() if "command" in why)
     keys = sorted(n for n, why in refused.items() if "command" not in why and "key" in why)
@@ -223,8 +316,12 @@ def check_acl(user: str | None, refused: dict[str, str] | None, prefix: str) -> 
         said.append(f"may not touch the keys {prefix}:* ({', '.join(keys)} refused)")
         grant.append(f"~{prefix}:*")
     if channels:
-        said.append("may not publish on the channels celery-task-meta-*")
-        grant.append("&celery-task-meta-*")
+        said.append(f"may not publish on the channels {RESULT_KEYS}")
+        grant.append(f"&{RESULT_KEYS}")
+    for pattern, what in sorted(elsewhere.items()):
+        whose = "Celery's results" if pattern == RESULT_KEYS else "the broker's queue"
+        said.append(f"may not write {whose} {pattern} ({', '.join(sorted(what))} refused)")
+        grant.append(f"~{pattern}")
     return Finding(
         "ACL",
         "wrong",
@@ -355,8 +452,10 @@ def diagnose(facts: Facts) -> list[Finding]:
         check_memory_policy(facts.nodes),
         check_persistence(facts.nodes),
         check_version(facts.nodes),
+        check_advisories(facts.nodes),
+        check_writes(facts.nodes),
         check_replicas(facts.nodes, facts.settings.min_replicas),
-        check_acl(facts.user, facts.refused, facts.settings.key_prefix),
+        check_acl(facts.user, facts.refused, facts.settings.key_prefix, facts.refused_elsewhere),
         check_mode(facts),
         check_backend(facts),
         check_clock(facts),

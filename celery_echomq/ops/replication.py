@@ -1,10 +1,11 @@
-"""Why an unfinished flow waits on its store's replicas, in words an operator acts on: what
-``show`` prints last and the dashboard's flow page shows."""
+"""Why an unfinished flow waits on its store's replicas, and why no flow moves while the store
+refuses writes, in words an operator acts on: what ``show`` prints last and the dashboard
+shows."""
 
 from __future__ import annotations
 
 from celery_echomq.ops.views import FINISHED
-from celery_echomq.store.server_info import replicas_of
+from celery_echomq.store.server_info import refusal_text, refusing_writes, replicas_of
 from celery_echomq.store.state import EchoMQ
 
 
@@ -25,3 +26,10 @@ def replication_wait(state: EchoMQ, queue: str, job_id: str, job_state: str) -> 
         f"Heals once that primary has {wanted} replica(s) connected (attach one, e.g. to a "
         "master left without its replica by a failover), or with echomq_min_replicas lowered"
     )
+
+
+def store_refusal(state: EchoMQ) -> str:
+    """Why the store refuses writes now (out of memory, a replica, a failed save, too few
+    replicas for min-replicas-to-write) and what heals it; "" when it accepts them. One INFO
+    per primary: ``show`` calls it once, the dashboard once per page."""
+    return refusal_text(refusing_writes(state.client))

@@ -36,6 +36,7 @@ from redis.exceptions import (
     ClusterDownError,
     MasterDownError,
     ReadOnlyError,
+    RedisClusterException,
     ResponseError,
     SlotNotCoveredError,
     TryAgainError,
@@ -50,6 +51,7 @@ from celery_echomq.config import (
     safe_url,
 )
 from celery_echomq.errors import ConfigError
+from celery_echomq.store.server_versions import too_old
 
 logger = logging.getLogger("celery_echomq.store")
 # A worker's logging shows the retry notice; where nothing is configured (a CLI command), it is
@@ -265,7 +267,9 @@ def _connection_kwargs(options: Mapping[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
+def _sentinel_client(
+    settings: Settings, kwargs: dict[str, Any], minimum: tuple[int, ...] | None
+) -> redis.Redis:
     from redis.sentinel import Sentinel
 
     options = settings.transport_options
@@ -295,17 +299,20 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
         health_check_interval=30,
         **kwargs,
     )
-    return _checked_select(client, settings)  # type: ignore[no-any-return]
+    return _checked_select(client, settings, minimum)  # type: ignore[no-any-return]
 
 
-def _checked_select(client: Any, settings: Settings) -> Any:
-    """``client`` whose connections turn the server's refusal of the URL's database (``ERR DB
-    index is out of range``) into a ConfigError naming the setting: no retry waits it out."""
-    pool = client.connection_pool
-    base = pool.connection_class
+def _checked(base: Any, settings: Settings, minimum: tuple[int, ...] | None) -> Any:
+    """A connection class of ``base`` that turns the server's refusal of the URL's database
+    (``ERR DB index is out of range``) into a ConfigError naming the setting (no retry waits
+    it out); whose first connection checks the server's version against ``minimum`` (one
+    INFO server for the client: once per process, inside its first command, which meets an
+    unreachable store as it would); and whose health check takes a MISCONF answer for a live
+    server."""
     where = f"{settings.url_setting}={safe_url(settings.redis_url or '')!r}"
+    checked = threading.Event()
 
-    class Checked(base):  # type: ignore[valid-type,misc]
+    class Checked(base):  # type: ignore[misc]
         def on_connect_check_health(self, *args: Any, **kwargs: Any) -> None:
             try:
                 super().on_connect_check_health(*args, **kwargs)
@@ -317,14 +324,43 @@ def _checked_select(client: Any, settings: Settings) -> Any:
                     f"{where}: the server has no database {getattr(self, 'db', '?')} "
                     f"(Redis: {exc}); name one below its `databases` setting (16 by default)"
                 ) from None
+            if minimum is not None and not checked.is_set():
+                self.send_command("INFO", "server", check_health=False)
+                try:
+                    reply = text(self.read_response())
+                except ResponseError:  # INFO refused to this user: doctor says what it cannot read
+                    reply = ""
+                fields = (line.split(":", 1) for line in reply.splitlines() if ":" in line)
+                wrong = too_old(dict(fields), minimum) if reply else None
+                if wrong is not None:
+                    self.disconnect()
+                    raise ConfigError(f"{where}: {wrong}")
+                checked.set()
+
+        def _send_ping(self) -> None:
+            # The health check's PING (before a new connection's first command): a server whose
+            # last snapshot or AOF write failed refuses PING with the writes (MISCONF), yet it
+            # answers and serves reads, which say why it refuses writes (doctor, show).
+            try:
+                super()._send_ping()
+            except ResponseError as exc:
+                if not str(exc).startswith("MISCONF"):
+                    raise
 
     Checked.__name__ = Checked.__qualname__ = base.__name__
-    pool.connection_class = Checked
+    return Checked
+
+
+def _checked_select(client: Any, settings: Settings, minimum: tuple[int, ...] | None) -> Any:
+    """``client`` with its pool's connections :func:`_checked`."""
+    pool = client.connection_pool
+    pool.connection_class = _checked(pool.connection_class, settings, minimum)
     return client
 
 
-def make_client(settings: Settings | str) -> Any:
-    """A redis-py client for the flow store that ``settings`` (or a bare URL) names."""
+def make_client(settings: Settings | str, *, min_version: tuple[int, ...] | None = None) -> Any:
+    """A redis-py client for the flow store that ``settings`` (or a bare URL) names; with
+    ``min_version``, its first connection refuses an older server (ConfigError)."""
     if isinstance(settings, str):
         settings = Settings(redis_url=settings)
     url = settings.redis_url
@@ -332,14 +368,22 @@ def make_client(settings: Settings | str) -> Any:
         raise missing_url_error()
     kwargs = _connection_kwargs(settings.transport_options)
     if url.startswith("sentinel://"):
-        return _sentinel_client(settings, kwargs)
+        return _sentinel_client(settings, kwargs, min_version)
     if url.startswith("redis+cluster://"):
         first, seeds = parse_cluster_url(url)
-        cluster = RetryingCluster(
-            url=first,
-            startup_nodes=[ClusterNode(host, port) for host, port in seeds],  # type: ignore[no-untyped-call, unused-ignore]
-            **kwargs,
-        )
+        base = redis.SSLConnection if kwargs.get("ssl") else redis.Connection
+        try:
+            cluster = RetryingCluster(
+                url=first,
+                startup_nodes=[ClusterNode(host, port) for host, port in seeds],  # type: ignore[no-untyped-call, unused-ignore]
+                connection_class=_checked(base, settings, min_version),
+                **kwargs,
+            )
+        except RedisClusterException as exc:
+            # The client reads the slot map as it is made: a refused server's ConfigError.
+            if isinstance(exc.__cause__, ConfigError):
+                raise exc.__cause__ from None
+            raise
         cluster.retry_timeout = settings.store_retry_timeout
         return cluster
     if url.startswith("redis+socket://"):
@@ -355,7 +399,7 @@ def make_client(settings: Settings | str) -> Any:
         health_check_interval=30,
         **kwargs,
     )
-    return _checked_select(client, settings)
+    return _checked_select(client, settings, min_version)
 
 
 def describe(settings: Settings) -> str:

@@ -2,8 +2,8 @@
 
 :class:`ScriptRunner`, the part of :class:`~celery_echomq.store.scripts.Scripts` that runs a
 script, registers every ``lua/<name>.lua`` (redis-py's ``register_script``:
-EVALSHA, EVAL on NOSCRIPT) and runs it with the store client's retry: a script is resent after
-a connection error or a ``READONLY`` reply (a primary demoted under us), a ``WAIT`` follows a
+EVALSHA, SCRIPT LOAD on NOSCRIPT) and runs it with the store client's retry: a script is resent
+after a connection error or a ``READONLY`` reply (a primary demoted under us), a ``WAIT`` follows a
 transition that must survive a failover (``echomq_min_replicas``), and a refusal caused by our
 own first attempt, whose reply was lost, is recognised as the success it was.
 """
@@ -173,7 +173,7 @@ def _queue_of(keys: Sequence[str]) -> str:
 
 
 class ScriptRunner:
-    """Runs the transition scripts on one Redis client: EVALSHA (EVAL on NOSCRIPT), resent
+    """Runs the transition scripts on one Redis client: EVALSHA (SCRIPT LOAD on NOSCRIPT), resent
     through a failover, WAIT for replicas where a transition must survive one."""
 
     def __init__(

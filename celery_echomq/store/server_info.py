@@ -1,5 +1,6 @@
 """What the flow store's Redis servers say of themselves: the facts a worker checks at start
-and ``celery echomq doctor`` reads (``ops/doctor.py`` judges them).
+and ``celery echomq doctor`` reads (``ops/doctor.py`` judges them), and whether the store
+refuses writes now.
 
 Reads only: INFO, CONFIG GET, TIME, CLUSTER INFO, the Sentinels' view of the primary, and the
 store user's rights probed inside a transaction that is discarded, so that nothing runs.
@@ -7,8 +8,10 @@ store user's rights probed inside a transaction that is discarded, so that nothi
 
 from __future__ import annotations
 
+import logging
 import re
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -18,11 +21,21 @@ from redis.cluster import RedisCluster
 
 from celery_echomq.store.connection import text
 
+logger = logging.getLogger("celery_echomq.store")
+
 # The commands celery-echomq sends from Python (the scripts' own are read from their files),
-# with arguments of the right arity for a probe: K is a key of the store's, C a channel.
+# with arguments of the right arity for a probe: K is a key of the store's, C a channel. A
+# subcommand is written as ACL names it, ``SCRIPT|LOAD``. redis-py runs a script by EVALSHA,
+# loading it (SCRIPT LOAD; SCRIPT EXISTS first in a pipeline) where the server lacks it; a
+# connection selects its database and, idle for 30 s, PINGs; INFO reads the version at first
+# use and the memory policy at a worker's start.
 CLIENT_COMMANDS: dict[str, tuple[str, ...]] = {
     "EVALSHA": ("0" * 40, "1", "K"),
-    "EVAL": ("return 0", "1", "K"),
+    "SCRIPT|LOAD": ("return 0",),
+    "SCRIPT|EXISTS": ("0" * 40,),
+    "INFO": ("server",),
+    "PING": (),
+    "SELECT": ("0",),
     "WAIT": ("0", "0"),
     "TIME": (),
     "SCAN": ("0",),
@@ -70,7 +83,6 @@ SCRIPT_COMMANDS: dict[str, tuple[str, ...]] = {
     "PTTL": ("K",),
     "PUBLISH": ("C", "v"),
     "SCARD": ("K",),
-    "SELECT": ("0",),
     "ZREMRANGEBYRANK": ("K", "0", "0"),
     "ZREMRANGEBYSCORE": ("K", "0", "0"),
 }
@@ -95,6 +107,27 @@ def required_commands() -> dict[str, tuple[str, ...]]:
     for name in sorted(script_commands() - needed.keys()):
         needed[name] = SCRIPT_COMMANDS[name]
     return needed
+
+
+# A transaction (redis-py's pipeline(transaction=True): a flow's start in phases, a retry with a
+# new deadline) and the doctor's probe of the user's rights (MULTI ... DISCARD). Not probed
+# inside the probe's own transaction: a user refused MULTI is told so.
+TRANSACTION_COMMANDS = ("MULTI", "EXEC", "DISCARD")
+# What ``celery echomq doctor`` sends besides, each optional: refused, its check says what it
+# could not read (CONFIG GET could also read the server's passwords: left out of the user).
+DOCTOR_COMMANDS = ("ACL|WHOAMI", "CONFIG|GET", "CLUSTER|INFO")
+# Celery's result keys and channels: the scripts write and publish them where the result
+# backend is the store's own server, database and user (the fast path).
+RESULT_KEYS = "celery-task-meta-*"
+
+
+def acl_setuser(user: str = "flows", password: str = "PASSWORD", *, prefix: str = "emq") -> str:
+    """The least-privilege ``ACL SETUSER`` line for a user of the store's own: the commands of
+    :func:`required_commands` and a transaction's, on the store's keys, no channel."""
+    # resetchannels: on Redis 6.2, ``reset`` leaves every channel allowed (acl-pubsub-default).
+    commands = sorted({*required_commands(), *TRANSACTION_COMMANDS})
+    rules = ["reset", "on", f">{password}", f"~{prefix}:*", "resetchannels"]
+    return " ".join(["ACL SETUSER", user, *rules, *(f"+{name.lower()}" for name in commands)])
 
 
 def primaries(client: Any) -> list[tuple[str, Any]]:
@@ -134,13 +167,21 @@ class NodeFacts:
     config: dict[str, str] | None
 
 
+# The settings the doctor reads: persistence, and when the store refuses writes.
+CONFIG_READ = ("save", "appendfsync", "stop-writes-on-bgsave-error", "min-replicas-to-write")
+
+
 def node_facts(client: Any) -> list[NodeFacts]:
     facts = []
     for address, node in primaries(client):
         info = node.info()
+        config: dict[str, str] | None = {}
         try:
-            config = {k: text(v) for k, v in node.config_get("save").items()}
-            config.update({k: text(v) for k, v in node.config_get("appendfsync").items()})
+            for name in CONFIG_READ:
+                config = {
+                    **(config or {}),
+                    **{k: text(v) for k, v in node.config_get(name).items()},
+                }
         except redis.ResponseError:  # NOPERM, or CONFIG renamed away (a managed Redis)
             config = None
         facts.append(NodeFacts(address, info, config))
@@ -194,7 +235,7 @@ def refused_commands(
         names = list(commands)
         for name in names:
             args = [key if a == "K" else channel if a == "C" else a for a in commands[name]]
-            connection.send_command(name, *args)
+            connection.send_command(*name.split("|"), *args)
         for name in names:
             try:
                 connection.read_response()
@@ -248,3 +289,103 @@ def replicas_of(client: Any, key: str) -> tuple[str, int]:
         return f"{node.host}:{node.port}", int(info.get("connected_slaves", 0))
     (address, primary), *_ = primaries(client)
     return address, int(primary.info("replication").get("connected_slaves", 0))
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A primary refusing writes now: where, why (as Redis would answer a write), and what
+    heals it."""
+
+    address: str
+    why: str
+    heals: str
+
+
+def _number(value: Any) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def refusals_of(
+    address: str, info: Mapping[str, Any], config: Callable[[str], str | None]
+) -> list[Refusal]:
+    """Why the server whose INFO (memory, replication, persistence) is ``info`` refuses
+    writes, from INFO alone where it says it; ``config(name)`` (None where CONFIG GET is
+    refused) is asked only where the refusal also depends on a setting INFO does not show."""
+    found: list[Refusal] = []
+    if str(info.get("role", "master")) != "master" and _number(info.get("slave_read_only", 1)):
+        primary = f"{info.get('master_host', '?')}:{info.get('master_port', '?')}"
+        found.append(Refusal(
+            address,
+            f"a read-only replica of {primary} (READONLY)",
+            "point echomq_redis_url at the primary (sentinel:// follows it), or REPLICAOF NO "
+            "ONE on this server if it is to be the primary",
+        ))  # fmt: skip
+    maxmemory = _number(info.get("maxmemory"))
+    used = _number(info.get("used_memory")) - _number(info.get("mem_not_counted_for_evict"))
+    if maxmemory and used >= maxmemory and info.get("maxmemory_policy") == "noeviction":
+        found.append(Refusal(
+            address,
+            f"out of memory (used_memory {info.get('used_memory_human', used)} >= maxmemory "
+            f"{info.get('maxmemory_human', maxmemory)}, noeviction: OOM)",
+            "raise maxmemory (CONFIG SET maxmemory, and in redis.conf), or free memory: forget "
+            "finished flows (celery echomq forget), shorten echomq_result_ttl",
+        ))  # fmt: skip
+    if info.get("rdb_last_bgsave_status") == "err":
+        stop, save = config("stop-writes-on-bgsave-error"), config("save")
+        if stop != "no" and save != "":
+            maybe = "" if stop else " (if stop-writes-on-bgsave-error is yes, the default)"
+            found.append(Refusal(
+                address,
+                f"its last RDB snapshot failed{maybe} (MISCONF)",
+                "fix what failed it (its log says: a full disk, a directory it cannot write), "
+                "then BGSAVE: writes resume once a snapshot succeeds",
+            ))  # fmt: skip
+    if info.get("aof_last_write_status") == "err":
+        found.append(Refusal(
+            address,
+            "its last write to the AOF failed (MISCONF)",
+            "fix what failed it (its log says: a full disk, a directory it cannot write): "
+            "writes resume once an AOF write succeeds",
+        ))  # fmt: skip
+    if "min_slaves_good_slaves" in info:
+        good = _number(info.get("min_slaves_good_slaves"))
+        wanted = _number(config("min-replicas-to-write")) or (1 if good == 0 else 0)
+        if good < wanted:
+            found.append(Refusal(
+                address,
+                f"{good} replica(s) in sync, fewer than min-replicas-to-write={wanted} "
+                "(NOREPLICAS)",
+                f"bring {wanted} replica(s) within min-replicas-max-lag (attach one: REPLICAOF "
+                "on it), or lower min-replicas-to-write",
+            ))  # fmt: skip
+    return found
+
+
+def refusing_writes(client: Any) -> list[Refusal]:
+    """Why each primary of the store refuses writes now, if it does: one INFO per primary
+    (and a CONFIG GET only where INFO shows a refusal that depends on a setting)."""
+    found: list[Refusal] = []
+    for address, node in primaries(client):
+        try:
+            info = node.info()
+        except redis.ResponseError:  # INFO refused to this user: nothing to tell
+            continue
+
+        def config(name: str, node: Any = node) -> str | None:
+            try:
+                return str(text(node.config_get(name).get(name)))
+            except redis.ResponseError:
+                return None
+
+        found.extend(refusals_of(address, info, config))
+    return found
+
+
+def refusal_text(refusals: list[Refusal]) -> str:
+    """The refusals as one line for ``show`` and the dashboard; "" when there are none."""
+    return "; ".join(
+        f"the flow store refuses writes: {r.address} is {r.why}; heals: {r.heals}" for r in refusals
+    )

@@ -23,6 +23,7 @@ from celery_echomq.store.codec import serialize
 from celery_echomq.store.connection import describe, make_client
 from celery_echomq.store.keyspace import Keyspace
 from celery_echomq.store.scripts import Scripts
+from celery_echomq.store.server_versions import MIN_SERVER
 
 __all__ = [
     "Deliveries",
@@ -86,11 +87,22 @@ class EchoMQ:
     a flow sent, a read), as Celery reads its own configuration: ``install(app)`` may come
     before ``config_from_object`` or a test plugin that supplies the URLs. ``settings``
     given here are used as they are (the CLI's, with its own timeouts).
+
+    The store's first use in a process checks its server's version (one INFO, on its first
+    connection): one older than ``min_version`` (``MIN_SERVER``; None: not checked, as by
+    ``doctor``, which says it itself) raises ConfigError naming both.
     """
 
-    def __init__(self, app: Any, settings: Settings | None = None) -> None:
+    def __init__(
+        self,
+        app: Any,
+        settings: Settings | None = None,
+        *,
+        min_version: tuple[int, ...] | None = MIN_SERVER,
+    ) -> None:
         self.app = app
         self._settings = settings
+        self.min_version = min_version
         self._lock = threading.Lock()
         self._pid: int | None = None
         self._client: Any = None
@@ -152,7 +164,7 @@ class EchoMQ:
                     settings = self.settings
                     if settings.redis_url is None:
                         raise missing_url_error()
-                    self._client = make_client(settings)
+                    self._client = make_client(settings, min_version=self.min_version)
                     self._scripts = Scripts(
                         self._client,
                         self.keys,

@@ -47,7 +47,7 @@ from celery_echomq.ops.dashboard.tracebacks import failed_jobs, tracebacks
 from celery_echomq.ops.listing import STATES
 from celery_echomq.ops.pages import FILTERS, PAGE, iter_children, read_flow
 from celery_echomq.ops.rendering import seconds, short
-from celery_echomq.ops.replication import replication_wait
+from celery_echomq.ops.replication import replication_wait, store_refusal
 from celery_echomq.ops.views import FINISHED, JobNode, tree_json
 from celery_echomq.store.state import EchoMQ, get_state
 
@@ -100,7 +100,10 @@ class Dashboard:
         self.templates.env.filters.update(when=_when, clock=_clock, seconds=seconds, short=short)
 
     def _page(self, request: Request, name: str, **context: Any) -> Response:
-        context.update(allow_actions=self.allow_actions, token=self.token)
+        # Whether the store refuses writes: one INFO per page (and per redraw of a flow's).
+        context.update(
+            allow_actions=self.allow_actions, token=self.token, refusing=store_refusal(self.state)
+        )
         return self.templates.TemplateResponse(request, name, context)
 
     def index(self, request: Request) -> Response:
