@@ -22,6 +22,7 @@ it at a Redis kept for tests.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -60,6 +61,27 @@ def settings_for(url: str) -> dict[str, str]:
     return {name: f"{base}/{db}" for name, db in DATABASES.items()}
 
 
+def forget_connections(app: Any) -> None:
+    """Drop what ``app`` built from its settings before they changed: the broker connection
+    pool, the producer pool and every thread's result backend.
+
+    Celery builds these once, at first use, and keeps them: an app used earlier in the session
+    (an eager test reads ``app.backend``, a ``delay`` fills ``app.pool``) would otherwise go on
+    sending to its old broker and waiting on its old backend while the worker, started on the
+    new settings, never sees the messages.
+    """
+    pool = app._pool
+    if pool is not None:
+        pool.force_close_all()
+        app._pool = None
+    amqp = app.__dict__.get("amqp")  # a cached_property: absent until first used
+    if amqp is not None:
+        amqp._producer_pool = None
+    # Backends that are not thread-safe are kept per thread; a new local forgets them all.
+    app._backend_cache = None
+    app._local = threading.local()
+
+
 @contextmanager
 def in_process_worker(
     app: Any, config: dict[str, Any] | None = None, **options: Any
@@ -75,6 +97,7 @@ def in_process_worker(
 
     if config:
         app.conf.update(config)
+        forget_connections(app)
     # Again after the settings changed: the state reads them once.
     install(app)
     kwargs: dict[str, Any] = {

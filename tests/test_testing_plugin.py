@@ -111,3 +111,40 @@ def test_naming_the_plugin_in_a_conftest_too_registers_it_once(pytester: pytest.
     )
     assert off.ret != 0  # turned off: its fixtures are unknown
     off.stdout.fnmatch_lines(["*fixture 'echomq_app_config' not found*"])
+
+
+# An app whose production broker and backend cannot be reached here: whatever still goes
+# there after the plugin pointed the app at its own Redis never arrives.
+UNREACHABLE_APP = USER_APP.replace("localhost:6379", "127.0.0.1:1")
+
+EAGER_TEST = """
+    def test_eager(echomq_app):
+        echomq_app.conf.task_always_eager = True
+        try:
+            assert double.delay(21).get() == 42
+            assert flow(total.s(), [double.s(i) for i in range(3)]).delay().get() == 6
+        finally:
+            echomq_app.conf.task_always_eager = False
+"""
+
+WORKER_TEST = """
+    def test_worker(echomq_worker):
+        assert double.delay(2).get(timeout=20) == 4
+        assert flow(total.s(), [double.s(i) for i in range(4)]).delay().get(timeout=20) == 12
+"""
+
+
+@pytest.mark.parametrize("first", ["eager", "worker"])
+def test_an_app_used_eagerly_in_the_session_still_reaches_the_plugins_worker(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    # The app's result backend and broker pool are built at first use, from the settings of
+    # that moment: an eager test before the worker's must not leave the app on its old ones.
+    monkeypatch.delenv("ECHOMQ_TEST_REDIS_URL", raising=False)  # the plugin's own server
+    pytester.makepyfile(userproj=textwrap.dedent(UNREACHABLE_APP))
+    pytester.makeconftest(textwrap.dedent(USER_CONFTEST))
+    tests = [EAGER_TEST, WORKER_TEST] if first == "eager" else [WORKER_TEST, EAGER_TEST]
+    header = "from celery_echomq import flow\nfrom userproj import double, total\n"
+    pytester.makepyfile(test_order=header + "".join(textwrap.dedent(t) for t in tests))
+    result = pytester.runpytest_subprocess(*ARGS, "-p", "no:randomly", timeout=120)
+    result.assert_outcomes(passed=2)
