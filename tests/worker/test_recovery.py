@@ -38,6 +38,7 @@ from celery_echomq.store.keyspace import new_job_id
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
 from celery_echomq.worker.recovery import HOLD_MS, LEASE, leased_pass, run_pass
+from celery_echomq.worker.recovery.common import TICK
 from tests.helpers import KEYS, RECOVERY_STALL, ROOT, Env, fast_recovery, logged, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -418,6 +419,33 @@ def test_a_long_task_is_not_a_lost_task(
     assert row(store, queue, slow)["attempts"] == "1"
     assert "re-published" not in w.output()
     assert runs(store, tag) == 1
+
+
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_a_long_task_keeps_its_lease_on_a_pool_without_processes(
+    proj: Any, store: Any, queue: str, start_worker: Any, pool: str
+) -> None:
+    # A threads or gevent pool reports the worker's own pid, or a greenlet's address, as the
+    # "pool process" of a job: no process of its own, so nothing recovery may signal or
+    # presume dead. Each job runs past three stall timeouts on leases renewed as on prefork.
+    tag, slow = uuid.uuid4().hex, [new_job_id() for _ in range(3)]
+    w = start_worker(queues=queue, pool=pool, concurrency=4, extra_env=fast_recovery(
+        ECHOMQ_T_STALL="1.5"))  # fmt: skip
+    kids = [proj.sleep_then.s(i, 5.0).set(task_id=cid) for i, cid in enumerate(slow)]
+    res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
+    wait_for(lambda: all(row(store, queue, c).get("state") == "active" for c in slow), timeout=60)
+    started = [store.zscore(KEYS.queue_key(queue, "active"), c) for c in slow]
+    time.sleep(3)
+    for cid, first in zip(slow, started, strict=True):
+        assert store.zscore(KEYS.queue_key(queue, "active"), cid) > first + 1500  # renewed
+    assert res.get(timeout=90) == {"values": [0, 1, 2], "tag": tag}
+    assert [row(store, queue, c)["attempts"] for c in slow] == ["1", "1", "1"]
+    assert runs(store, tag) == 1
+    time.sleep(3 * TICK)  # the recovery loop's looks after the jobs left the pool
+    log = w.output()
+    assert "could not renew leases" not in log
+    assert "pool process" not in log  # no lease ended for a process that never was
+    assert "re-published" not in log
 
 
 def _store_server(*extra: str) -> RedisServer:
