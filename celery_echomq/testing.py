@@ -21,6 +21,7 @@ it at a Redis kept for tests.
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from collections.abc import Iterator
@@ -82,6 +83,30 @@ def forget_connections(app: Any) -> None:
     app._local = threading.local()
 
 
+def close_connections(app: Any) -> None:
+    """Close what ``app`` holds open on its Redis, before that Redis stops: every result
+    backend's subscription (one backend per thread: the worker's threads have theirs) and the
+    broker's pools.
+
+    A result garbage collected after the server stopped (pytest collects once more as the
+    session ends) unsubscribes from its task's channel; with the subscription still open that
+    retries against the stopped server and logs CRITICAL "Retry limit exceeded". Closed and
+    dropped, there is nothing left to unsubscribe from. The backends of other threads (the
+    worker's threads outlive it, idle) are out of this thread's reach but in the heap.
+    """
+    from celery.backends.asynchronous import BaseResultConsumer
+
+    for found in gc.get_objects():
+        if (
+            isinstance(found, BaseResultConsumer)
+            and getattr(found.backend, "app", None) is app
+            and getattr(found, "_pubsub", None) is not None  # the Redis backend's
+        ):
+            found.stop()
+            found._pubsub = None
+    forget_connections(app)
+
+
 @contextmanager
 def in_process_worker(
     app: Any, config: dict[str, Any] | None = None, **options: Any
@@ -107,8 +132,11 @@ def in_process_worker(
         "shutdown_timeout": 30,
     }
     kwargs.update(options)
-    with start_worker(app, **kwargs) as worker:
-        yield worker
+    try:
+        with start_worker(app, **kwargs) as worker:
+            yield worker
+    finally:
+        close_connections(app)
 
 
 @pytest.fixture(scope="session")

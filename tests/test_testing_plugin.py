@@ -148,3 +148,38 @@ def test_an_app_used_eagerly_in_the_session_still_reaches_the_plugins_worker(
     pytester.makepyfile(test_order=header + "".join(textwrap.dedent(t) for t in tests))
     result = pytester.runpytest_subprocess(*ARGS, "-p", "no:randomly", timeout=120)
     result.assert_outcomes(passed=2)
+
+
+CHORD_TASK = """
+    from celery import chord
+
+    @app.task
+    def fan(n):
+        # A chord sent from a task: its header's results wait on the backend of the worker
+        # thread that ran this, past the end of the session.
+        return chord([double.s(i) for i in range(n)], total.s()).delay().id
+"""
+
+CHORD_TEST = """
+    from userproj import app, fan
+
+    def test_a_chord_sent_from_a_task(echomq_worker):
+        body = app.AsyncResult(fan.delay(3).get(timeout=20))
+        assert body.get(timeout=20) == 6
+"""
+
+
+def test_a_session_that_used_the_worker_ends_without_an_error_line(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The results left subscribed at the end (here by the worker's threads) are let go before
+    # the plugin's Redis stops: no reconnect to a stopped server, no CRITICAL line.
+    monkeypatch.delenv("ECHOMQ_TEST_REDIS_URL", raising=False)
+    pytester.makepyfile(userproj=textwrap.dedent(USER_APP + CHORD_TASK))
+    pytester.makeconftest(textwrap.dedent(USER_CONFTEST))
+    pytester.makepyfile(test_chord=textwrap.dedent(CHORD_TEST))
+    result = pytester.runpytest_subprocess(*ARGS, timeout=120)
+    result.assert_outcomes(passed=1)
+    output = "\n".join(result.outlines + result.errlines)
+    for noise in ("CRITICAL", "ERROR", "Traceback", "Retry limit exceeded"):
+        assert noise not in output, output

@@ -108,6 +108,9 @@ class EchoMQ:
         # The message templates of each kombu channel this app publishes a flow's jobs on
         # (send/templates.py's Templates), gone with the channel.
         self.message_templates: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+        # Set once this process's worker has reached the store (worker/checks.py): its
+        # background threads wait for it rather than each retrying and warning meanwhile.
+        self.reached = threading.Event()
 
     @property
     def settings(self) -> Settings:

@@ -34,6 +34,21 @@ def test_nested_flow_is_equivalent_to_the_nested_chord(proj: Any, worker: Any) -
     assert got == expected == 26
 
 
+def test_a_parent_replaced_by_a_chain_gives_the_chains_link_its_value(
+    proj: Any, worker: Any, store: Any
+) -> None:
+    # The chain's link runs on a worker with the chain's value, the flow's values list: it
+    # succeeds (no error logged by a worker in a green run) and records that list.
+    key = f"test:compose:{uuid.uuid4().hex}"
+    try:
+        f = flow(proj.replace_with_chain.s(link_key=key), [proj.identity.s(42)])
+        assert f.apply_async().get(timeout=60) == [42]
+        wait_for(lambda: store.llen(key) > 0, timeout=30)
+        assert [json.loads(v) for v in store.lrange(key, 0, -1)] == [[42]]
+    finally:
+        store.delete(key)
+
+
 def test_failure_inside_a_nested_flow_fails_the_outer_flow_under_fail(
     proj: Any, worker: Any
 ) -> None:

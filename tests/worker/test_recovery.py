@@ -503,6 +503,37 @@ def test_a_worker_that_could_not_reach_the_store_is_repaired_once_it_is_back(
         server.stop()
 
 
+def test_a_worker_whose_store_is_down_starts_at_once_and_connects_in_the_background(
+    proj: Any, env: Env, queue: str, start_worker: Any
+) -> None:
+    """Its store does not answer: the worker is ready at once (not after its 60 s store retry
+    bound) and says so once; once the store is up, it says so once and runs flows."""
+    server = _store_server()  # its port chosen, not started yet
+    try:
+        url = server.url(13)
+        began = time.monotonic()
+        w = start_worker(
+            queues=queue, extra_env=fast_recovery(ECHOMQ_T_STORE=url, ECHOMQ_T_STORE_RETRY="60")
+        )
+        assert time.monotonic() - began < 30  # the start alone, on a loaded machine
+        logged(w, "cannot be reached")
+        time.sleep(3)  # recovery and deadline threads would be retrying and warning by now
+        server.start()
+        logged(w, f"connected to the flow store {url}")
+        app = side_app(env, url)
+        tag = uuid.uuid4().hex
+        res = flow(proj.collect.s(tag=tag), [proj.add.s(1, 1)], app=app).apply_async(queue=queue)
+        assert res.get(timeout=60) == {"values": [2], "tag": tag}
+        log = w.output()
+        assert log.count("cannot be reached") == 1
+        assert log.count("connected to the flow store") == 1
+        for noise in ("flow store unavailable", "pass failed", "poll failed", "ERROR", "Traceback"):
+            assert noise not in log, noise
+        w.stop()  # before its store: a worker that loses its store retries it
+    finally:
+        server.stop()
+
+
 # --- (c) a released parent, (d) a failed parent: the worker died between two steps ----------
 
 

@@ -21,6 +21,7 @@ from celery_echomq.store.pulse import record_pass, sample
 from celery_echomq.store.reads import queues_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.worker.checks import wait_for_store
 from celery_echomq.worker.claims import holder_prefix, pid_alive
 from celery_echomq.worker.recovery.common import (
     LEASE,
@@ -232,6 +233,8 @@ class RecoveryLoop:
             renew(self.state, fresh, released)
 
     def _run(self) -> None:
+        if not wait_for_store(self.state, self._stop):
+            return
         start = time.monotonic()
         next_pass = start  # a worker that starts after a crash repairs at once
         next_renew = start
