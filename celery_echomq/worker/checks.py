@@ -36,8 +36,6 @@ CLOCK_COMMAND = "echomq_clock"
 NOT_INSTALLED = "celery-echomq is not installed on this worker's app"
 
 
-# The thread of each process that is trying to reach the store; the others wait for it.
-_reaching = threading.Lock()
 # The states whose unreachable store was logged: once per process, whichever thread tries.
 _told: weakref.WeakSet[EchoMQ] = weakref.WeakSet()
 PAUSE = 1.0  # seconds between two attempts to reach a store that does not answer
@@ -51,14 +49,14 @@ def wait_for_store(state: EchoMQ, stop: threading.Event, pause: float = PAUSE) -
     that follows once as INFO. A store that answers at once logs nothing.
     """
     while not state.reached.is_set():
-        if not _reaching.acquire(timeout=pause):
+        if not state.reaching.acquire(timeout=pause):
             if stop.is_set():
                 return False
             continue
         try:
             return _reach(state, stop, pause)
         finally:
-            _reaching.release()
+            state.reaching.release()
     return True
 
 
