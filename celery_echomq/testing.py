@@ -116,6 +116,7 @@ def in_process_worker(
 
     ``options`` go to ``start_worker`` (default: threads pool, 4 threads, no ping check).
     """
+    from celery import signals
     from celery.contrib.testing.worker import start_worker
 
     from celery_echomq import install
@@ -132,11 +133,25 @@ def in_process_worker(
         "shutdown_timeout": 30,
     }
     kwargs.update(options)
+    # Logging stays pytest's: Celery would add a handler of its own writing to the stderr of
+    # the moment, outside each test's capture, and print every error logged from then on (a
+    # test's expected failure among them) into a green run's output. pytest shows the
+    # worker's records with the test they belong to, when it fails.
+    signals.setup_logging.connect(_leave_logging_to_pytest, weak=False, dispatch_uid=LOGGING_UID)
     try:
         with start_worker(app, **kwargs) as worker:
+            signals.setup_logging.disconnect(dispatch_uid=LOGGING_UID)
             yield worker
     finally:
+        signals.setup_logging.disconnect(dispatch_uid=LOGGING_UID)
         close_connections(app)
+
+
+LOGGING_UID = "celery_echomq.testing"
+
+
+def _leave_logging_to_pytest(**_: Any) -> None:
+    """A ``setup_logging`` receiver: with one connected, Celery configures no logging."""
 
 
 @pytest.fixture(scope="session")

@@ -158,14 +158,32 @@ CHORD_TASK = """
         # A chord sent from a task: its header's results wait on the backend of the worker
         # thread that ran this, past the end of the session.
         return chord([double.s(i) for i in range(n)], total.s()).delay().id
+
+    @app.task
+    def boom():
+        raise ValueError("expected")
 """
 
 CHORD_TEST = """
-    from userproj import app, fan
+    import pytest
+    from userproj import app, boom, fan
 
     def test_a_chord_sent_from_a_task(echomq_worker):
         body = app.AsyncResult(fan.delay(3).get(timeout=20))
         assert body.get(timeout=20) == 6
+
+    def test_a_task_expected_to_fail(echomq_worker):
+        with pytest.raises(ValueError, match="expected"):
+            boom.delay().get(timeout=20)
+
+    def test_the_worker_logs_through_pytest_alone(echomq_worker):
+        # A handler on the process's own stderr prints what the worker's threads log while
+        # no test's capture is on (between two tests) into the run's output.
+        import logging, sys
+
+        for name in ("", "celery", "celery.task"):
+            for handler in logging.getLogger(name).handlers:
+                assert getattr(handler, "stream", None) is not sys.__stderr__, (name, handler)
 """
 
 
@@ -173,13 +191,14 @@ def test_a_session_that_used_the_worker_ends_without_an_error_line(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The results left subscribed at the end (here by the worker's threads) are let go before
-    # the plugin's Redis stops: no reconnect to a stopped server, no CRITICAL line.
+    # the plugin's Redis stops: no reconnect to a stopped server, no CRITICAL line. A task
+    # that fails as a test expects is logged in that test's capture, not printed.
     monkeypatch.delenv("ECHOMQ_TEST_REDIS_URL", raising=False)
     pytester.makepyfile(userproj=textwrap.dedent(USER_APP + CHORD_TASK))
     pytester.makeconftest(textwrap.dedent(USER_CONFTEST))
     pytester.makepyfile(test_chord=textwrap.dedent(CHORD_TEST))
     result = pytester.runpytest_subprocess(*ARGS, timeout=120)
-    result.assert_outcomes(passed=1)
+    result.assert_outcomes(passed=3)
     output = "\n".join(result.outlines + result.errlines)
     for noise in ("CRITICAL", "ERROR", "Traceback", "Retry limit exceeded"):
         assert noise not in output, output
