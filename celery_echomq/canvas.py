@@ -233,7 +233,8 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         if not all(isinstance(c, flow) or value_task(c) is c for c in self.children):
             shape, fan = self.__dict__["_shape"] = self.shape()
             return FlowResult(self.options["task_id"], app=self._get_app(), fan_in=fan)
-        return FlowResult(parent_opts["task_id"], app=self._get_app())
+        ids = [child.options["task_id"] for child in self.children]
+        return FlowResult(parent_opts["task_id"], app=self._get_app(), children=ids)
 
     def link_error(self, errback: Any) -> Any:
         """As ``chord.link_error`` (the parent's): a chain parent's step that fails runs it with

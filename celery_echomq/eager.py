@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery import states
+from celery.result import AsyncResult
 
 from celery_echomq.config import Settings
 from celery_echomq.errors import FlowClosedError, FlowFailed, ReduceError
@@ -239,6 +240,8 @@ class _Level:
         self.parent_res: Any = None
         # The errors of the children that failed, by id (what their tasks raised).
         self.errors: dict[str, BaseException] = {}
+        # Each child's result, by its id (the flow's result's ``parent``).
+        self.results: dict[str, Any] = {}
         self.silent = set(plan.silent)
         self.root = str(plan.parent["options"].get("root_id") or plan.parent_id)
         self.growing = Growing(
@@ -313,6 +316,7 @@ class _Level:
                 res = _run_child(self.app, child, job, c_args, c_kwargs, cid, self.seen, self.root)
             finally:
                 IN_PROCESS.current.reset(token)
+            self.results[cid] = res
             ok, data = _outcome(res)
             # A child still running when the deadline passed finishes and is recorded; its
             # value is not the released parent's (nor folded into its accumulator).
@@ -353,6 +357,10 @@ class _Level:
             self.fanin,
             self.parent_res,
         )
+        # A child that never ran (cut by the deadline, or left after a quorum): its id's
+        # result, as on a worker.
+        done = self.results
+        fanin.results = [done[c] if c in done else AsyncResult(c, app=app) for c in self.child_ids]
         if parent_res is not None:
             return EagerFlowResult(
                 plan.parent_id,

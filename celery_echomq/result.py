@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery import states
-from celery.result import AsyncResult, EagerResult
+from celery.result import AsyncResult, EagerResult, GroupResult
 from vine import promise
 
 from celery_echomq.errors import FlowClosedError, FlowFailed, NoResultBackendError
@@ -18,15 +18,46 @@ from celery_echomq.ops.cancel import cancel_flow
 from celery_echomq.send.flow_reads import add_children, reads_of
 from celery_echomq.store import reads
 from celery_echomq.store.connection import text
-from celery_echomq.store.reads import Dependencies, locate
+from celery_echomq.store.reads import Dependencies, indexed_children, locate
 from celery_echomq.store.state import get_state
 
 # A parent row in one of these states runs again: its flow was retried since it failed.
 RUNNING_AGAIN = frozenset({"awaiting_children", "pending", "active", "done"})
 
 
+def children_id(job_id: str) -> str:
+    """The id of the group of ``job_id``'s children's results: a group's result has one (a
+    chord's header its group id); no task's, so that a result of it settles no task's."""
+    return f"{job_id}:children"
+
+
+class FlowChildren(GroupResult):  # type: ignore[misc]
+    """A flow's children's results, in the children's order: ``FlowResult.parent``, as a
+    chord's header ``GroupResult`` is its result's ``parent``.
+
+    ``get()``, ``join()``, ``ready()`` and the rest read each child's result as a group's do.
+    A child's failure reaches a reader of the flow through the flow's policy alone
+    (``FlowFailed`` from the flow's ``get()``), so ``maybe_throw``, what ``AsyncResult.get``
+    calls on the parents of a chain's result, leaves it to the flow: under ``ignore`` or
+    ``continue`` a failed child is no error of the flow's.
+    """
+
+    def maybe_throw(self, callback: Any = None, propagate: bool = True) -> None:
+        return None
+
+
 class FlowResult(AsyncResult):  # type: ignore[misc]
-    """The parent's result, with reads of the flow's state in Redis."""
+    """The parent's result, with reads of the flow's state in Redis.
+
+    ``parent`` is the flow's children's results (:class:`FlowChildren`), as a chord's result's
+    is its header's: the ids the producer assigned, else read from the store's index of the
+    flow's children at first use (None while the store has none). A result a canvas links
+    to it (a chain's step before the flow) takes its place, as in Celery.
+    """
+
+    _linked: Any = None  # the parent a canvas (or the caller) set
+    _child_ids: list[str] | None = None
+    _children: FlowChildren | None = None
 
     def __init__(
         self,
@@ -34,8 +65,10 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         *args: Any,
         queue: str | None = None,
         fan_in: str | None = None,
+        children: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
+        self._child_ids = list(children) if children is not None else None
         super().__init__(id, *args, **kwargs)
         self.flow_queue = queue
         # The job holding the flow's own children, where it is not the parent (a chain, a
@@ -46,6 +79,44 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         if self.fan_in == self.id:
             return self.id, self.flow_queue
         return self.fan_in, None
+
+    @property
+    def parent(self) -> Any:
+        if self._linked is not None:
+            return self._linked
+        if self._children is None:
+            results = self._child_results()
+            if results is None:
+                return None
+            self._children = FlowChildren(children_id(self.id), results, app=self.app)
+        return self._children
+
+    @parent.setter
+    def parent(self, value: Any) -> None:
+        self._linked = value
+
+    def _child_results(self) -> list[Any] | None:
+        ids = self._child_ids if self._child_ids is not None else self._indexed()
+        return None if ids is None else [AsyncResult(cid, app=self.app) for cid in ids]
+
+    def _indexed(self) -> list[str] | None:
+        # Read by Celery too (a chain's get() walks its steps' parents): a store that cannot
+        # say (down, the flow not sent yet or expired) leaves it None, to be read again.
+        try:
+            state = get_state(self.app)
+            job_id, queue = self._fan()
+            return indexed_children(state, locate(state, job_id, queue), job_id)
+        except Exception:
+            return None
+
+    def as_tuple(self) -> Any:
+        # The children are the store's to say, not the tuple's (a task returning a flow's
+        # result would store every child's id with its own).
+        linked = self._linked
+        return (self.id, linked and linked.as_tuple()), None
+
+    def __reduce_args__(self) -> tuple[Any, ...]:
+        return (self.id, self.backend, None, None, self._linked)
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
         """The parent's value, as ``AsyncResult.get``; at once a clear error when the app has
@@ -64,6 +135,10 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
                 "a database), or read the children's values with children_values()"
             )
         self._recheck_cached()
+        if self._linked is None:
+            # The children's failures reach get() through the flow's policy (FlowFailed),
+            # not from each child's result on every interval.
+            kwargs.setdefault("follow_parents", False)
         return super().get(*args, **kwargs)
 
     def _get_task_meta(self) -> Any:
@@ -111,7 +186,13 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
         """Add ``children`` to this flow while its parent is held: see
         :func:`celery_echomq.add_children`. Returns the ids added."""
         job_id, queue = self._fan()
-        return add_children(children, job_id, app=self.app, queue=queue)
+        added = add_children(children, job_id, app=self.app, queue=queue)
+        if self._child_ids is not None:
+            self._child_ids += added
+        if self._children is not None:
+            for cid in added:
+                self._children.add(AsyncResult(cid, app=self.app))
+        return added
 
     def retry(self, child: str | None = None, deadline: Any = None) -> Any:
         """Run this flow again after it failed under policy ``fail`` (or by its deadline:
@@ -187,6 +268,9 @@ class FanIn:
     # The first child failed under fail_at_end (its id and error): the flow fails with it
     # once every child has settled.
     late: tuple[str, str] | None = None
+    # The children's results, in the children's order, once the run is over (the result's
+    # ``parent``).
+    results: list[Any] = field(default_factory=list)
 
     def children_values(self, cursor: str | None, count: int | None) -> Any:
         return reads.eager_values(dict(self.values), cursor, count)
@@ -312,6 +396,10 @@ class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]
         self.app = app
         self.flow_queue = None
         self.fanin = fanin or FanIn(id, 0, "fail")
+
+    def _child_results(self) -> list[Any]:
+        # The run's, of the level that holds the flow's own children (apply_flow sets it).
+        return list(self.fanin.results)
 
     def __reduce_args__(self) -> tuple[Any, ...]:
         return (self.id, self._result, self._state, self._traceback, self._name, self.fanin)

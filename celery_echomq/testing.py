@@ -21,7 +21,9 @@ it at a Redis kept for tests.
 
 from __future__ import annotations
 
+import gc
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -60,6 +62,51 @@ def settings_for(url: str) -> dict[str, str]:
     return {name: f"{base}/{db}" for name, db in DATABASES.items()}
 
 
+def forget_connections(app: Any) -> None:
+    """Drop what ``app`` built from its settings before they changed: the broker connection
+    pool, the producer pool and every thread's result backend.
+
+    Celery builds these once, at first use, and keeps them: an app used earlier in the session
+    (an eager test reads ``app.backend``, a ``delay`` fills ``app.pool``) would otherwise go on
+    sending to its old broker and waiting on its old backend while the worker, started on the
+    new settings, never sees the messages.
+    """
+    pool = app._pool
+    if pool is not None:
+        pool.force_close_all()
+        app._pool = None
+    amqp = app.__dict__.get("amqp")  # a cached_property: absent until first used
+    if amqp is not None:
+        amqp._producer_pool = None
+    # Backends that are not thread-safe are kept per thread; a new local forgets them all.
+    app._backend_cache = None
+    app._local = threading.local()
+
+
+def close_connections(app: Any) -> None:
+    """Close what ``app`` holds open on its Redis, before that Redis stops: every result
+    backend's subscription (one backend per thread: the worker's threads have theirs) and the
+    broker's pools.
+
+    A result garbage collected after the server stopped (pytest collects once more as the
+    session ends) unsubscribes from its task's channel; with the subscription still open that
+    retries against the stopped server and logs CRITICAL "Retry limit exceeded". Closed and
+    dropped, there is nothing left to unsubscribe from. The backends of other threads (the
+    worker's threads outlive it, idle) are out of this thread's reach but in the heap.
+    """
+    from celery.backends.asynchronous import BaseResultConsumer
+
+    for found in gc.get_objects():
+        if (
+            isinstance(found, BaseResultConsumer)
+            and getattr(found.backend, "app", None) is app
+            and getattr(found, "_pubsub", None) is not None  # the Redis backend's
+        ):
+            found.stop()
+            found._pubsub = None
+    forget_connections(app)
+
+
 @contextmanager
 def in_process_worker(
     app: Any, config: dict[str, Any] | None = None, **options: Any
@@ -69,12 +116,14 @@ def in_process_worker(
 
     ``options`` go to ``start_worker`` (default: threads pool, 4 threads, no ping check).
     """
+    from celery import signals
     from celery.contrib.testing.worker import start_worker
 
     from celery_echomq import install
 
     if config:
         app.conf.update(config)
+        forget_connections(app)
     # Again after the settings changed: the state reads them once.
     install(app)
     kwargs: dict[str, Any] = {
@@ -84,8 +133,25 @@ def in_process_worker(
         "shutdown_timeout": 30,
     }
     kwargs.update(options)
-    with start_worker(app, **kwargs) as worker:
-        yield worker
+    # Logging stays pytest's: Celery would add a handler of its own writing to the stderr of
+    # the moment, outside each test's capture, and print every error logged from then on (a
+    # test's expected failure among them) into a green run's output. pytest shows the
+    # worker's records with the test they belong to, when it fails.
+    signals.setup_logging.connect(_leave_logging_to_pytest, weak=False, dispatch_uid=LOGGING_UID)
+    try:
+        with start_worker(app, **kwargs) as worker:
+            signals.setup_logging.disconnect(dispatch_uid=LOGGING_UID)
+            yield worker
+    finally:
+        signals.setup_logging.disconnect(dispatch_uid=LOGGING_UID)
+        close_connections(app)
+
+
+LOGGING_UID = "celery_echomq.testing"
+
+
+def _leave_logging_to_pytest(**_: Any) -> None:
+    """A ``setup_logging`` receiver: with one connected, Celery configures no logging."""
 
 
 @pytest.fixture(scope="session")

@@ -3,6 +3,7 @@ the test process and each `celery worker` subprocess agree on the URLs."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -443,11 +444,13 @@ def add_flow_to_flow(self: Any, nums: list[int], val: int) -> int:
 
 
 @app.task(bind=True)
-def replace_with_chain(self: Any, *args: Any, link_msg: Any = None) -> Any:
+def replace_with_chain(
+    self: Any, *args: Any, link_msg: Any = None, link_key: str = "redis-echo"
+) -> Any:
     from celery import chain
 
     c = chain(identity.s(*args), identity.s())
-    link_sig = redis_echo.s()
+    link_sig = redis_echo.s(redis_key=link_key)
     if link_msg is not None:
         link_sig.args = (link_msg,)
         link_sig.set(immutable=True)
@@ -457,8 +460,10 @@ def replace_with_chain(self: Any, *args: Any, link_msg: Any = None) -> Any:
 
 @app.task
 def redis_echo(message: Any, redis_key: str = "redis-echo") -> None:
-    """Append ``message`` to the list ``redis_key`` of the flow store's database."""
-    _store().rpush(redis_key, message)
+    """Append ``message`` to the list ``redis_key`` of the flow store's database: as it is
+    if Redis takes it (a string, a number), else as JSON (a link's list of values)."""
+    scalar = isinstance(message, str | bytes | int | float)
+    _store().rpush(redis_key, message if scalar else json.dumps(message))
 
 
 @app.task

@@ -111,3 +111,94 @@ def test_naming_the_plugin_in_a_conftest_too_registers_it_once(pytester: pytest.
     )
     assert off.ret != 0  # turned off: its fixtures are unknown
     off.stdout.fnmatch_lines(["*fixture 'echomq_app_config' not found*"])
+
+
+# An app whose production broker and backend cannot be reached here: whatever still goes
+# there after the plugin pointed the app at its own Redis never arrives.
+UNREACHABLE_APP = USER_APP.replace("localhost:6379", "127.0.0.1:1")
+
+EAGER_TEST = """
+    def test_eager(echomq_app):
+        echomq_app.conf.task_always_eager = True
+        try:
+            assert double.delay(21).get() == 42
+            assert flow(total.s(), [double.s(i) for i in range(3)]).delay().get() == 6
+        finally:
+            echomq_app.conf.task_always_eager = False
+"""
+
+WORKER_TEST = """
+    def test_worker(echomq_worker):
+        assert double.delay(2).get(timeout=20) == 4
+        assert flow(total.s(), [double.s(i) for i in range(4)]).delay().get(timeout=20) == 12
+"""
+
+
+@pytest.mark.parametrize("first", ["eager", "worker"])
+def test_an_app_used_eagerly_in_the_session_still_reaches_the_plugins_worker(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch, first: str
+) -> None:
+    # The app's result backend and broker pool are built at first use, from the settings of
+    # that moment: an eager test before the worker's must not leave the app on its old ones.
+    monkeypatch.delenv("ECHOMQ_TEST_REDIS_URL", raising=False)  # the plugin's own server
+    pytester.makepyfile(userproj=textwrap.dedent(UNREACHABLE_APP))
+    pytester.makeconftest(textwrap.dedent(USER_CONFTEST))
+    tests = [EAGER_TEST, WORKER_TEST] if first == "eager" else [WORKER_TEST, EAGER_TEST]
+    header = "from celery_echomq import flow\nfrom userproj import double, total\n"
+    pytester.makepyfile(test_order=header + "".join(textwrap.dedent(t) for t in tests))
+    result = pytester.runpytest_subprocess(*ARGS, "-p", "no:randomly", timeout=120)
+    result.assert_outcomes(passed=2)
+
+
+CHORD_TASK = """
+    from celery import chord
+
+    @app.task
+    def fan(n):
+        # A chord sent from a task: its header's results wait on the backend of the worker
+        # thread that ran this, past the end of the session.
+        return chord([double.s(i) for i in range(n)], total.s()).delay().id
+
+    @app.task
+    def boom():
+        raise ValueError("expected")
+"""
+
+CHORD_TEST = """
+    import pytest
+    from userproj import app, boom, fan
+
+    def test_a_chord_sent_from_a_task(echomq_worker):
+        body = app.AsyncResult(fan.delay(3).get(timeout=20))
+        assert body.get(timeout=20) == 6
+
+    def test_a_task_expected_to_fail(echomq_worker):
+        with pytest.raises(ValueError, match="expected"):
+            boom.delay().get(timeout=20)
+
+    def test_the_worker_logs_through_pytest_alone(echomq_worker):
+        # A handler on the process's own stderr prints what the worker's threads log while
+        # no test's capture is on (between two tests) into the run's output.
+        import logging, sys
+
+        for name in ("", "celery", "celery.task"):
+            for handler in logging.getLogger(name).handlers:
+                assert getattr(handler, "stream", None) is not sys.__stderr__, (name, handler)
+"""
+
+
+def test_a_session_that_used_the_worker_ends_without_an_error_line(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The results left subscribed at the end (here by the worker's threads) are let go before
+    # the plugin's Redis stops: no reconnect to a stopped server, no CRITICAL line. A task
+    # that fails as a test expects is logged in that test's capture, not printed.
+    monkeypatch.delenv("ECHOMQ_TEST_REDIS_URL", raising=False)
+    pytester.makepyfile(userproj=textwrap.dedent(USER_APP + CHORD_TASK))
+    pytester.makeconftest(textwrap.dedent(USER_CONFTEST))
+    pytester.makepyfile(test_chord=textwrap.dedent(CHORD_TEST))
+    result = pytester.runpytest_subprocess(*ARGS, timeout=120)
+    result.assert_outcomes(passed=3)
+    output = "\n".join(result.outlines + result.errlines)
+    for noise in ("CRITICAL", "ERROR", "Traceback", "Retry limit exceeded"):
+        assert noise not in output, output

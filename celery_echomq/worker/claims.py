@@ -33,11 +33,16 @@ def holder_prefix(pid: int) -> str:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists. A number that cannot name one process (zero or less
+    names a process group; a greenlet's address overflows a pid) is no evidence of a death:
+    alive."""
+    if pid <= 0:
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except (PermissionError, OverflowError):
         return True
     return True
 

@@ -22,6 +22,7 @@ from celery_echomq.store.connection import text
 from celery_echomq.store.deadlines import index_key
 from celery_echomq.store.keyspace import check_id
 from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.worker.checks import wait_for_store
 from celery_echomq.worker.deadlines import Step, finish, fire_one
 
 logger = logging.getLogger("celery_echomq")
@@ -134,6 +135,8 @@ class DeadlinePoller:
                 logger.warning("echomq deadlines: follow-up failed: %r", exc)
 
     def _run(self) -> None:
+        if not wait_for_store(self.state, self._stop):
+            return
         while not self._stop.is_set():
             try:
                 steps = fire_steps(self.state, self.queues())

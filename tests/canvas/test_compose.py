@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from celery import chain, chord, group
 from celery.canvas import Signature
+from celery.result import GroupResult
 
-from celery_echomq import FlowFailed, flow
-from tests.helpers import wait_for
+from celery_echomq import FlowFailed, FlowResult, flow
+from tests.helpers import id_of, wait_for, with_id
 
 
 def test_three_level_tree_fans_in_level_by_level(proj: Any, worker: Any) -> None:
@@ -32,6 +33,21 @@ def test_nested_flow_is_equivalent_to_the_nested_chord(proj: Any, worker: Any) -
     inner = flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(3)])
     got = flow(proj.tsum.s(), [inner, proj.add.s(10, 10)]).apply_async().get(timeout=60)
     assert got == expected == 26
+
+
+def test_a_parent_replaced_by_a_chain_gives_the_chains_link_its_value(
+    proj: Any, worker: Any, store: Any
+) -> None:
+    # The chain's link runs on a worker with the chain's value, the flow's values list: it
+    # succeeds (no error logged by a worker in a green run) and records that list.
+    key = f"test:compose:{uuid.uuid4().hex}"
+    try:
+        f = flow(proj.replace_with_chain.s(link_key=key), [proj.identity.s(42)])
+        assert f.apply_async().get(timeout=60) == [42]
+        wait_for(lambda: store.llen(key) > 0, timeout=30)
+        assert [json.loads(v) for v in store.lrange(key, 0, -1)] == [[42]]
+    finally:
+        store.delete(key)
 
 
 def test_failure_inside_a_nested_flow_fails_the_outer_flow_under_fail(
@@ -213,3 +229,50 @@ def test_echomq_child_results_must_be_a_bool(value: Any) -> None:
     conf = {"echomq_redis_url": "redis://localhost:6379/0", "echomq_child_results": value}
     with pytest.raises(ConfigError, match=r"echomq_child_results=.* must be True or False"):
         read_settings(conf)
+
+
+@pytest.mark.parametrize("how", ["apply", "apply_async"])
+def test_a_flows_parent_is_its_childrens_results_as_a_chords_is_its_headers(
+    proj: Any, worker: Any, how: str
+) -> None:
+    inner = flow(proj.tsum.s(), [proj.add.s(5, 5)])
+    kids = [with_id(proj.add.s(1, 1)), inner, with_id(proj.boom.s("x")).set(parent_policy="ignore")]
+    ids = [id_of(kids[0]), inner.freeze().id, id_of(kids[2])]
+    res = getattr(flow(proj.collect.s(), kids), how)()
+    assert res.get(timeout=60) == {"values": [2, 10], "tag": ""}  # no child's error raised
+    header = res.parent
+    assert isinstance(header, GroupResult)
+    assert [r.id for r in header.results] == ids  # the children's order
+    first, nested, failed = header.results
+    assert first.get(timeout=60) == 2
+    assert nested.get(timeout=60) == 10  # a nested flow's: its parent's value
+    assert failed.state == "FAILURE" and "x" in str(failed.result)
+    assert header.completed_count() == 2 and header.failed()
+    if how == "apply_async":
+        # A result made from the flow's id alone reads its children from the store.
+        again = FlowResult(res.id, app=proj.app)
+        assert [r.id for r in again.parent.results] == ids
+        assert again.parent.join(timeout=60, propagate=False)[:2] == [2, 10]
+
+
+@pytest.mark.parametrize("how", ["apply", "apply_async"])
+def test_the_parent_of_a_flow_whose_parent_is_a_chain_is_the_flows_children(
+    proj: Any, worker: Any, how: str
+) -> None:
+    kids = [with_id(proj.add.s(1, 1)), with_id(proj.add.s(2, 2))]
+    res = getattr(flow(chain(proj.tsum.s(), proj.square.s()), kids), how)()
+    assert res.get(timeout=60) == 36
+    assert [r.get(timeout=60) for r in res.parent.results] == [2, 4]
+    assert [r.id for r in res.parent.results] == [id_of(k) for k in kids]
+
+
+@pytest.mark.parametrize("how", ["apply", "apply_async"])
+def test_a_step_after_a_flow_raises_no_failure_the_flow_ignored(
+    proj: Any, worker: Any, how: str
+) -> None:
+    # A chain's get() reads the parents of its last result, down to the flow's children: a
+    # child's failure reaches it through the flow's policy alone.
+    f = flow(proj.tsum.s(), [proj.add.s(1, 1), proj.boom.s("y").set(parent_policy="ignore")])
+    res = getattr(chain(f, proj.square.s()), how)()
+    assert res.get(timeout=60) == 4
+    assert res.parent.parent.results[1].state == "FAILURE"

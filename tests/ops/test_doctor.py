@@ -14,6 +14,7 @@ import json
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -26,7 +27,7 @@ from celery_echomq.embedded import RedisSentinelServer, RedisServer, wait_replic
 from celery_echomq.ops.doctor import CLOCK_TOLERANCE_MS, Facts, check_clock
 from celery_echomq.ops.fleet import check_workers
 from celery_echomq.store.server_info import required_commands, script_commands
-from tests.helpers import ROOT, Env, Worker
+from tests.helpers import ROOT, Env, Worker, logged
 
 pytestmark = pytest.mark.e2e
 
@@ -212,6 +213,8 @@ def test_a_worker_warns_once_at_start_of_a_store_that_evicts(
     urls, _ = bad
     worker = _worker(env, {**urls, "ECHOMQ_T_MIN_REPLICAS": "0"})
     try:
+        logged(worker, "maxmemory-policy")  # checked beside the started worker, not before
+        time.sleep(1)
         log = worker.output()
     finally:
         worker.stop()

@@ -19,6 +19,7 @@ from celery_echomq import (
     DuplicateIdError,
     FlowClosedError,
     FlowExistsError,
+    FlowResult,
     KindError,
     add_children,
     flow,
@@ -128,6 +129,13 @@ def test_adding_from_outside_while_the_parent_is_held(
     store.set(gate, 1)
     assert res.get(timeout=60)["values"] == [1, 2, 3, 4]
     assert set(res.children_values()) >= {*added, *more}
+    # The children added from anywhere are in the flow's parent, read from the store.
+    assert [r.get(timeout=60) for r in FlowResult(res.id, app=proj.app).parent.results] == [
+        1,
+        2,
+        3,
+        4,
+    ]
 
 
 def test_a_nested_flow_can_be_added_from_inside_and_from_outside(proj: Any, worker: Any) -> None:

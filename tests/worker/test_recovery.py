@@ -38,6 +38,7 @@ from celery_echomq.store.keyspace import new_job_id
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
 from celery_echomq.worker.recovery import HOLD_MS, LEASE, leased_pass, run_pass
+from celery_echomq.worker.recovery.common import TICK
 from tests.helpers import KEYS, RECOVERY_STALL, ROOT, Env, fast_recovery, logged, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -420,6 +421,33 @@ def test_a_long_task_is_not_a_lost_task(
     assert runs(store, tag) == 1
 
 
+@pytest.mark.parametrize("pool", ["threads", "gevent"])
+def test_a_long_task_keeps_its_lease_on_a_pool_without_processes(
+    proj: Any, store: Any, queue: str, start_worker: Any, pool: str
+) -> None:
+    # A threads or gevent pool reports the worker's own pid, or a greenlet's address, as the
+    # "pool process" of a job: no process of its own, so nothing recovery may signal or
+    # presume dead. Each job runs past three stall timeouts on leases renewed as on prefork.
+    tag, slow = uuid.uuid4().hex, [new_job_id() for _ in range(3)]
+    w = start_worker(queues=queue, pool=pool, concurrency=4, extra_env=fast_recovery(
+        ECHOMQ_T_STALL="1.5"))  # fmt: skip
+    kids = [proj.sleep_then.s(i, 5.0).set(task_id=cid) for i, cid in enumerate(slow)]
+    res = flow(proj.collect.s(tag=tag), kids).apply_async(queue=queue)
+    wait_for(lambda: all(row(store, queue, c).get("state") == "active" for c in slow), timeout=60)
+    started = [store.zscore(KEYS.queue_key(queue, "active"), c) for c in slow]
+    time.sleep(3)
+    for cid, first in zip(slow, started, strict=True):
+        assert store.zscore(KEYS.queue_key(queue, "active"), cid) > first + 1500  # renewed
+    assert res.get(timeout=90) == {"values": [0, 1, 2], "tag": tag}
+    assert [row(store, queue, c)["attempts"] for c in slow] == ["1", "1", "1"]
+    assert runs(store, tag) == 1
+    time.sleep(3 * TICK)  # the recovery loop's looks after the jobs left the pool
+    log = w.output()
+    assert "could not renew leases" not in log
+    assert "pool process" not in log  # no lease ended for a process that never was
+    assert "re-published" not in log
+
+
 def _store_server(*extra: str) -> RedisServer:
     # Append-only with an fsync per write: what flow state needs to survive a crash of Redis.
     return RedisServer(None, "--appendonly", "yes", "--appendfsync", "always", *extra)
@@ -472,6 +500,37 @@ def test_a_worker_that_could_not_reach_the_store_is_repaired_once_it_is_back(
     finally:
         if restarted is not None:
             restarted.stop()
+        server.stop()
+
+
+def test_a_worker_whose_store_is_down_starts_at_once_and_connects_in_the_background(
+    proj: Any, env: Env, queue: str, start_worker: Any
+) -> None:
+    """Its store does not answer: the worker is ready at once (not after its 60 s store retry
+    bound) and says so once; once the store is up, it says so once and runs flows."""
+    server = _store_server()  # its port chosen, not started yet
+    try:
+        url = server.url(13)
+        began = time.monotonic()
+        w = start_worker(
+            queues=queue, extra_env=fast_recovery(ECHOMQ_T_STORE=url, ECHOMQ_T_STORE_RETRY="60")
+        )
+        assert time.monotonic() - began < 30  # the start alone, on a loaded machine
+        logged(w, "cannot be reached")
+        time.sleep(3)  # recovery and deadline threads would be retrying and warning by now
+        server.start()
+        logged(w, f"connected to the flow store {url}")
+        app = side_app(env, url)
+        tag = uuid.uuid4().hex
+        res = flow(proj.collect.s(tag=tag), [proj.add.s(1, 1)], app=app).apply_async(queue=queue)
+        assert res.get(timeout=60) == {"values": [2], "tag": tag}
+        log = w.output()
+        assert log.count("cannot be reached") == 1
+        assert log.count("connected to the flow store") == 1
+        for noise in ("flow store unavailable", "pass failed", "poll failed", "ERROR", "Traceback"):
+            assert noise not in log, noise
+        w.stop()  # before its store: a worker that loses its store retries it
+    finally:
         server.stop()
 
 

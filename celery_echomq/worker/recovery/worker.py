@@ -23,6 +23,7 @@ from celery_echomq.store.reads import queues_of
 from celery_echomq.store.refusals import refusal_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.worker.checks import wait_for_store
 from celery_echomq.worker.claims import holder_prefix, pid_alive
 from celery_echomq.worker.recovery.common import (
     LEASE,
@@ -70,16 +71,30 @@ def leased_pass(
 
 @dataclass(frozen=True)
 class Held:
-    """A flow job this worker holds: running in pool process ``pid``, or received, not started."""
+    """A flow job this worker holds: running (in pool process ``pid`` on a pool of processes,
+    else None), or received, not started."""
 
     queue: str
     running: bool
     pid: int | None
 
 
-def held_jobs() -> dict[str, Held]:
+def has_processes(pool: Any) -> bool:
+    """Whether the worker's ``pool`` runs its jobs in processes of its own (prefork).
+
+    A threads, solo, gevent or eventlet pool runs them in the worker's own process, and the
+    ``worker_pid`` Celery records for a job there is that process's id or a greenlet's
+    address: nothing that can die apart from the worker, nothing to signal.
+    """
+    from celery.concurrency.prefork import TaskPool
+
+    return isinstance(pool, TaskPool)
+
+
+def held_jobs(processes: bool = True) -> dict[str, Held]:
     """The flow jobs this worker holds now, by id (Celery's worker state, read in its main
-    process): running, prefetched and waiting for a pool process, or waiting for an eta."""
+    process): running, prefetched and waiting for a pool process, or waiting for an eta.
+    ``processes``: the pool's jobs run in processes of their own, whose pids are kept."""
     from celery.worker import state as worker_state
 
     held: dict[str, Held] = {}
@@ -94,7 +109,7 @@ def held_jobs() -> dict[str, Held]:
             headers = getattr(request, "request_dict", None) or {}
             queue = headers.get(H_QUEUE)
             if queue and str(request.id) not in held:
-                pid = getattr(request, "worker_pid", None) if running else None
+                pid = getattr(request, "worker_pid", None) if running and processes else None
                 held[str(request.id)] = Held(str(queue), running, pid)
     return held
 
@@ -148,9 +163,15 @@ class RecoveryLoop:
     event loop, and a pass makes blocking calls to Redis, the broker and the result backend.
     """
 
-    def __init__(self, state: EchoMQ, name: str, app: Any = None) -> None:
+    def __init__(
+        self, state: EchoMQ, name: str, app: Any = None, *, processes: bool = True
+    ) -> None:
+        """``processes``: the worker's pool runs jobs in processes of their own (prefork;
+        :func:`has_processes`), which may die apart from the worker and whose leases this loop
+        then ends."""
         self.state = state
         self.app = app
+        self.processes = processes
         self.holder = f"{name}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         settings = state.settings
         self.interval = settings.recovery_interval
@@ -187,7 +208,7 @@ class RecoveryLoop:
     def look(self, renew_all: bool) -> bool:
         """One tick: lease what is new (or everything), end the leases of dead holders.
         Whether it wrote to the store."""
-        now = held_jobs()
+        now = held_jobs(self.processes)
         before, self._held = self._held, now
         gone = {
             job_id: job
@@ -216,6 +237,8 @@ class RecoveryLoop:
         return bool(gone or fresh or released)
 
     def _run(self) -> None:
+        if not wait_for_store(self.state, self._stop):
+            return
         start = time.monotonic()
         next_pass = start  # a worker that starts after a crash repairs at once
         next_renew = start
@@ -295,4 +318,5 @@ class RecoveryStep(bootsteps.StartStopStep):  # type: ignore[misc]
         state = find_state(worker.app)
         if state is None:
             return None
-        return RecoveryLoop(state, str(worker.hostname), worker.app)
+        processes = has_processes(getattr(worker, "pool", None))
+        return RecoveryLoop(state, str(worker.hostname), worker.app, processes=processes)
