@@ -1,7 +1,7 @@
 -- cancel: stop a whole flow. The parent becomes cancelled (it will never be released or run)
 -- and every child not yet finished becomes cancelled too, so no later claim takes it.
 --
--- KEYS[1]    the parent row
+-- KEYS[1]    the parent row ('cut_children' counts the children cancelled here)
 -- KEYS[2]    the parent's :dependencies  }
 -- KEYS[3]    the parent's :processed     } expire with the parent: the flow is finished
 -- KEYS[4]    the parent's :ignored       }
@@ -41,5 +41,10 @@ if state == 'awaiting_children' then
   redis.call('HINCRBY', KEYS[7], 'held', -1)
 end
 expire_keys(ttl, {KEYS[1], KEYS[2], KEYS[3], KEYS[4]})
-cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply, true, ARGV[1])
+local cut = cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply, true, ARGV[1])
+-- Each child cancelled is one the flow ended without: counted as cut, never as outstanding
+-- (reads.counts_of takes it out of the counter, which only a settled child counts down).
+if #cut > 0 then
+  redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
+end
 return reply

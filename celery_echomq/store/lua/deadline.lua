@@ -139,6 +139,11 @@ if #named > 0 then
 end
 redis.call('HSET', KEYS[1], 'deadline_at', due, 'deadline_fired', now,
   'deadline_outstanding', outstanding)
+if #cut > 0 then
+  -- Counted as cut: the flow ended without them (reads.counts_of; retry_deadline counts
+  -- back those it runs again).
+  redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
+end
 redis.call('HINCRBY', KEYS[8], 'deadlines', 1)
 local status
 if ARGV[3] == 'continue' then

@@ -7,7 +7,10 @@
 -- KEYS[1]    this queue's pending set
 -- KEYS[2]    this queue's counters (a child cut while waiting for a slot of its flow's
 --            window: one fewer 'window_waiting')
--- KEYS[2+i]  child i's row, i = 1..N
+-- KEYS[3]    the parent's row where it shares this slot (each child cut is counted on it:
+--            'cut_children'), else the queue's placeholder (the host counts them on the
+--            parent's slot after: credit_cut)
+-- KEYS[3+i]  child i's row, i = 1..N
 -- ARGV[1]    the parent id (a row whose 'parent' differs is left alone)
 -- ARGV[2]    result TTL in seconds
 -- ARGV[3]    the error the cut rows keep ("FlowDeadlineExceeded: ...")
@@ -26,9 +29,13 @@ if refused then
 end
 local ttl = tonumber(ARGV[2])
 local reply = {}
-for i = 1, #KEYS - 2 do
-  if cut_pending(KEYS[2 + i], ARGV[3 + i], ARGV[1], KEYS[1], ttl, ARGV[3], KEYS[2]) then
+for i = 1, #KEYS - 3 do
+  if cut_pending(KEYS[3 + i], ARGV[3 + i], ARGV[1], KEYS[1], ttl, ARGV[3], KEYS[2]) then
     reply[#reply + 1] = ARGV[3 + i]
   end
+end
+-- The placeholder never exists: a parent of another slot is counted there.
+if #reply > 0 and redis.call('EXISTS', KEYS[3]) == 1 then
+  redis.call('HINCRBY', KEYS[3], 'cut_children', #reply)
 end
 return reply

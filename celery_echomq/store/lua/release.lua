@@ -3,7 +3,7 @@
 -- counted, but never release the parent again: settle_child releases only a parent that
 -- still awaits its children, and this one no longer does.
 --
--- KEYS[1]    the parent row
+-- KEYS[1]    the parent row ('cut_children' counts the children revoked here)
 -- KEYS[2]    the parent queue's pending set
 -- KEYS[3]    the parent queue's active set
 -- KEYS[4]    the parent queue's counters (a release; a parent fewer held, and each held
@@ -41,6 +41,11 @@ release_parent(KEYS[1], KEYS[2], ARGV[1], KEYS[4])
 redis.call('HSET', KEYS[1], 'released_by', 'operator')
 local reply = {'released'}
 if ARGV[3] == '1' then
-  cancel_children(5, 4, KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), reply, false, ARGV[1])
+  local cut = cancel_children(5, 4, KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), reply, false,
+    ARGV[1])
+  if #cut > 0 then
+    -- Counted as cut: the flow ended without them (see cancel.lua).
+    redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
+  end
 end
 return reply
