@@ -57,7 +57,8 @@ class Dependencies(_Four):
     the parent's; ``failed``: failed under policy ``fail``, ``fail_at_end``, ``remove`` or
     ``continue``; ``ignored``: failed under ``ignore``; ``cut``: the flow ended without them
     (cancelled, revoked by a release, cut by a deadline or by a quorum before they started;
-    under a quorum also one that succeeded after it was met, whose value was not taken).
+    under a quorum also one that succeeded once its parent no longer waited, whose value was
+    not taken).
 
     A tuple of the first four, as before ``cut`` was counted: ``a, b, c, d = deps`` and
     ``deps == (0, 3, 0, 0)`` read as they always did; ``cut`` is an attribute beside them.

@@ -719,7 +719,11 @@ class Scripts:
     def credit_cut(self, queue: str, parent_id: str, child_ids: Sequence[str]) -> int:
         """Count children cut on another slot as cut on their parent's (on ``queue``), once
         per child id: how many were counted now (credit_cut.lua)."""
-        keys = [self.keys.job_key(queue, parent_id), self.keys.settled_key(queue, parent_id)]
+        keys = [
+            self.keys.job_key(queue, parent_id),
+            self.keys.settled_key(queue, parent_id),
+            self.keys.queue_key(queue, "counters"),
+        ]
         reply = self._run("credit_cut", keys, [parent_id, *child_ids])
         return int(reply[1])
 

@@ -97,6 +97,9 @@ def test_a_cancelled_flows_page_and_json_show_its_children_cut(
     assert html.unescape(summary.group(1)) == "parent cancelled · 0/3 children finished, 3 cut"
     flow = httpx.get(f"{site.url}/api/flows/{parent}").json()["flow"]
     assert (flow["outstanding"], flow["done"], flow["cut"], flow["total"]) == (0, 0, 3, 3)
+    # /metrics counts the queue's children cut, as it counts their failures.
+    metrics = httpx.get(f"{site.url}/metrics").text
+    assert f'echomq_children_cut_total{{queue="{queue}"}} 3.0' in metrics
     listed = section(httpx.get(f"{site.url}/?queue={queue}").text, queue)
     row = re.search(rf'data-id="{parent}".*?</tr>', listed, re.S)
     assert row is not None

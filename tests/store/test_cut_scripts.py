@@ -69,6 +69,8 @@ def test_children_of_another_slot_are_counted_on_the_parents_once(
     )
     assert sorted(cancelled) == sorted(remote)
     assert cut_of(store, home, parent) == 2
+    assert store.hget(KEYS.queue_key(home, "counters"), "children_cut") == b"2"
+    assert store.hget(KEYS.queue_key(other, "counters"), "children_cut") is None
     # A repeat of the count (a resend through a failover) counts nothing again.
     assert state.scripts.credit_cut(home, parent, remote) == 0
     assert cut_of(store, home, parent) == 2
@@ -77,6 +79,7 @@ def test_children_of_another_slot_are_counted_on_the_parents_once(
     assert dl.cut_children(state, other, parent, late, "FlowDeadlineExceeded: x", home) == late
     assert dl.cut_children(state, other, parent, late, "FlowDeadlineExceeded: x", home) == []
     assert cut_of(store, home, parent) == 3
+    assert store.hget(KEYS.queue_key(home, "counters"), "children_cut") == b"3"
     # Nothing of the other slot's was written on the parent's placeholder.
     assert not store.exists(KEYS.job_key(other, parent))
 

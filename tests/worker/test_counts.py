@@ -204,3 +204,18 @@ def test_show_and_its_json_say_how_many_were_cut(
     counts = {k: data["flow"][k] for k in ("outstanding", "done", "failed", "ignored", "cut")}
     assert counts == {"outstanding": 0, "done": 1, "failed": 0, "ignored": 0, "cut": 2}
     assert data["flow"]["total"] == 3
+
+
+def test_a_cancel_counts_the_children_cut_on_another_queues_slot(
+    proj: Any, store: redis.Redis, own_queue: Any
+) -> None:
+    """No worker consumes either queue: the children wait, the cancel cuts them where they
+    live and each is counted once on the parent's slot."""
+    home, far = own_queue("cuthome"), own_queue("cutfar")
+    kids = [with_id(proj.add.s(i, i).set(queue=far)) for i in range(2)]
+    kids.append(with_id(proj.add.s(9, 9)))
+    res = flow(proj.tsum.s(), kids).apply_async(queue=home)
+    res.revoke()
+    assert [state_of(store, id_of(k), far) for k in kids[:2]] == ["cancelled"] * 2
+    assert state_of(store, id_of(kids[2]), home) == "cancelled"
+    expect(finished(res, 3), done=0, cut=3)

@@ -54,6 +54,12 @@ class EchoMQCollector(Collector):
                     "forged_refused",
                     "Deliveries refused: their message named another parent than the job's row",
                 ),
+                (
+                    "children_cut",
+                    "children_cut",
+                    "Children their flow ended without (cancelled, revoked by a release, cut by a "
+                    "deadline or a quorum): dependencies()' cut, over the queue's flows",
+                ),
             )
         }
         failures = CounterMetricFamily(

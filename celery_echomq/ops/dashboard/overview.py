@@ -35,6 +35,7 @@ COUNTERS = (
     "republished",
     "duplicates_skipped",
     "forged_refused",
+    "children_cut",
     *(f"failed_{policy}" for policy in POLICIES),
 )
 

@@ -7,7 +7,7 @@
 -- KEYS[4]    the parent's :ignored       }
 -- KEYS[5]    the queue's pending set
 -- KEYS[6]    the queue's active set
--- KEYS[7]    the queue's counters: one parent fewer held when it was held
+-- KEYS[7]    the queue's counters: one parent fewer held when it was held; 'children_cut'
 -- KEYS[7+i]  child i's row, i = 1..N (children on this slot; those of other slots are
 --            cancelled there by cancel_elsewhere, once this has cancelled the parent)
 -- ARGV[1]    parent id
@@ -46,5 +46,6 @@ local cut = cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply, true, A
 -- (reads.counts_of takes it out of the counter, which only a settled child counts down).
 if #cut > 0 then
   redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
+  redis.call('HINCRBY', KEYS[7], 'children_cut', #cut)
 end
 return reply

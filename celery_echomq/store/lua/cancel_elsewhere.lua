@@ -4,7 +4,8 @@
 --
 -- KEYS[1]    this queue's pending set
 -- KEYS[2]    this queue's active set
--- KEYS[3]    this queue's counters (a held nested flow cancelled counts one parent fewer held)
+-- KEYS[3]    this queue's counters (a held nested flow cancelled counts one parent fewer held;
+--            'children_cut', where the parent shares the slot)
 -- KEYS[4]    the parent's row where it shares this slot (each child cancelled is counted on it
 --            as cut: 'cut_children'), else the queue's placeholder (the host counts them on
 --            the parent's slot after: credit_cut)
@@ -32,6 +33,7 @@ local cut = cancel_children(5, 4, KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[2]), 
 -- The placeholder never exists: a parent of another slot is counted there.
 if #cut > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
   redis.call('HINCRBY', KEYS[4], 'cut_children', #cut)
+  redis.call('HINCRBY', KEYS[3], 'children_cut', #cut)
 end
 local reply, counted = {#cut}, {}
 for _, cid in ipairs(cut) do

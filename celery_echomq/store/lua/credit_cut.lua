@@ -5,6 +5,7 @@
 --
 -- KEYS[1]    the parent row
 -- KEYS[2]    the parent's :settled (child id -> outcome: what makes the count idempotent)
+-- KEYS[3]    the parent queue's counters ('children_cut')
 -- ARGV[1]    parent id
 -- ARGV[1+i]  child i's id, i = 1..N (each one its slot's script cut)
 --
@@ -28,6 +29,7 @@ for i = 2, #ARGV do
 end
 if n > 0 then
   redis.call('HINCRBY', KEYS[1], 'cut_children', n)
+  redis.call('HINCRBY', KEYS[3], 'children_cut', n)
 end
 -- :settled lives as long as the row: a finished flow's keys expire together.
 local ttl = redis.call('PTTL', KEYS[1])

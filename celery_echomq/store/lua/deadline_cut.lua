@@ -6,7 +6,8 @@
 --
 -- KEYS[1]    this queue's pending set
 -- KEYS[2]    this queue's counters (a child cut while waiting for a slot of its flow's
---            window: one fewer 'window_waiting')
+--            window: one fewer 'window_waiting'; 'children_cut', where the parent shares
+--            the slot)
 -- KEYS[3]    the parent's row where it shares this slot (each child cut is counted on it:
 --            'cut_children'), else the queue's placeholder (the host counts them on the
 --            parent's slot after: credit_cut)
@@ -37,5 +38,6 @@ end
 -- The placeholder never exists: a parent of another slot is counted there.
 if #reply > 0 and redis.call('EXISTS', KEYS[3]) == 1 then
   redis.call('HINCRBY', KEYS[3], 'cut_children', #reply)
+  redis.call('HINCRBY', KEYS[2], 'children_cut', #reply)
 end
 return reply

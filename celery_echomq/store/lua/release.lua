@@ -7,7 +7,7 @@
 -- KEYS[2]    the parent queue's pending set
 -- KEYS[3]    the parent queue's active set
 -- KEYS[4]    the parent queue's counters (a release; a parent fewer held, and each held
---            nested flow revoked)
+--            nested flow revoked; 'children_cut')
 -- KEYS[4+i]  child i's row, i = 1..N (children on this slot; only read with ARGV[3] == '1')
 -- ARGV[1]    parent id
 -- ARGV[2]    result TTL in seconds (a revoked child's row expires with it)
@@ -46,6 +46,7 @@ if ARGV[3] == '1' then
   if #cut > 0 then
     -- Counted as cut: the flow ended without them (see cancel.lua).
     redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
+    redis.call('HINCRBY', KEYS[4], 'children_cut', #cut)
   end
 end
 return reply

@@ -76,6 +76,7 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
         -- Its flow ended without it (its quorum met, or cancelled): counted as cut, as the
         -- children that never started are, not as a value.
         redis.call('HINCRBY', parent.row, 'cut_children', 1)
+        redis.call('HINCRBY', parent.counters, 'children_cut', 1)
       end
       return {'credited', ''}
     end
