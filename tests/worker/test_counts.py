@@ -190,6 +190,18 @@ def test_a_release_with_revoke_of_a_window_cuts_its_waiting_children(
     expect(finished(res, 5), done=2, cut=3)
 
 
+def test_a_cancel_of_a_window_cuts_its_running_and_waiting_children(
+    proj: Any, worker: Any, store: redis.Redis, gate: str
+) -> None:
+    kids = [with_id(proj.gated.s(i, gate)) for i in range(5)]
+    res = flow(proj.collect.s(), kids, max_active=2).apply_async()
+    wait_for(lambda: [state_of(store, id_of(k)) for k in kids[:2]] == ["active"] * 2, TIMEOUT)
+    res.revoke()
+    store.set(gate, 1)  # the two running finish on a flow that no longer counts them
+    expect(finished(res, 5), done=0, cut=5)
+    assert [state_of(store, id_of(k)) for k in kids] == ["cancelled"] * 5
+
+
 def test_show_and_its_json_say_how_many_were_cut(
     proj: Any, worker: Any, store: redis.Redis, gate: str
 ) -> None:
