@@ -522,6 +522,8 @@ def test_the_deadline_of_a_flow_of_2500_children_cuts_them_a_chunk_per_script_ca
     for cid in ids:
         pipe.hmget(KEYS.job_key(queue, cid), "state", "cut")
     assert {tuple(r) for r in pipe.execute()} == {(b"cancelled", b"deadline")}
+    deps = res.dependencies()  # the script's chunk and deadline_cut's each counted as cut
+    assert deps == (0, 0, 0, 0) and deps.cut == n
     # A worker started now runs none of them (revoked, and cancelled in the store), and a
     # plain task behind their messages shows it went through every one.
     start_worker(queues=queue, concurrency=2)
