@@ -139,10 +139,11 @@ def cut_children(
             *(state.keys.job_key(queue, cid) for cid in chunk),
         ]
         argv = [parent_id, str(state.settings.result_ttl), error, *chunk]
-        done = [text(cid) or "" for cid in state.scripts._run("deadline_cut", keys, argv)]
-        if done and not here:
-            state.scripts.credit_cut(parent_queue, parent_id, done)
-        cut += done
+        reply = [text(cid) or "" for cid in state.scripts._run("deadline_cut", keys, argv)]
+        n = int(reply[0])
+        if n and not here:  # every child cut there, now or before: each counted once
+            state.scripts.credit_cut(parent_queue, parent_id, reply[1 : 1 + n])
+        cut += reply[1 + n :]
     return cut
 
 

@@ -700,7 +700,8 @@ class Scripts:
         """Cancel ``parent_id``'s outstanding children on ``queue``'s slot (``started``: the
         running ones too): the ids cancelled (cancel_elsewhere.lua). Each child cancelled is
         counted as cut on its parent (on ``parent_queue``'s slot): in the same script where
-        the parent shares the slot, else by :meth:`credit_cut` after it."""
+        the parent shares the slot, else by :meth:`credit_cut` after it, given every child
+        the slot's rows show cancelled (so a repeat makes a count a crash left undone)."""
         here = queue == parent_queue
         keys = [
             self.keys.queue_key(queue, "pending"),
@@ -711,10 +712,10 @@ class Scripts:
         ]
         argv = [parent_id, str(ttl), "1" if started else "0", *child_ids]
         reply = [text(item) for item in self._run("cancel_elsewhere", keys, argv)]
-        children = reply[1 : 1 + int(reply[0])]
-        if children and not here:
-            self.credit_cut(parent_queue, parent_id, children)
-        return reply[1:]
+        n = int(reply[0])
+        if n and not here:
+            self.credit_cut(parent_queue, parent_id, reply[1 : 1 + n])
+        return reply[1 + n :]
 
     def credit_cut(self, queue: str, parent_id: str, child_ids: Sequence[str]) -> int:
         """Count children cut on another slot as cut on their parent's (on ``queue``), once

@@ -125,3 +125,33 @@ def test_a_deadline_counts_its_cut_children_and_a_retry_counts_them_back(
     assert status == "retried" and sorted(cid for cid, _ in again) == sorted(kids)
     deps = dependencies(parent, app=state.app, queue=queue)
     assert deps == (2, 0, 0, 0) and deps.cut == 0
+
+
+def test_a_count_a_crash_left_undone_is_made_by_the_next_run(
+    state: Any, store: redis.Redis, own_queue: Any
+) -> None:
+    """A host that died between a cut on the children's slot and the count on the parent's:
+    a cancel (or a deadline's follow-up) run again counts what the rows say was cut."""
+    home, other = own_queue("cutcrash"), own_queue("cutcrash2")
+    parent, _ = held(state, home, 1)
+    cancelled, cut = elsewhere(store, other, parent, 2), elsewhere(store, other, parent, 1)
+    placeholder = KEYS.unused_key(other)
+    sets = [KEYS.queue_key(other, s) for s in ("pending", "active", "counters")]
+    rows = [KEYS.job_key(other, c) for c in cancelled]
+    # The scripts alone, as a host that died before counting would have left them.
+    state.scripts._run(
+        "cancel_elsewhere", [*sets, placeholder, *rows], [parent, "60", "0", *cancelled]
+    )
+    keys = [sets[0], sets[2], placeholder, KEYS.job_key(other, cut[0])]
+    state.scripts._run("deadline_cut", keys, [parent, "60", "FlowDeadlineExceeded: x", *cut])
+    assert cut_of(store, home, parent) == 0
+    again = state.scripts.cancel_elsewhere(
+        other, parent, cancelled, ttl=TTL, started=False, parent_queue=home
+    )
+    assert again == []  # nothing cancelled now, nothing to revoke
+    assert dl.cut_children(state, other, parent, cut, "FlowDeadlineExceeded: x", home) == []
+    assert cut_of(store, home, parent) == 3
+    state.scripts.cancel_elsewhere(
+        other, parent, cancelled, ttl=TTL, started=False, parent_queue=home
+    )
+    assert cut_of(store, home, parent) == 3  # and never twice

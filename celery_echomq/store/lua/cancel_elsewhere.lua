@@ -15,9 +15,10 @@
 -- ARGV[3]    '1' to cancel running (active) children too; '0' for only those not started
 -- ARGV[3+i]  child i's id
 --
--- Reply: {n, id1, id2, ...} the jobs cancelled (the host revokes their messages): the first n
---        are children of the flow, counted as cut; the rest steps of a linked chain before
---        its last (the chain is one child)
+-- Reply: {n, c1, ..., cn, id1, id2, ...}: c1..cn the children of the flow to count as cut on
+--        the parent's slot (none where the parent shares this one: counted here); id1, ...
+--        the jobs cancelled now (the host revokes their messages), steps of a linked chain
+--        before its last among them (the chain is one child)
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
@@ -30,18 +31,27 @@ end
 local cancelled = {}
 local cut = cancel_children(5, 4, KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[2]), cancelled,
   ARGV[3] == '1', ARGV[1])
+local counted = {}
 -- The placeholder never exists: a parent of another slot is counted there.
-if #cut > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
-  redis.call('HINCRBY', KEYS[4], 'cut_children', #cut)
-  redis.call('HINCRBY', KEYS[3], 'children_cut', #cut)
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  if #cut > 0 then
+    redis.call('HINCRBY', KEYS[4], 'cut_children', #cut)
+    redis.call('HINCRBY', KEYS[3], 'children_cut', #cut)
+  end
+else
+  -- Every child of the parent this slot's rows say was cancelled, not only those cancelled
+  -- now: credit_cut counts each once, so a count the host never made (it died after an
+  -- earlier run) is made by the next run, on the rows' evidence.
+  for i = 5, #KEYS do
+    local c = redis.call('HMGET', KEYS[i], 'state', 'parent', 'next')
+    if c[1] == 'cancelled' and c[2] == ARGV[1] and not c[3] then
+      counted[#counted + 1] = ARGV[i - 1]
+    end
+  end
 end
-local reply, counted = {#cut}, {}
-for _, cid in ipairs(cut) do
-  reply[#reply + 1] = cid
-  counted[cid] = true
-end
-for _, cid in ipairs(cancelled) do
-  if not counted[cid] then
+local reply = {#counted}
+for _, list in ipairs({counted, cancelled}) do
+  for _, cid in ipairs(list) do
     reply[#reply + 1] = cid
   end
 end
