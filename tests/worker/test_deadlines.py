@@ -445,6 +445,11 @@ def test_children_on_another_queue_are_cut_on_their_own_slot(
     assert store.zscore(KEYS.queue_key(other, "pending"), far_id) is None
     assert res.failed_children()[far_id].startswith("FlowDeadlineExceeded: ")
     store.set(gate, 1)
+    # Cut on its own slot, counted on its parent's: once the running child is done, the
+    # counts add up with none outstanding.
+    wait_for(lambda: res.dependencies().outstanding == 0, timeout=30)
+    deps = res.dependencies()
+    assert deps == (0, 1, 0, 0) and deps.cut == 1
 
 
 def test_a_deadline_cuts_a_chain_childs_step_not_started_and_a_retry_runs_the_chain(
