@@ -38,8 +38,6 @@ SERIES = (
     ("pending", "pending jobs", ("pending",), False),
     ("active", "active jobs", ("active",), False),
 )
-# The gauges' live readings, which the counts table shows: each gauge's latest point.
-GAUGES = ("held", "window_waiting", "pending", "active")
 QUANTILES = (0.5, 0.9, 0.99)
 
 
@@ -76,7 +74,7 @@ def series_of(
     ``live``: the gauges read now (the counts table's figures). A sample is taken once a
     minute, at the first pass of a worker's recovery loop in it, so the newest can be a minute
     old (hours, with no worker running): each gauge ends on its live reading, at the current
-    minute, and its figure is the table's."""
+    minute, and its figure is the table's. With no sample at all there is no chart."""
     minute_now = int((time.time() if now is None else now) // 60)
     live = live if samples else None  # no sample, no chart: nothing beside the table
     first = samples[0].minute if samples else 0
