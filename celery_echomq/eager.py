@@ -332,7 +332,9 @@ class _Level:
             if cut:
                 break
             if isinstance(self.fanin, QuorumFanIn) and self.parent_res is not None:
-                break  # its quorum met: the children not started never run
+                # Its quorum met: the children not started never run, counted as cut.
+                self.fanin.ended_without += [e[1] for e in self.growing.entries[i:]]
+                break
 
     def fold(self, cid: str, job: Node, value: Any) -> tuple[bool, Any]:
         """``value`` folded into the accumulator (as reduce.lua folds it), or the child failed

@@ -265,6 +265,9 @@ class FanIn:
     waiting: bool = True
     failure: FlowFailed | None = None
     cut: list[str] = field(default_factory=list)  # children its deadline cut
+    # Children it ended without otherwise: not started once its quorum was met, or finished
+    # after it (cut, as the store's 'cut_children' counts them).
+    ended_without: list[str] = field(default_factory=list)
     # The first child failed under fail_at_end (its id and error): the flow fails with it
     # once every child has settled.
     late: tuple[str, str] | None = None
@@ -280,8 +283,13 @@ class FanIn:
 
     def dependencies(self) -> Dependencies:
         under_fail = len(self.failures) - (self.credited - len(self.values) - len(self.ignored))
+        cut = len(self.cut) + len(self.ended_without)
         return Dependencies(
-            self.outstanding - under_fail, len(self.values), len(self.failures), len(self.ignored)
+            self.outstanding - under_fail - cut,
+            len(self.values),
+            len(self.failures),
+            len(self.ignored),
+            cut,
         )
 
     def failed_children(self, cursor: str | None = None, count: int | None = None) -> Any:
@@ -345,7 +353,8 @@ class QuorumFanIn(FanIn):
 
     def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
         if ok and not self.waiting and self.failure is None:
-            return False  # finished after the quorum was met: not counted
+            self.ended_without.append(child_id)  # finished after the quorum was met: cut
+            return False
         if ok:
             self.values[child_id] = data
         else:

@@ -71,7 +71,7 @@ def store(env: Env) -> redis.Redis:
 
 INPROCESS = os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess"
 # The modules whose ``worker`` tests run on an in-process worker in the fast tier.
-INPROCESS_MODULES = frozenset({"canvas/test_compose", "worker/test_policies"})
+INPROCESS_MODULES = frozenset({"canvas/test_compose", "worker/test_policies", "worker/test_counts"})
 # Fixtures that start worker subprocesses whatever the tier.
 SUBPROCESS_FIXTURES = frozenset({"start_worker", "cluster_workers", "rabbit_workers"})
 

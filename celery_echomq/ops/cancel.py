@@ -225,7 +225,7 @@ def _cut(state: EchoMQ, queue: str, parent_id: str) -> _Cut:
                 rest = [cid for cid in part if where.get(cid) != queue]
         for other, ids in _by_queue(where, rest).items():
             cut.outstanding += state.scripts.cancel_elsewhere(
-                other, parent_id, ids, ttl=ttl, started=True
+                other, parent_id, ids, ttl=ttl, started=True, parent_queue=queue
             )
         if cut.cancelled:  # a job other flows were joined to: stopped if none waits for it
             cut.outstanding += cut_shared(state, where, part)

@@ -49,7 +49,14 @@ from celery_echomq.ops.forget import forget_flow
 from celery_echomq.ops.listing import MAX_LIMIT, STATES, queue_stats, read_flows
 from celery_echomq.ops.pages import FILTERS, MAX_PAGE, PAGE, read_flow
 from celery_echomq.ops.progress import render_progress
-from celery_echomq.ops.rendering import render_rows, render_tree, show_every
+from celery_echomq.ops.rendering import (
+    list_title,
+    render_rows,
+    render_stats,
+    render_tree,
+    show_every,
+    stats_json,
+)
 from celery_echomq.ops.replication import replication_wait, store_refusal
 from celery_echomq.ops.views import FINISHED, node_dict, tree_json
 from celery_echomq.store.connection import describe
@@ -162,7 +169,8 @@ def list_command(
     cursor: str | None,
     as_json: bool,
 ) -> None:
-    """List flows, newest first: id, task, state, children done/total, age.
+    """List flows, newest first, one a line: id, task, state, its children done/total,
+    failed, ignored and cut, age.
 
     Without --state, only the failed flows (what needs a look); --state recent lists every
     flow, in any state.
@@ -176,6 +184,7 @@ def list_command(
         emit_json({"flows": [dataclasses.asdict(r) for r in rows], "next_cursor": after})
         return
     if rows:
+        click.echo(list_title(len(rows), wanted, after is not None))
         for line in render_rows(rows):
             click.echo(line)
     else:
@@ -221,26 +230,18 @@ def recover(ctx: click.Context, queues: tuple[str, ...], as_json: bool) -> None:
 @click.pass_context
 @plain_errors
 def stats(ctx: click.Context, as_json: bool) -> None:
-    """Per queue that holds flows: pending, active, held parents and failed jobs; messages
-    recovery re-published, duplicate deliveries skipped and forged ones refused (counted since
-    the start)."""
+    """Per queue that holds flows: pending, active and failed jobs (a job is a child or a
+    parent), held flows (parents awaiting their children); messages recovery re-published,
+    duplicate deliveries skipped and forged ones refused (counted since the start)."""
     rows = queue_stats(cli_state(ctx))
     if as_json:
-        emit_json({"queues": [dataclasses.asdict(row) for row in rows]})
+        emit_json({"queues": [stats_json(row) for row in rows]})
         return
     if not rows:
         click.echo("no queue holds flows yet")
         return
-    width = max(len("queue"), *(len(row.queue) for row in rows))
-    click.echo(
-        f"{'queue':<{width}}  {'pending':>7}  {'active':>6}  {'held':>6}  {'failed':>6}  "
-        f"{'republished':>11}  {'skipped':>7}  {'forged':>6}"
-    )
-    for row in rows:
-        click.echo(
-            f"{row.queue:<{width}}  {row.pending:>7}  {row.active:>6}  {row.held:>6}  "
-            f"{row.failed:>6}  {row.republished:>11}  {row.skipped:>7}  {row.forged:>6}"
-        )
+    for line in render_stats(rows):
+        click.echo(line)
 
 
 @echomq.command(name="doctor")

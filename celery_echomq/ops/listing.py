@@ -64,6 +64,7 @@ class FlowRow:
     failed: int
     ignored: int
     outstanding: int
+    cut: int  # the flow ended without them (cancelled, cut by a deadline, a quorum, a release)
     total: int
     enqueued_ms: int | None  # when it was enqueued (None: no longer in the recent index)
     failed_ms: int | None  # when it failed, for a failed flow
@@ -249,7 +250,8 @@ class _Pager:
                 failed=deps.failed,
                 ignored=deps.ignored,
                 outstanding=deps.outstanding,
-                total=sum(deps),
+                cut=deps.cut,
+                total=deps.total,
                 enqueued_ms=enqueued,
                 failed_ms=score if self.kind == "f" else None,
                 age_s=None if enqueued is None else max(0.0, (now - enqueued) / 1000),
@@ -275,7 +277,9 @@ class _Pager:
             pipe.get(deps)
             pipe.hlen(processed)
             pipe.hlen(ignored)
-            pipe.hmget(keys.job_key(queue, job_id), "credited_failed", "failed_children")
+            pipe.hmget(
+                keys.job_key(queue, job_id), "credited_failed", "failed_children", "cut_children"
+            )
         replies = pipe.execute()
         return [
             counts_of(*replies[4 * i : 4 * i + 3], *replies[4 * i + 3]) for i in range(len(flows))

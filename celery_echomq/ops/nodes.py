@@ -21,8 +21,9 @@ class FlowInfo:
     policy: str  # the default parent_policy of children that set none
     outstanding: int | None  # children not settled yet; None once the counter expired
     done: int  # children whose values count
-    failed: int  # children failed under fail, remove or continue
+    failed: int  # children failed under fail, fail_at_end, remove or continue
     ignored: int  # children failed under ignore
+    cut: int  # children the flow ended without (cancelled; cut by a release, deadline, quorum)
     total: int  # children of the flow (those added while it ran included)
     failed_child: str | None  # the child whose failure under policy "fail" failed the flow
     max_active: int | None = None  # its window: the most children out at once (None: none)

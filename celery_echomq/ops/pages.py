@@ -206,7 +206,7 @@ def _info(row: dict[str, Any], listed: list[str]) -> FlowInfo | None:
         return None
     counts = counts_of(
         row["_counter"], row["_values"], row["_ignored"], row["credited_failed"],
-        row["failed_children"],
+        row["failed_children"], row["cut_children"],
     )  # fmt: skip
     return FlowInfo(
         policy=row["policy"] or "fail",
@@ -214,6 +214,7 @@ def _info(row: dict[str, Any], listed: list[str]) -> FlowInfo | None:
         done=counts.done,
         failed=counts.failed,
         ignored=counts.ignored,
+        cut=counts.cut,
         total=int(indexed) if indexed is not None else len(listed),
         failed_child=row["failed_child"],
     )

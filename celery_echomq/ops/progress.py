@@ -74,7 +74,7 @@ def read_progress(
             total=info.total,
             done=info.done,
             failed=info.failed + info.ignored,
-            cancelled=None,
+            cancelled=info.cut or None,
             active=None,
             pending=outstanding or 0,
             outstanding=outstanding,

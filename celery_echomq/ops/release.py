@@ -163,7 +163,9 @@ def _revoke_all(state: EchoMQ, node: JobNode) -> _Revoked:
             cancelled += _release(state, node, plain.pop(node.queue, []) or [])
             released = True
         for queue, ids in plain.items():
-            cancelled += state.scripts.cancel_elsewhere(queue, node.id, ids, ttl=ttl, started=False)
+            cancelled += state.scripts.cancel_elsewhere(
+                queue, node.id, ids, ttl=ttl, started=False, parent_queue=node.queue
+            )
         if cancelled:
             state.app.control.revoke(cancelled)  # one broadcast per chunk of ids
         done.revoked += cancelled

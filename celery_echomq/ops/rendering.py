@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from celery_echomq.ops.listing import FlowRow
+from celery_echomq.ops.listing import FlowRow, QueueStats
 from celery_echomq.ops.nodes import JobNode, json_default, node_dict
 from celery_echomq.ops.pages import iter_children
 from celery_echomq.store.state import EchoMQ
@@ -70,7 +70,8 @@ def job_line(node: JobNode, color: bool) -> str:
         f = node.flow
         counter = "expired" if f.outstanding is None else str(f.outstanding)
         parts.append(f"outstanding={counter}  done={f.done}/{f.total}")
-        parts.append(f"failed={f.failed}  ignored={f.ignored}  default-policy={f.policy}")
+        parts.append(f"failed={f.failed}  ignored={f.ignored}  cut={f.cut}")
+        parts.append(f"default-policy={f.policy}")
         if f.max_active is not None:
             parts.append(f"max_active={f.max_active}  waiting={f.waiting}")
         if f.quorum is not None:
@@ -172,7 +173,18 @@ def show_every(state: EchoMQ, node: JobNode, only: str | None, count: int, as_js
         under(node, "", 0)
 
 
-LIST_HEADER = ("flow", "task", "state", "done/total", "failed", "ignored", "age", "queue")
+LIST_HEADER = ("flow", "task", "state", "done/total", "failed", "ignored", "cut", "age", "queue")
+
+
+def list_title(n: int, wanted: str, more: bool) -> str:
+    """The line above ``list``'s table: what its rows are (flows), and what the counts on a
+    row count (that flow's children)."""
+    flows = "flow" if n == 1 else "flows"
+    page = " on this page" if more else ""
+    return (
+        f"{n} {wanted} {flows}{page}, newest first; done/total, failed, ignored and cut count "
+        "each flow's children"
+    )
 
 
 def render_rows(rows: list[FlowRow]) -> list[str]:
@@ -185,6 +197,7 @@ def render_rows(rows: list[FlowRow]) -> list[str]:
             f"{row.done}/{row.total}",
             str(row.failed),
             str(row.ignored),
+            str(row.cut),
             seconds(None if row.age_s is None else int(row.age_s * 1000)),
             row.queue,
         )
@@ -193,4 +206,52 @@ def render_rows(rows: list[FlowRow]) -> list[str]:
     widths = [max(len(line[i]) for line in table) for i in range(len(LIST_HEADER))]
     return [
         "  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in table
+    ]
+
+
+# ``stats``'s columns after the queue's: (what it counts, in what); its --json keys join the
+# two (``failed_jobs``, ``held_flows``), so that no figure leaves its unit to be guessed.
+STATS_COLUMNS = (
+    ("pending", "jobs"),
+    ("active", "jobs"),
+    ("held", "flows"),
+    ("failed", "jobs"),
+    ("republished", "messages"),
+    ("skipped", "messages"),
+    ("forged", "messages"),
+)
+
+
+def _stats_values(row: QueueStats) -> tuple[int, ...]:
+    return (
+        row.pending,
+        row.active,
+        row.held,
+        row.failed,
+        row.republished,
+        row.skipped,
+        row.forged,
+    )
+
+
+def stats_json(row: QueueStats) -> dict[str, Any]:
+    """One queue's counts for ``stats --json``, each key naming what it counts."""
+    keys = [f"{name}_{unit}" for name, unit in STATS_COLUMNS]
+    return {"queue": row.queue, **dict(zip(keys, _stats_values(row), strict=True))}
+
+
+def render_stats(rows: list[QueueStats]) -> list[str]:
+    """``stats``'s table: a header of two lines (what a column counts, then in what: jobs,
+    flows, messages), then one line per queue, columns aligned."""
+    head = [("queue", ""), *STATS_COLUMNS]
+    table = [[name for name, _ in head], [unit for _, unit in head]] + [
+        [row.queue, *(str(v) for v in _stats_values(row))] for row in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(head))]
+    return [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(line, widths, strict=True))
+        ).rstrip()
+        for line in table
     ]

@@ -76,13 +76,15 @@ def _retryable(state: EchoMQ, node: JobNode) -> tuple[list[JobNode], list[str]]:
 
 
 def _own_failure(node: JobNode) -> bool:
-    """A flow parent failed by its own body, every child settled (not abandoned half-way)."""
+    """A flow parent failed by its own body, every child settled (not abandoned half-way, and
+    none cut: a flow its deadline failed is retried with a new one)."""
     flow = node.flow
     return (
         node.state == "failed"
         and flow is not None
         and flow.failed_child is None
         and flow.outstanding == 0
+        and flow.cut == 0
     )
 
 

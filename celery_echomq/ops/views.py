@@ -58,6 +58,7 @@ ROW_FIELDS = (
     "delta",
     "template",
     "failed_children",
+    "cut_children",  # a parent's: its children cut (reads.counts_of)
     "cut",  # "deadline": cut by its flow's deadline before it started
     "steps",  # a linked chain's last step: every step's id, in order
     "input",  # a chain's step: the value of the step before it, its first argument
@@ -268,7 +269,12 @@ def _read_flow(state: EchoMQ, queue: str, job_id: str, child_ids: list[str]) -> 
 
 def _flow_info(row: dict[str, Any], read: _FlowRead, total: int) -> FlowInfo:
     counts = counts_of(
-        read.counter, read.n_values, read.n_ignored, row["credited_failed"], row["failed_children"]
+        read.counter,
+        read.n_values,
+        read.n_ignored,
+        row["credited_failed"],
+        row["failed_children"],
+        row["cut_children"],
     )
     return FlowInfo(
         policy=row["policy"] or "fail",
@@ -276,6 +282,7 @@ def _flow_info(row: dict[str, Any], read: _FlowRead, total: int) -> FlowInfo:
         done=counts.done,
         failed=counts.failed,
         ignored=counts.ignored,
+        cut=counts.cut,
         total=total,
         failed_child=row["failed_child"],
     )

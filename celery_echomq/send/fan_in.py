@@ -227,6 +227,7 @@ def cut_rest(state: EchoMQ, job: dict[str, Any]) -> list[str]:
                 children[start : start + chunk],
                 ttl=state.settings.result_ttl,
                 started=False,
+                parent_queue=queue,
             )
     for start in range(0, len(cut), chunk):  # Celery's result of each: REVOKED
         state.app.control.revoke(cut[start : start + chunk])

@@ -118,20 +118,32 @@ def fire(
 
 
 def cut_children(
-    state: EchoMQ, queue: str, parent_id: str, child_ids: Sequence[str], error: str
+    state: EchoMQ,
+    queue: str,
+    parent_id: str,
+    child_ids: Sequence[str],
+    error: str,
+    parent_queue: str,
 ) -> list[str]:
     """Cut the children of ``parent_id`` on ``queue``'s slot that have not started, a
-    :data:`CUT_CHUNK` per call."""
+    :data:`CUT_CHUNK` per call, each counted as cut on the parent (``parent_queue``'s slot):
+    in the same call where the parent shares the slot, else by ``credit_cut`` after it."""
+    here = queue == parent_queue
     cut: list[str] = []
     for start in range(0, len(child_ids), CUT_CHUNK):
         chunk = child_ids[start : start + CUT_CHUNK]
         keys = [
             state.keys.queue_key(queue, "pending"),
             state.keys.queue_key(queue, "counters"),
+            state.keys.job_key(queue, parent_id) if here else state.keys.unused_key(queue),
             *(state.keys.job_key(queue, cid) for cid in chunk),
         ]
         argv = [parent_id, str(state.settings.result_ttl), error, *chunk]
-        cut += [text(cid) or "" for cid in state.scripts._run("deadline_cut", keys, argv)]
+        reply = [text(cid) or "" for cid in state.scripts._run("deadline_cut", keys, argv)]
+        n = int(reply[0])
+        if n and not here:  # every child cut there, now or before: each counted once
+            state.scripts.credit_cut(parent_queue, parent_id, reply[1 : 1 + n])
+        cut += reply[1 + n :]
     return cut
 
 

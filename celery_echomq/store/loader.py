@@ -30,6 +30,9 @@ TRANSITIONS = (
     "add_children",
     "seal_flow",
     "credit",
+    # children cut on another slot (cancelled, or by a deadline or a quorum) counted on the
+    # parent's
+    "credit_cut",
     # a job that exists joined to one more parent (on_exists="join")
     "join_edge",
     # children added to a held flow: on the parent's slot, then (other slots) add_children,

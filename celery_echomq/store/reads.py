@@ -37,41 +37,84 @@ __all__ = [
 # The parent row's field prefix of a child failed under fail, remove or continue (its error),
 # and the field counting them (settle_child.lua).
 FAILED_PREFIX = "failed:"
+# The parent row's count of its children cut: the flow ended without them (cancel.lua,
+# release.lua, deadline.lua, cancel_elsewhere.lua, deadline_cut.lua, credit_cut.lua, quorum).
+CUT_FIELD = "cut_children"
 
 
-class Dependencies(NamedTuple):
-    """Where a flow's children stand; for a finished flow the four add up to its children.
-
-    ``outstanding``: not settled yet (pending, running; cancelled ones stay here);
-    ``done``: succeeded, their values are the parent's; ``failed``: failed under policy
-    ``fail``, ``remove`` or ``continue``; ``ignored``: failed under ``ignore``.
-    """
-
+class _Four(NamedTuple):
     outstanding: int
     done: int
     failed: int
     ignored: int
 
 
+class Dependencies(_Four):
+    """Where a flow's children stand: ``outstanding + done + failed + ignored + cut`` is its
+    number of children, and a finished flow has none outstanding.
+
+    ``outstanding``: not settled yet (pending, running); ``done``: succeeded, their values are
+    the parent's; ``failed``: failed under policy ``fail``, ``fail_at_end``, ``remove`` or
+    ``continue``; ``ignored``: failed under ``ignore``; ``cut``: the flow ended without them
+    (cancelled, revoked by a release, cut by a deadline or by a quorum before they started;
+    under a quorum also one that succeeded once its parent no longer waited, whose value was
+    not taken).
+
+    A tuple of the first four, as before ``cut`` was counted: ``a, b, c, d = deps`` and
+    ``deps == (0, 3, 0, 0)`` read as they always did; ``cut`` is an attribute beside them.
+    """
+
+    cut: int
+
+    def __new__(
+        cls, outstanding: int, done: int, failed: int, ignored: int, cut: int = 0
+    ) -> Dependencies:
+        self = super().__new__(cls, outstanding, done, failed, ignored)
+        self.cut = cut
+        return self
+
+    @property
+    def total(self) -> int:
+        """Every child counted: the five counts added up."""
+        return sum(self) + self.cut
+
+    def __repr__(self) -> str:
+        return (
+            f"Dependencies(outstanding={self.outstanding}, done={self.done}, "
+            f"failed={self.failed}, ignored={self.ignored}, cut={self.cut})"
+        )
+
+    def _asdict(self) -> dict[str, Any]:
+        return {**super()._asdict(), "cut": self.cut}
+
+    def _replace(self, **changes: int) -> Dependencies:
+        cut = changes.pop("cut", self.cut)
+        return Dependencies(*_Four(*self)._replace(**changes), cut=cut)
+
+
 def counts_of(
-    counter: Any, values: Any, ignored: Any, credited_failed: Any, recorded: Any
+    counter: Any, values: Any, ignored: Any, credited_failed: Any, recorded: Any, cut: Any = None
 ) -> Dependencies:
     """The counts from what the store keeps: the ``:dependencies`` counter, ``HLEN`` of
-    ``:processed`` and of ``:ignored``, and the row's ``credited_failed`` and
-    ``failed_children``.
+    ``:processed`` and of ``:ignored``, and the row's ``credited_failed``, ``failed_children``
+    and ``cut_children``.
 
     A child failed under ``fail`` is never counted down (settle_child returns before the
     DECR), so the counter still includes it; the row's record of failed children tells it
-    from one still outstanding. A flow written before that record existed reads as before.
+    from one still outstanding. A cut child is never counted down either (it never settles):
+    the row's ``cut_children`` counts it, written by the script that cut it. A flow written
+    before that record existed reads as before (its cut children outstanding).
     """
     n_ignored = int(ignored or 0)
+    n_cut = int(cut or 0)
     credited_others = max(0, int(credited_failed or 0) - n_ignored)  # remove and continue
     under_fail = max(0, int(recorded or 0) - credited_others)
     return Dependencies(
-        outstanding=max(0, int(counter or 0) - under_fail),
+        outstanding=max(0, int(counter or 0) - under_fail - n_cut),
         done=int(values or 0),
         failed=credited_others + under_fail,
         ignored=n_ignored,
+        cut=n_cut,
     )
 
 
@@ -176,7 +219,8 @@ def eager_values(values: dict[str, Any], cursor: str | None, count: int | None) 
 
 
 def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> Dependencies:
-    """Where the children stand: :class:`Dependencies` (outstanding, done, failed, ignored)."""
+    """Where the children stand: :class:`Dependencies` (outstanding, done, failed, ignored,
+    and cut)."""
     state = state_of(app)
     q = locate(state, job_id, queue)
     deps, processed, ignored = state.keys.flow_keys(q, job_id)
@@ -184,9 +228,9 @@ def dependencies(job_id: str, *, app: Any = None, queue: str | None = None) -> D
     pipe.get(deps)
     pipe.hlen(processed)
     pipe.hlen(ignored)
-    pipe.hmget(state.keys.job_key(q, job_id), "credited_failed", "failed_children")
-    counter, values, n_ignored, (credited_failed, recorded) = pipe.execute()
-    return counts_of(counter, values, n_ignored, credited_failed, recorded)
+    pipe.hmget(state.keys.job_key(q, job_id), "credited_failed", "failed_children", CUT_FIELD)
+    counter, values, n_ignored, (credited_failed, recorded, cut) = pipe.execute()
+    return counts_of(counter, values, n_ignored, credited_failed, recorded, cut)
 
 
 def ignored_failures(job_id: str, *, app: Any = None, queue: str | None = None) -> dict[str, str]:

@@ -697,17 +697,38 @@ class Scripts:
         *,
         ttl: int,
         started: bool,
+        parent_queue: str,
     ) -> list[str]:
         """Cancel ``parent_id``'s outstanding children on ``queue``'s slot (``started``: the
-        running ones too): the ids cancelled (cancel_elsewhere.lua)."""
+        running ones too): the ids cancelled (cancel_elsewhere.lua). Each child cancelled is
+        counted as cut on its parent (on ``parent_queue``'s slot): in the same script where
+        the parent shares the slot, else by :meth:`credit_cut` after it, given every child
+        the slot's rows show cancelled (so a repeat makes a count a crash left undone)."""
+        here = queue == parent_queue
         keys = [
             self.keys.queue_key(queue, "pending"),
             self.keys.queue_key(queue, "active"),
             self.keys.queue_key(queue, "counters"),
+            self.keys.job_key(queue, parent_id) if here else self.keys.unused_key(queue),
             *(self.keys.job_key(queue, cid) for cid in child_ids),
         ]
         argv = [parent_id, str(ttl), "1" if started else "0", *child_ids]
-        return [text(cid) for cid in self._run("cancel_elsewhere", keys, argv)]
+        reply = [text(item) for item in self._run("cancel_elsewhere", keys, argv)]
+        n = int(reply[0])
+        if n and not here:
+            self.credit_cut(parent_queue, parent_id, reply[1 : 1 + n])
+        return reply[1 + n :]
+
+    def credit_cut(self, queue: str, parent_id: str, child_ids: Sequence[str]) -> int:
+        """Count children cut on another slot as cut on their parent's (on ``queue``), once
+        per child id: how many were counted now (credit_cut.lua)."""
+        keys = [
+            self.keys.job_key(queue, parent_id),
+            self.keys.settled_key(queue, parent_id),
+            self.keys.queue_key(queue, "counters"),
+        ]
+        reply = self._run("credit_cut", keys, [parent_id, *child_ids])
+        return int(reply[1])
 
     def forget(
         self,

@@ -154,10 +154,12 @@ def follow_up(state: EchoMQ, step: Step, revoke: list[str]) -> str:
     revoked = list(fired.cut)
     rest = step.local[store.CUT_CHUNK :]
     if rest:
-        revoked += store.cut_children(state, queue, parent_id, rest, store.before_start(parent_id))
+        revoked += store.cut_children(
+            state, queue, parent_id, rest, store.before_start(parent_id), queue
+        )
     remote = (*fired.remote, *step.remote[store.CUT_CHUNK :])
     if remote:
-        revoked += _cut_remote(state, parent_id, remote, PREFIX + str(exc))
+        revoked += _cut_remote(state, queue, parent_id, remote, PREFIX + str(exc))
     revoke += revoked
     what = "failed" if fired.status == "failed" else "released with the values so far"
     line = (
@@ -178,7 +180,7 @@ def follow_again(state: EchoMQ, step: Step, revoke: list[str]) -> str:
     # (each cuts only a child still pending: again, none twice).
     rest = local[store.CUT_CHUNK :]
     if rest:
-        store.cut_children(state, queue, parent_id, rest, store.before_start(parent_id))
+        store.cut_children(state, queue, parent_id, rest, store.before_start(parent_id), queue)
     pipe = client.pipeline(transaction=False)
     pipe.hmget(keys.job_key(queue, parent_id), "error", "deadline_outstanding")
     for cid in local:
@@ -187,7 +189,7 @@ def follow_again(state: EchoMQ, step: Step, revoke: list[str]) -> str:
     cut = tuple(c for c, mark in zip(local, cuts, strict=True) if mark == b"deadline")
     if step.remote:
         why = text(error) or store.before_start(parent_id)
-        revoke += _cut_remote(state, parent_id, tuple(step.remote), why)
+        revoke += _cut_remote(state, queue, parent_id, tuple(step.remote), why)
     if fired.outcome == "failed":
         meta = state.app.backend.get_task_meta(parent_id) if _readable(state) else {}
         # Its outstanding children are no longer known here: the row's error names them.
@@ -237,8 +239,11 @@ def _carry(
         settle_failure(state, queue, parent_id, "", error_text(exc), True, ref, carry=True)
 
 
-def _cut_remote(state: EchoMQ, parent_id: str, remote: tuple[str, ...], error: str) -> list[str]:
-    """Cut the unsettled children of other slots that have not started, on their slots."""
+def _cut_remote(
+    state: EchoMQ, queue: str, parent_id: str, remote: tuple[str, ...], error: str
+) -> list[str]:
+    """Cut the unsettled children of other slots that have not started, on their slots (each
+    counted as cut on the parent's slot, ``queue``'s)."""
     by_queue: dict[str, list[str]] = {}
     for cid in remote:
         where = scan_queues(state, cid)
@@ -246,5 +251,5 @@ def _cut_remote(state: EchoMQ, parent_id: str, remote: tuple[str, ...], error: s
             by_queue.setdefault(where, []).append(cid)
     cut: list[str] = []
     for where, ids in by_queue.items():
-        cut += store.cut_children(state, where, parent_id, ids, error)
+        cut += store.cut_children(state, where, parent_id, ids, error, queue)
     return cut

@@ -99,6 +99,7 @@ def test_show_json_gives_the_same_tree_as_data(proj: Any, worker: Any) -> None:
         "done": 3,
         "failed": 0,
         "ignored": 0,
+        "cut": 0,  # none cut: the flow ended with every child
         "total": 3,
         "failed_child": None,
         "max_active": None,  # no window: every child out at once
@@ -367,18 +368,20 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
     assert mine == [
         {
             "queue": queue,
-            "pending": 1,
-            "active": 1,
-            "held": 1,
-            "failed": 0,
-            "republished": 0,
-            "skipped": 0,
-            "forged": 0,
+            "pending_jobs": 1,
+            "active_jobs": 1,
+            "held_flows": 1,
+            "failed_jobs": 0,
+            "republished_messages": 0,
+            "skipped_messages": 0,
+            "forged_messages": 0,
         }
     ]
 
     text = echomq("stats")
-    assert text.stdout.splitlines()[0].split() == [
+    # What each column counts, then in what: jobs (children and parents), flows, messages.
+    names, units = text.stdout.splitlines()[:2]
+    assert names.split() == [
         "queue",
         "pending",
         "active",
@@ -388,6 +391,7 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
         "skipped",
         "forged",
     ]
+    assert units.split() == ["jobs", "jobs", "flows", "jobs", "messages", "messages", "messages"]
     assert [queue, "1", "1", "1", "0", "0", "0", "0"] in [
         line.split() for line in text.stdout.splitlines()
     ]
@@ -404,13 +408,13 @@ def test_stats_counts_pending_active_held_and_failed_per_queue(
     assert after == [
         {
             "queue": queue,
-            "pending": 0,
-            "active": 0,
-            "held": 0,
-            "failed": 2,
-            "republished": 0,
-            "skipped": 0,
-            "forged": 0,
+            "pending_jobs": 0,
+            "active_jobs": 0,
+            "held_flows": 0,
+            "failed_jobs": 2,
+            "republished_messages": 0,
+            "skipped_messages": 0,
+            "forged_messages": 0,
         }
     ]
 
@@ -582,9 +586,13 @@ def test_list_shows_held_and_failed_flows_with_their_tasks_and_pages(
 
     out = echomq("list", "--state", "held", "--queue", queue)
     assert out.exit_code == 0, out.output
-    header, row = out.stdout.splitlines()
-    assert header.split() == ["flow", "task", "state", "done/total", "failed", "ignored", "age",
-                              "queue"]  # fmt: skip
+    title, header, row = out.stdout.splitlines()
+    # The rows are flows; the counts on a row are that flow's children.
+    assert title == (
+        "1 held flow, newest first; done/total, failed, ignored and cut count each flow's children"
+    )
+    assert header.split() == ["flow", "task", "state", "done/total", "failed", "ignored", "cut",
+                              "age", "queue"]  # fmt: skip
     assert row.split()[:6] == [held.id, "tests.proj.tsum", "awaiting_children", "1/2", "0", "0"]
     # The default is what needs a look: the failed flows, with their error in --json.
     failed = json.loads(echomq("list", "--queue", queue, "--json").stdout)

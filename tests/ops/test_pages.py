@@ -269,6 +269,8 @@ def test_cancel_and_forget_a_large_flow_a_chunk_per_script_call(
     for sig in sigs:
         pipe.hget(row(id_of(sig)), "state")
     assert set(pipe.execute()) == {b"cancelled"}  # the running ones too
+    deps = res.dependencies()  # every chunk's children counted as cut, none outstanding
+    assert deps == (0, 0, 0, 0) and deps.cut == n
     with pytest.raises(FlowCancelled):
         res.get(timeout=30)
 

@@ -194,6 +194,9 @@ def test_release_reads_the_counts_alone_and_revoke_stops_2500_children_a_chunk_a
     for cid in ids:
         pipe.hget(KEYS.job_key(other, cid), "state")
     assert set(pipe.execute()) == {b"cancelled"}
+    # Each counted as cut, by the release's first chunk and each cancel_elsewhere after it.
+    deps = revoked.dependencies()
+    assert deps == (0, 0, 0, 0) and deps.cut == n
 
     start_worker(queues=f"{queue},{other}", concurrency=2)
     # Released with the values so far (none): each parent runs with an empty list.

@@ -335,7 +335,7 @@ def test_the_children_waiting_in_a_window_are_counted_sampled_and_drawn_beside_t
     held = figures.index(f"chart-{name}-held")
     assert figures[held + 1] == f"chart-{name}-window_waiting"  # drawn beside the held
     caption = browser.find_element("css selector", f"#chart-{name}-window_waiting figcaption").text
-    assert caption.startswith("waiting in windows") and "peak 8" in caption
+    assert caption.startswith("children waiting in windows") and "peak 8" in caption
     count = browser.find_element("css selector", f"#queue-{name} .count-window-waiting").text
     assert count == "0"
     shot(browser, "window-waiting.png", height=560)

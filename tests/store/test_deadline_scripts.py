@@ -119,7 +119,7 @@ def test_continue_releases_and_cut_children_stay_cut(
     assert fired.remote == ("JOB" + "b" * 32,)
     assert store.hget(KEYS.job_key(queue, parent), "state") == b"pending"
     # A second cut of the same children (deadline_cut) changes nothing.
-    assert dl.cut_children(state, queue, parent, kids, "FlowDeadlineExceeded: x") == []
+    assert dl.cut_children(state, queue, parent, kids, "FlowDeadlineExceeded: x", queue) == []
     for kid in kids[1:]:
         assert store.hget(KEYS.job_key(queue, kid), "cut") == b"deadline"
 

@@ -98,9 +98,10 @@ def test_cancel_of_a_held_flow_counts_it_held_no_more(
     parent, children = enqueue(scripts, queue, 2)
     status, was, _ = scripts.cancel(queue, parent, children, ttl=TTL)
     assert (status, was) == (Status.CANCELLED, Status.AWAITING_CHILDREN)
-    assert counters(db, queue) == {"held": 0}
+    # Its two children cut: counted as such, on the queue as on the flow.
+    assert counters(db, queue) == {"held": 0, "children_cut": 2}
     scripts.cancel(queue, parent, children, ttl=TTL)  # a second cancel changes nothing
-    assert counters(db, queue) == {"held": 0}
+    assert counters(db, queue) == {"held": 0, "children_cut": 2}
 
 
 def test_the_chunked_path_counts_like_the_one_script_path(

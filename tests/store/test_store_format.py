@@ -80,8 +80,10 @@ def calls(queue: str, parent: str, child: str) -> dict[str, tuple[list[str], lis
             [child, "p", "0", packed([]), "10", "10", packed({"outer": parent})],
         ),
         "open_flow": ([crow, *other], [child, "p", "0", "fail", parent, "10", "10", NO_OPTIONS]),
-        "cancel_elsewhere": ([*other[:3], crow], [parent, "10", "0", child]),
-        "deadline_cut": ([*other[:2], crow], [parent, "10", "fail", child]),
+        # The parent's row where it shares the slot: refused as newer there too.
+        "cancel_elsewhere": ([*other[:3], other[3], crow], [parent, "10", "0", child]),
+        "deadline_cut": ([*other[:2], other[2], crow], [parent, "10", "fail", child]),
+        "credit_cut": ([prow, *other[:2]], [parent, child]),
         "forget": ([*other[:8], crow], ["1", child, "0"]),
         "retry_children": ([*other[:2], crow], [parent, child]),
     }

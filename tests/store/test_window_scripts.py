@@ -96,14 +96,16 @@ def test_a_deadline_and_a_quorums_cut_count_the_waiting_children_out_once(
     assert fired.status == "failed" and set(fired.cut) == set(kids[:3])
     assert waiting_count(store, queue) == 2
     for _ in range(2):
-        dl.cut_children(state, queue, parent, kids[3:], "FlowDeadlineExceeded: late")
+        dl.cut_children(state, queue, parent, kids[3:], "FlowDeadlineExceeded: late", queue)
         assert waiting_count(store, queue) == 0
 
     # A quorum met cuts what has not started (send/quorum.py: cancel_elsewhere, not started).
     ref, kids, _ = windowed(state, queue, out=1, waiting=3)
     assert waiting_count(store, queue) == 3
     for _ in range(2):
-        cut = state.scripts.cancel_elsewhere(queue, ref.id, kids, ttl=TTL, started=False)
+        cut = state.scripts.cancel_elsewhere(
+            queue, ref.id, kids, ttl=TTL, started=False, parent_queue=queue
+        )
         assert waiting_count(store, queue) == 0
     assert cut == [] and store.hget(KEYS.job_key(queue, kids[3]), "state") == b"cancelled"
 

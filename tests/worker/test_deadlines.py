@@ -445,6 +445,11 @@ def test_children_on_another_queue_are_cut_on_their_own_slot(
     assert store.zscore(KEYS.queue_key(other, "pending"), far_id) is None
     assert res.failed_children()[far_id].startswith("FlowDeadlineExceeded: ")
     store.set(gate, 1)
+    # Cut on its own slot, counted on its parent's: once the running child is done, the
+    # counts add up with none outstanding.
+    wait_for(lambda: res.dependencies().outstanding == 0, timeout=30)
+    deps = res.dependencies()
+    assert deps == (0, 1, 0, 0) and deps.cut == 1
 
 
 def test_a_deadline_cuts_a_chain_childs_step_not_started_and_a_retry_runs_the_chain(
@@ -522,6 +527,8 @@ def test_the_deadline_of_a_flow_of_2500_children_cuts_them_a_chunk_per_script_ca
     for cid in ids:
         pipe.hmget(KEYS.job_key(queue, cid), "state", "cut")
     assert {tuple(r) for r in pipe.execute()} == {(b"cancelled", b"deadline")}
+    deps = res.dependencies()  # the script's chunk and deadline_cut's each counted as cut
+    assert deps == (0, 0, 0, 0) and deps.cut == n
     # A worker started now runs none of them (revoked, and cancelled in the store), and a
     # plain task behind their messages shows it went through every one.
     start_worker(queues=queue, concurrency=2)

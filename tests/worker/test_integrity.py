@@ -87,7 +87,7 @@ def test_a_forged_message_for_another_flows_child_changes_neither_flow(
         assert row(store, t_res.id, "state") == "awaiting_children"
 
         stats = json.loads(echomq("stats", "--json").stdout)["queues"]
-        assert next(q for q in stats if q["queue"] == "celery")["forged"] > before
+        assert next(q for q in stats if q["queue"] == "celery")["forged_messages"] > before
     finally:
         store.set(gate_t, 1)
     assert t_res.get(timeout=60) == 3

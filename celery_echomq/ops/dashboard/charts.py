@@ -18,10 +18,14 @@ from celery_echomq.store.connection import text
 from celery_echomq.store.pulse import Minute, read_minutes
 from celery_echomq.store.state import EchoMQ
 
-# (name, what it says, how it is read from two samples: a counter's rate or a gauge)
+# (name, what it says, how it is read from two samples: a counter's rate or a gauge). Each
+# title names what it counts (flows, children, jobs: a job is a child or a parent), as the
+# counts table beside it does.
 SERIES = (
     ("flows_released", "flows released / min", ("released",), True),
-    ("flows_failed", "flows failed / min", ("failed_fail",), True),
+    # The queue's count of children failed under policy fail (each fails its flow if it still
+    # waits): no counter counts the flows themselves.
+    ("flows_failed", "children failed under fail / min", ("failed_fail",), True),
     ("children_done", "children done / min", (), True),
     (
         "children_failed",
@@ -29,10 +33,10 @@ SERIES = (
         ("failed_fail", "failed_ignore", "failed_remove", "failed_continue", "failed_fail_at_end"),
         True,
     ),
-    ("held", "held parents", ("held",), False),
-    ("window_waiting", "waiting in windows", ("window_waiting",), False),
-    ("pending", "waiting jobs (pending)", ("pending",), False),
-    ("active", "running jobs", ("active",), False),
+    ("held", "held flows (parents awaiting children)", ("held",), False),
+    ("window_waiting", "children waiting in windows", ("window_waiting",), False),
+    ("pending", "pending jobs", ("pending",), False),
+    ("active", "active jobs", ("active",), False),
 )
 QUANTILES = (0.5, 0.9, 0.99)
 
@@ -60,13 +64,25 @@ def _hhmm(minute: int) -> str:
     return time.strftime("%H:%M", time.gmtime(minute * 60))
 
 
-def series_of(samples: list[Minute]) -> list[Series]:
+def series_of(
+    samples: list[Minute], live: dict[str, int] | None = None, now: float | None = None
+) -> list[Series]:
     """Each series over the samples: a counter's increase per minute between consecutive
     samples (a gap spread over its minutes; a counter that went down, a restored store,
-    counts from zero), a gauge as sampled."""
+    counts from zero), a gauge as sampled.
+
+    ``live``: the gauges read now (the counts table's figures). A sample is taken once a
+    minute, at the first pass of a worker's recovery loop in it, so the newest can be a minute
+    old (hours, with no worker running): each gauge ends on its live reading, at the current
+    minute, and its figure is the table's. With no sample at all there is no chart."""
+    minute_now = int((time.time() if now is None else now) // 60)
+    live = live if samples else None  # no sample, no chart: nothing beside the table
     first = samples[0].minute if samples else 0
-    span = max((samples[-1].minute - first) if samples else 1, 1)
-    axis = (_hhmm(first), _hhmm(samples[-1].minute)) if samples else ("", "")
+    last_minute = samples[-1].minute if samples else 0
+    if live is not None:
+        last_minute = max(last_minute, minute_now)
+    span = max(last_minute - first, 1)
+    axis = (_hhmm(first), _hhmm(last_minute)) if samples else ("", "")
     out = []
     for name, title, fields, rate in SERIES:
         values: list[tuple[int, float]] = []
@@ -88,14 +104,29 @@ def series_of(samples: list[Minute]) -> list[Series]:
             values = [
                 (s.minute, float(max(0, sum(s.values.get(f, 0) for f in fields)))) for s in samples
             ]
+            if live is not None and name in live:
+                values = [v for v in values if v[0] < minute_now]
+                values.append((minute_now, float(max(0, live[name]))))
         points, peak = _points(values, first, span)
         last = values[-1][1] if values else None
         out.append(Series(name, title, tuple(values), points, last, peak, *axis))
     return out
 
 
-def read_series(state: EchoMQ, queue: str) -> list[Series]:
-    return series_of(read_minutes(state, queue))
+def read_series(state: EchoMQ, queue: str, live: dict[str, int] | None = None) -> list[Series]:
+    """The queue's series; ``live``: its gauges as read now (see :func:`series_of`)."""
+    return series_of(read_minutes(state, queue), live)
+
+
+def live_gauges(cards: list[int], counters: dict[str, int]) -> dict[str, int]:
+    """The gauges of :func:`overview.read_counts`'s reading of a queue (its ``[pending, active,
+    failed, indexed]`` and counters), by series name."""
+    return {
+        "held": counters["held"],
+        "window_waiting": counters["window_waiting"],
+        "pending": cards[0],
+        "active": cards[1],
+    }
 
 
 def release_times(state: EchoMQ, rows: list[FlowRow]) -> list[int]:

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from celery_echomq.ops.dashboard.charts import percentiles, read_series, release_times
+from celery_echomq.ops.dashboard.charts import live_gauges, percentiles, read_series, release_times
 from celery_echomq.ops.dashboard.overview import PAGE, queue_names, read_counts
 from celery_echomq.ops.listing import read_flows
 from celery_echomq.send.jobs import POLICIES
@@ -54,6 +54,12 @@ class EchoMQCollector(Collector):
                     "forged_refused",
                     "Deliveries refused: their message named another parent than the job's row",
                 ),
+                (
+                    "children_cut",
+                    "children_cut",
+                    "Children their flow ended without (cancelled, revoked by a release, cut by a "
+                    "deadline or a quorum): dependencies()' cut, over the queue's flows",
+                ),
             )
         }
         failures = CounterMetricFamily(
@@ -62,7 +68,9 @@ class EchoMQCollector(Collector):
             labels=["queue", "policy"],
         )
         names = queue_names(self.state)
+        live: dict[str, dict[str, int]] = {}
         for name, cards, values in read_counts(self.state, names):
+            live[name] = live_gauges(cards, values)
             pending, active, failed, indexed = cards
             for key, value in (
                 ("pending", pending),
@@ -80,16 +88,16 @@ class EchoMQCollector(Collector):
         yield from gauges.values()
         yield from counters.values()
         yield failures
-        yield from self._over_time(names)
+        yield from self._over_time(names, live)
 
-    def _over_time(self, names: list[str]) -> Iterator[Metric]:
+    def _over_time(self, names: list[str], live: dict[str, dict[str, int]]) -> Iterator[Metric]:
         """What the home page's charts draw: each series' latest per-minute value (from the
         workers' samples), and the release times of the newest page of recent flows."""
         minute = GaugeMetricFamily(
             "echomq_per_minute",
             "The latest minute's value of each of the dashboard's series over time (rates "
             "per minute between the workers' samples; held, window_waiting, pending, active "
-            "as sampled)",
+            "as read now, the echomq_held, ... gauges' values)",
             labels=["queue", "series"],
         )
         release = GaugeMetricFamily(
@@ -99,7 +107,7 @@ class EchoMQCollector(Collector):
             labels=["queue", "quantile"],
         )
         for name in names:
-            for series in read_series(self.state, name):
+            for series in read_series(self.state, name, live[name]):
                 if series.last is not None:
                     minute.add_metric([name, series.name], series.last)
             rows, _ = read_flows(self.state, "recent", name, None, PAGE, None)

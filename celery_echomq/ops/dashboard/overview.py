@@ -13,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from celery_echomq.ops.dashboard.charts import Series, percentiles, read_series, release_times
+from celery_echomq.ops.dashboard.charts import (
+    Series,
+    live_gauges,
+    percentiles,
+    read_series,
+    release_times,
+)
 from celery_echomq.ops.listing import FlowRow, read_flows
 from celery_echomq.send.jobs import POLICIES
 from celery_echomq.store.connection import text
@@ -29,6 +35,7 @@ COUNTERS = (
     "republished",
     "duplicates_skipped",
     "forged_refused",
+    "children_cut",
     *(f"failed_{policy}" for policy in POLICIES),
 )
 
@@ -115,7 +122,8 @@ def read_overview(
                 indexed=cards[3],
                 counters=counters,
                 lists=lists,
-                series=read_series(state, name) if only is None else [],
+                # Its gauges end on the counts table's figures, read in the same round trip.
+                series=[] if only else read_series(state, name, live_gauges(cards, counters)),
                 release=percentiles(times),
                 released=len(times),
             )

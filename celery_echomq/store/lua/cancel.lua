@@ -1,13 +1,13 @@
 -- cancel: stop a whole flow. The parent becomes cancelled (it will never be released or run)
 -- and every child not yet finished becomes cancelled too, so no later claim takes it.
 --
--- KEYS[1]    the parent row
+-- KEYS[1]    the parent row ('cut_children' counts the children cancelled here)
 -- KEYS[2]    the parent's :dependencies  }
 -- KEYS[3]    the parent's :processed     } expire with the parent: the flow is finished
 -- KEYS[4]    the parent's :ignored       }
 -- KEYS[5]    the queue's pending set
 -- KEYS[6]    the queue's active set
--- KEYS[7]    the queue's counters: one parent fewer held when it was held
+-- KEYS[7]    the queue's counters: one parent fewer held when it was held; 'children_cut'
 -- KEYS[7+i]  child i's row, i = 1..N (children on this slot; those of other slots are
 --            cancelled there by cancel_elsewhere, once this has cancelled the parent)
 -- ARGV[1]    parent id
@@ -41,5 +41,11 @@ if state == 'awaiting_children' then
   redis.call('HINCRBY', KEYS[7], 'held', -1)
 end
 expire_keys(ttl, {KEYS[1], KEYS[2], KEYS[3], KEYS[4]})
-cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply, true, ARGV[1])
+local cut = cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply, true, ARGV[1])
+-- Each child cancelled is one the flow ended without: counted as cut, never as outstanding
+-- (reads.counts_of takes it out of the counter, which only a settled child counts down).
+if #cut > 0 then
+  redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
+  redis.call('HINCRBY', KEYS[7], 'children_cut', #cut)
+end
 return reply

@@ -4,14 +4,21 @@
 --
 -- KEYS[1]    this queue's pending set
 -- KEYS[2]    this queue's active set
--- KEYS[3]    this queue's counters (a held nested flow cancelled counts one parent fewer held)
--- KEYS[3+i]  child i's row, i = 1..N
+-- KEYS[3]    this queue's counters (a held nested flow cancelled counts one parent fewer held;
+--            'children_cut', where the parent shares the slot)
+-- KEYS[4]    the parent's row where it shares this slot (each child cancelled is counted on it
+--            as cut: 'cut_children'), else the queue's placeholder (the host counts them on
+--            the parent's slot after: credit_cut)
+-- KEYS[4+i]  child i's row, i = 1..N
 -- ARGV[1]    the parent id (a row whose 'parent' differs is left alone)
 -- ARGV[2]    result TTL in seconds (a cancelled row expires with it)
 -- ARGV[3]    '1' to cancel running (active) children too; '0' for only those not started
 -- ARGV[3+i]  child i's id
 --
--- Reply: {id1, id2, ...} the children cancelled (the host revokes their messages)
+-- Reply: {n, c1, ..., cn, id1, id2, ...}: c1..cn the children of the flow to count as cut on
+--        the parent's slot (none where the parent shares this one: counted here); id1, ...
+--        the jobs cancelled now (the host revokes their messages), steps of a linked chain
+--        before its last among them (the chain is one child)
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
@@ -21,7 +28,31 @@ local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, 4, #KEY
 if refused then
   return refused
 end
-local reply = {}
-cancel_children(4, 4, KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[2]), reply, ARGV[3] == '1',
-  ARGV[1])
+local cancelled = {}
+local cut = cancel_children(5, 4, KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[2]), cancelled,
+  ARGV[3] == '1', ARGV[1])
+local counted = {}
+-- The placeholder never exists: a parent of another slot is counted there.
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  if #cut > 0 then
+    redis.call('HINCRBY', KEYS[4], 'cut_children', #cut)
+    redis.call('HINCRBY', KEYS[3], 'children_cut', #cut)
+  end
+else
+  -- Every child of the parent this slot's rows say was cancelled, not only those cancelled
+  -- now: credit_cut counts each once, so a count the host never made (it died after an
+  -- earlier run) is made by the next run, on the rows' evidence.
+  for i = 5, #KEYS do
+    local c = redis.call('HMGET', KEYS[i], 'state', 'parent', 'next')
+    if c[1] == 'cancelled' and c[2] == ARGV[1] and not c[3] then
+      counted[#counted + 1] = ARGV[i - 1]
+    end
+  end
+end
+local reply = {#counted}
+for _, list in ipairs({counted, cancelled}) do
+  for _, cid in ipairs(list) do
+    reply[#reply + 1] = cid
+  end
+end
 return reply

@@ -16,7 +16,8 @@
 -- KEYS[5]    the parent's :settled       } (children of other slots already credited)
 -- KEYS[6]    the queue's pending set
 -- KEYS[7]    the queue's failed set
--- KEYS[8]    the queue's counters (a parent fewer held; 'deadlines' counts each one fired)
+-- KEYS[8]    the queue's counters (a parent fewer held; 'deadlines' counts each one fired;
+--            'children_cut')
 -- KEYS[9]    the queue's deadline index
 -- KEYS[9+i]  child i's row, i = 1..N (the first chunk of the children on this slot)
 -- ARGV[1]    parent id
@@ -139,6 +140,12 @@ if #named > 0 then
 end
 redis.call('HSET', KEYS[1], 'deadline_at', due, 'deadline_fired', now,
   'deadline_outstanding', outstanding)
+if #cut > 0 then
+  -- Counted as cut: the flow ended without them (reads.counts_of; retry_deadline counts
+  -- back those it runs again).
+  redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
+  redis.call('HINCRBY', KEYS[8], 'children_cut', #cut)
+end
 redis.call('HINCRBY', KEYS[8], 'deadlines', 1)
 local status
 if ARGV[3] == 'continue' then

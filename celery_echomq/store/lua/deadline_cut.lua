@@ -6,15 +6,21 @@
 --
 -- KEYS[1]    this queue's pending set
 -- KEYS[2]    this queue's counters (a child cut while waiting for a slot of its flow's
---            window: one fewer 'window_waiting')
--- KEYS[2+i]  child i's row, i = 1..N
+--            window: one fewer 'window_waiting'; 'children_cut', where the parent shares
+--            the slot)
+-- KEYS[3]    the parent's row where it shares this slot (each child cut is counted on it:
+--            'cut_children'), else the queue's placeholder (the host counts them on the
+--            parent's slot after: credit_cut)
+-- KEYS[3+i]  child i's row, i = 1..N
 -- ARGV[1]    the parent id (a row whose 'parent' differs is left alone)
 -- ARGV[2]    result TTL in seconds
 -- ARGV[3]    the error the cut rows keep ("FlowDeadlineExceeded: ...")
 -- ARGV[3+i]  child i's id
 --
 -- Only a pending row changes, so a second run changes nothing.
--- Reply: {id1, id2, ...} the children cut (the host revokes their messages).
+-- Reply: {n, c1, ..., cn, id1, id2, ...}: c1..cn the children to count as cut on the parent's
+--        slot (none where the parent shares this one: counted here); id1, ... the children
+--        cut now (the host revokes their messages).
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
 --- @include "gate"
@@ -25,10 +31,33 @@ if refused then
   return refused
 end
 local ttl = tonumber(ARGV[2])
-local reply = {}
-for i = 1, #KEYS - 2 do
-  if cut_pending(KEYS[2 + i], ARGV[3 + i], ARGV[1], KEYS[1], ttl, ARGV[3], KEYS[2]) then
-    reply[#reply + 1] = ARGV[3 + i]
+local cut = {}
+for i = 1, #KEYS - 3 do
+  if cut_pending(KEYS[3 + i], ARGV[3 + i], ARGV[1], KEYS[1], ttl, ARGV[3], KEYS[2]) then
+    cut[#cut + 1] = ARGV[3 + i]
+  end
+end
+local counted = {}
+-- The placeholder never exists: a parent of another slot is counted there.
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  if #cut > 0 then
+    redis.call('HINCRBY', KEYS[3], 'cut_children', #cut)
+    redis.call('HINCRBY', KEYS[2], 'children_cut', #cut)
+  end
+else
+  -- Every child of the parent its deadline cut here, not only now (see cancel_elsewhere):
+  -- a chain is cut by its one pending step.
+  for i = 4, #KEYS do
+    local c = redis.call('HMGET', KEYS[i], 'state', 'parent', 'cut')
+    if c[1] == 'cancelled' and c[2] == ARGV[1] and c[3] == 'deadline' then
+      counted[#counted + 1] = ARGV[i]
+    end
+  end
+end
+local reply = {#counted}
+for _, list in ipairs({counted, cut}) do
+  for _, cid in ipairs(list) do
+    reply[#reply + 1] = cid
   end
 end
 return reply

@@ -3,11 +3,11 @@
 -- counted, but never release the parent again: settle_child releases only a parent that
 -- still awaits its children, and this one no longer does.
 --
--- KEYS[1]    the parent row
+-- KEYS[1]    the parent row ('cut_children' counts the children revoked here)
 -- KEYS[2]    the parent queue's pending set
 -- KEYS[3]    the parent queue's active set
 -- KEYS[4]    the parent queue's counters (a release; a parent fewer held, and each held
---            nested flow revoked)
+--            nested flow revoked; 'children_cut')
 -- KEYS[4+i]  child i's row, i = 1..N (children on this slot; only read with ARGV[3] == '1')
 -- ARGV[1]    parent id
 -- ARGV[2]    result TTL in seconds (a revoked child's row expires with it)
@@ -41,6 +41,12 @@ release_parent(KEYS[1], KEYS[2], ARGV[1], KEYS[4])
 redis.call('HSET', KEYS[1], 'released_by', 'operator')
 local reply = {'released'}
 if ARGV[3] == '1' then
-  cancel_children(5, 4, KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), reply, false, ARGV[1])
+  local cut = cancel_children(5, 4, KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), reply, false,
+    ARGV[1])
+  if #cut > 0 then
+    -- Counted as cut: the flow ended without them (see cancel.lua).
+    redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
+    redis.call('HINCRBY', KEYS[4], 'children_cut', #cut)
+  end
 end
 return reply

@@ -3,7 +3,7 @@
 -- the children its deadline cut, and those that failed under policy 'fail' since, become
 -- pending again, as new attempts the host publishes. The counter is left as it is: a cut
 -- child was never counted, nor was one failed under 'fail', and one that finished after the
--- deadline was counted then.
+-- deadline was counted then; each cut child run again leaves the row's 'cut_children'.
 --
 -- KEYS[1]    the parent row
 -- KEYS[2]    the parent's :dependencies  }
@@ -57,6 +57,12 @@ for i = 1, #KEYS - 9 do
     or (c[1] == 'failed' and (c[4] or default) == 'fail'))
   if again then
     repend(child, cid, KEYS[6], KEYS[7], now, reply, 'cut', 'dispatched')
+    -- A cut child runs again: cut no more. A flow whose deadline fired before cuts were
+    -- counted ('cut_children' absent) has none to count back.
+    if c[1] == 'cancelled' and tonumber(redis.call('HGET', KEYS[1], 'cut_children') or '0') > 0
+        then
+      redis.call('HINCRBY', KEYS[1], 'cut_children', -1)
+    end
   end
 end
 redis.call('HSET', KEYS[1], 'state', 'awaiting_children')

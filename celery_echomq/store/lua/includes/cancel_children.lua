@@ -11,11 +11,14 @@
 -- job joined to more parents (its '<row>:parents', named from its row like ':children' in
 -- 'expire': on_exists="join"), which another flow may still wait for. cancel,
 -- release --revoke and cancel_elsewhere share it, so each stops a child alike on every slot.
+-- Returns the ids of the flow's children it cancelled, what their parent counts as cut: a
+-- linked chain is one child however many of its steps it cancels (its last, with no 'next').
 local function cancel_children(first_key, first_arg, pending, active, counters, ttl, reply,
     started, parent_id)
+  local children = {}
   for i = 0, #KEYS - first_key do
     local row, cid = KEYS[first_key + i], ARGV[first_arg + i]
-    local c = redis.call('HMGET', row, 'state', 'parent', 'token', 'chain')
+    local c = redis.call('HMGET', row, 'state', 'parent', 'token', 'chain', 'next')
     local cstate = c[1]
     -- An active row with no token is a chain's step handed out that no delivery took yet.
     if c[2] == parent_id and (cstate == 'pending' or cstate == 'awaiting_children'
@@ -30,6 +33,10 @@ local function cancel_children(first_key, first_arg, pending, active, counters, 
       redis.call('ZREM', active, cid)
       redis.call('EXPIRE', row, ttl)
       reply[#reply + 1] = cid
+      if not c[5] then
+        children[#children + 1] = cid
+      end
     end
   end
+  return children
 end

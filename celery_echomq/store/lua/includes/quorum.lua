@@ -58,7 +58,8 @@ end
 -- the parent waits (or is failed, which a retry may undo) is kept in :processed, folded into
 -- the row's 'acc' under a reducer (parent.acc), and its id appended to '<row>:quorum' (the order
 -- of success, which the parent's values follow); the K-th releases the parent, here. A success after the release (a child already running) is
--- finished on its own row and not counted. A failure,
+-- finished on its own row and not counted as a value: the row's 'cut_children' counts it,
+-- with the children cut before they started (the flow ended without it). A failure,
 -- whatever its policy but continue, is one child fewer that can succeed: when fewer than K can
 -- still succeed the parent fails at once, its 'error' saying how many succeeded and how many
 -- were needed; continue releases it at once, as without a quorum. Every settled child counts
@@ -71,6 +72,12 @@ local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
   if outcome == 'done' then
     local state = redis.call('HGET', parent.row, 'state')
     if state ~= 'awaiting_children' and state ~= 'failed' then
+      if state then
+        -- Its flow ended without it (its quorum met, or cancelled): counted as cut, as the
+        -- children that never started are, not as a value.
+        redis.call('HINCRBY', parent.row, 'cut_children', 1)
+        redis.call('HINCRBY', parent.counters, 'children_cut', 1)
+      end
       return {'credited', ''}
     end
     redis.call('HSET', parent.processed, child_id, data)
