@@ -170,6 +170,25 @@ def too_slow(seconds: float) -> None:
     time.sleep(seconds)
 
 
+class Unpicklable(Exception):
+    """An exception whose argument no serializer carries (a lock)."""
+
+
+@app.task
+def raises(kind: str) -> None:
+    """Raise ``kind``: a plain ValueError, a Reject without requeue, or an exception whose
+    argument cannot be serialized."""
+    import threading
+
+    from celery.exceptions import Reject
+
+    if kind == "reject":
+        raise Reject("no thanks", requeue=False)
+    if kind == "unpicklable":
+        raise Unpicklable(threading.Lock())
+    raise ValueError("bad value", 42)
+
+
 @app.task
 def sleep_then(x: int, seconds: float) -> int:
     time.sleep(seconds)

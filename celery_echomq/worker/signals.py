@@ -14,7 +14,7 @@ from typing import Any
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals
 from celery.app.task import Task
-from celery.exceptions import Ignore, TaskRevokedError
+from celery.exceptions import Ignore, Reject, TaskRevokedError
 
 from celery_echomq import tracing
 from celery_echomq.errors import ReplicationError, StoreFormatError
@@ -211,7 +211,10 @@ def on_failure(
     request, deliveries = sender.request, _deliveries(sender.app)
     token = deliveries.tokens.pop(task_id, None)
     lost = token is None and isinstance(exception, (WorkerLostError, TimeLimitExceeded))
-    if lost:
+    # A Reject without requeue, reported by the main process too (the pool process that
+    # raised it reports nothing): its message is dropped, the job never runs again.
+    rejected = token is None and isinstance(exception, Reject)
+    if lost or rejected:
         # Reported by the worker's main process: the pool process that held the token was
         # killed (acks early: the message is gone with it) or hit its hard time limit. The
         # failure applies whatever token the row has, at once, as a chord's header fails then.

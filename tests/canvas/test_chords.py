@@ -169,6 +169,43 @@ def test_a_failed_header_fails_the_body_as_celerys_chord_does(
     assert held_by_engine(res.id) is (engine == "on")
 
 
+# How each kind of header failure is sent, and what Celery's chord error says of it.
+FAILURES = {
+    "ValueError": (lambda p: p.raises.si("value"), "ValueError('bad value', 42)"),
+    "custom exception": (
+        lambda p: p.fail.si(),
+        "ExpectedException('Task expected to fail')",
+    ),
+    "hard time limit": (lambda p: p.too_slow.si(5), "TimeLimitExceeded(1)"),
+    "revoked": (lambda p: p.add.si(2, 2), "TaskRevokedError('revoked')"),
+    # Celery's result backend keeps such an error wrapped, and rebuilds it wrapped.
+    "unpicklable": (
+        lambda p: p.raises.si("unpicklable"),
+        "UnpickleableExceptionWrapper('tests.proj', 'Unpicklable', ('<unlocked _thread.lock",
+    ),
+    # A Reject without requeue: Celery stores it as the task's failure (its repr is this).
+    "reject": (lambda p: p.raises.si("reject"), "reject requeue=False: no thanks"),
+}
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_a_header_failure_is_worded_as_celerys_chord_words_it(
+    proj: Any, engine: str, queue: str, failure: str
+) -> None:
+    make, said = FAILURES[failure]
+    failing = make(proj)
+    failed_id = failing.freeze().id
+    if failure == "revoked":
+        proj.app.control.revoke(failed_id)
+        time.sleep(0.5)  # every worker has heard of it
+    res = chord([proj.add.si(1, 1), failing], proj.tsum.s()).apply_async(queue=queue)
+    body = AsyncResult(res.id, app=proj.app)
+    wait_for(lambda: body.state == "FAILURE", timeout=30)
+    assert isinstance(body.result, ChordError)
+    assert str(body.result).startswith(f"Dependency {failed_id} raised {said}"), str(body.result)
+    assert held_by_engine(res.id) is (engine == "on")
+
+
 @pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
 def test_a_failed_header_fails_the_body_once_the_whole_header_has_run(
     proj: Any, store: redis.Redis, engine: str, queue: str
