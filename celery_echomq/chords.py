@@ -30,7 +30,10 @@ from celery.utils.functional import _regen
 
 from celery_echomq.errors import ConfigError
 from celery_echomq.ops.reuse import forget_finished_holding, send_reusing_finished
-from celery_echomq.send.jobs import CHORD_POLICY
+from celery_echomq.send.fan_in import check_max_active
+from celery_echomq.send.jobs import CHORD_POLICY, check_policy
+from celery_echomq.send.signatures import CHILD_OPTIONS, SEND_OPTIONS, check_spelling
+from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec
 from celery_echomq.store.headers import CHORD_OPTION, H_PARENT, OPEN_OPTION
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
@@ -113,10 +116,7 @@ def _run_as_flow(
     group_id = header.options.get("task_id") or uuid()
     root_id = body.options.get("root_id")
     options = dict(chord.options, **options)
-    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
-    # A header task that fails fails the body once the whole header has run, as in Celery
-    # (its errbacks then run, and a caller's get() has seen the header's own error first).
-    engine.setdefault("policy", CHORD_POLICY)
+    engine = _engine_options(options)
     delay = dict(header_delay or {})
     for key in ("countdown", "eta"):
         if key not in delay and options.get(key) is not None:
@@ -163,10 +163,27 @@ def _run_as_flow(
     return bodyres
 
 
+def _engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options of a chord's send that the engine reads, taken out of ``options`` and
+    checked as the chord's (a close misspelling of one, or a value not allowed, refused
+    before anything is sent)."""
+    check_spelling(options, (*ENGINE_OPTIONS, *SEND_OPTIONS), "chord")
+    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
+    # A header task that fails fails the body once the whole header has run, as in Celery
+    # (its errbacks then run, and a caller's get() has seen the header's own error first).
+    engine.setdefault("policy", CHORD_POLICY)
+    check_policy(engine["policy"], "chord(policy=...)", "policy")
+    check_max_active(engine.get("max_active"), "chord(max_active=...)")
+    deadline_spec(engine.get("deadline"), "chord(deadline=...)")
+    check_on_deadline(engine.get("on_deadline", "fail"), "chord(on_deadline=...)")
+    return engine
+
+
 def _routed(app: Any, task: Signature, result: Any, send: dict[str, Any]) -> Signature:
     """A header task with what the chord is sent with over its own routing (as in Celery's
     header.apply_async(**options); a flow's own children keep theirs), its result listened
     for from now on, as Celery's send of it does (Redis's result backend, by pub/sub)."""
+    check_spelling(task.options, CHILD_OPTIONS, f"chord header task {task.task!r}: .set()")
     task.options.update({k: v for k, v in send.items() if k in ROUTING})
     if isinstance(app.backend, RedisBackend):
         app.backend.on_task_call(None, result.id)

@@ -9,6 +9,7 @@ so each test's worker runs with the same setting (``ECHOMQ_T_CHORDS``).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -395,6 +396,59 @@ def proj_chords_on(proj: Any) -> Iterator[None]:
     proj.app.conf.echomq_chords = True
     yield
     proj.app.conf.echomq_chords = False
+
+
+# Each misspelt or refused option a chord's engine reads, and what its refusal says.
+MISSPELT = {
+    "chord(policy=...)": (
+        lambda c, p: c(policy="ignor").apply_async,
+        "chord(policy=...): unknown policy 'ignor'; allowed: ",
+    ),
+    "chord(max_activ=...)": (
+        lambda c, p: c(max_activ=2).apply_async,
+        "chord got an unknown option 'max_activ'; did you mean 'max_active'? the options it "
+        "reads: policy, deadline, on_deadline, max_active, on_exists; nothing was sent",
+    ),
+    "apply_async(on_exist=...)": (
+        lambda c, p: functools.partial(c().apply_async, on_exist="join"),
+        "chord got an unknown option 'on_exist'; did you mean 'on_exists'?",
+    ),
+    "apply_async(deadline=-1)": (
+        lambda c, p: functools.partial(c().apply_async, deadline=-1),
+        "chord(deadline=...): -1.0 seconds; a deadline must be more than 0 seconds away",
+    ),
+    "a header task's .set(parent_polciy=...)": (
+        lambda c, p: c(first={"parent_polciy": "ignore"}).apply_async,
+        "chord header task 'tests.proj.redis_count': .set() got an unknown option "
+        "'parent_polciy'; did you mean 'parent_policy'? the options it reads: parent_policy; "
+        "nothing was sent",
+    ),
+}
+
+
+@pytest.mark.parametrize("option", list(MISSPELT))
+def test_a_misspelt_chord_option_is_refused_as_the_chords_on_the_engine(
+    proj: Any, store: redis.Redis, engine: str, queue: str, option: str
+) -> None:
+    # On the engine, what it reads of a chord is checked before anything is sent; Celery's own
+    # chord reads none of these and runs as if they were not there.
+    key = f"test:count:{uuid.uuid4().hex}"
+
+    def made(first: Any = None, **options: Any) -> Any:
+        header = [proj.redis_count.si(key).set(**(first or {})), proj.redis_count.si(key)]
+        return chord(header, proj.redis_count.si(key), **options)
+
+    send, said = MISSPELT[option]
+    apply_async = send(made, proj)
+    if engine == "off":
+        apply_async(queue=queue)
+        wait_for(lambda: store.get(key) == b"3", timeout=30)
+        return
+    with pytest.raises((TypeError, ValueError)) as info:
+        apply_async(queue=queue)
+    assert str(info.value).startswith(said), str(info.value)
+    time.sleep(1.0)  # a header task sent would have run by now
+    assert store.get(key) is None
 
 
 @pytest.mark.parametrize("engine_setting", [True, False])
