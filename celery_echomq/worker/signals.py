@@ -337,15 +337,24 @@ def on_revoked(
     store_revoked(
         sender, request, "expired" if expired else "terminated" if terminated else "revoked"
     )
-    settle_failure(
-        state,
-        queue,
-        request.id,
-        "",
-        reason,
-        bool(getattr(headers, H_FLOW, None)),
-        parent_ref(headers),
-    )
+    is_parent = bool(getattr(headers, H_FLOW, None))
+    if is_parent and not expired and _cancelled(state, queue, request.id):
+        # A flow's parent revoked by Celery's revoke (a chord's ``res.revoke()``): the flow
+        # is cancelled, as by ``echomq cancel``, not failed; its outer flow counts it failed.
+        if (outer := parent_ref(headers)) is not None:
+            settle_failure(state, queue, request.id, "", reason, True, outer, carry=True)
+        return
+    settle_failure(state, queue, request.id, "", reason, is_parent, parent_ref(headers))
+
+
+def _cancelled(state: EchoMQ, queue: str, parent_id: str) -> bool:
+    """Cancel the released flow parent ``parent_id`` whose message was revoked: whether this
+    did (a parent already cancelled, by ``echomq cancel`` say, is not cancelled again)."""
+    status, was, _ = state.scripts.cancel(queue, parent_id, [], ttl=state.settings.result_ttl)
+    if status is not Status.CANCELLED or was is Status.CANCELLED:
+        return False
+    logger.info("echomq: flow %s cancelled: its parent's message was revoked", parent_id)
+    return True
 
 
 def connect() -> None:

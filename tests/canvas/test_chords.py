@@ -391,6 +391,33 @@ def test_show_and_retry_reach_a_chord_on_the_engine_by_its_bodys_id(
     assert AsyncResult(res.id, app=proj.app).result == 7
 
 
+def test_a_revoked_chord_is_listed_and_shown_cancelled_and_retry_refuses_it(
+    proj: Any, store: redis.Redis, queues: dict[str, str], proj_chords_on: None
+) -> None:
+    # Celery's way to cancel a chord, res.revoke(): its header runs on, its body never runs
+    # (its result REVOKED, as Celery's). The engine's flow is cancelled, as by echomq cancel,
+    # and a retry refuses it as it refuses a cancelled flow: revoked ids stay revoked.
+    gate, key = f"test:gate:{uuid.uuid4().hex}", f"test:echo:{uuid.uuid4().hex}"
+    res = chord(
+        [proj.gated.s(1, gate), proj.add.s(2, 2)], proj.redis_echo.s(redis_key=key)
+    ).apply_async(queue=queues["on"])
+    res.revoke()
+    store.set(gate, 1)
+    body = AsyncResult(res.id, app=proj.app)
+    wait_for(lambda: body.state == "REVOKED", timeout=30)
+    assert res.parent.get(timeout=30) == [1, 4]
+    wait_for(lambda: json.loads(echomq("show", res.id, "--json").stdout)["state"] == "cancelled")
+    listed = json.loads(echomq("list", "--state", "recent", "--json").stdout)["flows"]
+    assert [f["state"] for f in listed if f["id"] == res.id] == ["cancelled"]
+    failed = json.loads(echomq("list", "--json").stdout)["flows"]
+    assert res.id not in [f["id"] for f in failed]
+    retried = echomq("retry", res.id)
+    assert retried.exit_code == 1, retried.output
+    assert f"flow {res.id} is cancelled" in retried.stderr and "nothing changed" in retried.stderr
+    time.sleep(1.0)
+    assert store.llen(key) == 0 and body.state == "REVOKED"
+
+
 @pytest.fixture
 def proj_chords_on(proj: Any) -> Iterator[None]:
     proj.app.conf.echomq_chords = True
