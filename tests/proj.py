@@ -221,6 +221,23 @@ def replaced_by(self: Any, kind: str, x: int) -> Any:
 
 
 @app.task(bind=True)
+def replaced_by_nested_chord(self: Any, x: int, key: str, width: int = 2) -> Any:
+    """A task that replaces itself with a group holding a chain that starts with a chord
+    (and, ``width`` 2, a task), the chord's body pushing its own id to the list ``key``."""
+    from celery import chain, chord, group
+
+    inner = chord([add.s(x, 1), add.s(x, 2)], pushes_own_id.s(key))
+    raise self.replace(group([chain(inner, add.s(100)), add.s(x, 3)][:width]))
+
+
+@app.task(bind=True)
+def pushes_own_id(self: Any, values: list[int], key: str) -> int:
+    """The sum of ``values``; this job's id pushed to the list ``key``."""
+    _store().rpush(key, self.request.id)
+    return sum(values)
+
+
+@app.task(bind=True)
 def replaced_parent(self: Any, values: list[int]) -> Any:
     """A flow parent that replaces itself: its value is the replacement's."""
     mark(f"replaced_parent:{self.request.id}")

@@ -418,6 +418,93 @@ def test_a_revoked_chord_is_listed_and_shown_cancelled_and_retry_refuses_it(
     assert store.llen(key) == 0 and body.state == "REVOKED"
 
 
+def reached(job_id: str) -> set[str]:
+    """Every id ``show --all --json`` prints for ``job_id``'s flow (a JSON document a page),
+    and those it prints for each nested flow it names, at any depth."""
+    found: set[str] = set()
+    todo = [job_id]
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("id"), str):
+                if node["id"] not in found and node.get("flow"):
+                    todo.append(node["id"])
+                found.add(node["id"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    shown: set[str] = set()
+    while todo:
+        flow_id = todo.pop()
+        if flow_id in shown:
+            continue
+        shown.add(flow_id)
+        out = echomq("show", flow_id, "--all", "--json")
+        assert out.exit_code == 0, out.output
+        for page in out.stdout.splitlines():
+            walk(json.loads(page))
+    return found
+
+
+@pytest.mark.parametrize("width", [1, 2])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "alone",
+        "a chord's header",
+        "a chain",
+        "a flow",
+        "a nested chord's header",
+        "a chain in a chord's header",
+        "a chord's body",
+    ],
+)
+def test_a_chord_nested_in_a_replacement_is_reachable_from_list_and_show(
+    proj: Any,
+    store: redis.Redis,
+    queues: dict[str, str],
+    proj_chords_on: None,
+    width: int,
+    where: str,
+) -> None:
+    # self.replace(group(chain(chord(...), t)[, t2])): the chord inside is a nested flow of
+    # the replacement's; list names a flow whose show --all reaches it.
+    key = f"test:ids:{uuid.uuid4().hex}"
+    replaced = proj.replaced_by_nested_chord.s(1, key, width)
+    value: Any = [105, 4][:width]
+    if where == "a chord's header":
+        sig: Any = chord([replaced, proj.add.s(1, 1)], proj.collect.s())
+        value = {"values": [value, 2], "tag": ""}
+    elif where == "a chain":
+        sig = chain(proj.add.s(0, 1), proj.replaced_by_nested_chord.s(key, width))
+    elif where == "a flow":
+        sig = celery_echomq.flow(proj.collect.s(), [replaced, proj.add.s(1, 1)])
+        value = {"values": [value, 2], "tag": ""}
+    elif where == "a nested chord's header":
+        inner = chord([replaced, proj.add.s(1, 1)], proj.collect.s())
+        sig = chord([inner, proj.add.s(2, 2)], proj.collect.s())
+        value = {"values": [{"values": [value, 2], "tag": ""}, 4], "tag": ""}
+    elif where == "a chain in a chord's header":
+        step = chain(proj.add.s(0, 1), proj.replaced_by_nested_chord.s(key, width))
+        sig = chord([step, proj.add.s(1, 1)], proj.collect.s())
+        value = {"values": [value, 2], "tag": ""}
+    elif where == "a chord's body":
+        sig = chord([proj.add.s(0, 1)], proj.replaced_by_nested_chord.si(1, key, width))
+    else:
+        sig = replaced
+    res = sig.apply_async(queue=queues["on"])
+    assert res.get(timeout=60) == value
+    (inner_body,) = [i.decode() for i in store.lrange(key, 0, -1)]
+    assert held_by_engine(inner_body)
+    listed = json.loads(echomq("list", "--state", "recent", "--json").stdout)["flows"]
+    assert any(inner_body in reached(f["id"]) for f in listed[:10]), [f["id"] for f in listed]
+    if where != "a chain":  # a plain Celery chain: its replaced step is no flow's
+        assert inner_body in reached(res.id)
+
+
 @pytest.fixture
 def proj_chords_on(proj: Any) -> Iterator[None]:
     proj.app.conf.echomq_chords = True
