@@ -704,6 +704,20 @@ def errback_kind(request: Any, exc: Any, tb: Any) -> None:
     _store().rpush(f"errback-kind:{request.id}", kind)
 
 
+@app.task(bind=True)
+def lineages(self: Any, values: list[Any]) -> dict[str, Any]:
+    """A chord body's lineage and its header's (``lineage``'s values)."""
+    return {"header": values, "parent_id": self.request.parent_id, "root_id": self.request.root_id}
+
+
+@app.task(bind=True)
+def lineage_chord_in_worker(self: Any) -> list[str]:
+    """Sends a chord of ``lineage`` tasks from a worker: this task's id and the body's."""
+    from celery import chord
+
+    return [self.request.id, chord([lineage.s(), lineage.s()])(lineages.s()).id]
+
+
 @app.task
 def chord_in_worker(xs: list[int]) -> Any:
     """Sends a chord from a worker (what the worker's own setting decides): its body's id."""

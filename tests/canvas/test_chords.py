@@ -293,12 +293,66 @@ def test_a_chord_nested_in_a_header_runs_the_errback_once(
     assert store.lrange(key, 0, -1) == [b"errback"]
 
 
+def test_a_canvas_body_runs_the_extensions_own_tasks_on_the_engine(
+    proj: Any, engine: str, queue: str
+) -> None:
+    # A group body on the engine is held as a flow whose parent stands for the group: the
+    # extension's celery_echomq.spread adds its tasks once the header is done, and
+    # celery_echomq.collect stands for the group (README). A worker logs them as any task.
+    from tests.helpers import LOGDIR
+
+    log = LOGDIR / f"{queue}.log"
+    before = log.read_text(errors="replace")
+    res = chord([proj.add.s(1, 1)], group(proj.tsum.s(), proj.tsum.s())).apply_async(queue=queue)
+    assert res.get(timeout=60) == [2, 2]
+    time.sleep(0.5)
+    new = log.read_text(errors="replace")[len(before) :]
+    ran = dict(re.findall(r"Task (celery_echomq\.\w+)\[([^\]]+)\] succeeded", new))
+    if engine == "off":
+        assert ran == {}
+        return
+    # The collect runs under the group's id (what res.id names); the spread under a JOB id.
+    assert sorted(ran) == ["celery_echomq.collect", "celery_echomq.spread"]
+    assert ran["celery_echomq.collect"] == res.id
+    assert ran["celery_echomq.spread"].startswith("JOB")
+
+
 def test_a_header_task_knows_its_group_as_in_celerys_chord(
     proj: Any, engine: str, queue: str
 ) -> None:
     # self.request.group is the header's GroupResult id and group_index the task's position.
     res = chord([proj.group_of.s(i) for i in range(3)], proj.collect.s()).apply_async(queue=queue)
     assert res.get(timeout=60)["values"] == [[res.parent.id, i] for i in range(3)]
+
+
+def test_a_chord_sent_by_a_task_has_its_root_as_celerys_has(
+    proj: Any, engine: str, queue: str
+) -> None:
+    # Every task of a chord a task sends has that task's root as its root_id, as Celery's
+    # send_task gives it, and the body's parent is the header task that released it.
+    caller, body_id = proj.lineage_chord_in_worker.s().apply_async(queue=queue).get(timeout=60)
+    got = AsyncResult(body_id, app=proj.app).get(timeout=60)
+    assert got["header"] == [{"parent_id": caller, "root_id": caller}] * 2
+    assert got["root_id"] == caller and got["parent_id"] != caller
+
+
+def test_a_chord_sent_by_a_client_has_one_root_on_the_engine(
+    proj: Any, engine: str, queue: str
+) -> None:
+    # A chord sent outside any task: Celery gives each header task its own id as its root,
+    # and the body the root of the header task that ended last; the engine gives the whole
+    # chord one root, the body's id, so that monitors draw it as one tree (README).
+    res = chord([proj.lineage.s(), proj.lineage.s()], proj.lineages.s()).apply_async(queue=queue)
+    got = res.get(timeout=60)
+    header_ids = [r.id for r in res.parent.results]
+    assert got["parent_id"] in header_ids  # the header task that released the body
+    if engine == "off":
+        assert [h["root_id"] for h in got["header"]] == header_ids
+        assert got["root_id"] == got["parent_id"]
+    else:
+        assert [h["root_id"] for h in got["header"]] == [res.id, res.id]
+        assert got["root_id"] == res.id
+    assert [h["parent_id"] for h in got["header"]] == [None, None]
 
 
 def test_a_frozen_chord_applied_again_runs_again(
