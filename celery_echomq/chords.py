@@ -48,6 +48,7 @@ ENGINE_OPTIONS = ("policy", "deadline", "on_deadline", "max_active")
 ROUTING = ("queue", "routing_key", "exchange", "priority")
 
 _celery_run = _chord.run
+_celery_apply = _chord.apply
 _celery_add_to_chord = Task.add_to_chord
 
 
@@ -96,6 +97,25 @@ def run(
     return _run_as_flow(
         self, header, body, partial_args, app, task_id, kwargs, header_delay, options
     )
+
+
+def apply(
+    self: _chord,
+    args: Any = None,
+    kwargs: Any = None,
+    propagate: bool = True,
+    body: Any = None,
+    **options: Any,
+) -> Any:
+    """``chord.apply`` (an eager chord) for every chord: Celery's, after what the engine would
+    read of it is checked as a chord sent to a worker is, so that both are refused alike."""
+    if on_engine(self._get_app(body)):
+        _engine_options(dict(self.options, **options))
+        tasks = self.tasks.tasks if isinstance(self.tasks, group) else self.tasks
+        if isinstance(tasks, (list, tuple)):  # a generator is read by Celery's apply alone
+            for task in tasks:
+                _check_header_task(task)
+    return _celery_apply(self, args, kwargs, propagate=propagate, body=body, **options)
 
 
 def _run_as_flow(
@@ -179,11 +199,17 @@ def _engine_options(options: dict[str, Any]) -> dict[str, Any]:
     return engine
 
 
+def _check_header_task(task: Any) -> None:
+    """A close misspelling of an option the engine reads of a header task, refused."""
+    if isinstance(task, Signature):
+        check_spelling(task.options, CHILD_OPTIONS, f"chord header task {task.task!r}: .set()")
+
+
 def _routed(app: Any, task: Signature, result: Any, send: dict[str, Any]) -> Signature:
     """A header task with what the chord is sent with over its own routing (as in Celery's
     header.apply_async(**options); a flow's own children keep theirs), its result listened
     for from now on, as Celery's send of it does (Redis's result backend, by pub/sub)."""
-    check_spelling(task.options, CHILD_OPTIONS, f"chord header task {task.task!r}: .set()")
+    _check_header_task(task)
     task.options.update({k: v for k, v in send.items() if k in ROUTING})
     if isinstance(app.backend, RedisBackend):
         app.backend.on_task_call(None, result.id)
@@ -253,4 +279,5 @@ def patch_celery() -> None:
     """Route Celery's chord entry points through this module, once per process: inert for
     every app whose chords are not on the engine."""
     _chord.run = run
+    _chord.apply = apply
     Task.add_to_chord = add_to_chord

@@ -630,6 +630,31 @@ def test_eager_chords_are_celerys_with_the_setting_on(proj: Any, engine_setting:
         proj.app.conf.update(task_always_eager=False, echomq_chords=False)
 
 
+@pytest.mark.parametrize("option", list(MISSPELT))
+@pytest.mark.parametrize("engine_setting", [True, False])
+def test_an_eager_chord_refuses_a_misspelt_option_as_a_worker_run_does(
+    proj: Any, option: str, engine_setting: bool
+) -> None:
+    # Eager chords are Celery's, but what the engine would read of one is checked alike.
+    proj.app.conf.update(task_always_eager=True, echomq_chords=engine_setting)
+    try:
+
+        def made(first: Any = None, **options: Any) -> Any:
+            header = [proj.add.si(1, 1).set(**(first or {})), proj.add.si(2, 2)]
+            return chord(header, proj.tsum.s(), **options)
+
+        send, said = MISSPELT[option]
+        apply_async = send(made, proj)
+        if not engine_setting:
+            assert apply_async().get() == 6
+            return
+        with pytest.raises((TypeError, ValueError)) as info:
+            apply_async()
+        assert str(info.value).startswith(said.replace("redis_count", "add")), str(info.value)
+    finally:
+        proj.app.conf.update(task_always_eager=False, echomq_chords=False)
+
+
 def test_chord_options_reach_the_engine(proj: Any, queue: str, engine: str) -> None:
     if engine == "off":
         pytest.skip("the engine's chord options (max_active, deadline) are the engine's")
