@@ -24,6 +24,9 @@ LINKED = "echomq_linked"
 # chain's own). A job held on the steps before it (its last step, a flow step) that one of
 # them failed does not run these again (send/jobs.py stores them as its ``step_errbacks``).
 STEP_ERRBACKS = "echomq_step_errbacks"
+# An option of a chord's node among a flow's children, with every chord on the engine
+# (``echomq_chords``): its failure is worded as Celery words a chord's (send/plan.py marks it).
+CHORD_WORDS = "echomq_chord_words"
 
 
 def merge_callbacks(own: Any, given: Any) -> list[Any]:
@@ -38,7 +41,8 @@ def merge_callbacks(own: Any, given: Any) -> list[Any]:
 # Options of a chain, group or chord that are its own, not handed down to its tasks.
 _OWN = frozenset(
     "task_id group_id group_index chord parent_policy subtask_type link link_error chain "  # noqa: SIM905
-    "reply_to root_id parent_id echomq_silent echomq_linked echomq_step_errbacks".split()
+    "reply_to root_id parent_id echomq_silent echomq_linked echomq_step_errbacks "
+    "echomq_chord_words".split()
 )
 
 

@@ -207,6 +207,27 @@ def test_a_header_failure_is_worded_as_celerys_chord_words_it(
     assert held_by_engine(res.id) is (engine == "on")
 
 
+def test_a_chord_in_a_header_words_its_failure_as_celerys_does(
+    proj: Any, engine: str, queue: str
+) -> None:
+    # The inner chord's body fails with Celery's words; on the engine the outer one fails
+    # too, naming the inner body (a Celery chord waits for it for ever: its count never
+    # hears of the inner body's failure).
+    failing = proj.fail.si()
+    failed_id = failing.freeze().id
+    inner = chord([failing], proj.tsum.s())
+    inner_id = inner.freeze().id
+    res = chord([inner, proj.add.si(1, 1)], proj.tsum.s()).apply_async(queue=queue)
+    body = AsyncResult(inner_id, app=proj.app)
+    wait_for(lambda: body.state == "FAILURE", timeout=30)
+    said = f"Dependency {failed_id} raised ExpectedException('Task expected to fail')"
+    assert isinstance(body.result, ChordError) and str(body.result) == said
+    if engine == "on":
+        outer = AsyncResult(res.id, app=proj.app)
+        wait_for(lambda: outer.state == "FAILURE", timeout=30)
+        assert str(outer.result).startswith(f"Dependency {inner_id} raised "), str(outer.result)
+
+
 @pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
 def test_a_failed_header_fails_the_body_once_the_whole_header_has_run(
     proj: Any, store: redis.Redis, engine: str, queue: str
