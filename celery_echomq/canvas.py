@@ -20,8 +20,11 @@ from celery_echomq.send.producer import Sending, send_flow
 from celery_echomq.send.shapes import FLOW_TASK, normal_flow
 from celery_echomq.send.signatures import (
     CALLBACKS,
+    CHILD_OPTIONS,
+    SEND_OPTIONS,
     check_keywords,
     check_order,
+    check_spelling,
     child_signatures,
     merge_callbacks,
 )
@@ -91,6 +94,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         check_max_active(max_active)
         check_quorum(quorum)
         for child in child_sigs:
+            check_spelling(child.options, CHILD_OPTIONS, f"flow child {child.task!r}: .set()")
             if "parent_policy" in child.options:
                 check_policy(child.options["parent_policy"], f"child {child.task!r}")
         options.pop("subtask_type", None)
@@ -269,6 +273,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         **options: Any,
     ) -> FlowResult:
         app = self._get_app()
+        check_spelling(options, SEND_OPTIONS, "apply_async() of a flow")
         # What a flow whose ids name jobs in the store does (send/join.py): checked first.
         on_exists = check_on_exists(options.pop("on_exists", "raise"))
         if app.conf.task_always_eager:
@@ -326,6 +331,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         (``children_values()`` and the rest) are held in memory."""
         from celery_echomq.eager import apply_flow
 
+        check_spelling(options, SEND_OPTIONS, "apply() of a flow")
         return apply_flow(self, tuple(args or ()), kwargs, **options)
 
     def delay(self, *args: Any, **kwargs: Any) -> FlowResult:

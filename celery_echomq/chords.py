@@ -30,7 +30,10 @@ from celery.utils.functional import _regen
 
 from celery_echomq.errors import ConfigError
 from celery_echomq.ops.reuse import forget_finished_holding, send_reusing_finished
-from celery_echomq.send.jobs import CHORD_POLICY
+from celery_echomq.send.fan_in import check_max_active
+from celery_echomq.send.jobs import CHORD_POLICY, check_policy
+from celery_echomq.send.signatures import CHILD_OPTIONS, SEND_OPTIONS, check_spelling
+from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec
 from celery_echomq.store.headers import CHORD_OPTION, H_PARENT, OPEN_OPTION
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
@@ -45,6 +48,7 @@ ENGINE_OPTIONS = ("policy", "deadline", "on_deadline", "max_active")
 ROUTING = ("queue", "routing_key", "exchange", "priority")
 
 _celery_run = _chord.run
+_celery_apply = _chord.apply
 _celery_add_to_chord = Task.add_to_chord
 
 
@@ -95,6 +99,25 @@ def run(
     )
 
 
+def apply(
+    self: _chord,
+    args: Any = None,
+    kwargs: Any = None,
+    propagate: bool = True,
+    body: Any = None,
+    **options: Any,
+) -> Any:
+    """``chord.apply`` (an eager chord) for every chord: Celery's, after what the engine would
+    read of it is checked as a chord sent to a worker is, so that both are refused alike."""
+    if on_engine(self._get_app(body)):
+        _engine_options(dict(self.options, **options))
+        tasks = self.tasks.tasks if isinstance(self.tasks, group) else self.tasks
+        if isinstance(tasks, (list, tuple)):  # a generator is read by Celery's apply alone
+            for task in tasks:
+                _check_header_task(task)
+    return _celery_apply(self, args, kwargs, propagate=propagate, body=body, **options)
+
+
 def _run_as_flow(
     chord: _chord,
     header: group,
@@ -113,10 +136,7 @@ def _run_as_flow(
     group_id = header.options.get("task_id") or uuid()
     root_id = body.options.get("root_id")
     options = dict(chord.options, **options)
-    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
-    # A header task that fails fails the body once the whole header has run, as in Celery
-    # (its errbacks then run, and a caller's get() has seen the header's own error first).
-    engine.setdefault("policy", CHORD_POLICY)
+    engine = _engine_options(options)
     delay = dict(header_delay or {})
     for key in ("countdown", "eta"):
         if key not in delay and options.get(key) is not None:
@@ -163,10 +183,33 @@ def _run_as_flow(
     return bodyres
 
 
+def _engine_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options of a chord's send that the engine reads, taken out of ``options`` and
+    checked as the chord's (a close misspelling of one, or a value not allowed, refused
+    before anything is sent)."""
+    check_spelling(options, (*ENGINE_OPTIONS, *SEND_OPTIONS), "chord")
+    engine = {name: options.pop(name) for name in ENGINE_OPTIONS if name in options}
+    # A header task that fails fails the body once the whole header has run, as in Celery
+    # (its errbacks then run, and a caller's get() has seen the header's own error first).
+    engine.setdefault("policy", CHORD_POLICY)
+    check_policy(engine["policy"], "chord(policy=...)", "policy")
+    check_max_active(engine.get("max_active"), "chord(max_active=...)")
+    deadline_spec(engine.get("deadline"), "chord(deadline=...)")
+    check_on_deadline(engine.get("on_deadline", "fail"), "chord(on_deadline=...)")
+    return engine
+
+
+def _check_header_task(task: Any) -> None:
+    """A close misspelling of an option the engine reads of a header task, refused."""
+    if isinstance(task, Signature):
+        check_spelling(task.options, CHILD_OPTIONS, f"chord header task {task.task!r}: .set()")
+
+
 def _routed(app: Any, task: Signature, result: Any, send: dict[str, Any]) -> Signature:
     """A header task with what the chord is sent with over its own routing (as in Celery's
     header.apply_async(**options); a flow's own children keep theirs), its result listened
     for from now on, as Celery's send of it does (Redis's result backend, by pub/sub)."""
+    _check_header_task(task)
     task.options.update({k: v for k, v in send.items() if k in ROUTING})
     if isinstance(app.backend, RedisBackend):
         app.backend.on_task_call(None, result.id)
@@ -236,4 +279,5 @@ def patch_celery() -> None:
     """Route Celery's chord entry points through this module, once per process: inert for
     every app whose chords are not on the engine."""
     _chord.run = run
+    _chord.apply = apply
     Task.add_to_chord = add_to_chord

@@ -103,12 +103,22 @@ class FlowFailed(FlowError, ChordError):  # type: ignore[misc]  # Celery is unty
         return str(self.args[0])
 
     @classmethod
-    def of_child(cls, flow_id: str, child_id: str, error: str, chord: bool = False) -> FlowFailed:
+    def of_child(
+        cls,
+        flow_id: str,
+        child_id: str,
+        error: str,
+        chord: bool = False,
+        raised: BaseException | None = None,
+    ) -> FlowFailed:
         """The failure of ``flow_id`` by its child ``child_id`` (``error``: its
         ``"ExcType: message"``); ``chord``: a chord on the flow engine, worded as Celery words
-        a chord's (``Dependency <id> raised ExcType('message')``), which code may parse for
-        the failed task's id."""
-        if chord:
+        a chord's (``Dependency <id> raised <repr of the error>``), which code may parse for
+        the failed task's id. ``raised``: the child's error as its result holds it, which
+        Celery's words are made of; without it, one rebuilt from ``error``."""
+        if chord and raised is not None:
+            message = f"Dependency {child_id} raised {raised!r}"
+        elif chord:
             kind, _, text = error.partition(": ")
             message = f"Dependency {child_id} raised {kind}({text!r})"
         else:

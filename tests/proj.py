@@ -171,6 +171,25 @@ def too_slow(seconds: float) -> None:
     time.sleep(seconds)
 
 
+class Unpicklable(Exception):
+    """An exception whose argument no serializer carries (a lock)."""
+
+
+@app.task
+def raises(kind: str) -> None:
+    """Raise ``kind``: a plain ValueError, a Reject without requeue, or an exception whose
+    argument cannot be serialized."""
+    import threading
+
+    from celery.exceptions import Reject
+
+    if kind == "reject":
+        raise Reject("no thanks", requeue=False)
+    if kind == "unpicklable":
+        raise Unpicklable(threading.Lock())
+    raise ValueError("bad value", 42)
+
+
 @app.task
 def sleep_then(x: int, seconds: float) -> int:
     time.sleep(seconds)
@@ -200,6 +219,23 @@ def replaced_by(self: Any, kind: str, x: int) -> Any:
         "flow": lambda: celery_echomq.flow(tsum.s(), [add.s(x, 1), add.s(x, 2)]),
     }
     raise self.replace(replacements[kind]())
+
+
+@app.task(bind=True)
+def replaced_by_nested_chord(self: Any, x: int, key: str, width: int = 2) -> Any:
+    """A task that replaces itself with a group holding a chain that starts with a chord
+    (and, ``width`` 2, a task), the chord's body pushing its own id to the list ``key``."""
+    from celery import chain, chord, group
+
+    inner = chord([add.s(x, 1), add.s(x, 2)], pushes_own_id.s(key))
+    raise self.replace(group([chain(inner, add.s(100)), add.s(x, 3)][:width]))
+
+
+@app.task(bind=True)
+def pushes_own_id(self: Any, values: list[int], key: str) -> int:
+    """The sum of ``values``; this job's id pushed to the list ``key``."""
+    _store().rpush(key, self.request.id)
+    return sum(values)
 
 
 @app.task(bind=True)
@@ -680,6 +716,20 @@ def errback_kind(request: Any, exc: Any, tb: Any) -> None:
 
     kind = f"{type(exc).__name__} chord_error={isinstance(exc, ChordError)}"
     _store().rpush(f"errback-kind:{request.id}", kind)
+
+
+@app.task(bind=True)
+def lineages(self: Any, values: list[Any]) -> dict[str, Any]:
+    """A chord body's lineage and its header's (``lineage``'s values)."""
+    return {"header": values, "parent_id": self.request.parent_id, "root_id": self.request.root_id}
+
+
+@app.task(bind=True)
+def lineage_chord_in_worker(self: Any) -> list[str]:
+    """Sends a chord of ``lineage`` tasks from a worker: this task's id and the body's."""
+    from celery import chord
+
+    return [self.request.id, chord([lineage.s(), lineage.s()])(lineages.s()).id]
 
 
 @app.task

@@ -73,6 +73,9 @@ class JobNode:
     # How many parents wait for this job (on_exists="join", a DAG): 0 where not read, 1 for a
     # job of one flow; a page of children reads it (its row's parent and its ``:parents``).
     shared_by: int = 0
+    # A job that replaced itself with a flow (Task.replace): that flow's parent, a flow of its
+    # own that runs in the job's place (the job takes its outcome).
+    replaced_by: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -7,9 +7,10 @@ from typing import Any
 
 import click
 
+from celery_echomq.errors import UnknownFlowError
 from celery_echomq.ops.listing import FlowRow, QueueStats
 from celery_echomq.ops.nodes import JobNode, json_default, node_dict
-from celery_echomq.ops.pages import iter_children
+from celery_echomq.ops.pages import iter_children, read_flow
 from celery_echomq.store.state import EchoMQ
 
 VALUE_WIDTH = 60
@@ -79,6 +80,8 @@ def job_line(node: JobNode, color: bool) -> str:
         if f.reduce is not None:
             name = f.reduce[0] if len(f.reduce) == 1 else repr(tuple(f.reduce))
             parts.append(f"reduce={name}  acc={short(f.acc)}")
+    if node.replaced_by is not None:
+        parts.append(f"replaced-by=flow {node.replaced_by}")
     if node.runtime_ms is not None:
         parts.append(f"runtime={seconds(node.runtime_ms)}")
     if node.has_value:
@@ -164,6 +167,21 @@ def show_every(state: EchoMQ, node: JobNode, only: str | None, count: int, as_js
             line(child, indent + "├─ ")
             if child.flow is not None:
                 under(child, indent + "│  ", depth + 1)
+            for replaced in (child, *child.steps):
+                if replaced.replaced_by is not None:
+                    replacement(replaced.replaced_by, indent + "│  ", depth + 1)
+
+    def replacement(job_id: str, indent: str, depth: int) -> None:
+        # A flow that runs in a job's place (Task.replace): under the job, as its own.
+        if depth >= state.settings.max_depth:
+            return
+        try:
+            flow = read_flow(state, job_id, count=1, with_times=True)
+        except UnknownFlowError:
+            return  # forgotten or expired before the job it replaced
+        line(flow, indent + "└─ ")
+        if flow.flow is not None:
+            under(flow, indent + "   ", depth + 1)
 
     if as_json:
         line(node, "")
@@ -171,6 +189,8 @@ def show_every(state: EchoMQ, node: JobNode, only: str | None, count: int, as_js
         click.echo(job_line(node, True) + f"  queue={node.queue}")
     if node.flow is not None:
         under(node, "", 0)
+    if node.replaced_by is not None:
+        replacement(node.replaced_by, "", 0)
 
 
 LIST_HEADER = ("flow", "task", "state", "done/total", "failed", "ignored", "cut", "age", "queue")

@@ -62,6 +62,7 @@ ROW_FIELDS = (
     "cut",  # "deadline": cut by its flow's deadline before it started
     "steps",  # a linked chain's last step: every step's id, in order
     "input",  # a chain's step: the value of the step before it, its first argument
+    "replaced_by",  # Task.replace: the parent of the flow that runs in the job's place
 )
 # Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
 _STORED = frozenset({"payload", "delta", "template", "input"})
@@ -227,6 +228,7 @@ def node_of(
         kwargs=kwargs,
         started_ms=_int(row["started"]),
         dispatched_ms=_int(row["dispatched"]),
+        replaced_by=row.get("replaced_by"),
     )
     return node, child_ids
 

@@ -51,11 +51,9 @@ def child_job_id(options: dict[str, Any], position: int) -> str:
         ) from exc
 
 
-def check_policy(policy: object, where: str) -> str:
+def check_policy(policy: object, where: str, name: str = "parent_policy") -> str:
     if policy not in POLICIES:
-        raise PolicyError(
-            f"{where}: unknown parent_policy {policy!r}; allowed: " + ", ".join(POLICIES)
-        )
+        raise PolicyError(f"{where}: unknown {name} {policy!r}; allowed: " + ", ".join(POLICIES))
     return str(policy)
 
 

@@ -29,8 +29,9 @@ from celery_echomq.send.jobs import (
 )
 from celery_echomq.send.links import queue_runs
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
+from celery_echomq.send.signatures import CHORD_WORDS
 from celery_echomq.store.deadline_spec import stamp
-from celery_echomq.store.headers import H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
+from celery_echomq.store.headers import H_CHORD, H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
 from celery_echomq.store.planned import Node, Plan, PlannedChain, PlannedJob, held_of, keep
 
 __all__ = ["Plan", "check_depth", "plan_flow", "too_deep"]
@@ -242,6 +243,7 @@ def _nested(
     inner_opts = {**shared, **child.options}
     inner_opts.pop("parent_policy", None)
     inner_opts.pop("echomq_silent", None)
+    chord_words = inner_opts.pop(CHORD_WORDS, None)
     inner_args = () if child.immutable else (*args, *child.args)
     inner = plan_flow(
         app,
@@ -257,6 +259,9 @@ def _nested(
         store_results=store_results,
         single=child.single,
     )
+    if chord_words:
+        # A chord's failure, worded as Celery words it (worker/settle.py reads the mark).
+        inner.parent["options"].setdefault("headers", {}).setdefault(H_CHORD, "1")
     stamp(inner, child.kwargs)  # its own deadline, if it has one
     window_of(inner, child.kwargs)  # its own window, if it has one
     fan_in_of(inner, child.kwargs)  # its own quorum or reducer, if it has one

@@ -67,13 +67,16 @@ def send_flow(app: Any, state: EchoMQ, shape: Any, fan: str, sending: Sending) -
     job that holds its own children, "" when that is its parent)."""
     shape, options = _sent_options(shape, sending)
     parent = shape.parent
-    replaced = _replaced_job(options.get("task_id") or parent.options.get("task_id"), options)
+    given = options.get("task_id") or parent.options.get("task_id")
+    replaced = _replaced_job(given, options)
     if replaced is not None:
         # Task.replace(flow): Celery gives the replacement the replaced task's id, which names
         # the replaced flow job's own row. The flow's parent takes an id of its own; the
         # replaced job takes the parent's outcome (recovery reads it from the backend).
         parent = parent.clone()
         parent.options["task_id"] = options["task_id"] = new_job_id()
+        if fan == given:
+            fan = parent.options["task_id"]  # the parent holds the children, by its new id
     plan = _planned(app, state, shape, parent, fan, options, sending)
     joined: dict[str, Any] = {}
     if sending.on_exists == "join":

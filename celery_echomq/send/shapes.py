@@ -48,6 +48,7 @@ from celery_echomq.send.links import (
 )
 from celery_echomq.send.signatures import (
     CALLBACKS,
+    CHORD_WORDS,
     STEP_ERRBACKS,
     is_task,
     merge_callbacks,
@@ -177,7 +178,12 @@ def as_node(sig: Any, app: Any, inherited: dict[str, Any]) -> Signature:
         if sig.body is None:
             raise ValueError("a chord among a flow's children has no body")
         header = [n for t in header_tasks(sig, app) for n in as_children(t, app, mine)]
-        return _held(sig.body, header, app, mine, policy=CHORD_POLICY, own_id=_own(sig))[0]
+        node = _held(sig.body, header, app, mine, policy=CHORD_POLICY, own_id=_own(sig))[0]
+        if app.conf.get("echomq_chords") is True and is_task(maybe_signature(sig.body, app=app)):
+            # Every chord on the engine: one in a chord's header (or a flow) words its
+            # failure as Celery's does, its body holding the header itself.
+            node.options[CHORD_WORDS] = True
+        return node
     if getattr(sig, "subtask_type", None) == "flow":
         kids = [n for c in sig.children for n in as_children(c, app, mine)]
         node, _ = _held(sig.parent, kids, app, mine, **_as_flow(sig))

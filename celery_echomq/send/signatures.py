@@ -7,7 +7,8 @@ callbacks, the options that are a canvas's own, and a task copied with an id of 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import difflib
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
@@ -23,6 +24,9 @@ LINKED = "echomq_linked"
 # chain's own). A job held on the steps before it (its last step, a flow step) that one of
 # them failed does not run these again (send/jobs.py stores them as its ``step_errbacks``).
 STEP_ERRBACKS = "echomq_step_errbacks"
+# An option of a chord's node among a flow's children, with every chord on the engine
+# (``echomq_chords``): its failure is worded as Celery words a chord's (send/plan.py marks it).
+CHORD_WORDS = "echomq_chord_words"
 
 
 def merge_callbacks(own: Any, given: Any) -> list[Any]:
@@ -37,7 +41,8 @@ def merge_callbacks(own: Any, given: Any) -> list[Any]:
 # Options of a chain, group or chord that are its own, not handed down to its tasks.
 _OWN = frozenset(
     "task_id group_id group_index chord parent_policy subtask_type link link_error chain "  # noqa: SIM905
-    "reply_to root_id parent_id echomq_silent echomq_linked echomq_step_errbacks".split()
+    "reply_to root_id parent_id echomq_silent echomq_linked echomq_step_errbacks "
+    "echomq_chord_words".split()
 )
 
 
@@ -81,6 +86,10 @@ FLOW_KEYWORDS = (
     "options",
     "immutable",
 )
+# The options the extension reads from a flow's send (``apply_async``, ``apply``) and from a
+# child's own (``.set()``): a close misspelling of one is refused (check_spelling).
+SEND_OPTIONS = ("on_exists",)
+CHILD_OPTIONS = ("parent_policy",)
 # The options Celery sends a signature with (apply_async's, send_task's and the canvas's own
 # lineage), also taken as keywords, as by chord(header, body, queue=...). Anything else a
 # flow's messages should carry goes in ``options={...}`` or ``.set(...)``.
@@ -137,12 +146,34 @@ def check_keywords(options: dict[str, Any]) -> None:
     ``max_activ`` would otherwise be carried silently as a message option)."""
     unknown = sorted(set(options) - MESSAGE_OPTIONS - INTERNAL_KEYWORDS)
     if unknown:
+        meant = [
+            f"{close[0]!r} for {name!r}"
+            for name in unknown
+            if (close := difflib.get_close_matches(name, FLOW_KEYWORDS, n=1, cutoff=0.8))
+        ]
+        hint = f"did you mean {', '.join(meant)}? " if meant else ""
         raise TypeError(
-            f"flow() got unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"flow() got unknown keyword argument(s) {', '.join(map(repr, unknown))}; {hint}"
             f"allowed: {', '.join(FLOW_KEYWORDS)}, and Celery's message options "
             f"({', '.join(sorted(MESSAGE_OPTIONS))}); "
             "anything else a flow's messages carry goes in options={...} or .set(...)"
         )
+
+
+def check_spelling(given: Iterable[str], read: Sequence[str], where: str) -> None:
+    """Refuse a name in ``given`` that the extension does not read but that is close to one it
+    does (``on_exist``, ``parent_polciy``): Celery would carry it silently as a message
+    option, and what was meant would not happen. Celery's own options and anything further
+    from ``read`` pass through, as Celery passes them. ``where``: what the caller wrote."""
+    for name in sorted(given):
+        if name in read or name in MESSAGE_OPTIONS or name in INTERNAL_KEYWORDS:
+            continue
+        close = difflib.get_close_matches(name, read, n=1, cutoff=0.8)
+        if close:
+            raise TypeError(
+                f"{where} got an unknown option {name!r}; did you mean {close[0]!r}? "
+                f"the options it reads: {', '.join(read)}; nothing was sent"
+            )
 
 
 def check_order(parent: Any, children: Any) -> None:

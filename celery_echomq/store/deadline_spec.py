@@ -20,58 +20,57 @@ ON_DEADLINE = ("fail", "continue")
 MAX_SECONDS = 366 * 86400
 
 
-def check_on_deadline(value: object) -> str:
+def check_on_deadline(value: object, where: str = "flow(on_deadline=...)") -> str:
     if value not in ON_DEADLINE:
-        raise DeadlineError(
-            f"flow(on_deadline=...): unknown value {value!r}; allowed: " + ", ".join(ON_DEADLINE)
-        )
+        raise DeadlineError(f"{where}: unknown value {value!r}; allowed: " + ", ".join(ON_DEADLINE))
     return str(value)
 
 
-def deadline_spec(value: Any) -> dict[str, float] | None:
-    """``value`` as ``{"in": s}`` / ``{"at": epoch s}``, or None; a clear error for bad input."""
+def deadline_spec(value: Any, where: str = "flow(deadline=...)") -> dict[str, float] | None:
+    """``value`` as ``{"in": s}`` / ``{"at": epoch s}``, or None; a clear error for bad input,
+    which starts with ``where`` (what the caller wrote)."""
     if value is None:
         return None
     if isinstance(value, dict) and set(value) in ({"in"}, {"at"}):
         ((kind, number),) = value.items()
-        return {kind: _number(number, kind)}
+        return {kind: _number(number, kind, where)}
     if isinstance(value, timedelta):
-        return {"in": _seconds(value.total_seconds())}
+        return {"in": _seconds(value.total_seconds(), where)}
     if isinstance(value, datetime):
         if value.tzinfo is None or value.utcoffset() is None:
             raise DeadlineError(
-                f"flow(deadline=...): {value.isoformat()} is a naive datetime; give an aware one "
+                f"{where}: {value.isoformat()} is a naive datetime; give an aware one "
                 "(datetime.now(timezone.utc) + ...) or a number of seconds"
             )
         at = value.timestamp()
         if at <= time.time():
             raise DeadlineError(
-                f"flow(deadline=...): {value.isoformat()} has already passed; give a time in "
+                f"{where}: {value.isoformat()} has already passed; give a time in "
                 "the future or a number of seconds"
             )
         return {"at": at}
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise DeadlineError(
-            f"flow(deadline=...): {value!r} is a {type(value).__name__}; allowed: seconds (an "
+            f"{where}: {value!r} is a {type(value).__name__}; allowed: seconds (an "
             "int or float > 0), a timedelta, or an aware datetime"
         )
-    return {"in": _seconds(float(value))}
+    return {"in": _seconds(float(value), where)}
 
 
-def _number(value: Any, kind: str) -> float:
+def _number(value: Any, kind: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise DeadlineError(f"flow(deadline=...): {value!r} is not a number of seconds")
-    return _seconds(float(value)) if kind == "in" else float(value)
+        raise DeadlineError(f"{where}: {value!r} is not a number of seconds")
+    return _seconds(float(value), where) if kind == "in" else float(value)
 
 
-def _seconds(seconds: float) -> float:
+def _seconds(seconds: float, where: str) -> float:
     if not math.isfinite(seconds) or seconds <= 0:
         raise DeadlineError(
-            f"flow(deadline=...): {seconds!r} seconds; a deadline must be more than 0 seconds away"
+            f"{where}: {seconds!r} seconds; a deadline must be more than 0 seconds away"
         )
     if seconds > MAX_SECONDS:
         raise DeadlineError(
-            f"flow(deadline=...): {seconds:g} seconds is more than a year; give seconds, not ms"
+            f"{where}: {seconds:g} seconds is more than a year; give seconds, not ms"
         )
     return seconds
 

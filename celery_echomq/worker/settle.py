@@ -44,6 +44,8 @@ from celery_echomq.store.scripts import ParentRef, ResultWrite
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
+# The states whose stored error fails a chord in Celery (``celery.states.PROPAGATE_STATES``).
+PROPAGATE = ("FAILURE", "REVOKED")
 
 T = TypeVar("T")
 
@@ -185,14 +187,17 @@ def record_failure(
     state.app.backend.mark_as_failure(job_id, exc, request=request, call_errbacks=call_errbacks)
 
 
-def own_error(state: EchoMQ, job_id: str) -> BaseException | None:
-    """The exception a failed job's worker stored in Celery's result backend, if it did."""
+def own_error(
+    state: EchoMQ, job_id: str, states: tuple[str, ...] = ("FAILURE",)
+) -> BaseException | None:
+    """The exception a failed job's worker stored in Celery's result backend, if it did (in
+    one of ``states``: a revoked job's is stored ``REVOKED``)."""
     try:
         meta = state.app.backend.get_task_meta(job_id)
     except Exception:
         return None  # the backend cannot say: the flow's own error stands
     result = meta.get("result")
-    return result if meta.get("status") == "FAILURE" and isinstance(result, BaseException) else None
+    return result if meta.get("status") in states and isinstance(result, BaseException) else None
 
 
 def fail_later_steps(state: EchoMQ, queue: str, next_step: str, exc: BaseException) -> None:
@@ -238,11 +243,14 @@ def parent_failed(
         error = text(state.client.hget(row, f"failed:{child_id}") or b"")
     job = state.loads(payload) if payload else {"task": None, "options": {}}
     headers = (job.get("options") or {}).get("headers") or {}
+    body = headers.get(H_CHORD)
+    # A chord's error is worded from the header task's error as its result holds it (a
+    # failed or a revoked task's), as Celery's chord reads it back from the result backend.
+    raised = own_error(state, child_id, PROPAGATE) if body else None
     exc: BaseException = FlowFailed.of_child(
-        parent_id, child_id, error, chord=bool(headers.get(H_CHORD))
+        parent_id, child_id, error, chord=bool(body), raised=raised
     )
     outer = outer_ref(headers, queue)
-    body = headers.get(H_CHORD)
     if isinstance(body, dict):
         # A chord on the engine: Celery's own handling of a failed header, from its body.
         from celery import signature

@@ -14,7 +14,7 @@ from typing import Any
 from billiard.exceptions import TimeLimitExceeded, WorkerLostError
 from celery import signals
 from celery.app.task import Task
-from celery.exceptions import Ignore, TaskRevokedError
+from celery.exceptions import Ignore, Reject, TaskRevokedError
 
 from celery_echomq import tracing
 from celery_echomq.errors import ReplicationError, StoreFormatError
@@ -277,7 +277,10 @@ def on_failure(
     request, deliveries = sender.request, _deliveries(sender.app)
     token = deliveries.tokens.pop(task_id, None)
     lost = token is None and isinstance(exception, (WorkerLostError, TimeLimitExceeded))
-    if lost:
+    # A Reject without requeue, reported by the main process too (the pool process that
+    # raised it reports nothing): its message is dropped, the job never runs again.
+    rejected = token is None and isinstance(exception, Reject)
+    if lost or rejected:
         # Reported by the worker's main process: the pool process that held the token was
         # killed (acks early: the message is gone with it) or hit its hard time limit. The
         # failure applies whatever token the row has, at once, as a chord's header fails then.
@@ -414,15 +417,24 @@ def on_revoked(
     store_revoked(
         sender, request, "expired" if expired else "terminated" if terminated else "revoked"
     )
-    settle_failure(
-        state,
-        queue,
-        request.id,
-        "",
-        reason,
-        bool(getattr(headers, H_FLOW, None)),
-        parent_ref(headers),
-    )
+    is_parent = bool(getattr(headers, H_FLOW, None))
+    if is_parent and not expired and _cancelled(state, queue, request.id):
+        # A flow's parent revoked by Celery's revoke (a chord's ``res.revoke()``): the flow
+        # is cancelled, as by ``echomq cancel``, not failed; its outer flow counts it failed.
+        if (outer := parent_ref(headers)) is not None:
+            settle_failure(state, queue, request.id, "", reason, True, outer, carry=True)
+        return
+    settle_failure(state, queue, request.id, "", reason, is_parent, parent_ref(headers))
+
+
+def _cancelled(state: EchoMQ, queue: str, parent_id: str) -> bool:
+    """Cancel the released flow parent ``parent_id`` whose message was revoked: whether this
+    did (a parent already cancelled, by ``echomq cancel`` say, is not cancelled again)."""
+    status, was, _ = state.scripts.cancel(queue, parent_id, [], ttl=state.settings.result_ttl)
+    if status is not Status.CANCELLED or was is Status.CANCELLED:
+        return False
+    logger.info("echomq: flow %s cancelled: its parent's message was revoked", parent_id)
+    return True
 
 
 def connect() -> None:

@@ -9,6 +9,7 @@ so each test's worker runs with the same setting (``ECHOMQ_T_CHORDS``).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -169,6 +170,64 @@ def test_a_failed_header_fails_the_body_as_celerys_chord_does(
     assert held_by_engine(res.id) is (engine == "on")
 
 
+# How each kind of header failure is sent, and what Celery's chord error says of it.
+FAILURES = {
+    "ValueError": (lambda p: p.raises.si("value"), "ValueError('bad value', 42)"),
+    "custom exception": (
+        lambda p: p.fail.si(),
+        "ExpectedException('Task expected to fail')",
+    ),
+    "hard time limit": (lambda p: p.too_slow.si(5), "TimeLimitExceeded(1)"),
+    "revoked": (lambda p: p.add.si(2, 2), "TaskRevokedError('revoked')"),
+    # Celery's result backend keeps such an error wrapped, and rebuilds it wrapped.
+    "unpicklable": (
+        lambda p: p.raises.si("unpicklable"),
+        "UnpickleableExceptionWrapper('tests.proj', 'Unpicklable', ('<unlocked _thread.lock",
+    ),
+    # A Reject without requeue: Celery stores it as the task's failure (its repr is this).
+    "reject": (lambda p: p.raises.si("reject"), "reject requeue=False: no thanks"),
+}
+
+
+@pytest.mark.parametrize("failure", list(FAILURES))
+def test_a_header_failure_is_worded_as_celerys_chord_words_it(
+    proj: Any, engine: str, queue: str, failure: str
+) -> None:
+    make, said = FAILURES[failure]
+    failing = make(proj)
+    failed_id = failing.freeze().id
+    if failure == "revoked":
+        proj.app.control.revoke(failed_id)
+        time.sleep(0.5)  # every worker has heard of it
+    res = chord([proj.add.si(1, 1), failing], proj.tsum.s()).apply_async(queue=queue)
+    body = AsyncResult(res.id, app=proj.app)
+    wait_for(lambda: body.state == "FAILURE", timeout=30)
+    assert isinstance(body.result, ChordError)
+    assert str(body.result).startswith(f"Dependency {failed_id} raised {said}"), str(body.result)
+    assert held_by_engine(res.id) is (engine == "on")
+
+
+def test_a_chord_in_a_header_words_its_failure_as_celerys_does(
+    proj: Any, engine: str, queue: str
+) -> None:
+    # The inner chord's body fails with Celery's words; on the engine the outer one fails
+    # too, naming the inner body (a Celery chord waits for it for ever: its count never
+    # hears of the inner body's failure).
+    failing = proj.fail.si()
+    failed_id = failing.freeze().id
+    inner = chord([failing], proj.tsum.s())
+    inner_id = inner.freeze().id
+    res = chord([inner, proj.add.si(1, 1)], proj.tsum.s()).apply_async(queue=queue)
+    body = AsyncResult(inner_id, app=proj.app)
+    wait_for(lambda: body.state == "FAILURE", timeout=30)
+    said = f"Dependency {failed_id} raised ExpectedException('Task expected to fail')"
+    assert isinstance(body.result, ChordError) and str(body.result) == said
+    if engine == "on":
+        outer = AsyncResult(res.id, app=proj.app)
+        wait_for(lambda: outer.state == "FAILURE", timeout=30)
+        assert str(outer.result).startswith(f"Dependency {inner_id} raised "), str(outer.result)
+
+
 @pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
 def test_a_failed_header_fails_the_body_once_the_whole_header_has_run(
     proj: Any, store: redis.Redis, engine: str, queue: str
@@ -255,12 +314,66 @@ def test_a_chord_nested_in_a_header_runs_the_errback_once(
     assert store.lrange(key, 0, -1) == [b"errback"]
 
 
+def test_a_canvas_body_runs_the_extensions_own_tasks_on_the_engine(
+    proj: Any, engine: str, queue: str
+) -> None:
+    # A group body on the engine is held as a flow whose parent stands for the group: the
+    # extension's celery_echomq.spread adds its tasks once the header is done, and
+    # celery_echomq.collect stands for the group (README). A worker logs them as any task.
+    from tests.helpers import LOGDIR
+
+    log = LOGDIR / f"{queue}.log"
+    before = log.read_text(errors="replace")
+    res = chord([proj.add.s(1, 1)], group(proj.tsum.s(), proj.tsum.s())).apply_async(queue=queue)
+    assert res.get(timeout=60) == [2, 2]
+    time.sleep(0.5)
+    new = log.read_text(errors="replace")[len(before) :]
+    ran = dict(re.findall(r"Task (celery_echomq\.\w+)\[([^\]]+)\] succeeded", new))
+    if engine == "off":
+        assert ran == {}
+        return
+    # The collect runs under the group's id (what res.id names); the spread under a JOB id.
+    assert sorted(ran) == ["celery_echomq.collect", "celery_echomq.spread"]
+    assert ran["celery_echomq.collect"] == res.id
+    assert ran["celery_echomq.spread"].startswith("JOB")
+
+
 def test_a_header_task_knows_its_group_as_in_celerys_chord(
     proj: Any, engine: str, queue: str
 ) -> None:
     # self.request.group is the header's GroupResult id and group_index the task's position.
     res = chord([proj.group_of.s(i) for i in range(3)], proj.collect.s()).apply_async(queue=queue)
     assert res.get(timeout=60)["values"] == [[res.parent.id, i] for i in range(3)]
+
+
+def test_a_chord_sent_by_a_task_has_its_root_as_celerys_has(
+    proj: Any, engine: str, queue: str
+) -> None:
+    # Every task of a chord a task sends has that task's root as its root_id, as Celery's
+    # send_task gives it, and the body's parent is the header task that released it.
+    caller, body_id = proj.lineage_chord_in_worker.s().apply_async(queue=queue).get(timeout=60)
+    got = AsyncResult(body_id, app=proj.app).get(timeout=60)
+    assert got["header"] == [{"parent_id": caller, "root_id": caller}] * 2
+    assert got["root_id"] == caller and got["parent_id"] != caller
+
+
+def test_a_chord_sent_by_a_client_has_one_root_on_the_engine(
+    proj: Any, engine: str, queue: str
+) -> None:
+    # A chord sent outside any task: Celery gives each header task its own id as its root,
+    # and the body the root of the header task that ended last; the engine gives the whole
+    # chord one root, the body's id, so that monitors draw it as one tree (README).
+    res = chord([proj.lineage.s(), proj.lineage.s()], proj.lineages.s()).apply_async(queue=queue)
+    got = res.get(timeout=60)
+    header_ids = [r.id for r in res.parent.results]
+    assert got["parent_id"] in header_ids  # the header task that released the body
+    if engine == "off":
+        assert [h["root_id"] for h in got["header"]] == header_ids
+        assert got["root_id"] == got["parent_id"]
+    else:
+        assert [h["root_id"] for h in got["header"]] == [res.id, res.id]
+        assert got["root_id"] == res.id
+    assert [h["parent_id"] for h in got["header"]] == [None, None]
 
 
 def test_a_frozen_chord_applied_again_runs_again(
@@ -353,11 +466,178 @@ def test_show_and_retry_reach_a_chord_on_the_engine_by_its_bodys_id(
     assert AsyncResult(res.id, app=proj.app).result == 7
 
 
+def test_a_revoked_chord_is_listed_and_shown_cancelled_and_retry_refuses_it(
+    proj: Any, store: redis.Redis, queues: dict[str, str], proj_chords_on: None
+) -> None:
+    # Celery's way to cancel a chord, res.revoke(): its header runs on, its body never runs
+    # (its result REVOKED, as Celery's). The engine's flow is cancelled, as by echomq cancel,
+    # and a retry refuses it as it refuses a cancelled flow: revoked ids stay revoked.
+    gate, key = f"test:gate:{uuid.uuid4().hex}", f"test:echo:{uuid.uuid4().hex}"
+    res = chord(
+        [proj.gated.s(1, gate), proj.add.s(2, 2)], proj.redis_echo.s(redis_key=key)
+    ).apply_async(queue=queues["on"])
+    res.revoke()
+    store.set(gate, 1)
+    body = AsyncResult(res.id, app=proj.app)
+    wait_for(lambda: body.state == "REVOKED", timeout=30)
+    assert res.parent.get(timeout=30) == [1, 4]
+    wait_for(lambda: json.loads(echomq("show", res.id, "--json").stdout)["state"] == "cancelled")
+    listed = json.loads(echomq("list", "--state", "recent", "--json").stdout)["flows"]
+    assert [f["state"] for f in listed if f["id"] == res.id] == ["cancelled"]
+    failed = json.loads(echomq("list", "--json").stdout)["flows"]
+    assert res.id not in [f["id"] for f in failed]
+    retried = echomq("retry", res.id)
+    assert retried.exit_code == 1, retried.output
+    assert f"flow {res.id} is cancelled" in retried.stderr and "nothing changed" in retried.stderr
+    time.sleep(1.0)
+    assert store.llen(key) == 0 and body.state == "REVOKED"
+
+
+def reached(job_id: str) -> set[str]:
+    """Every id ``show --all --json`` prints for ``job_id``'s flow (a JSON document a page),
+    and those it prints for each nested flow it names, at any depth."""
+    found: set[str] = set()
+    todo = [job_id]
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if isinstance(node.get("id"), str):
+                if node["id"] not in found and node.get("flow"):
+                    todo.append(node["id"])
+                found.add(node["id"])
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    shown: set[str] = set()
+    while todo:
+        flow_id = todo.pop()
+        if flow_id in shown:
+            continue
+        shown.add(flow_id)
+        out = echomq("show", flow_id, "--all", "--json")
+        assert out.exit_code == 0, out.output
+        for page in out.stdout.splitlines():
+            walk(json.loads(page))
+    return found
+
+
+@pytest.mark.parametrize("width", [1, 2])
+@pytest.mark.parametrize(
+    "where",
+    [
+        "alone",
+        "a chord's header",
+        "a chain",
+        "a flow",
+        "a nested chord's header",
+        "a chain in a chord's header",
+        "a chord's body",
+    ],
+)
+def test_a_chord_nested_in_a_replacement_is_reachable_from_list_and_show(
+    proj: Any,
+    store: redis.Redis,
+    queues: dict[str, str],
+    proj_chords_on: None,
+    width: int,
+    where: str,
+) -> None:
+    # self.replace(group(chain(chord(...), t)[, t2])): the chord inside is a nested flow of
+    # the replacement's; list names a flow whose show --all reaches it.
+    key = f"test:ids:{uuid.uuid4().hex}"
+    replaced = proj.replaced_by_nested_chord.s(1, key, width)
+    value: Any = [105, 4][:width]
+    if where == "a chord's header":
+        sig: Any = chord([replaced, proj.add.s(1, 1)], proj.collect.s())
+        value = {"values": [value, 2], "tag": ""}
+    elif where == "a chain":
+        sig = chain(proj.add.s(0, 1), proj.replaced_by_nested_chord.s(key, width))
+    elif where == "a flow":
+        sig = celery_echomq.flow(proj.collect.s(), [replaced, proj.add.s(1, 1)])
+        value = {"values": [value, 2], "tag": ""}
+    elif where == "a nested chord's header":
+        inner = chord([replaced, proj.add.s(1, 1)], proj.collect.s())
+        sig = chord([inner, proj.add.s(2, 2)], proj.collect.s())
+        value = {"values": [{"values": [value, 2], "tag": ""}, 4], "tag": ""}
+    elif where == "a chain in a chord's header":
+        step = chain(proj.add.s(0, 1), proj.replaced_by_nested_chord.s(key, width))
+        sig = chord([step, proj.add.s(1, 1)], proj.collect.s())
+        value = {"values": [value, 2], "tag": ""}
+    elif where == "a chord's body":
+        sig = chord([proj.add.s(0, 1)], proj.replaced_by_nested_chord.si(1, key, width))
+    else:
+        sig = replaced
+    res = sig.apply_async(queue=queues["on"])
+    assert res.get(timeout=60) == value
+    (inner_body,) = [i.decode() for i in store.lrange(key, 0, -1)]
+    assert held_by_engine(inner_body)
+    listed = json.loads(echomq("list", "--state", "recent", "--json").stdout)["flows"]
+    assert any(inner_body in reached(f["id"]) for f in listed[:10]), [f["id"] for f in listed]
+    if where != "a chain":  # a plain Celery chain: its replaced step is no flow's
+        assert inner_body in reached(res.id)
+
+
 @pytest.fixture
 def proj_chords_on(proj: Any) -> Iterator[None]:
     proj.app.conf.echomq_chords = True
     yield
     proj.app.conf.echomq_chords = False
+
+
+# Each misspelt or refused option a chord's engine reads, and what its refusal says.
+MISSPELT = {
+    "chord(policy=...)": (
+        lambda c, p: c(policy="ignor").apply_async,
+        "chord(policy=...): unknown policy 'ignor'; allowed: ",
+    ),
+    "chord(max_activ=...)": (
+        lambda c, p: c(max_activ=2).apply_async,
+        "chord got an unknown option 'max_activ'; did you mean 'max_active'? the options it "
+        "reads: policy, deadline, on_deadline, max_active, on_exists; nothing was sent",
+    ),
+    "apply_async(on_exist=...)": (
+        lambda c, p: functools.partial(c().apply_async, on_exist="join"),
+        "chord got an unknown option 'on_exist'; did you mean 'on_exists'?",
+    ),
+    "apply_async(deadline=-1)": (
+        lambda c, p: functools.partial(c().apply_async, deadline=-1),
+        "chord(deadline=...): -1.0 seconds; a deadline must be more than 0 seconds away",
+    ),
+    "a header task's .set(parent_polciy=...)": (
+        lambda c, p: c(first={"parent_polciy": "ignore"}).apply_async,
+        "chord header task 'tests.proj.redis_count': .set() got an unknown option "
+        "'parent_polciy'; did you mean 'parent_policy'? the options it reads: parent_policy; "
+        "nothing was sent",
+    ),
+}
+
+
+@pytest.mark.parametrize("option", list(MISSPELT))
+def test_a_misspelt_chord_option_is_refused_as_the_chords_on_the_engine(
+    proj: Any, store: redis.Redis, engine: str, queue: str, option: str
+) -> None:
+    # On the engine, what it reads of a chord is checked before anything is sent; Celery's own
+    # chord reads none of these and runs as if they were not there.
+    key = f"test:count:{uuid.uuid4().hex}"
+
+    def made(first: Any = None, **options: Any) -> Any:
+        header = [proj.redis_count.si(key).set(**(first or {})), proj.redis_count.si(key)]
+        return chord(header, proj.redis_count.si(key), **options)
+
+    send, said = MISSPELT[option]
+    apply_async = send(made, proj)
+    if engine == "off":
+        apply_async(queue=queue)
+        wait_for(lambda: store.get(key) == b"3", timeout=30)
+        return
+    with pytest.raises((TypeError, ValueError)) as info:
+        apply_async(queue=queue)
+    assert str(info.value).startswith(said), str(info.value)
+    time.sleep(1.0)  # a header task sent would have run by now
+    assert store.get(key) is None
 
 
 @pytest.mark.parametrize("engine_setting", [True, False])
@@ -367,6 +647,31 @@ def test_eager_chords_are_celerys_with_the_setting_on(proj: Any, engine_setting:
         assert chord([proj.add.s(i, i) for i in range(3)])(proj.tsum.s()).get() == 6
         with pytest.raises(proj.ExpectedException):
             chord([proj.add.s(1, 1), proj.fail.s()])(proj.tsum.s()).get()
+    finally:
+        proj.app.conf.update(task_always_eager=False, echomq_chords=False)
+
+
+@pytest.mark.parametrize("option", list(MISSPELT))
+@pytest.mark.parametrize("engine_setting", [True, False])
+def test_an_eager_chord_refuses_a_misspelt_option_as_a_worker_run_does(
+    proj: Any, option: str, engine_setting: bool
+) -> None:
+    # Eager chords are Celery's, but what the engine would read of one is checked alike.
+    proj.app.conf.update(task_always_eager=True, echomq_chords=engine_setting)
+    try:
+
+        def made(first: Any = None, **options: Any) -> Any:
+            header = [proj.add.si(1, 1).set(**(first or {})), proj.add.si(2, 2)]
+            return chord(header, proj.tsum.s(), **options)
+
+        send, said = MISSPELT[option]
+        apply_async = send(made, proj)
+        if not engine_setting:
+            assert apply_async().get() == 6
+            return
+        with pytest.raises((TypeError, ValueError)) as info:
+            apply_async()
+        assert str(info.value).startswith(said.replace("redis_count", "add")), str(info.value)
     finally:
         proj.app.conf.update(task_always_eager=False, echomq_chords=False)
 

@@ -18,6 +18,7 @@ from celery import group
 from kombu.exceptions import EncodeError
 
 from celery_echomq import FlowExistsError, flow
+from tests.helpers import run, ways
 
 NOT_SIGNATURES = [
     pytest.param("tests.proj.add", "a str", id="str"),
@@ -147,6 +148,55 @@ def test_an_unknown_keyword_is_refused_naming_it_and_the_allowed_ones(
     assert made.clone().options == {"queue": queue, "countdown": 1}
     assert made.clone().max_active == 2
     assert flow.from_dict(json.loads(json.dumps(made))).options == made.options
+
+
+def test_a_misspelt_flow_keyword_is_refused_with_the_one_meant(proj: Any) -> None:
+    with pytest.raises(TypeError) as info:
+        flow(proj.tsum.s(), [proj.add.s(1, 1)], quorom=1)
+    assert "unknown keyword argument(s) 'quorom'; did you mean 'quorum' for 'quorom'?" in str(
+        info.value
+    )
+
+
+@pytest.mark.parametrize("how", ways(worker_for_both=False))
+def test_a_misspelt_send_option_is_refused_naming_the_one_meant(
+    proj: Any, own_queue: Any, env: Any, store: redis.Redis, how: str
+) -> None:
+    # on_exists is the option a flow's send reads: a close misspelling would be carried as a
+    # message option, and the flow would raise where join was meant. Nothing is sent.
+    queue = own_queue("misspelt-send")
+    broker = redis.Redis.from_url(env.broker)
+    child_id = "JOB" + uuid.uuid4().hex
+    sig = flow(proj.tsum.s(), [proj.add.s(1, 1).set(task_id=child_id)], queue=queue)
+    with pytest.raises(TypeError) as info:
+        run(sig, how, on_exist="join")
+    assert str(info.value) == (
+        f"{how}() of a flow got an unknown option 'on_exist'; did you mean 'on_exists'? "
+        "the options it reads: on_exists; nothing was sent"
+    )
+    untouched(store, broker, queue, [child_id])
+
+
+@pytest.mark.parametrize("how", ways(worker_for_both=False))
+def test_a_misspelt_child_option_is_refused_and_others_pass_as_celerys_do(
+    proj: Any, own_queue: Any, env: Any, store: redis.Redis, how: str
+) -> None:
+    # .set() takes any option (Celery carries an unknown one in the message): only a close
+    # misspelling of one the extension reads of a child is refused, when the flow is made.
+    queue = own_queue("misspelt-child")
+    broker = redis.Redis.from_url(env.broker)
+    child = proj.add.s(1, 1).set(task_id="JOB" + uuid.uuid4().hex, parent_polciy="ignore")
+    with pytest.raises(TypeError) as info:
+        flow(proj.tsum.s(), [child], queue=queue)
+    assert str(info.value) == (
+        "flow child 'tests.proj.add': .set() got an unknown option 'parent_polciy'; did you "
+        "mean 'parent_policy'? the options it reads: parent_policy; nothing was sent"
+    )
+    untouched(store, broker, queue, [child.options["task_id"]])
+    if how == "apply_async":
+        return  # what a worker does with an option of Celery's is Celery's
+    other = proj.add.s(1, 1).set(my_header="x", policy_note="y")
+    assert run(flow(proj.tsum.s(), [other]), how).get() == 2
 
 
 @pytest.mark.parametrize("header", ["group", "list", "tuple"])
