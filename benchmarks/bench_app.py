@@ -8,6 +8,7 @@ flow job's completion writes its result too), so one ``INFO commandstats`` cover
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,17 @@ ENV_LUA = "ECHOMQ_BENCH_LUA"
 BROKER_DB, BACKEND_DB, STORE_DB = 0, 1, 1
 
 app = Celery("bench_app")
+
+
+def against_dir(text: str) -> Path:
+    """``--against DIR``: another tree's ``celery_echomq/store/lua``, made absolute, since the
+    workers that read it run in another directory."""
+    path = Path(text).resolve()
+    if not (path / "claim.lua").is_file():
+        raise argparse.ArgumentTypeError(
+            f"{text}: no claim.lua there (give another tree's celery_echomq/store/lua)"
+        )
+    return path
 
 
 def read_scripts_from(lua_dir: Path) -> None:

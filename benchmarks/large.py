@@ -323,13 +323,19 @@ def main(argv: list[str] | None = None) -> int:
     report = run(args.children, args.chunk_size, args.concurrency, args.timeout)
     print_run(report)
     expected = [args.children, sum(range(args.children))]
-    ok = report.value == expected and report.dependencies == [0, args.children]
+    # Dependencies: outstanding, done, failed, ignored.
+    settled = [0, args.children, 0, 0]
+    ok = report.value == expected and report.dependencies == settled
     out = args.out or HERE / "results" / f"large-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({**asdict(report), "ok": ok}, indent=2))
     print(f"  report                  {out}")
     if not ok:
-        print(f"UNEXPECTED: value {report.value} (want {expected})", file=sys.stderr)
+        print(
+            f"UNEXPECTED: value {report.value}, dependencies {tuple(report.dependencies)} "
+            f"(want {expected}, {tuple(settled)})",
+            file=sys.stderr,
+        )
     return 0 if ok else 1
 
 

@@ -41,6 +41,11 @@ QUEUE = "celery"
 PHASES = ("enqueue", "claim", "complete", "parent claim", "parent complete")
 
 
+def flows_per_block(size: Size) -> int:
+    """Flows of ``size`` in a block of about 50 children: the sets take turns block by block."""
+    return max(1, 50 // size.children)
+
+
 def one_round(
     admin: Any, size: Size, window: int | None, sets: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, float]]:
@@ -60,7 +65,7 @@ def one_round(
     )
     opts = {"max_active": window} if window else {}
     names = list(sets)
-    per_block = max(1, 50 // size.children)
+    per_block = flows_per_block(size)
     blocks = [(names[(k // per_block) % len(names)], k) for k in range(size.flows)]
     canvases = [
         flow(bench_app.tsum.s(), [bench_app.add.s(i, i) for i in range(size.children)], **opts)
@@ -167,8 +172,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--window", type=int, default=None, help="max_active of every flow")
     p.add_argument("--pid-file", type=Path, help="write the server's pid here, then wait 2 s")
-    p.add_argument("--against", type=Path, help="another tree's celery_echomq/store/lua")
+    p.add_argument(
+        "--against", type=bench_app.against_dir, help="another tree's celery_echomq/store/lua"
+    )
     args = p.parse_args(argv)
+    for size in args.sizes if args.against else ():
+        if size.flows <= flows_per_block(size):
+            p.error(
+                f"--against takes turns in blocks of {flows_per_block(size)} flows of "
+                f"{size.children}: {size.label} fills one block, none is left for the other "
+                f"scripts (at least {flows_per_block(size) + 1} flows)"
+            )
     with RedisServer() as server:
         base = f"redis://127.0.0.1:{server.port}"
         bench_app.configure(base)

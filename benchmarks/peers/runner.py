@@ -533,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     p.add_argument(
         "--against",
-        type=Path,
+        type=bench_app.against_dir,
         help="the flow (and a windowed flow) also as peer 'flow (against)' ('flow window "
         "(against)'), on a worker of its own running the scripts of this directory (another "
         "tree's celery_echomq/store/lua)",
