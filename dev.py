@@ -10,7 +10,8 @@ python3 dev.py test ARGS        # one pytest run of what ARGS select, on real wo
                                 # (tests/ops/test_cli.py, -k policies, -m faults, -m "not slow")
 python3 dev.py test --all ARGS  # ARGS added to each run of a tier (--fast ARGS too)
 python3 dev.py lint             # ruff check, ruff format --check, mypy --strict
-python3 dev.py bench [ARGS]     # the flow vs chord vs group benchmark
+python3 dev.py bench [ARGS]     # the flow vs chord vs group benchmark (benchmarks/bench.py)
+python3 dev.py bench NAME ARGS  # any other benchmark by name (bench --list: every name)
 python3 dev.py wheel            # the sdist and wheel into dist/, checked, and the wheel (not an
                                 # editable install) in a fresh venv with each extra, running
                                 # the quickstart and the smoke (.ci/wheel)
@@ -156,7 +157,7 @@ def main(argv: list[str]) -> int:
     if command == "test":
         return test(rest)
     if command == "bench":
-        return run([str(PY), "benchmarks/bench.py", *rest])
+        return run([str(PY), "benchmarks", *rest])  # benchmarks/__main__.py
     if command == "wheel":
         return run(["bash", ".ci/wheel"], {**os.environ, "ECHOMQ_PYTHON": str(PY)})
     if command == "docs":

@@ -16,10 +16,10 @@ the chain rows as information.
 
     python3 dev.py bench                 # the default run (tens of minutes)
     python3 dev.py bench --quick         # a smoke run (smaller sizes, 2 rounds: several minutes)
-    python benchmarks/bench.py --sizes 20x50,2x1000 --rounds 5
-    python benchmarks/bench.py --chains-only --chains 50x3,200x3   # the chain section alone
+    python3 dev.py bench --sizes 20x50,2x1000 --rounds 5
+    python3 dev.py bench --chains-only --chains 50x3,200x3   # the chain section alone
     python3 dev.py bench --enqueue-only --rounds 9   # enqueue vs BullMQ alone (about a minute)
-    python3 dev.py bench --peers         # flow beside chord, group, Dramatiq, RQ, BullMQ
+    python3 dev.py bench --list          # the other benchmarks (dev.py bench peers, ...)
 
 Every number is taken side by side: the modes run interleaved (the order rotates each round)
 against the same worker, and the report gives medians and the per-round paired ratios, since
@@ -31,41 +31,57 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
-import os
-import platform
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
+import bench_app
 import redis
-from celery import chain, chord, group
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path[:0] = [str(HERE), str(ROOT)]
-
-import bench_app  # noqa: E402 - needs the path above
-from report import (  # noqa: E402 - needs the path above
+from measure import (
+    RESULTS,
+    Deadline,
+    Size,
+    command_counts,
+    command_delta,
+    log,
+    machine,
+    med,
+    parse_chain_sizes,
+    parse_sizes,
+    quartiles,
+    rotated,
+    settle,
+    spread,
+    time_limit,
+)
+from modes import (
+    BULLMQ_DIR,
+    CHORD_ENGINE,
     DEADLINE,
+    DEADLINE_S,
     LEAN,
+    MODES,
     TRACED,
+    Waiter,
+    Worker,
+    build,
+    bullmq_ready,
+    expected,
+    only_queue,
+    release_results,
+    result_ids,
+)
+from report import (
+    Run,
     fmt_rate,
     fmt_ratio,
-    med,
     paired,
     profile,
-    quartiles,
     render,
     render_profile,
     render_targets,
@@ -73,23 +89,9 @@ from report import (  # noqa: E402 - needs the path above
     targets,
 )
 
-from celery_echomq import flow  # noqa: E402
-from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
+from celery_echomq.embedded import RedisServer
 
-MODES = ("group", "chord", "flow")
-# A Celery chord sent with echomq_chords on: the same canvas as ``chord``, fanned in by the
-# flow engine (celery_echomq/chords.py).
-CHORD_ENGINE = "chord-engine"
-DEADLINE_S = 3600
-# A flow with a window (``max_active``): ``flow-window`` (the peers bench's "flow window").
-WINDOW = "flow-window"
-WINDOW_SIZE = int(os.environ.get("BENCH_WINDOW", "20"))
-# A plain group with one task more than a flow's children: as many Celery messages as a flow
-# sends (its children and its parent), none of them fanned in (the peers bench's "celery group
-# + 1"). A flow beside it shows what the fan-in costs beyond the parent's own message.
-GROUP_ONE_MORE = "group-one-more"
 TRACED_QUEUE = "bench_traced"
-BULLMQ_DIR = HERE / "bullmq"
 BULLMQ_DB = 3
 BULLMQ_SIZES = "10x1000,200x5"
 HOLD_QUEUE = "bench_hold"  # no worker consumes it: what is enqueued there stays held
@@ -100,275 +102,12 @@ QUICK_SIZES = "40x5,4x50,1x500"
 # chord-chain), beside flow and chord over N*S plain children (the same number of tasks).
 CHAIN_MODES = ("flow-chain", "chord-chain", "flow", "chord")
 DEFAULT_CHAINS = "50x3,200x3"
-# What the benchmark itself sends to read the counters, never part of a mode's cost; its
-# result polls (EXISTS) are counted and subtracted instead, since the scripts use EXISTS too.
-OWN_COMMANDS = frozenset({"info", "memory", "scan", "flushdb"})
-
-
-@dataclass(frozen=True)
-class Size:
-    flows: int
-    children: int
-    steps: int = 1  # tasks per child: > 1 makes each child a chain (the ``-chain`` modes)
-
-    @property
-    def total(self) -> int:
-        """Tasks the children run (a chain child counts each of its steps)."""
-        return self.flows * self.children * self.steps
-
-    @property
-    def label(self) -> str:
-        tail = f"x{self.steps}" if self.steps > 1 else ""
-        return f"{self.flows}x{self.children}{tail}"
-
-
-def parse_sizes(text: str) -> list[Size]:
-    sizes = []
-    for part in text.split(","):
-        flows, _, children = part.strip().lower().partition("x")
-        if not flows.isdigit() or not children.isdigit() or int(flows) < 1 or int(children) < 1:
-            raise argparse.ArgumentTypeError(f"size {part!r} is not KxN (e.g. 20x50)")
-        sizes.append(Size(int(flows), int(children)))
-    return sizes
-
-
-def parse_chain_sizes(text: str) -> list[Size]:
-    """``NxS,...``: one parent over N chains of S steps each (S >= 2)."""
-    sizes = []
-    for size in parse_sizes(text):
-        if size.children < 2:
-            raise argparse.ArgumentTypeError(f"chain size {size.label}: a chain has 2+ steps")
-        sizes.append(Size(1, size.flows, size.children))
-    return sizes
-
-
-# --- Redis counters ---------------------------------------------------------------------
-
-
-def command_counts(admin: redis.Redis) -> dict[str, int]:  # type: ignore[type-arg]
-    stats = admin.info("commandstats")
-    return {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()}
-
-
-def redis_cpu(admin: Any) -> float:
-    """The server's CPU seconds so far (``INFO cpu``: used_cpu_user + used_cpu_sys)."""
-    cpu = admin.info("cpu")
-    return float(cpu["used_cpu_user"]) + float(cpu["used_cpu_sys"])
-
-
-def command_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    delta = {k: v - before.get(k, 0) for k, v in after.items() if k not in OWN_COMMANDS}
-    return {k: v for k, v in sorted(delta.items()) if v}
-
-
-def settle(admin: redis.Redis, quiet: float = 0.3, limit: float = 3.0) -> None:  # type: ignore[type-arg]
-    """Wait until the worker stops issuing commands: the work after a result is ready (the
-    flow parent's own completion, acks) belongs to the run that caused it."""
-    start = last_change = time.monotonic()
-    last = sum(command_delta({}, command_counts(admin)).values())
-    while time.monotonic() - start < limit:
-        time.sleep(0.05)
-        now = sum(command_delta({}, command_counts(admin)).values())
-        if now != last:
-            last, last_change = now, time.monotonic()
-        elif time.monotonic() - last_change >= quiet:
-            return
+ModeHook = Callable[[str], contextlib.AbstractContextManager[None]]
 
 
 def all_keys(admin_for: Callable[[int], Any]) -> dict[int, set[bytes]]:
     dbs = (bench_app.BROKER_DB, bench_app.BACKEND_DB, bench_app.STORE_DB)
     return {db: set(admin_for(db).scan_iter(count=1000)) for db in dbs}
-
-
-# --- workers ----------------------------------------------------------------------------
-
-
-class Worker(WorkerProcess):
-    """A real `celery -A bench_app worker` (prefork) in its own process group, started at once."""
-
-    def __init__(
-        self,
-        url: str,
-        queue: str,
-        *,
-        install: bool = True,
-        concurrency: int = 2,
-        profile_dir: Path | None = None,
-        extra_env: dict[str, str] | None = None,
-    ) -> None:
-        self.name = f"bench-{queue}-{uuid.uuid4().hex[:6]}"
-        self.dir = Path(tempfile.mkdtemp(prefix="echomq-bench-"))
-        ready_file = self.dir / "ready"
-        env = dict(os.environ)
-        env.update(
-            {
-                bench_app.ENV_URL: url,
-                bench_app.ENV_INSTALL: "1" if install else "0",
-                bench_app.ENV_READY: str(ready_file),
-                "PYTHONPATH": os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")]),
-            }
-        )
-        if profile_dir is not None:
-            env[bench_app.ENV_PROFILE] = str(profile_dir)
-        env.update(extra_env or {})
-        # A warm shutdown lets the pool processes write their profiles; the group kill after
-        # it makes sure no pool process outlives the benchmark.
-        super().__init__(
-            "bench_app",
-            log=self.dir / "worker.log",
-            cwd=HERE,
-            env=env,
-            queues=queue,
-            concurrency=concurrency,
-            name=self.name,
-            loglevel="WARNING",
-            ready_file=ready_file,
-            stop_timeout=15,
-        )
-        try:
-            self.start()
-        except BaseException:
-            shutil.rmtree(self.dir, ignore_errors=True)
-            raise
-
-    def output(self) -> str:
-        return super().output()[-4000:]
-
-    def pids(self) -> list[int]:
-        """The main process and its pool processes."""
-        return [self.pid, *self.pool_pids()]
-
-    def stop(self) -> None:
-        super().stop()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-# --- the three modes ----------------------------------------------------------------------
-
-
-def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
-    """K canvases of N trivial children; built before the clock starts, as a caller would.
-
-    In a ``-chain`` mode each child is ``chain(add.s(i, 1), add.s(1), ...)`` of
-    ``size.steps`` tasks, and ``chord-chain`` is a chord with those chains in its header.
-    """
-    opts = {"queue": queue} if queue else {}
-    canvases: list[Any] = []
-    for _ in range(size.flows):
-        children: list[Any]
-        if mode.endswith("-chain"):
-            children = [
-                chain(
-                    bench_app.add.s(i, 1).set(**opts),
-                    *(bench_app.add.s(1).set(**opts) for _ in range(size.steps - 1)),
-                )
-                for i in range(size.children)
-            ]
-        else:
-            children = [bench_app.add.s(i, i).set(**opts) for i in range(size.children)]
-        parent = bench_app.tsum.s().set(**opts)
-        if mode == "group":
-            canvases.append(group(children))
-        elif mode == GROUP_ONE_MORE:
-            canvases.append(group([*children, bench_app.add.s(0, 0).set(**opts)]))
-        elif mode in ("chord", "chord-chain", CHORD_ENGINE):
-            canvases.append(chord(children, parent))
-        elif mode == DEADLINE:
-            canvases.append(flow(parent, children, deadline=DEADLINE_S))
-        elif mode == WINDOW:
-            canvases.append(flow(parent, children, max_active=WINDOW_SIZE))
-        elif mode.startswith("flow"):
-            canvases.append(flow(parent, children))
-        else:
-            raise ValueError(mode)
-    return canvases
-
-
-def expected(mode: str, size: Size) -> Any:
-    if mode.endswith("-chain"):
-        return sum(i + size.steps for i in range(size.children))
-    values = [2 * i for i in range(size.children)]
-    if mode == GROUP_ONE_MORE:
-        return [*values, 0]
-    return values if mode == "group" else sum(values)
-
-
-@dataclass
-class Run:
-    mode: str
-    size: str
-    round: int
-    children: int
-    enqueue_s: float
-    e2e_s: float
-    commands: int
-    by_command: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def enqueue_rate(self) -> float:
-        return self.children / self.enqueue_s
-
-    @property
-    def e2e_rate(self) -> float:
-        return self.children / self.e2e_s
-
-    @property
-    def commands_per_child(self) -> float:
-        return self.commands / self.children
-
-
-ModeHook = Callable[[str], contextlib.AbstractContextManager[None]]
-
-
-class Waiter:
-    """Waits for result keys to appear in the result backend, one EXISTS per chunk and poll.
-
-    Every mode is timed to the moment its results are stored, with the same cheap poll, so
-    the clock does not also measure how a client collects results (``GroupResult.get`` decodes
-    all N values, a chord's ``get`` one). The values are checked after the clock stops.
-    """
-
-    CHUNK = 256
-
-    def __init__(self, backend_client: Any) -> None:
-        self.client = backend_client
-        self.polls = 0
-
-    def wait(self, task_ids: Sequence[str], timeout: float) -> None:
-        keys = [bench_app.app.backend.get_key_for_task(t) for t in task_ids]
-        deadline = time.monotonic() + timeout
-        while keys:
-            chunk = keys[: self.CHUNK]
-            self.polls += 1
-            if self.client.exists(*chunk) == len(chunk):
-                del keys[: self.CHUNK]
-                continue
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(keys)} results not stored within {timeout:.0f} s")
-            time.sleep(0.005)
-
-
-def only_queue(queue: str) -> None:
-    """Leave ``queue`` the only one the store's registry (``emq:queues``) names, before a
-    round, outside its counters. A producer looks for each id of a flow on every other queue
-    that holds flows (send/ids.py: one EXISTS per id and other queue): flow-traced's own
-    queue would add one command per job to every other flow's round, and the other queues
-    one to flow-traced's. Each mode's round thus runs as on a store of one queue, as the
-    bench's rounds did before flow-traced had a queue of its own. The producer's one-second
-    cache of the registry is dropped too (its next enqueue reads it, as after any pause)."""
-    from celery_echomq.store.connection import text
-    from celery_echomq.store.state import get_state
-
-    state = get_state(bench_app.app)
-    key = state.keys.queues_key()
-    others = [q for q in state.client.smembers(key) if text(q) != queue]
-    if others:
-        state.client.srem(key, *others)
-    state._queues = (0.0, frozenset())
-
-
-def result_ids(mode: str, res: Any) -> list[str]:
-    return [r.id for r in res.results] if mode in ("group", GROUP_ONE_MORE) else [res.id]
 
 
 def run_once(
@@ -402,12 +141,6 @@ def run_once(
         if value != expected(mode, size):
             raise AssertionError(f"{mode} {size.label}: wrong value {str(value)[:80]}")
     return Run(mode, size.label, rnd, size.total, t1 - t0, t2 - t0, sum(delta.values()), delta)
-
-
-def rotated(items: Sequence[str], rnd: int) -> list[str]:
-    """Round r starts at item r, so no mode always runs first (or last) after a quiet spell."""
-    k = rnd % len(items)
-    return [*items[k:], *items[:k]]
 
 
 # --- held memory (no worker) --------------------------------------------------------------
@@ -509,10 +242,6 @@ def chain_case(mode: str, size: Size) -> Size:
     return size if mode.endswith("-chain") else Size(1, size.children * size.steps)
 
 
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"median": med(values), "min": min(values), "max": max(values)}
-
-
 # Ratios of the chain section, numerator/denominator, in the bench's convention: e2e is the
 # numerator's tasks per second over the denominator's (>1: the numerator is faster, i.e. the
 # denominator's time per round over the numerator's), cmds the numerator's over the other's.
@@ -611,17 +340,6 @@ def render_chains(chains: dict[str, Any]) -> str:
     lines.append("pairs (>1: A is faster); cmds/task counts every Redis command (INFO")
     lines.append("commandstats delta) per task run, the parent excluded from the count of tasks.")
     return "\n".join(lines)
-
-
-# --- main ---------------------------------------------------------------------------------
-
-
-class Deadline(BaseException):
-    """Like KeyboardInterrupt: library code that retries on Exception must not swallow it."""
-
-
-def _on_signal(signum: int, _frame: FrameType | None) -> None:
-    raise Deadline(f"stopped by signal {signum}")
 
 
 @contextlib.contextmanager
@@ -726,27 +444,6 @@ def mode_hooks(traced: ProducerTracing | None) -> ModeHook:
 # --- enqueue against BullMQ's FlowProducer ------------------------------------------------
 
 
-def bullmq_ready() -> str | None:
-    """Why the BullMQ peer cannot run, or None when it can (installing its pinned bullmq from
-    package-lock.json with ``npm ci`` the first time)."""
-    if shutil.which("node") is None:
-        return "node is not installed"
-    if not (BULLMQ_DIR / "node_modules" / "bullmq" / "package.json").is_file():
-        if shutil.which("npm") is None:
-            return f"bullmq is not installed and npm is absent (npm ci in {BULLMQ_DIR})"
-        log(f"bench: npm ci in {BULLMQ_DIR}")
-        done = subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund"],
-            cwd=BULLMQ_DIR,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if done.returncode != 0:
-            return f"npm ci failed: {done.stderr.strip()[-500:]}"
-    return None
-
-
 def bullmq_once(base: str, size: Size) -> float:
     """Children per second BullMQ's FlowProducer enqueues, K flows of N (no worker)."""
     out = subprocess.run(
@@ -811,48 +508,6 @@ def versus_bullmq(
     return out
 
 
-def release_results() -> None:
-    """Before the private Redis stops: a result object collected later would try to
-    unsubscribe from a server that is gone (and print a traceback at interpreter exit)."""
-    gc.collect()
-    consumer = getattr(bench_app.app.backend, "result_consumer", None)
-    if consumer is not None:
-        consumer.cancel_for = lambda task_id: None
-
-
-def machine() -> dict[str, Any]:
-    import celery
-    import kombu
-
-    mem = 0
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
-    # The library is installed editable: the commit (and whether the tree had local changes)
-    # says which code was measured.
-    git = subprocess.run(
-        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "-C", str(ROOT), "status", "--porcelain", "--", "celery_echomq"],
-        capture_output=True,
-        text=True,
-        check=False,
-    ).stdout.strip()
-    return {
-        "commit": f"{git}{'+local changes' if dirty else ''}",
-        "cpus": os.cpu_count(),
-        "memory_gib": round(mem / 2**30, 1),
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "celery": celery.__version__,
-        "kombu": kombu.__version__,
-        "redis_py": redis.__version__,
-    }
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help=f"smoke run: sizes {QUICK_SIZES}, 2 rounds")
@@ -905,30 +560,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="only enqueue vs BullMQ's FlowProducer (no worker, held, KxN sizes, chains or "
         "plain tasks)",
     )
-    p.add_argument(
-        "--peers",
-        action="store_true",
-        help="flow beside Celery chord and group, Dramatiq, RQ and BullMQ, end to end "
-        "(benchmarks/peers/; sizes default 200x5,20x50)",
-    )
-    p.add_argument(
-        "--peer",
-        action="append",
-        help="with --peers: run only this peer (repeatable; e.g. flow, 'bullmq flow'); "
-        "'flow window', 'celery group + 1' and 'flow (claim in completion)' run only by name",
-    )
-    p.add_argument(
-        "--against",
-        type=Path,
-        help="with --peers: the flow (and a windowed flow) also as peer 'flow (against)' ('flow "
-        "window (against)'), on a worker of its own "
-        "running the scripts of this directory (another tree's celery_echomq/store/lua)",
-    )
     p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/bench-*.json)")
     p.add_argument("--max-seconds", type=int, default=1500, help="stop everything after this long")
     args = p.parse_args(argv)
-    if args.peers and args.sizes is None:
-        args.sizes = parse_sizes("40x5,4x50" if args.quick else "200x5,20x50")
     if args.sizes is None:
         args.sizes = parse_sizes(QUICK_SIZES if args.quick else DEFAULT_SIZES)
     if args.rounds is None:
@@ -954,19 +588,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    if args.peers:
-        from peers import runner
+    with time_limit(args.max_seconds):
+        return run(args)
 
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
-            signal.signal(sig, _on_signal)
-        signal.alarm(args.max_seconds)
-        return runner.main(args.sizes, args.rounds, args.peer, args.out, args.against)
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
     modes: list[str] = list(MODES if args.no_lean else (*MODES, LEAN))
     modes.append(CHORD_ENGINE)
     if not args.no_deadline:
@@ -980,9 +608,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         else:
             log(f"bench: {TRACED} skipped: {why_not}")
     hook: ModeHook = mode_hooks(traced)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
-        signal.signal(sig, _on_signal)
-    signal.alarm(args.max_seconds)
     started = time.time()
     report: dict[str, Any] = {
         "machine": machine(),
@@ -1142,7 +767,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 },
                 "runs": [asdict(r) for r in plain],
             }
-    signal.alarm(0)
     report["elapsed_s"] = round(time.time() - started, 1)
     report["profile"] = profile(report)
     report["targets"] = targets(report)
@@ -1166,7 +790,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print(render_profile(report["profile"]))
     print()
     print(render_targets(report["targets"]))
-    out = args.out or HERE / "results" / time.strftime("bench-%Y%m%d-%H%M%S.json")
+    out = args.out or RESULTS / time.strftime("bench-%Y%m%d-%H%M%S.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2, default=str))
     m = report["machine"]

@@ -1,7 +1,7 @@
 """What one dashboard page costs with 10,000 flows in the recent-flow index.
 
-    python benchmarks/dashboard.py                     # 10,000 flows of 2 children, 50 requests
-    python benchmarks/dashboard.py --flows 2000 --requests 20
+    python3 dev.py bench dashboard                     # 10,000 flows of 2 children, 50 requests
+    python3 dev.py bench dashboard --flows 2000 --requests 20
 
 A private redis-server is the flow store and nothing else (the broker and result backend are
 another), so INFO commandstats counts the dashboard's own commands. The flows are enqueued
@@ -18,28 +18,21 @@ from __future__ import annotations
 import argparse
 import socket
 import statistics
-import sys
 import threading
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import httpx
+import uvicorn
+from celery import Celery
 
-import httpx  # noqa: E402
-import uvicorn  # noqa: E402
-from celery import Celery  # noqa: E402
-
-import celery_echomq  # noqa: E402 - needs the path above
-from celery_echomq import flow  # noqa: E402
-from celery_echomq.embedded import RedisServer  # noqa: E402
-from celery_echomq.ops.dashboard import make_app  # noqa: E402
-from celery_echomq.store.scripts import ParentRef  # noqa: E402
-from celery_echomq.store.state import get_state  # noqa: E402
+import celery_echomq
+from celery_echomq import flow
+from celery_echomq.embedded import RedisServer
+from celery_echomq.ops.dashboard import make_app
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import get_state
 
 
 def commands(client: Any, what: str = "calls") -> int:

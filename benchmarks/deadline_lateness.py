@@ -5,8 +5,8 @@ minus the time the deadline passed (both written on the parent's row), and, as a
 when the parent's FAILURE was stored in the result backend (its ``date_done``, the same
 machine's clock), which is what ``get()`` waits for.
 
-    python benchmarks/deadline_lateness.py                 # 50 flows, 2 workers
-    python benchmarks/deadline_lateness.py --flows 100 --workers 3 --json out.json
+    python3 dev.py bench deadline-lateness                 # 50 flows, 2 workers
+    python3 dev.py bench deadline-lateness --flows 100 --workers 3 --json out.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -24,7 +23,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
 
 
 def pct(values: list[float], q: float) -> float:

@@ -1,9 +1,9 @@
 """Recovery by evidence, measured: a backlog of ten stall timeouts and more, and the time from a
 pool process SIGKILLed with acks early to its flow's failure.
 
-    python benchmarks/evidence.py                # on a private redis-server (and RabbitMQ
+    python3 dev.py bench evidence                # on a private redis-server (and RabbitMQ
                                                  # at 127.0.0.1:5672 when one answers)
-    python benchmarks/evidence.py --rounds 10
+    python3 dev.py bench evidence --rounds 10
 
 It runs the test suite's app (tests/proj.py) in real ``celery worker`` subprocesses:
 
@@ -29,11 +29,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from celery_echomq.embedded import RedisServer, WorkerProcess
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(ROOT))
-
-from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
 
 RABBIT = "amqp://guest:guest@127.0.0.1:5672//"
 

@@ -1,7 +1,7 @@
 """What every read of one flow costs, at 100, 100,000 and 1,000,000 children.
 
-    python benchmarks/flow_pages.py                        # 100, 100,000 and 1,000,000
-    python benchmarks/flow_pages.py --sizes 100 100000 --requests 10
+    python3 dev.py bench flow-pages                        # 100, 100,000 and 1,000,000
+    python3 dev.py bench flow-pages --sizes 100 100000 --requests 10
 
 A private redis-server is the flow store and nothing else (the broker and result backend are
 another), with SLOWLOG logging every command, so the slowest command any read sends is
@@ -24,33 +24,26 @@ from __future__ import annotations
 import argparse
 import socket
 import statistics
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import httpx
+import uvicorn
+from celery import Celery
+from click.testing import CliRunner
 
-import httpx  # noqa: E402
-import uvicorn  # noqa: E402
-from celery import Celery  # noqa: E402
-from click.testing import CliRunner  # noqa: E402
-
-import celery_echomq  # noqa: E402 - needs the path above
-from celery_echomq import flow  # noqa: E402
-from celery_echomq.embedded import RedisServer  # noqa: E402
-from celery_echomq.ops.cli import echomq  # noqa: E402
-from celery_echomq.ops.dashboard import make_app  # noqa: E402
-from celery_echomq.ops.progress import read_progress  # noqa: E402
-from celery_echomq.send.chunked import index_children  # noqa: E402
-from celery_echomq.store.scripts import ParentRef  # noqa: E402
-from celery_echomq.store.state import EchoMQ, get_state  # noqa: E402
+import celery_echomq
+from celery_echomq import flow
+from celery_echomq.embedded import RedisServer
+from celery_echomq.ops.cli import echomq
+from celery_echomq.ops.dashboard import make_app
+from celery_echomq.ops.progress import read_progress
+from celery_echomq.send.chunked import index_children
+from celery_echomq.store.scripts import ParentRef
+from celery_echomq.store.state import EchoMQ, get_state
 
 QUEUE = "celery"
 FAILED = 10  # children failed in each flow

@@ -2,13 +2,16 @@
 release: the Python modules whose functions are called and the Lua files (scripts and their
 includes) that Redis runs.
 
-    python3 benchmarks/flow_path.py            # a parent of three plain children
-    python3 benchmarks/flow_path.py --list     # and the files, one per line
+    python3 dev.py bench flow-path             # a parent of three plain children
+    python3 dev.py bench flow-path --list      # and the files, one per line
 
 One process: a private redis-server, an in-process worker (threads pool), a trace function
-on every thread that records the files of the calls made while the flow runs. Recovery's
-sweep is put off for the run, so what it records is the flow's own path (the producer, the
-worker's claim and completion, the parent's release and its own run).
+on every thread that records the files of the calls made while the flow runs, on the threads
+of its path alone: the producer's (``apply_async``) and the worker's (its consumer and the pool
+threads whose signal receivers claim and complete each job, release the parent and run it).
+The package's own background threads, recovery's sweep and the deadline poller with what
+follows a fired deadline, run beside every flow, not on its path: they are named ``echomq-*``
+and left out.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from celery_echomq.testing import in_process_worker, settings_for
 
 PACKAGE = Path(str(resources.files("celery_echomq"))).resolve()
 RUNNER = str(PACKAGE / "store" / "runner.py")
+# The name every thread of the package's own starts with (worker/recovery/worker.py,
+# worker/deadline_poller.py): they run beside the flows, not on one flow's path.
+BACKGROUND = "echomq-"
 
 app = Celery("flow_path")
 
@@ -46,7 +52,8 @@ def total(values: list[int]) -> int:
 
 
 class Recorder:
-    """The package's files whose functions were called while ``on``, and the scripts run."""
+    """The package's files whose functions were called while ``on`` on a thread of the flow's
+    path, and the scripts run."""
 
     def __init__(self) -> None:
         self.on = False
@@ -54,7 +61,7 @@ class Recorder:
         self.scripts: set[str] = set()
 
     def trace(self, frame: FrameType, event: str, arg: Any) -> None:
-        if not self.on or event != "call":
+        if not self.on or event != "call" or threading.current_thread().name.startswith(BACKGROUND):
             return None
         name = frame.f_code.co_filename
         if name.startswith(str(PACKAGE)):
@@ -90,10 +97,7 @@ def main(argv: list[str]) -> int:
     sys.settrace(recorder.trace)  # type: ignore[arg-type]
     threading.settrace(recorder.trace)  # type: ignore[arg-type]
     with RedisServer() as server:
-        config: dict[str, Any] = {
-            **settings_for(f"redis://127.0.0.1:{server.port}"),
-            "echomq_recovery_interval": 3600.0,
-        }
+        config = settings_for(f"redis://127.0.0.1:{server.port}")
         with in_process_worker(app, config):
             # One flow first, untraced, so that imports done once per process are not counted.
             flow(total.s(), [add.s(1, 1)]).apply_async().get(timeout=30)

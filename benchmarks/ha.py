@@ -1,9 +1,9 @@
 """What a replicated flow store costs, and what one Redis master sustains.
 
-    python benchmarks/ha.py                 # both parts
-    python benchmarks/ha.py --part wait     # echomq_min_replicas 0 vs 1, end to end
-    python benchmarks/ha.py --part master   # children/s one redis-server takes
-    python benchmarks/ha.py --part failover --runs 10   # a Cluster master lost mid-flows
+    python3 dev.py bench ha                 # both parts
+    python3 dev.py bench ha --part wait     # echomq_min_replicas 0 vs 1, end to end
+    python3 dev.py bench ha --part master   # children/s one redis-server takes
+    python3 dev.py bench ha --part failover --runs 10   # a Cluster master lost mid-flows
 
 ``wait``: a primary and a replica (the flow store), a third redis-server (broker and result
 backend), and two real prefork workers, one with ``echomq_min_replicas=0`` and one with
@@ -52,20 +52,17 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from app_setup import announce_ready, configure_app
 from celery import Celery
+
+from celery_echomq import flow
+from celery_echomq.embedded import RedisServer, WorkerProcess, wait_replicated
+from celery_echomq.store.keyspace import Keyspace
+from celery_echomq.store.scripts import ParentRef, Scripts
+from celery_echomq.store.state import _ATTR, EchoMQ, get_state
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from app_setup import announce_ready, configure_app  # noqa: E402 - needs the path above
-
-from celery_echomq import flow  # noqa: E402
-from celery_echomq.embedded import RedisServer, WorkerProcess, wait_replicated  # noqa: E402
-from celery_echomq.store.keyspace import Keyspace  # noqa: E402
-from celery_echomq.store.scripts import ParentRef, Scripts  # noqa: E402
-from celery_echomq.store.state import _ATTR, EchoMQ, get_state  # noqa: E402
 
 ENV_STORE = "ECHOMQ_HA_STORE"
 ENV_BROKER = "ECHOMQ_HA_BROKER"

@@ -5,7 +5,7 @@ in ten failed by a child, the rest held), then times pages of 10 and of 100: the
 flows, the held ones, the failed ones and one task's. A page reads the store's indexes,
 never a SCAN, so its cost must not grow with N.
 
-    python benchmarks/list.py [--sizes 10,1000,100000] [--rounds 20]
+    python3 dev.py bench list [--sizes 10,1000,100000] [--rounds 20]
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 everything it started, and the machine's load before and after (on a shared machine the
 load says how far the wall time is to be trusted; the CPU time hardly moves with it).
 
-    python benchmarks/loop_times.py              # --fast, then the README's dev.py test
-    python benchmarks/loop_times.py --all        # and dev.py test --all (minutes)
+    python3 dev.py bench loop-times              # --fast, then the README's dev.py test
+    python3 dev.py bench loop-times --all        # and dev.py test --all (minutes)
 
 The targets (README "Development"): the fast tier under 60 s and the README's command under
 5 minutes on 2 cores; --all well inside CI's budget (.ci/run, under 40 minutes in all).

@@ -1,7 +1,7 @@
 """A quorum's run as it happens: 10 children, ``quorum=3``, on a real prefork worker.
 
-    python benchmarks/quorum_ten.py            # 10 replicas, the first 3 answers
-    python benchmarks/quorum_ten.py --concurrency 4
+    python3 dev.py bench quorum-ten            # 10 replicas, the first 3 answers
+    python3 dev.py bench quorum-ten --concurrency 4
 
 Ten "replicas" answer after different delays (child i sleeps ``DELAYS[i]`` seconds); the
 worker runs ``--concurrency`` of them at once (prefetch 1, acks late: a process holds one
@@ -27,12 +27,10 @@ import redis
 from celery import Celery
 from celery.result import AsyncResult
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import celery_echomq
+from celery_echomq import flow
 
-import celery_echomq  # noqa: E402
-from celery_echomq import flow  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 ENV_VAR = "ECHOMQ_QUORUM_TEN_REDIS"
 # Seconds each replica takes: three fast ones among slower ones, none in the children's order.

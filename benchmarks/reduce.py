@@ -5,9 +5,9 @@ calls them (open/add/seal, then a claim and a completion per child): no worker r
 what is measured is the store's side and the parent's message, which a child's body does not
 change.
 
-    python benchmarks/reduce.py                    # 100,000 children
-    python benchmarks/reduce.py --children 1000000
-    python benchmarks/reduce.py --children 1000000 --only sum   # one mode
+    python3 dev.py bench reduce                    # 100,000 children
+    python3 dev.py bench reduce --children 1000000
+    python3 dev.py bench reduce --children 1000000 --only sum   # one mode
 
 One private redis-server on loopback per mode. Reported per mode: the parent's first
 argument as its message would carry it (JSON bytes: the list of N values, or the
@@ -23,19 +23,14 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import redis
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from celery_echomq.embedded import RedisServer  # noqa: E402
-from celery_echomq.store.keyspace import Keyspace, new_job_id  # noqa: E402
-from celery_echomq.store.replies import Status  # noqa: E402
-from celery_echomq.store.scripts import ParentRef, Scripts  # noqa: E402
+from celery_echomq.embedded import RedisServer
+from celery_echomq.store.keyspace import Keyspace, new_job_id
+from celery_echomq.store.replies import Status
+from celery_echomq.store.scripts import ParentRef, Scripts
 
 QUEUE = "reduce"
 CHUNK = 1000

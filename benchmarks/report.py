@@ -5,24 +5,13 @@ the runs' figures and the report's dict, never a server.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
-if TYPE_CHECKING:
-    from bench import Run
+from measure import med
+from modes import DEADLINE, LEAN, TRACED
 
-# The modes the report names beside group, chord and flow.
-# flow with echomq_child_results = False: the children's values reach the parent through the
-# store alone, without a result-backend write per child.
-LEAN = "flow-lean"
-# The costs of two capabilities, each beside a plain flow in the same rounds: a flow with a
-# deadline (``flow(..., deadline=3600)``, never due here), and a traced flow (the [otel]
-# extra with an OpenTelemetry SDK in the producer and in the worker that runs it). Tracing is
-# process-wide, so the traced flow runs on a second worker of the same configuration that
-# consumes TRACED_QUEUE alone, its SDK exporting to a processor that drops the spans.
-DEADLINE = "flow-deadline"
-TRACED = "flow-traced"
 # Variants compared with the plain flow only (not with chord or group).
 VARIANTS = (DEADLINE, TRACED)
 # The size of the per-command profile ("where the commands go"): its first KxN when absent.
@@ -33,15 +22,30 @@ PROFILE_MODES = ("flow", "chord", "group")
 # --- summary ------------------------------------------------------------------------------
 
 
-def med(values: Sequence[float]) -> float:
-    return float(statistics.median(values)) if values else float("nan")
+@dataclass
+class Run:
+    """One mode's run of one round at one size: what ``bench.py`` measured."""
 
+    mode: str
+    size: str
+    round: int
+    children: int
+    enqueue_s: float
+    e2e_s: float
+    commands: int
+    by_command: dict[str, int] = field(default_factory=dict)
 
-def quartiles(values: Sequence[float]) -> tuple[float, float]:
-    if len(values) < 2:
-        return (values[0], values[0]) if values else (float("nan"), float("nan"))
-    q = statistics.quantiles(values, n=4, method="inclusive")
-    return q[0], q[2]
+    @property
+    def enqueue_rate(self) -> float:
+        return self.children / self.enqueue_s
+
+    @property
+    def e2e_rate(self) -> float:
+        return self.children / self.e2e_s
+
+    @property
+    def commands_per_child(self) -> float:
+        return self.commands / self.children
 
 
 def paired(runs: list[Run], num: str, den: str, metric: Callable[[Run], float]) -> list[float]:

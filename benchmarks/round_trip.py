@@ -1,6 +1,6 @@
 """What one round trip costs redis-server's CPU, apart from the command it carries.
 
-    python benchmarks/round_trip.py              # 3 rounds of 3,000 calls each way
+    python3 dev.py bench round-trip              # 3 rounds of 3,000 calls each way
 
 On a private redis-server, the same calls sent one at a time (a reply awaited before the next
 is sent, as a worker's claim or completion is) and then pipelined (all written, then every
@@ -15,21 +15,13 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for p in (str(HERE), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import redis
+from measure import redis_cpu
 
-import redis  # noqa: E402
-from bench import redis_cpu  # noqa: E402
-
-from celery_echomq.embedded import RedisServer  # noqa: E402
+from celery_echomq.embedded import RedisServer
 
 FIVE_COMMANDS = """
 redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'retries', 'parent', 'format')
@@ -64,11 +56,11 @@ def per_call_us(client: Any, n: int, send: Callable[[Any, int], None], batched: 
     return (redis_cpu(client) - before) * 1e6 / n
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with RedisServer() as server:
         client = redis.Redis.from_url(server.url())
         sha = client.script_load(FIVE_COMMANDS)

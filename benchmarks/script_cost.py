@@ -1,7 +1,7 @@
 """Redis CPU of a flow's own scripts alone, per child: no broker, no worker, no pool.
 
-    python benchmarks/script_cost.py                        # 200x5 and 20x50, 5 rounds
-    python benchmarks/script_cost.py --sizes 10x1000 --window 20
+    python3 dev.py bench script-cost                        # 200x5 and 20x50, 5 rounds
+    python3 dev.py bench script-cost --sizes 10x1000 --window 20
 
 K flows of N children are enqueued on a private redis-server with no worker; then this
 process does what a worker's signal receivers do for each job, one script call at a time
@@ -10,7 +10,7 @@ window's freed children claimed in turn), and reads the server's CPU (``INFO cpu
 used_cpu_user + used_cpu_sys) around each phase: the enqueue, the children's claims, their
 completions, the parents' claims and completions. What a real run adds (kombu's messages and
 acks, the results' SUBSCRIBEs) is not here, so the figures move with the scripts alone and
-spread far less than ``bench --peers``'s: the tool to compare two versions of the scripts
+spread far less than ``bench peers``'s: the tool to compare two versions of the scripts
 (``--against DIR``: the scripts of another tree (its ``celery_echomq/store/lua``) run too, round
 for round with this tree's on the same server, and the report gives both and their per-round
 ratio: two versions of the scripts compared with the least noise this machine allows.
@@ -25,45 +25,29 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for p in (str(HERE), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import bench_app
+import redis
+from measure import Size, parse_sizes, redis_cpu, rotated
+from modes import only_queue
 
-import bench  # noqa: E402
-import bench_app  # noqa: E402
-import redis  # noqa: E402
-
-from celery_echomq import flow  # noqa: E402
-from celery_echomq.embedded import RedisServer  # noqa: E402
-from celery_echomq.store import loader  # noqa: E402
-from celery_echomq.store.connection import text  # noqa: E402
-from celery_echomq.store.script_values import Freed, ParentRef, ResultWrite  # noqa: E402
-from celery_echomq.store.state import get_state  # noqa: E402
-from celery_echomq.worker.claims import new_token  # noqa: E402
+from celery_echomq import flow
+from celery_echomq.embedded import RedisServer
+from celery_echomq.store.connection import text
+from celery_echomq.store.script_values import Freed, ParentRef, ResultWrite
+from celery_echomq.store.state import get_state
+from celery_echomq.worker.claims import new_token
 
 QUEUE = "celery"
 PHASES = ("enqueue", "claim", "complete", "parent claim", "parent complete")
 
 
-def registered_from(client: Any, lua_dir: Path) -> dict[str, Any]:
-    """Every transition of the tree whose scripts are in ``lua_dir``, registered on ``client``
-    (store/loader.py's expansion, reading that directory)."""
-    own = loader._read_lua
-
-    def read(*parts: str) -> str:
-        return lua_dir.joinpath(*parts).read_text("utf-8")
-
-    loader._read_lua = read
-    try:
-        return {n: client.register_script(loader.load_source(n)) for n in loader.TRANSITIONS}
-    finally:
-        loader._read_lua = own
+def flows_per_block(size: Size) -> int:
+    """Flows of ``size`` in a block of about 50 children: the sets take turns block by block."""
+    return max(1, 50 // size.children)
 
 
 def one_round(
-    admin: Any, size: bench.Size, window: int | None, sets: dict[str, dict[str, Any]]
+    admin: Any, size: Size, window: int | None, sets: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, float]]:
     """One round's Redis CPU per 1,000 children, by set of scripts and phase. The flows are
     dealt to the sets in blocks of about 50 children, alternating, and every phase runs block
@@ -81,13 +65,13 @@ def one_round(
     )
     opts = {"max_active": window} if window else {}
     names = list(sets)
-    per_block = max(1, 50 // size.children)
+    per_block = flows_per_block(size)
     blocks = [(names[(k // per_block) % len(names)], k) for k in range(size.flows)]
     canvases = [
         flow(bench_app.tsum.s(), [bench_app.add.s(i, i) for i in range(size.children)], **opts)
         for _ in range(size.flows)
     ]
-    bench.only_queue(QUEUE)
+    only_queue(QUEUE)
     spent = {name: dict.fromkeys(PHASES, 0.0) for name in names}
     children = {name: 0 for name in names}
 
@@ -96,10 +80,10 @@ def one_round(
         for first in range(0, size.flows, per_block):
             name = blocks[first][0]
             runner.registered = sets[name]
-            c0 = bench.redis_cpu(admin)
+            c0 = redis_cpu(admin)
             for k in range(first, min(first + per_block, size.flows)):
                 work(k)
-            spent[name][phase] += bench.redis_cpu(admin) - c0
+            spent[name][phase] += redis_cpu(admin) - c0
 
     parents: list[str] = [""] * size.flows
 
@@ -182,14 +166,23 @@ def one_round(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=bench.parse_sizes, default=bench.parse_sizes("200x5,20x50"))
+    p.add_argument("--sizes", type=parse_sizes, default=parse_sizes("200x5,20x50"))
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--window", type=int, default=None, help="max_active of every flow")
     p.add_argument("--pid-file", type=Path, help="write the server's pid here, then wait 2 s")
-    p.add_argument("--against", type=Path, help="another tree's celery_echomq/store/lua")
-    args = p.parse_args()
+    p.add_argument(
+        "--against", type=bench_app.against_dir, help="another tree's celery_echomq/store/lua"
+    )
+    args = p.parse_args(argv)
+    for size in args.sizes if args.against else ():
+        if size.flows <= flows_per_block(size):
+            p.error(
+                f"--against takes turns in blocks of {flows_per_block(size)} flows of "
+                f"{size.children}: {size.label} fills one block, none is left for the other "
+                f"scripts (at least {flows_per_block(size) + 1} flows)"
+            )
     with RedisServer() as server:
         base = f"redis://127.0.0.1:{server.port}"
         bench_app.configure(base)
@@ -197,15 +190,15 @@ def main() -> None:
         runner = get_state(bench_app.app).scripts.runner
         sets = {"this tree": dict(runner.registered)}
         if args.against:
-            sets["against"] = registered_from(runner.client, args.against)
-        one_round(admin, bench.Size(4, 5), args.window, sets)  # warm: scripts loaded
+            sets["against"] = bench_app.registered_from(runner.client, args.against)
+        one_round(admin, Size(4, 5), args.window, sets)  # warm: scripts loaded
         if args.pid_file:  # for a profiler to attach to the server (perf record -p)
             args.pid_file.write_text(str(admin.info("server")["process_id"]))
             time.sleep(2)
         for size in args.sizes:
             rounds: dict[str, list[dict[str, float]]] = {name: [] for name in sets}
             for rnd in range(args.rounds):
-                order = {n: sets[n] for n in bench.rotated(list(sets), rnd)}
+                order = {n: sets[n] for n in rotated(list(sets), rnd)}
                 admin.flushall()
                 time.sleep(0.05)
                 for name, got in one_round(admin, size, args.window, order).items():

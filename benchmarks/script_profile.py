@@ -1,11 +1,11 @@
 """Where a flow's Redis commands go, script by script: one small run under MONITOR.
 
-    python benchmarks/script_profile.py                     # 40 flows of 5, then 4 of 50
-    python benchmarks/script_profile.py --sizes 10x5 --mode flow-window
-    python benchmarks/script_profile.py --mode group
+    python3 dev.py bench script-profile                     # 40 flows of 5, then 4 of 50
+    python3 dev.py bench script-profile --sizes 10x5 --mode flow-window
+    python3 dev.py bench script-profile --mode group
 
-On one private redis-server and one real prefork worker (bench.py's), K flows of N no-op
-children (bench.py's ``build``) run under ``MONITOR``. Each EVALSHA is named by its script
+On one private redis-server and one real prefork worker (modes.py's), K flows of N no-op
+children (modes.py's ``build``) run under ``MONITOR``. Each EVALSHA is named by its script
 (the sha1 of ``store/loader.py``'s source of every transition) and the commands it ran (the
 ``lua`` lines that follow it) are counted under it; every other client command under its own
 name. Printed per flow and per child: the calls of each script and client command, and each
@@ -19,24 +19,17 @@ import contextlib
 import hashlib
 import re
 import socket
-import sys
 import threading
 import time
 from collections import Counter
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-for p in (str(HERE), str(ROOT)):
-    if p not in sys.path:
-        sys.path.insert(0, p)
+import bench_app
+import redis
+from measure import Size, parse_sizes, settle
+from modes import Waiter, Worker, build, only_queue, release_results, result_ids
 
-import bench  # noqa: E402
-import bench_app  # noqa: E402
-import redis  # noqa: E402
-
-from celery_echomq.embedded import RedisServer  # noqa: E402
-from celery_echomq.store.loader import TRANSITIONS, load_source  # noqa: E402
+from celery_echomq.embedded import RedisServer
+from celery_echomq.store.loader import TRANSITIONS, load_source
 
 LINE = re.compile(r'^\+?[\d.]+ \[\d+ ([^\]]+)\] "([^"]+)"(?: "((?:[^"\\]|\\.)*)")?')
 
@@ -97,33 +90,33 @@ def attribute(lines: list[str], names: dict[str, str]) -> tuple[Counter[str], Co
     return calls, inner
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", type=bench.parse_sizes, default=bench.parse_sizes("40x5,4x50"))
+    p.add_argument("--sizes", type=parse_sizes, default=parse_sizes("40x5,4x50"))
     p.add_argument("--mode", default="flow", help="flow, flow-window, group, chord")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     names = shas()
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(RedisServer())
-        stack.callback(bench.release_results)
+        stack.callback(release_results)
         base = f"redis://127.0.0.1:{server.port}"
         bench_app.configure(base)
         admin = redis.Redis.from_url(f"{base}/0")
-        worker = bench.Worker(base, "celery")
+        worker = Worker(base, "celery")
         stack.callback(worker.stop)
         backend = redis.Redis.from_url(f"{base}/{bench_app.BACKEND_DB}")
-        waiter = bench.Waiter(backend)
+        waiter = Waiter(backend)
 
-        def once(size: bench.Size) -> None:
-            canvases = bench.build(args.mode, size)
-            bench.only_queue("celery")
+        def once(size: Size) -> None:
+            canvases = build(args.mode, size)
+            only_queue("celery")
             results = [c.apply_async() for c in canvases]
-            waiter.wait([i for r in results for i in bench.result_ids(args.mode, r)], 300)
-            bench.settle(admin, limit=3.0)
+            waiter.wait([i for r in results for i in result_ids(args.mode, r)], 300)
+            settle(admin, limit=3.0)
 
-        once(bench.Size(4, 5))  # warm: scripts loaded, pools forked
+        once(Size(4, 5))  # warm: scripts loaded, pools forked
         for size in args.sizes:
-            bench.settle(admin, limit=3.0)
+            settle(admin, limit=3.0)
             mon = Monitor(server.port)
             mon.start()
             time.sleep(0.2)

@@ -5,15 +5,15 @@ ConsoleSpanExporter. Writes docs/trace-console.txt (the console exporter's own o
 span of the trace), docs/trace.txt (the spans as a tree on a time axis) and, with Pillow,
 docs/trace.png.
 
-    python benchmarks/trace_picture.py
+    python3 dev.py bench trace-picture
 """
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import os
-import sys
 import tempfile
 import time
 from datetime import datetime
@@ -23,7 +23,6 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DOCS = ROOT / "docs"
-sys.path.insert(0, str(ROOT))
 
 
 def _t(stamp: str) -> float:
@@ -93,7 +92,8 @@ def png(lines: list[str], path: Path) -> bool:
     return True
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     from opentelemetry import trace
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider

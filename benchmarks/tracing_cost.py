@@ -9,8 +9,8 @@ Modes, each its own producer process and worker (tests/proj.py's app):
   echomq     SDK + the instrumentation + celery-echomq's tracing (the flow's span, links)
 The SDK exports to a processor that drops the spans (no I/O counted).
 
-    python benchmarks/tracing_cost.py                   # 3 rounds of 20 flows x 20 children
-    python benchmarks/tracing_cost.py --rounds 5 --flows 10 --children 50
+    python3 dev.py bench tracing-cost                   # 3 rounds of 20 flows x 20 children
+    python3 dev.py bench tracing-cost --rounds 5 --flows 10 --children 50
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """A flow of many children with and without a window (``max_active``), side by side in one run.
 
-    python benchmarks/window.py                            # 100,000 children, max_active=100
-    python benchmarks/window.py --children 20000 --rounds 2
+    python3 dev.py bench window                            # 100,000 children, max_active=100
+    python3 dev.py bench window --children 20000 --rounds 2
 
 Two private redis-servers on loopback (never the machine's 6379): one is the flow store and
 nothing else, the other the broker and result backend; one prefork worker (``--concurrency``)
@@ -36,19 +36,16 @@ from pathlib import Path
 from typing import Any
 
 import redis
+from app_setup import announce_ready, configure_app
 from celery import Celery
+
+from celery_echomq import flow
+from celery_echomq.embedded import RedisServer, WorkerProcess
+from celery_echomq.store.loader import TRANSITIONS, load_source
+from celery_echomq.store.state import get_state
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from app_setup import announce_ready, configure_app  # noqa: E402 - needs the path above
-
-from celery_echomq import flow  # noqa: E402
-from celery_echomq.embedded import RedisServer, WorkerProcess  # noqa: E402
-from celery_echomq.store.loader import TRANSITIONS, load_source  # noqa: E402
-from celery_echomq.store.state import get_state  # noqa: E402
 
 ENV_STORE = "ECHOMQ_WINDOW_STORE"
 ENV_BROKER = "ECHOMQ_WINDOW_BROKER"

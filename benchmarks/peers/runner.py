@@ -1,5 +1,5 @@
-"""``python3 dev.py bench --peers``: flow beside the fan-ins a Python team would pick, on one
-private redis-server, in one run.
+"""Flow beside the fan-ins a Python team would pick, end to end on one private redis-server,
+in one run.
 
 The same K fan-ins of N no-op children (``add(i, i)``, a parent summing their values) as a
 Celery chord, a Celery plain group (no fan-in: timed to its last child's result), a flow,
@@ -14,10 +14,15 @@ polls neither load the machine nor count in its Redis CPU; its own idle polls un
 quiet again do count. Dramatiq and RQ are installed on first use into a virtualenv of their own
 (``.cache/peers-venv``, from ``benchmarks/peers/requirements.txt``), BullMQ with ``npm ci`` in
 ``benchmarks/bullmq/``; a peer whose runtime is missing is skipped with a message.
+
+    python3 dev.py bench peers --rounds 5                  # sizes 200x5,20x50
+    python3 dev.py bench peers --quick                     # sizes 40x5,4x50, 2 rounds
+    python3 dev.py bench peers --sizes 10x5 --rounds 1 --peer flow --peer "bullmq flow"
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import json
 import os
@@ -31,48 +36,67 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import bench
 import bench_app
 import redis
-from report import med
+from measure import (
+    RESULTS,
+    ROOT,
+    Deadline,
+    Size,
+    command_counts,
+    command_delta,
+    log,
+    machine,
+    med,
+    parse_sizes,
+    redis_cpu,
+    rotated,
+    settle,
+    time_limit,
+)
+from modes import (
+    BULLMQ_DIR,
+    GROUP_ONE_MORE,
+    WINDOW,
+    Worker,
+    build,
+    bullmq_ready,
+    expected,
+    only_queue,
+    release_results,
+    result_ids,
+)
+
+from celery_echomq.embedded import RedisServer
 
 HERE = Path(__file__).resolve().parent
-VENV = bench.ROOT / ".cache" / "peers-venv"
+VENV = ROOT / ".cache" / "peers-venv"
 REQUIREMENTS = HERE / "requirements.txt"
 PEERS_SIZES = "200x5,20x50"
+QUICK_SIZES = "40x5,4x50"
 CELERY_PEERS = {
     "celery group": "group",
     "celery chord": "chord",
     "flow": "flow",
     # max_active=BENCH_WINDOW (20 by default) children at once; run it by name (--peer).
-    "flow window": bench.WINDOW,
+    "flow window": WINDOW,
     # As many Celery messages as a flow (N children and one task for its parent), no fan-in.
-    "celery group + 1": bench.GROUP_ONE_MORE,
+    "celery group + 1": GROUP_ONE_MORE,
 }
-# A what-if, never a mode of the package: the flow on a worker of its own whose pool processes
-# send each claim in one write with the completion after it (bench_app.py's
-# ENV_CLAIM_WITH_COMPLETION), so that the claim costs the server no wake-up of its own. What it
-# saves is what the claim's round trip costs; what it gives up is the claim's guard.
-WHAT_IF = {"flow (claim in completion)": "flow"}
-WHAT_IF_QUEUE = "whatif"
-OPT_IN = {"flow window", "celery group + 1", *WHAT_IF}
+OPT_IN = {"flow window", "celery group + 1"}
 # With --against DIR: the flow (and the windowed flow, when it runs) again, on a worker of its
 # own whose store (and this producer's, for its rounds) runs the scripts of DIR, another
 # tree's: a before and after in one run.
-AGAINST = {"flow (against)": "flow", "flow window (against)": bench.WINDOW}
+AGAINST = {"flow (against)": "flow", "flow window (against)": WINDOW}
 AGAINST_QUEUE = "against"
-# Every peer a Celery worker of this bench runs, and the bench.py mode it runs.
-CELERY_MODES = {**CELERY_PEERS, **AGAINST, **WHAT_IF}
+# Every peer a Celery worker of this bench runs, and the mode (modes.py) it runs.
+CELERY_MODES = {**CELERY_PEERS, **AGAINST}
 # Each subprocess peer on a database of its own (Celery's broker and backend are 0 and 1).
 DRIVERS = {
     "dramatiq group+callback": ("dramatiq_driver.py", 4),
     "rq depends_on": ("rq_driver.py", 5),
     "bullmq flow": ("flow_e2e.js", 6),
 }
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 def peers_python() -> Path | str:
@@ -83,7 +107,7 @@ def peers_python() -> Path | str:
     if python.is_file() and stamp.is_file() and stamp.read_text() == wanted:
         return python
     pins = [line for line in wanted.splitlines() if line and not line.startswith("#")]
-    log(f"bench --peers: installing {', '.join(pins)} into {VENV}")
+    log(f"bench peers: installing {', '.join(pins)} into {VENV}")
     made = subprocess.run(
         [sys.executable, "-m", "venv", str(VENV)], capture_output=True, text=True, check=False
     )
@@ -132,7 +156,7 @@ class Driver:
             raise RuntimeError(f"{self.name}: {reply['error']}")
         return reply
 
-    def run(self, size: bench.Size) -> float:
+    def run(self, size: Size) -> float:
         assert self.proc.stdin is not None
         self.proc.stdin.write(f"run {size.flows} {size.children}\n")
         self.proc.stdin.flush()
@@ -162,15 +186,15 @@ def start_drivers(base: str, logs: Path, only: set[str]) -> dict[str, Driver]:
             continue
         env = {"PEERS_REDIS_URL": f"{base}/{db}"}
         if script.endswith(".js"):
-            why = bench.bullmq_ready()
-            cmd = ["node", str(bench.BULLMQ_DIR / script), "--url", f"{base}/{db}"]
+            why = bullmq_ready()
+            cmd = ["node", str(BULLMQ_DIR / script), "--url", f"{base}/{db}"]
         else:
             why = python if isinstance(python, str) else None
             cmd = [str(python), str(HERE / script)]
         if why:
-            log(f"bench --peers: {name} skipped: {why}")
+            log(f"bench peers: {name} skipped: {why}")
             continue
-        log(f"bench --peers: starting {name}")
+        log(f"bench peers: starting {name}")
         drivers[name] = Driver(name, cmd, env, logs / f"{script}.log")
     return drivers
 
@@ -202,31 +226,20 @@ def command_usec(admin: Any) -> dict[str, int]:
 
 
 class Celery:
-    """chord, group and flow on one `celery worker -P prefork -c 2` (bench.py's); with
+    """chord, group and flow on one `celery worker -P prefork -c 2` (modes.py's); with
     ``lua``, the flow alone on its own queue, its scripts read from that directory (in the
-    worker, and in this producer while it runs); with ``queue`` and ``env``, on that queue, a
-    worker with those variables set."""
+    worker, and in this producer while it runs)."""
 
-    def __init__(
-        self,
-        base: str,
-        admin: Any,
-        lua: Path | None = None,
-        *,
-        queue: str | None = None,
-        env: dict[str, str] | None = None,
-    ) -> None:
-        self.queue = queue or (AGAINST_QUEUE if lua else "celery")
-        env = {**({bench_app.ENV_LUA: str(lua)} if lua else {}), **(env or {})}
-        self.worker = bench.Worker(base, self.queue, extra_env=env)
+    def __init__(self, base: str, admin: Any, lua: Path | None = None) -> None:
+        self.queue = AGAINST_QUEUE if lua else "celery"
+        env = {bench_app.ENV_LUA: str(lua)} if lua else {}
+        self.worker = Worker(base, self.queue, extra_env=env)
         self.scripts: dict[str, Any] | None = None
         if lua is not None:
-            from script_cost import registered_from
-
             from celery_echomq.store.state import get_state
 
             runner = get_state(bench_app.app).scripts.runner
-            self.scripts = registered_from(runner.client, lua)
+            self.scripts = bench_app.registered_from(runner.client, lua)
         self.backend = redis.Redis.from_url(f"{base}/{bench_app.BACKEND_DB}")
         self.admin = admin
         self.version = __import__("celery").__version__
@@ -235,7 +248,7 @@ class Celery:
     def wait(self, task_ids: Sequence[str], timeout: float) -> None:
         """Until every result is stored: one single-key EXISTS a poll, on the last result
         still missing (they land about in order), so the wait costs Redis next to nothing
-        (bench.py's Waiter checks 256 keys a poll)."""
+        (modes.py's Waiter checks 256 keys a poll)."""
         keys = [bench_app.app.backend.get_key_for_task(t) for t in task_ids]
         deadline = time.monotonic() + timeout
         while keys:
@@ -247,10 +260,10 @@ class Celery:
                 raise TimeoutError(f"{len(keys)} results not stored within {timeout:.0f} s")
             time.sleep(0.005)
 
-    def run(self, mode: str, size: bench.Size) -> float:
+    def run(self, mode: str, size: Size) -> float:
         queue = None if self.queue == "celery" else self.queue
-        canvases = bench.build(mode, size, queue=queue)
-        bench.only_queue(self.queue)
+        canvases = build(mode, size, queue=queue)
+        only_queue(self.queue)
         if self.scripts is None:
             return self._run(mode, size, canvases)
         from celery_echomq.store.state import get_state
@@ -262,12 +275,12 @@ class Celery:
         finally:
             runner.registered = own
 
-    def _run(self, mode: str, size: bench.Size, canvases: list[Any]) -> float:
+    def _run(self, mode: str, size: Size, canvases: list[Any]) -> float:
         t0 = time.perf_counter()
         results = [c.apply_async() for c in canvases]
-        self.wait([i for r in results for i in bench.result_ids(mode, r)], 600)
+        self.wait([i for r in results for i in result_ids(mode, r)], 600)
         seconds = time.perf_counter() - t0
-        want = bench.expected(mode, size)
+        want = expected(mode, size)
         got = [r.get(timeout=60) for r in results]
         if got != [want] * len(got):
             raise AssertionError(f"{mode}: wrong values {got[:3]}")
@@ -281,22 +294,21 @@ class Celery:
 def one_run(
     admin: Any,
     peer: str,
-    size: bench.Size,
+    size: Size,
     rnd: int,
     celery: Celery | None,
     drivers: dict[str, Driver],
     against: Celery | None = None,
-    what_if: Celery | None = None,
 ) -> PeerRun:
-    own = against if peer in AGAINST else what_if if peer in WHAT_IF else celery
+    own = against if peer in AGAINST else celery
     target: Celery | Driver = own if peer in CELERY_MODES else drivers[peer]  # type: ignore[assignment]
     target.signal(signal.SIGCONT)
     try:
-        bench.settle(admin, limit=2.0)
+        settle(admin, limit=2.0)
         polls0 = target.polls if isinstance(target, Celery) else 0
         cpu0, cmds0, usec0 = (
-            bench.redis_cpu(admin),
-            bench.command_counts(admin),
+            redis_cpu(admin),
+            command_counts(admin),
             command_usec(admin),
         )
         if isinstance(target, Celery):
@@ -304,15 +316,15 @@ def one_run(
         else:
             seconds = target.run(size)
         # The work after the last value (acks, the parent's own completion) belongs to the run.
-        bench.settle(admin, limit=2.0)
+        settle(admin, limit=2.0)
         cpu1, cmds1, usec1 = (
-            bench.redis_cpu(admin),
-            bench.command_counts(admin),
+            redis_cpu(admin),
+            command_counts(admin),
             command_usec(admin),
         )
     finally:
         target.signal(signal.SIGSTOP)
-    delta = bench.command_delta(cmds0, cmds1)
+    delta = command_delta(cmds0, cmds1)
     if isinstance(target, Celery):
         delta["exists"] = delta.get("exists", 0) - (target.polls - polls0)
     usec = {n: v - usec0.get(n, 0) for n, v in usec1.items() if n in delta}
@@ -321,9 +333,7 @@ def one_run(
     )
 
 
-def summarize(
-    runs: list[PeerRun], peers: Sequence[str], sizes: Sequence[bench.Size]
-) -> dict[str, Any]:
+def summarize(runs: list[PeerRun], peers: Sequence[str], sizes: Sequence[Size]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for size in sizes:
         by = {(r.peer, r.round): r for r in runs if r.size == size.label}
@@ -416,34 +426,32 @@ def render(summary: dict[str, Any], peers: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
-def main(
-    sizes: Sequence[bench.Size],
+def run(
+    sizes: Sequence[Size],
     rounds: int,
     only: Sequence[str] | None,
     out: Path | None,
     against_lua: Path | None = None,
 ) -> dict[str, Any]:
-    peers = [
-        p for p in (*CELERY_PEERS, *WHAT_IF, *DRIVERS) if (p in only if only else p not in OPT_IN)
-    ]
+    peers = [p for p in (*CELERY_PEERS, *DRIVERS) if (p in only if only else p not in OPT_IN)]
     if against_lua is not None:
         for name, mode in AGAINST.items():
             own = next(p for p, m in CELERY_PEERS.items() if m == mode)
             if own in peers:
                 peers.insert(peers.index(own) + 1, name)
-    logs = bench.ROOT / ".cache" / "peers-logs"
+    logs = ROOT / ".cache" / "peers-logs"
     logs.mkdir(parents=True, exist_ok=True)
     started = time.time()
-    report: dict[str, Any] = {"machine": bench.machine(), "load_before": os.getloadavg()}
+    report: dict[str, Any] = {"machine": machine(), "load_before": os.getloadavg()}
     runs: list[PeerRun] = []
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(bench.RedisServer())
-        stack.callback(bench.release_results)
+        server = stack.enter_context(RedisServer())
+        stack.callback(release_results)
         base = f"redis://127.0.0.1:{server.port}"
         bench_app.configure(base)
         admin = redis.Redis.from_url(f"{base}/0")
         report["machine"]["redis_server"] = admin.info("server")["redis_version"]
-        log(f"bench --peers: private redis-server on {base}")
+        log(f"bench peers: private redis-server on {base}")
         celery: Celery | None = None
         if set(peers) & set(CELERY_PEERS):
             celery = Celery(base, admin)
@@ -455,12 +463,6 @@ def main(
             stack.callback(against.worker.stop)
             stack.callback(against.signal, signal.SIGCONT)
             report["against"] = str(against_lua)
-        what_if: Celery | None = None
-        if set(peers) & set(WHAT_IF):
-            flag = {bench_app.ENV_CLAIM_WITH_COMPLETION: "1"}
-            what_if = Celery(base, admin, queue=WHAT_IF_QUEUE, env=flag)
-            stack.callback(what_if.worker.stop)
-            stack.callback(what_if.signal, signal.SIGCONT)
         drivers = start_drivers(base, logs, set(peers))
         for d in drivers.values():
             stack.callback(d.stop)
@@ -469,19 +471,19 @@ def main(
         if celery is not None:
             versions = {"celery": celery.version, **versions}
         report["versions"] = versions
-        for target in [celery, against, what_if, *drivers.values()]:
+        for target in [celery, against, *drivers.values()]:
             if target is not None:
                 target.signal(signal.SIGSTOP)
         for peer in peers:  # warm up: scripts loaded, connections made, pools forked
-            one_run(admin, peer, bench.Size(4, 5), -1, celery, drivers, against, what_if)
+            one_run(admin, peer, Size(4, 5), -1, celery, drivers, against)
         active = list(peers)
         for size in sizes:
             for rnd in range(rounds):
-                for peer in bench.rotated(list(active), rnd):
+                for peer in rotated(list(active), rnd):
                     try:
-                        run = one_run(admin, peer, size, rnd, celery, drivers, against, what_if)
+                        run = one_run(admin, peer, size, rnd, celery, drivers, against)
                     except RuntimeError as exc:  # a peer that fails leaves the others running
-                        log(f"bench --peers: {peer} dropped: {exc}")
+                        log(f"bench peers: {peer} dropped: {exc}")
                         report.setdefault("dropped", {})[peer] = str(exc)
                         active.remove(peer)
                         continue
@@ -505,7 +507,7 @@ def main(
         if celery_modes:
             print()
             print(render_commands(table, size.label))
-    path = out or bench.HERE / "results" / time.strftime("peers-%Y%m%d-%H%M%S.json")
+    path = out or RESULTS / time.strftime("peers-%Y%m%d-%H%M%S.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2, default=str))
     m = report["machine"]
@@ -516,3 +518,40 @@ def main(
         f"{report['load_after'][0]:.2f}; {report['elapsed_s']:.0f} s; JSON: {path}"
     )
     return report
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"sizes {QUICK_SIZES}, 2 rounds")
+    p.add_argument("--sizes", type=parse_sizes, help=f"KxN,... (default {PEERS_SIZES})")
+    p.add_argument("--rounds", type=int, help="interleaved rounds per size (default 5)")
+    p.add_argument(
+        "--peer",
+        action="append",
+        help="run only this peer (repeatable; e.g. flow, 'bullmq flow'); "
+        "'flow window' and 'celery group + 1' run only by name",
+    )
+    p.add_argument(
+        "--against",
+        type=bench_app.against_dir,
+        help="the flow (and a windowed flow) also as peer 'flow (against)' ('flow window "
+        "(against)'), on a worker of its own running the scripts of this directory (another "
+        "tree's celery_echomq/store/lua)",
+    )
+    p.add_argument("--out", type=Path, help="JSON path (default benchmarks/results/peers-*.json)")
+    p.add_argument("--max-seconds", type=int, default=1500, help="stop everything after this long")
+    args = p.parse_args(argv)
+    sizes = args.sizes or parse_sizes(QUICK_SIZES if args.quick else PEERS_SIZES)
+    rounds = args.rounds or (2 if args.quick else 5)
+    if rounds < 1:
+        p.error("--rounds must be positive")
+    with time_limit(args.max_seconds):
+        return run(sizes, rounds, args.peer, args.out, args.against)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Deadline as exc:
+        log(f"bench peers: {exc}; workers, drivers and redis-server stopped")
+        sys.exit(1)
