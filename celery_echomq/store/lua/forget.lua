@@ -27,25 +27,28 @@
 -- nothing and keeps what the first kept.
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQFORMAT <found> <known> <row>" a
 -- row of a newer store format (includes/format.lua).
+local counters_key = KEYS[1]
+local sets_at = 1 -- the queue's job sets are KEYS[sets_at + 1 .. sets_at + 7]
+local rows_at = 8 -- job i's row is KEYS[rows_at + i], the flows' own keys after them
 --- @include "gate"
 --- @include "unwait"
 --- @include "format"
 local n = tonumber(ARGV[1])
-local refused = gate_ids(2, 1 + n) or newer_rows(KEYS, 9, 8 + n)
+local refused = gate_ids(2, 1 + n) or newer_rows(KEYS, rows_at + 1, rows_at + n)
 if refused then
   return refused
 end
 local keep_ms = tonumber(ARGV[2 + n])
 local deleted, kept, ids = {}, {}, {}
 for i = 1, n do
-  local row, id = KEYS[8 + i], ARGV[1 + i]
+  local row, id = KEYS[rows_at + i], ARGV[1 + i]
   local job = redis.call('HMGET', row, 'state', 'parent', 'chain')
   local state = job[1]
   if state == 'awaiting_children' then
-    redis.call('HINCRBY', KEYS[1], 'held', -1)
+    redis.call('HINCRBY', counters_key, 'held', -1)
   end
   if state then
-    left_window(KEYS[1], state, job[3])
+    left_window(counters_key, state, job[3])
   end
   if state == 'cancelled' and job[2] and keep_ms > 0 then
     local ttl = redis.call('PTTL', row)
@@ -58,13 +61,13 @@ for i = 1, n do
   end
   ids[#ids + 1] = id
 end
-for i = 9 + n, #KEYS do
+for i = rows_at + n + 1, #KEYS do
   if redis.call('UNLINK', KEYS[i]) == 1 then
     deleted[#deleted + 1] = KEYS[i]
   end
 end
 if n > 0 then
-  for set = 2, 8 do
+  for set = sets_at + 1, sets_at + 7 do
     redis.call('ZREM', KEYS[set], unpack(ids))
   end
 end
