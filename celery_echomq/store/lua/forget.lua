@@ -12,11 +12,12 @@
 -- have (after ARGV[2+N] ms when it had no TTL).
 --
 -- KEYS[1]      the queue's counters
--- KEYS[2..8]   the queue's job sets: pending, active, failed, outbox, open, recent, adding
---              (Keyspace.job_set_keys)
--- KEYS[8+i]    job i's row, i = 1..N
--- KEYS[9+N..]  the flows' own keys deleted with them (Keyspace.flow_own_keys: :dependencies,
---              :children, :window, ...)
+-- KEYS[2..11]  the queue's job sets: pending, active, failed, outbox, open, recent, adding,
+--              deadlines, joined, reserved (Keyspace.job_set_keys)
+-- KEYS[11+i]   job i's row, i = 1..N; a row deleted takes its ':parents' with it (the
+--              parents it was joined to: on_exists="join"), named from it by includes/keys.lua
+-- KEYS[12+N..] the flows' own keys deleted with them (Keyspace.flow_own_keys: :dependencies,
+--              :children, :window, :quorum, ...)
 -- ARGV[1]      N, how many jobs
 -- ARGV[1+i]    job i's id
 -- ARGV[2+N]    ms a cut-down cancelled row lives when its row had no TTL; '0': no row is
@@ -28,9 +29,10 @@
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQFORMAT <found> <known> <row>" a
 -- row of a newer store format (includes/format.lua).
 local counters_key = KEYS[1]
-local sets_at = 1 -- the queue's job sets are KEYS[sets_at + 1 .. sets_at + 7]
-local rows_at = 8 -- job i's row is KEYS[rows_at + i], the flows' own keys after them
+local sets_at = 1 -- the queue's job sets are KEYS[sets_at + 1 .. rows_at]
+local rows_at = 11 -- job i's row is KEYS[rows_at + i], the flows' own keys after them
 --- @include "gate"
+--- @include "keys"
 --- @include "unwait"
 --- @include "format"
 local n = tonumber(ARGV[1])
@@ -58,6 +60,10 @@ for i = 1, n do
     kept[#kept + 1] = id
   elseif redis.call('UNLINK', row) == 1 then
     deleted[#deleted + 1] = row
+    local edges = parents_of(row)
+    if redis.call('UNLINK', edges) == 1 then
+      deleted[#deleted + 1] = edges
+    end
   end
   ids[#ids + 1] = id
 end
@@ -67,7 +73,7 @@ for i = rows_at + n + 1, #KEYS do
   end
 end
 if n > 0 then
-  for set = sets_at + 1, sets_at + 7 do
+  for set = sets_at + 1, rows_at do
     redis.call('ZREM', KEYS[set], unpack(ids))
   end
 end
