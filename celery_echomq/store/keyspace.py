@@ -169,6 +169,11 @@ class Keyspace:
         row = self.job_key(queue, job_id)
         return f"{row}:dependencies", f"{row}:processed", f"{row}:ignored"
 
+    def dependencies_key(self, queue: str, job_id: str) -> str:
+        """A parent's ``:dependencies``: how many of its children are outstanding, the first
+        of :meth:`flow_keys` (what ``includes/expire.lua`` finds a flow's indexes by)."""
+        return f"{self.job_key(queue, job_id)}:dependencies"
+
     def ignored_key(self, queue: str, job_id: str) -> str:
         """A parent's ``:ignored``: the errors of its children failed under ignore (id ->
         error), the third of :meth:`flow_keys`."""
