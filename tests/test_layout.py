@@ -126,6 +126,9 @@ def test_no_module_imports_a_private_name_of_another() -> None:
     assert private == []
 
 
+KEYS_NAMED = re.compile(r"^local \w+ = (KEYS\[\d+\]|\d+ -- .*KEYS\[)")
+
+
 def test_no_lua_run_is_written_twice() -> None:
     seen: dict[tuple[str, ...], str] = {}
     repeated: list[str] = []
@@ -134,6 +137,8 @@ def test_no_lua_run_is_written_twice() -> None:
             line.strip()
             for line in path.read_text(encoding="utf-8").splitlines()
             if line.strip() and not line.strip().startswith("--") and line.strip() != "end"
+            # A script's names of its KEYS (lua/README.md): scripts that share a layout share them.
+            and not KEYS_NAMED.match(line)
         ]
         here: set[tuple[str, ...]] = set()
         for i in range(len(code) - LUA_RUN + 1):

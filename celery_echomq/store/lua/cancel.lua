@@ -49,7 +49,8 @@ if state == 'awaiting_children' then
   redis.call('HINCRBY', counters_key, 'held', -1)
 end
 expire_keys(ttl, {parent_key, deps_key, processed_key, ignored_key})
-local cut = cancel_children(children_at + 1, 3, pending_key, active_key, counters_key, ttl, reply, true, ARGV[1])
+local cut = cancel_children(children_at + 1, 3, pending_key, active_key, counters_key, ttl, reply,
+  true, ARGV[1])
 -- Each child cancelled is one the flow ended without: counted as cut, never as outstanding
 -- (reads.counts_of takes it out of the counter, which only a settled child counts down).
 if #cut > 0 then

@@ -28,22 +28,18 @@ local parent_key = KEYS[4]
 local children_at = 4 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
 --- @include "cancel_children"
+--- @include "cut_here"
 --- @include "format"
 local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, children_at, #KEYS)
 if refused then
   return refused
 end
 local cancelled = {}
-local cut = cancel_children(children_at + 1, 4, pending_key, active_key, counters_key, tonumber(ARGV[2]), cancelled,
-  ARGV[3] == '1', ARGV[1])
+local cut = cancel_children(children_at + 1, 4, pending_key, active_key, counters_key,
+  tonumber(ARGV[2]), cancelled, ARGV[3] == '1', ARGV[1])
 local counted = {}
--- The placeholder never exists: a parent of another slot is counted there.
-if redis.call('EXISTS', parent_key) == 1 then
-  if #cut > 0 then
-    redis.call('HINCRBY', parent_key, 'cut_children', #cut)
-    redis.call('HINCRBY', counters_key, 'children_cut', #cut)
-  end
-else
+-- A parent of another slot is counted there.
+if not counted_here(parent_key, counters_key, cut) then
   -- Every child of the parent this slot's rows say was cancelled, not only those cancelled
   -- now: credit_cut counts each once, so a count the host never made (it died after an
   -- earlier run) is made by the next run, on the rows' evidence.

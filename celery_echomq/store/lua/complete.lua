@@ -258,8 +258,9 @@ end
 -- The fan-in: EXACTLY once per child, inside was_active == 1, so a redelivered or stale
 -- completion never re-enters it.
 if ARGV[5] ~= '' and was_active == 1 then
-  local parent = {id = ARGV[5], row = parent_key, deps = parent_deps_key, processed = parent_processed_key,
-    pending = pending_key, counters = counters_key, quorum = options.quorum, acc = acc}
+  local parent = {id = ARGV[5], row = parent_key, deps = parent_deps_key,
+    processed = parent_processed_key, pending = pending_key, counters = counters_key,
+    quorum = options.quorum, acc = acc}
   local settled = settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]
   if settled == 'released' and (parent.quorum or '') ~= '' then
     window = nil -- its quorum met: the children waiting for a slot are cut, none goes out

@@ -29,6 +29,7 @@ local parent_key = KEYS[3]
 local children_at = 3 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
 --- @include "cut_pending"
+--- @include "cut_here"
 --- @include "format"
 local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, children_at, #KEYS)
 if refused then
@@ -37,18 +38,14 @@ end
 local ttl = tonumber(ARGV[2])
 local cut = {}
 for i = 1, #KEYS - children_at do
-  if cut_pending(KEYS[children_at + i], ARGV[3 + i], ARGV[1], pending_key, ttl, ARGV[3], counters_key) then
+  if cut_pending(KEYS[children_at + i], ARGV[3 + i], ARGV[1], pending_key, ttl, ARGV[3],
+      counters_key) then
     cut[#cut + 1] = ARGV[3 + i]
   end
 end
 local counted = {}
--- The placeholder never exists: a parent of another slot is counted there.
-if redis.call('EXISTS', parent_key) == 1 then
-  if #cut > 0 then
-    redis.call('HINCRBY', parent_key, 'cut_children', #cut)
-    redis.call('HINCRBY', counters_key, 'children_cut', #cut)
-  end
-else
+-- A parent of another slot is counted there.
+if not counted_here(parent_key, counters_key, cut) then
   -- Every child of the parent its deadline cut here, not only now (see cancel_elsewhere):
   -- a chain is cut by its one pending step.
   for i = children_at + 1, #KEYS do

@@ -217,7 +217,8 @@ for i = 1, n do
   end
 end
 if #waiting > 0 then
-  window_push(window_of(parent_key), waiting, counted - #waiting, counters_key) -- the window's size: those out
+  -- the window's size: those out
+  window_push(window_of(parent_key), waiting, counted - #waiting, counters_key)
 end
 if placeholder[1] then
   redis.call('ZREM', pending_key, ARGV[1])

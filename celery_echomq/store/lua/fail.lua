@@ -156,8 +156,8 @@ end
 if ARGV[6] == '' then
   return reply({'failed', ''})
 end
-local parent = {id = ARGV[6], row = parent_key, deps = parent_deps_key, processed = parent_processed_key,
-  ignored = parent_ignored_key, pending = pending_key, failed = failed_key, counters = counters_key,
-  quorum = options.quorum}
+local parent = {id = ARGV[6], row = parent_key, deps = parent_deps_key,
+  processed = parent_processed_key, ignored = parent_ignored_key, pending = pending_key,
+  failed = failed_key, counters = counters_key, quorum = options.quorum}
 return window_reply(reply(settle_child(parent, ARGV[1], 'failed', ARGV[3], policy, ttl)),
   window, pending_key, counters_key, ttl)

@@ -46,8 +46,8 @@ release_parent(parent_key, pending_key, ARGV[1], counters_key)
 redis.call('HSET', parent_key, 'released_by', 'operator')
 local reply = {'released'}
 if ARGV[3] == '1' then
-  local cut = cancel_children(children_at + 1, 4, pending_key, active_key, counters_key, tonumber(ARGV[2]), reply, false,
-    ARGV[1])
+  local cut = cancel_children(children_at + 1, 4, pending_key, active_key, counters_key,
+    tonumber(ARGV[2]), reply, false, ARGV[1])
   if #cut > 0 then
     -- Counted as cut: the flow ended without them (see cancel.lua).
     redis.call('HINCRBY', parent_key, 'cut_children', #cut)

@@ -30,7 +30,8 @@ end
 if redis.call('ZREM', open_key, ARGV[1]) == 0 then
   return {'noop'}
 end
-if release_if_last(parent_key, pending_key, ARGV[1], redis.call('DECR', deps_key), counters_key) then
+local left = redis.call('DECR', deps_key)
+if release_if_last(parent_key, pending_key, ARGV[1], left, counters_key) then
   return {'released'}
 end
 return {'sealed'}
