@@ -45,7 +45,7 @@
 --            active set lapsing at server time + this, its 'started' the server time (its
 --            pending time, should recovery find it never taken). The first delivery of its
 --            message takes it by writing the token a claim would (HSETNX, see
---            worker/handoff.py), in place of the claim script (not given: made pending)
+--            take_handed.lua), in place of the claim script (not given: made pending)
 --   quorum   "K/N", the job's flow is released by the K-th success of its N children
 --            (flow(..., quorum=K), includes/quorum.lua); not given: by the last of them
 --   reduce   the reducer (JSON) the job's flow folds its children's values with
@@ -150,7 +150,7 @@ if stepping then
   failed_children = is_parent or nil
 end
 -- A value its flow's reducer folds, checked before any write (an active child's parent is
--- on this slot: ARGV[7] is '0' for a reducer's children, which send/reducers.py refuses
+-- on this slot: ARGV[7] is '0' for a reducer's children, which send/fan_in.py refuses
 -- elsewhere); written into the parent's 'acc' only where it is credited, once.
 local acc
 if options.reduce and ARGV[5] ~= '' and next_id == '' and ARGV[7] ~= '1' then
