@@ -137,7 +137,9 @@ def test_no_lua_run_is_written_twice() -> None:
         code = [
             line.strip()
             for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip() and not line.strip().startswith("--") and line.strip() != "end"
+            if line.strip()
+            and not line.strip().startswith("--")
+            and line.strip() != "end"
             # A script's names of its KEYS (lua/README.md): scripts that share a layout share them.
             and not KEYS_NAMED.match(line)
         ]
