@@ -107,8 +107,11 @@ def _forget_children(
     for child_queue, cids in plain.items():
         # A cancelled child's message may still be queued: the row that turns it away stays,
         # cut down, for as long as the row would have lived.
+        # Children on another slot than their parent's: its window there (its :window and
+        # :slots on theirs) goes with them.
+        elsewhere = [parent_id] if child_queue != queue else []
         deleted, kept = state.scripts.forget(
-            child_queue, cids, keep_cancelled_ms=state.settings.result_ttl * 1000
+            child_queue, cids, elsewhere, keep_cancelled_ms=state.settings.result_ttl * 1000
         )
         done.keys.extend(deleted)
         done.kept.extend(kept)

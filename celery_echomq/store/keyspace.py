@@ -1,5 +1,9 @@
 """The key builder and id gate: the only place that makes a Redis key.
 
+A script names a key it was not passed only through ``lua/includes/keys.lua``, by the forms
+written here: each suffix it derives from a row (``<row>:failures``, ...) has its method
+below (``<suffix>_key``).
+
 Every key of a queue carries the queue as a hash tag (``emq:{queue}:...``), so every
 key one script touches sits on one Redis Cluster slot. An id or queue name that could
 escape its tag or name another key raises here, before any Redis command.
@@ -120,8 +124,21 @@ def check_unique(ids: Iterable[str]) -> None:
 # The per-queue sorted sets that hold job ids: a job deleted leaves every one of them.
 # (outbox: children of another slot's parent awaiting credit; open: flows not sealed yet;
 # adding: flows with children staged for another slot; recent: the flows the dashboard lists,
-# an index, not a state set.)
-JOB_SETS = ("pending", "active", "failed", "outbox", "open", "recent", "adding")
+# an index, not a state set; deadlines: the flows' deadlines not passed yet; joined: jobs
+# joined to more parents, staged for their credit; reserved: jobs a live worker holds
+# before it runs them, which its next lease tick writes again while it holds one.)
+JOB_SETS = (
+    "pending",
+    "active",
+    "failed",
+    "outbox",
+    "open",
+    "recent",
+    "adding",
+    "deadlines",
+    "joined",
+    "reserved",
+)
 
 
 class Keyspace:
@@ -151,6 +168,21 @@ class Keyspace:
         """A parent's ``:dependencies``, ``:processed`` and ``:ignored`` keys."""
         row = self.job_key(queue, job_id)
         return f"{row}:dependencies", f"{row}:processed", f"{row}:ignored"
+
+    def dependencies_key(self, queue: str, job_id: str) -> str:
+        """A parent's ``:dependencies``: how many of its children are outstanding, the first
+        of :meth:`flow_keys` (what ``includes/expire.lua`` finds a flow's indexes by)."""
+        return f"{self.job_key(queue, job_id)}:dependencies"
+
+    def ignored_key(self, queue: str, job_id: str) -> str:
+        """A parent's ``:ignored``: the errors of its children failed under ignore (id ->
+        error), the third of :meth:`flow_keys`."""
+        return f"{self.job_key(queue, job_id)}:ignored"
+
+    def quorum_key(self, queue: str, job_id: str) -> str:
+        """A parent's ``:quorum`` under ``flow(..., quorum=K)``: its children's ids in the
+        order they succeeded (a list), which its values follow (``includes/quorum.lua``)."""
+        return f"{self.job_key(queue, job_id)}:quorum"
 
     def children_key(self, queue: str, job_id: str) -> str:
         """A parent's ``:children``: its children's ids by position (a list), what a page of
@@ -192,7 +224,7 @@ class Keyspace:
 
     def flow_own_keys(self, queue: str, job_id: str) -> list[str]:
         """Every key a flow keeps beside its parent's row, on its queue's slot: what a forget
-        deletes with the row (forget.lua)."""
+        deletes with the row (forget.lua; which deletes each row's ``:parents`` with it)."""
         return [
             *self.flow_keys(queue, job_id),
             self.settled_key(queue, job_id),
@@ -201,6 +233,7 @@ class Keyspace:
             self.failures_key(queue, job_id),
             self.window_key(queue, job_id),
             self.slots_key(queue, job_id),
+            self.quorum_key(queue, job_id),
         ]
 
     def job_set_keys(self, queue: str) -> list[str]:

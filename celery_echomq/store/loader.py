@@ -75,7 +75,7 @@ def _read_lua(*parts: str) -> str:
 def load_source(name: str) -> str:
     """The source of ``lua/<name>.lua`` with its includes expanded.
 
-    A line ``--- @include "piece"`` is replaced by ``lua/includes/piece.lua`` (itself expanded
+    A line ``--- @include "piece"`` is replaced by ``lua/includes/<piece>.lua`` (itself expanded
     the same way), at most once per script: a piece included twice, directly or through
     another piece, is written only where it first appears, so each Lua local is defined once.
     """

@@ -1,7 +1,7 @@
 """A flow whose children's values are folded as they arrive, ``flow(parent, children,
 reduce=R)``: the parent gets the accumulator as its first argument; a value the reducer cannot
 fold fails that child under its policy; ``children_values()`` still reads the children's own
-values (send/reducers.py, store/lua/includes/reduce.lua), on a worker and eagerly."""
+values (send/fan_in.py, store/lua/includes/reduce.lua), on a worker and eagerly."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import redis
 
-from celery_echomq.store.keyspace import new_job_id
+from celery_echomq.store.keyspace import JOB_SETS, Keyspace, new_job_id
 from celery_echomq.store.loader import load_source
 from celery_echomq.store.script_values import packed_options
 from celery_echomq.store.scripts import ParentRef, ResultWrite, Scripts
@@ -188,3 +188,86 @@ def test_no_script_writes_the_placeholder_passed_for_a_key_a_call_has_not(
             status, _ = scripts.fail(here, top, token, "E: y", ttl=TTL, is_parent=True, parent=None)
             assert status == "failed"
     assert db.exists(KEYS.unused_key(here), KEYS.unused_key(there)) == 0
+
+
+# --- keys: each named once, at the top; a key not passed comes from includes/keys.lua ------
+
+KEYS_PIECE = LUA / "includes" / "keys.lua"
+LOCAL_KEY = re.compile(r"^local (\w+) = KEYS\[(\d+)\]$")
+# A variadic tail's offset: ``local children_at = 7 -- child i's row is KEYS[children_at + i]``.
+LOCAL_OFFSET = re.compile(r"^local (\w+_at) = \d+ -- .*KEYS\[\1 \+ \w+\]")
+
+
+def locals_block(path: Path) -> list[str]:
+    """The lines right after a script's header that name its keys."""
+    lines = path.read_text(encoding="utf-8").splitlines()[len(header(path)) :]
+    top = 0
+    while top < len(lines) and (LOCAL_KEY.match(lines[top]) or LOCAL_OFFSET.match(lines[top])):
+        top += 1
+    return lines[:top]
+
+
+def test_every_key_is_named_once_at_the_top_and_read_through_its_name() -> None:
+    wrong = {}
+    for path in SCRIPTS:
+        block = locals_block(path)
+        named = [m.groups() for m in map(LOCAL_KEY.match, block) if m]
+        positions = [int(n) for _, n in named]
+        declared = {int(n) for n in re.findall(r"^-- KEYS\[(\d+)\]", "\n".join(header(path)), re.M)}
+        problems = []
+        if positions != list(range(1, len(positions) + 1)) or set(positions) != declared:
+            problems.append(f"named {positions}, declared {sorted(declared)}")
+        if len({name for name, _ in named}) != len(named):
+            problems.append("a name twice")
+        # Past the names, no KEYS position is written as a number: a fixed key is read by
+        # its name, a variadic tail through its named offset.
+        body = code(path).splitlines()[len(header(path)) + len(block) :]
+        raw = [line.strip() for line in body if re.search(r"KEYS\[\s*\d", line)]
+        if raw:
+            problems.append(f"raw KEYS: {raw}")
+        if problems:
+            wrong[path.name] = problems
+    assert wrong == {}
+
+
+def derived_suffixes() -> set[str]:
+    """The suffixes includes/keys.lua derives from a row: ``return row .. ':<suffix>'``, and
+    the ones it reads back (``':dependencies'``)."""
+    source = KEYS_PIECE.read_text(encoding="utf-8")
+    made = set(re.findall(r"^\s+return row \.\. ':(\w+)'$", source, re.M))
+    read = set(re.findall(r"string\.sub\(\w+, -\d+\) == ':(\w+)'", source))
+    assert made and read, "includes/keys.lua no longer has the forms this test reads"
+    return made | read
+
+
+def test_no_script_or_piece_but_keys_lua_names_a_key_of_its_own() -> None:
+    # A key's form in a string literal (a suffix of a row, a queue's set, a hash tag's end)
+    # anywhere but includes/keys.lua is a key named past the one include.
+    suffixes = derived_suffixes() | set(JOB_SETS) | {"counters", "loc", "id"}
+    form = re.compile(r"(?:^|[^%\w]):(?:" + "|".join(sorted(suffixes)) + r")\b|}:")
+    found = {}
+    for path in [*SCRIPTS, *PIECES]:
+        if path == KEYS_PIECE:
+            continue
+        literals = re.findall(r"'([^'\n]*)'|\"([^\"\n]*)\"", code(path))
+        named = [a or b for a, b in literals if form.search(a or b)]
+        if named:
+            found[path.name] = named
+    assert found == {}
+
+
+def test_every_derived_key_has_a_keyspace_method_and_a_readme_line() -> None:
+    keys, queue, job = Keyspace("emq"), "q", new_job_id()
+    readme = (LUA / "README.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^- `<row>:(\w+)`", readme, re.M))
+    missing = {}
+    for suffix in sorted(derived_suffixes()):
+        method = getattr(keys, f"{suffix}_key", None)
+        if method is None or method(queue, job) != f"{keys.job_key(queue, job)}:{suffix}":
+            missing[suffix] = "no Keyspace method giving it"
+        elif suffix not in listed:
+            missing[suffix] = "not listed in lua/README.md"
+    assert missing == {}
+    # The method of each suffix Keyspace names beside a row is the one keys.lua derives too:
+    # nothing listed that no script or host makes.
+    assert listed <= derived_suffixes() | {"processed", "settled", "adding"}

@@ -10,6 +10,7 @@ import pytest
 import redis
 
 from celery_echomq import StoreFormatError
+from celery_echomq.store.keyspace import JOB_SETS
 from celery_echomq.store.loader import TRANSITIONS
 from celery_echomq.store.replies import Status
 from celery_echomq.store.script_values import packed
@@ -84,7 +85,8 @@ def calls(queue: str, parent: str, child: str) -> dict[str, tuple[list[str], lis
         "cancel_elsewhere": ([*other[:3], other[3], crow], [parent, "10", "0", child]),
         "deadline_cut": ([*other[:2], other[2], crow], [parent, "10", "fail", child]),
         "credit_cut": ([prow, *other[:2]], [parent, child]),
-        "forget": ([*other[:8], crow], ["1", child, "0"]),
+        # the queue's counters and job sets, then the row
+        "forget": ([*other[: 1 + len(JOB_SETS)], crow], ["1", child, "0"]),
         "retry_children": ([*other[:2], crow], [parent, child]),
     }
 

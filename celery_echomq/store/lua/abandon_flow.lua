@@ -23,15 +23,23 @@
 --   "<state>"    open but no longer held (e.g. cancelled): only taken out of the open set
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local processed_key = KEYS[3]
+local ignored_key = KEYS[4]
+local settled_key = KEYS[5]
+local open_key = KEYS[6]
+local failed_key = KEYS[7]
+local counters_key = KEYS[8]
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
-local opened = redis.call('ZSCORE', KEYS[6], ARGV[1])
+local opened = redis.call('ZSCORE', open_key, ARGV[1])
 if not opened then
   return {'noop'}
 end
@@ -40,14 +48,14 @@ if now - tonumber(opened) < tonumber(ARGV[2]) then
   return {'fresh'}
 end
 -- Leaving the open set is what makes seal_flow a no-op from now on.
-redis.call('ZREM', KEYS[6], ARGV[1])
-local state = redis.call('HGET', KEYS[1], 'state')
+redis.call('ZREM', open_key, ARGV[1])
+local state = redis.call('HGET', parent_key, 'state')
 if state ~= 'awaiting_children' then
   return {state or 'missing'}
 end
 local ttl = tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'state', 'failed', 'abandoned', '1', 'error', ARGV[4])
-redis.call('ZADD', KEYS[7], now, ARGV[1])
-redis.call('HINCRBY', KEYS[8], 'held', -1)
-expire_keys(ttl, {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
+redis.call('HSET', parent_key, 'state', 'failed', 'abandoned', '1', 'error', ARGV[4])
+redis.call('ZADD', failed_key, now, ARGV[1])
+redis.call('HINCRBY', counters_key, 'held', -1)
+expire_keys(ttl, {parent_key, deps_key, processed_key, ignored_key, settled_key})
 return {'abandoned'}

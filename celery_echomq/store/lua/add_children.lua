@@ -29,6 +29,10 @@
 -- Reply: the number of rows written. A row that already exists for this same parent is
 -- left as it is (a repeated add writes nothing twice).
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row of another flow.
+local pending_key = KEYS[1]
+local window_key = KEYS[2]
+local counters_key = KEYS[3]
+local children_at = 3 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "child_row"
@@ -51,9 +55,9 @@ for first = 1, k, SLICE do
     end
   else
     for i = first, last do
-      local owner = redis.call('HGET', KEYS[3 + i], 'parent')
+      local owner = redis.call('HGET', KEYS[children_at + i], 'parent')
       if owner == false then
-        if redis.call('EXISTS', KEYS[3 + i]) == 1 then
+        if redis.call('EXISTS', KEYS[children_at + i]) == 1 then
           return redis.error_reply('EMQEXISTS ' .. ARGV[1 + 3 * i])
         end
         fresh[#fresh + 1] = i
@@ -81,7 +85,7 @@ end
 -- exist: none of them is pushed twice).
 local waiting = {}
 for n, i in ipairs(fresh) do
-  local row = KEYS[3 + i]
+  local row = KEYS[children_at + i]
   local kind = string.byte(kinds, i)
   local pending = true
   if is_step(kind) then
@@ -106,11 +110,11 @@ for n, i in ipairs(fresh) do
     members[#members + 1] = ARGV[1 + 3 * i]
   end
   if #members >= 2 * SLICE or (n == #fresh and #members > 0) then
-    redis.call('ZADD', KEYS[1], unpack(members))
+    redis.call('ZADD', pending_key, unpack(members))
     members = {}
   end
 end
 if #waiting > 0 then
-  window_push(KEYS[2], waiting, tonumber(options.max_active), KEYS[3])
+  window_push(window_key, waiting, tonumber(options.max_active), counters_key)
 end
 return #fresh

@@ -21,31 +21,40 @@
 --   "<state>"    the parent is active, done, failed or already cancelled: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local processed_key = KEYS[3]
+local ignored_key = KEYS[4]
+local pending_key = KEYS[5]
+local active_key = KEYS[6]
+local counters_key = KEYS[7]
+local children_at = 7 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
 --- @include "expire"
 --- @include "cancel_children"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
-local state = redis.call('HGET', KEYS[1], 'state')
+local state = redis.call('HGET', parent_key, 'state')
 if state ~= 'awaiting_children' and state ~= 'pending' then
   return {state or 'missing'}
 end
 local ttl = tonumber(ARGV[2])
 local reply = {'cancelled', state}
-redis.call('HSET', KEYS[1], 'state', 'cancelled')
-redis.call('ZREM', KEYS[5], ARGV[1])
+redis.call('HSET', parent_key, 'state', 'cancelled')
+redis.call('ZREM', pending_key, ARGV[1])
 if state == 'awaiting_children' then
-  redis.call('HINCRBY', KEYS[7], 'held', -1)
+  redis.call('HINCRBY', counters_key, 'held', -1)
 end
-expire_keys(ttl, {KEYS[1], KEYS[2], KEYS[3], KEYS[4]})
-local cut = cancel_children(8, 3, KEYS[5], KEYS[6], KEYS[7], ttl, reply, true, ARGV[1])
+expire_keys(ttl, {parent_key, deps_key, processed_key, ignored_key})
+local cut = cancel_children(children_at + 1, 3, pending_key, active_key, counters_key, ttl, reply,
+  true, ARGV[1])
 -- Each child cancelled is one the flow ended without: counted as cut, never as outstanding
 -- (reads.counts_of takes it out of the counter, which only a settled child counts down).
 if #cut > 0 then
-  redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
-  redis.call('HINCRBY', KEYS[7], 'children_cut', #cut)
+  redis.call('HINCRBY', parent_key, 'cut_children', #cut)
+  redis.call('HINCRBY', counters_key, 'children_cut', #cut)
 end
 return reply

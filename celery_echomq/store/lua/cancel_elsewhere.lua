@@ -21,28 +21,29 @@
 --        before its last among them (the chain is one child)
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local pending_key = KEYS[1]
+local active_key = KEYS[2]
+local counters_key = KEYS[3]
+local parent_key = KEYS[4]
+local children_at = 4 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
 --- @include "cancel_children"
+--- @include "cut_here"
 --- @include "format"
-local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, 4, #KEYS)
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, children_at, #KEYS)
 if refused then
   return refused
 end
 local cancelled = {}
-local cut = cancel_children(5, 4, KEYS[1], KEYS[2], KEYS[3], tonumber(ARGV[2]), cancelled,
-  ARGV[3] == '1', ARGV[1])
+local cut = cancel_children(children_at + 1, 4, pending_key, active_key, counters_key,
+  tonumber(ARGV[2]), cancelled, ARGV[3] == '1', ARGV[1])
 local counted = {}
--- The placeholder never exists: a parent of another slot is counted there.
-if redis.call('EXISTS', KEYS[4]) == 1 then
-  if #cut > 0 then
-    redis.call('HINCRBY', KEYS[4], 'cut_children', #cut)
-    redis.call('HINCRBY', KEYS[3], 'children_cut', #cut)
-  end
-else
+-- A parent of another slot is counted there.
+if not counted_here(parent_key, counters_key, cut) then
   -- Every child of the parent this slot's rows say was cancelled, not only those cancelled
   -- now: credit_cut counts each once, so a count the host never made (it died after an
   -- earlier run) is made by the next run, on the rows' evidence.
-  for i = 5, #KEYS do
+  for i = children_at + 1, #KEYS do
     local c = redis.call('HMGET', KEYS[i], 'state', 'parent', 'next')
     if c[1] == 'cancelled' and c[2] == ARGV[1] and not c[3] then
       counted[#counted + 1] = ARGV[i - 1]

@@ -20,24 +20,29 @@
 --   "<state>"    finished (done, failed, cancelled) or gone: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local parents_key = KEYS[2]
+local pending_key = KEYS[3]
+local active_key = KEYS[4]
+local counters_key = KEYS[5]
 --- @include "gate"
 --- @include "unwait"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({job_key}, 1)
 if refused then
   return refused
 end
-local state, chain = unpack(redis.call('HMGET', KEYS[1], 'state', 'chain'))
+local state, chain = unpack(redis.call('HMGET', job_key, 'state', 'chain'))
 if state ~= 'pending' and state ~= 'waiting' and state ~= 'active' then
   return {state or 'missing'}
 end
-if redis.call('HLEN', KEYS[2]) ~= tonumber(ARGV[3]) then
+if redis.call('HLEN', parents_key) ~= tonumber(ARGV[3]) then
   return {'joined'}
 end
-redis.call('HSET', KEYS[1], 'state', 'cancelled')
-left_window(KEYS[5], state, chain)
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('EXPIRE', KEYS[1], ARGV[2])
-redis.call('EXPIRE', KEYS[2], ARGV[2])
+redis.call('HSET', job_key, 'state', 'cancelled')
+left_window(counters_key, state, chain)
+redis.call('ZREM', pending_key, ARGV[1])
+redis.call('ZREM', active_key, ARGV[1])
+redis.call('EXPIRE', job_key, ARGV[2])
+redis.call('EXPIRE', parents_key, ARGV[2])
 return {'cancelled'}

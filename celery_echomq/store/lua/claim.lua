@@ -45,6 +45,11 @@
 --                 queue's 'forged_refused' count
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local pending_key = KEYS[2]
+local active_key = KEYS[3]
+local marks_key = KEYS[4]
+local counters_key = KEYS[5]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "format"
@@ -53,9 +58,9 @@ if refused then
   return refused
 end
 local options = cmsgpack.unpack(ARGV[#ARGV])
-local row = redis.call('HMGET', KEYS[1], 'state', 'attempts', 'token', 'replaced', 'retries',
+local row = redis.call('HMGET', job_key, 'state', 'attempts', 'token', 'replaced', 'retries',
   'skipped', 'suspect', 'parent', 'format')
-refused = newer_format(row[9], KEYS[1])
+refused = newer_format(row[9], job_key)
 if refused then
   return refused
 end
@@ -64,7 +69,7 @@ if not state then
   return {'missing', 0, '', ''}
 end
 if options.parent and options.parent ~= (row[8] or '') then
-  redis.call('HINCRBY', KEYS[5], 'forged_refused', 1)
+  redis.call('HINCRBY', counters_key, 'forged_refused', 1)
   return {'forged', tonumber(row[2]) or 0, '', ''}
 end
 if state == 'awaiting_children' then
@@ -72,16 +77,16 @@ if state == 'awaiting_children' then
 end
 local attempts = tonumber(row[2]) or 0
 if state ~= 'pending' and state ~= 'active' then
-  redis.call('HINCRBY', KEYS[5], 'duplicates_skipped', 1)
+  redis.call('HINCRBY', counters_key, 'duplicates_skipped', 1)
   return {state, attempts, '', ''}
 end
 local retries = tonumber(ARGV[6])
 local now = now_ms()
 if state == 'active' and ARGV[5] ~= '1' and retries <= (tonumber(row[5]) or 0) then
-  local lease = tonumber(redis.call('ZSCORE', KEYS[3], ARGV[1]) or '0')
+  local lease = tonumber(redis.call('ZSCORE', active_key, ARGV[1]) or '0')
   if row[4] or lease > now then
-    redis.call('HINCRBY', KEYS[1], 'skipped', 1)
-    redis.call('HINCRBY', KEYS[5], 'duplicates_skipped', 1)
+    redis.call('HINCRBY', job_key, 'skipped', 1)
+    redis.call('HINCRBY', counters_key, 'duplicates_skipped', 1)
     return {'busy', attempts, row[3] or '', ''}
   end
 end
@@ -93,29 +98,29 @@ if state == 'pending' then
   -- claims the read of the marks hash.
   local raw = options.since
   if not raw then
-    raw = redis.call('ZSCORE', KEYS[2], ARGV[1])
+    raw = redis.call('ZSCORE', pending_key, ARGV[1])
   end
   local since = tonumber(raw or '0')
   if raw and since > (tonumber(options.mark) or 0) then
-    local current = tonumber(redis.call('HGET', KEYS[4], ARGV[4]) or '0')
+    local current = tonumber(redis.call('HGET', marks_key, ARGV[4]) or '0')
     if since > current then
-      redis.call('HSET', KEYS[4], ARGV[4], raw)
+      redis.call('HSET', marks_key, ARGV[4], raw)
       current = since
     end
     mark = current
   end
-  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZREM', pending_key, ARGV[1])
 end
 attempts = attempts + 1
 -- Numbers go to Redis as strings made here ('%d'): a Lua number passed to redis.call is
 -- printed with '%.17g', which costs the server several times more (the same digits for these
 -- integers). 'retries' is the host's own decimal.
-redis.call('HSET', KEYS[1], 'state', 'active', 'token', ARGV[2], 'started',
+redis.call('HSET', job_key, 'state', 'active', 'token', ARGV[2], 'started',
   string.format('%d', now), 'attempts', string.format('%d', attempts), 'retries', ARGV[6])
 if row[4] or row[6] or row[7] then
-  redis.call('HDEL', KEYS[1], 'skipped', 'replaced', 'suspect')
+  redis.call('HDEL', job_key, 'skipped', 'replaced', 'suspect')
 end
-redis.call('ZADD', KEYS[3], string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
+redis.call('ZADD', active_key, string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
 if state == 'active' then
   return {'taken_over', attempts, row[3] or '', mark}
 end

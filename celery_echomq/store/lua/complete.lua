@@ -45,7 +45,7 @@
 --            active set lapsing at server time + this, its 'started' the server time (its
 --            pending time, should recovery find it never taken). The first delivery of its
 --            message takes it by writing the token a claim would (HSETNX, see
---            worker/handoff.py), in place of the claim script (not given: made pending)
+--            take_handed.lua), in place of the claim script (not given: made pending)
 --   quorum   "K/N", the job's flow is released by the K-th success of its N children
 --            (flow(..., quorum=K), includes/quorum.lua); not given: by the last of them
 --   reduce   the reducer (JSON) the job's flow folds its children's values with
@@ -80,6 +80,22 @@
 --                 nothing written (the host fails the child with the reason, under its policy)
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local active_key = KEYS[2]
+local deps_key = KEYS[3]
+local processed_key = KEYS[4]
+local ignored_key = KEYS[5]
+local pending_key = KEYS[6]
+local counters_key = KEYS[7]
+local outbox_key = KEYS[8]
+local joined_key = KEYS[9]
+local parents_key = KEYS[10]
+local parent_key = KEYS[11]
+local parent_deps_key = KEYS[12]
+local parent_processed_key = KEYS[13]
+local window_key = KEYS[14]
+local next_key = KEYS[15]
+local result_key = KEYS[16]
 --- @include "gate"
 --- @include "expire"
 --- @include "holder"
@@ -122,7 +138,7 @@ local next_id = options.next or ''
 -- one finishes without that read.
 local stepping = not is_parent or next_id ~= ''
 local failed_children, joined, windowed
-refused, failed_children, joined, windowed = not_holder(KEYS[1], ARGV[2],
+refused, failed_children, joined, windowed = not_holder(job_key, ARGV[2],
   stepping and 'next' or 'credited_failed', ARGV[5], 'joined', 'windowed')
 if refused then
   return refused
@@ -134,22 +150,22 @@ if stepping then
   failed_children = is_parent or nil
 end
 -- A value its flow's reducer folds, checked before any write (an active child's parent is
--- on this slot: ARGV[7] is '0' for a reducer's children, which send/reducers.py refuses
+-- on this slot: ARGV[7] is '0' for a reducer's children, which send/fan_in.py refuses
 -- elsewhere); written into the parent's 'acc' only where it is credited, once.
 local acc
 if options.reduce and ARGV[5] ~= '' and next_id == '' and ARGV[7] ~= '1' then
   local reason
-  acc, reason = fold_value(options.reduce, redis.call('HGET', KEYS[11], 'acc'), ARGV[6])
+  acc, reason = fold_value(options.reduce, redis.call('HGET', parent_key, 'acc'), ARGV[6])
   if not acc then
     return {'unfoldable', '', reason}
   end
 end
 local ttl = tonumber(ARGV[3])
 -- The window of a child that holds a slot of it (a child's row has a parent: ARGV[5]).
-local window = windowed and ARGV[5] ~= '' and KEYS[14] or nil
+local window = windowed and ARGV[5] ~= '' and window_key or nil
 -- ZREM gives was_active: exactly one completion per active->done transition gets 1.
-local was_active = redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('HSET', KEYS[1], 'state', 'done')
+local was_active = redis.call('ZREM', active_key, ARGV[1])
+redis.call('HSET', job_key, 'state', 'done')
 -- A finished job's message is read again by nothing its flow's readers need but show, which
 -- prints its task and arguments. One of 64 KiB or more is cut down now, rather than kept for
 -- the result TTL: its task stays, its arguments become a marker ('dropped': the size cut).
@@ -159,11 +175,11 @@ redis.call('HSET', KEYS[1], 'state', 'done')
 -- serializer); any other stays whole.
 local big = 65536
 local function cut(field, whole)
-  local size = redis.call('HSTRLEN', KEYS[1], field)
+  local size = redis.call('HSTRLEN', job_key, field)
   if size < big then
     return
   end
-  local stored = redis.call('HGET', KEYS[1], field)
+  local stored = redis.call('HGET', job_key, field)
   if string.sub(stored, 1, 1) ~= '{' then
     return
   end
@@ -173,7 +189,7 @@ local function cut(field, whole)
   end
   local mark = '"args": ["<dropped: ' .. size .. ' bytes>"], "kwargs": {}'
   local head = task and ('{"task": "' .. task .. '", ') or '{'
-  redis.call('HSET', KEYS[1], field, head .. mark .. (whole and ', "options": {}}' or '}'),
+  redis.call('HSET', job_key, field, head .. mark .. (whole and ', "options": {}}' or '}'),
     'dropped', size)
 end
 if not is_parent then
@@ -185,11 +201,11 @@ end
 -- The TTL as the host's decimal (ARGV[3]): a Lua number passed to redis.call is printed with
 -- '%.17g' on every call. A job that is not a parent has its row alone to expire.
 if not is_parent then
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
+  redis.call('EXPIRE', job_key, ARGV[3])
 elseif failed_children then
-  expire_keys(ARGV[3], {KEYS[1], KEYS[3], KEYS[4], KEYS[5]})
+  expire_keys(ARGV[3], {job_key, deps_key, processed_key, ignored_key})
 else
-  expire_keys(ARGV[3], {KEYS[1], KEYS[3], KEYS[4]})  -- no :ignored to expire
+  expire_keys(ARGV[3], {job_key, deps_key, processed_key})  -- no :ignored to expire
 end
 local written = ''
 if options.result and was_active == 1 then
@@ -197,14 +213,14 @@ if options.result and was_active == 1 then
   -- waiting AsyncResult.get), once: a stale or duplicate completion never rewrites it. Before
   -- the fan-in, so a released parent's waiter finds every child's result already stored.
   if options.expires then
-    redis.call('SET', KEYS[16], options.result, 'EX', options.expires)
+    redis.call('SET', result_key, options.result, 'EX', options.expires)
   else
-    redis.call('SET', KEYS[16], options.result)
+    redis.call('SET', result_key, options.result)
   end
-  redis.call('PUBLISH', KEYS[16], options.result)
+  redis.call('PUBLISH', result_key, options.result)
   written = '1'
 end
-if was_active == 1 and stage_edges(KEYS[1], ARGV[1], KEYS[9], KEYS[10], joined, ttl, ARGV[6])
+if was_active == 1 and stage_edges(job_key, ARGV[1], joined_key, parents_key, joined, ttl, ARGV[6])
     then
   written = written .. '+' -- its other parents, for the host to credit
 end
@@ -212,19 +228,19 @@ if next_id ~= '' then
   -- A chain's step: its value goes to the next step, which becomes pending, and this worker
   -- publishes it (recovery re-publishes it if that never happens). Once, inside was_active.
   if was_active == 1 then
-    local after = redis.call('HMGET', KEYS[15], 'state', 'payload')
+    local after = redis.call('HMGET', next_key, 'state', 'payload')
     if after[1] == 'waiting' then
       local now = now_ms()
       local lease = tonumber(options.lease)
       if lease then
         -- Handed out: the claim its worker would make is made here (the same slot: a linked
         -- run's steps share a queue), but for the token, which its first delivery writes.
-        redis.call('HSET', KEYS[15], 'state', 'active', 'input', ARGV[6], 'started', now,
+        redis.call('HSET', next_key, 'state', 'active', 'input', ARGV[6], 'started', now,
           'attempts', '1')
-        redis.call('ZADD', KEYS[2], now + lease, next_id)
+        redis.call('ZADD', active_key, now + lease, next_id)
       else
-        redis.call('HSET', KEYS[15], 'state', 'pending', 'input', ARGV[6])
-        redis.call('ZADD', KEYS[6], now, next_id)
+        redis.call('HSET', next_key, 'state', 'pending', 'input', ARGV[6])
+        redis.call('ZADD', pending_key, now, next_id)
       end
       return {'advanced', written, after[2], now}
     end
@@ -233,17 +249,18 @@ if next_id ~= '' then
 end
 if ARGV[7] == '1' then
   if was_active == 1 then
-    redis.call('HSET', KEYS[1], 'value', ARGV[6])
-    redis.call('ZADD', KEYS[8], now_ms(), ARGV[1])
-    return with_window({'staged', written}, window, KEYS[6], KEYS[7], ttl)
+    redis.call('HSET', job_key, 'value', ARGV[6])
+    redis.call('ZADD', outbox_key, now_ms(), ARGV[1])
+    return with_window({'staged', written}, window, pending_key, counters_key, ttl)
   end
   return {'done', written}
 end
 -- The fan-in: EXACTLY once per child, inside was_active == 1, so a redelivered or stale
 -- completion never re-enters it.
 if ARGV[5] ~= '' and was_active == 1 then
-  local parent = {id = ARGV[5], row = KEYS[11], deps = KEYS[12], processed = KEYS[13],
-    pending = KEYS[6], counters = KEYS[7], quorum = options.quorum, acc = acc}
+  local parent = {id = ARGV[5], row = parent_key, deps = parent_deps_key,
+    processed = parent_processed_key, pending = pending_key, counters = counters_key,
+    quorum = options.quorum, acc = acc}
   local settled = settle_child(parent, ARGV[1], 'done', ARGV[6], '', ttl)[1]
   if settled == 'released' and (parent.quorum or '') ~= '' then
     window = nil -- its quorum met: the children waiting for a slot are cut, none goes out
@@ -255,8 +272,8 @@ if ARGV[5] ~= '' and was_active == 1 then
       tonumber(options.inline), now_text())
     table.insert(reply, 1, written)
     table.insert(reply, 1, settled)
-    return with_window(reply, window, KEYS[6], KEYS[7], ttl)
+    return with_window(reply, window, pending_key, counters_key, ttl)
   end
-  return with_window({settled, written}, window, KEYS[6], KEYS[7], ttl)
+  return with_window({settled, written}, window, pending_key, counters_key, ttl)
 end
 return {'done', written}

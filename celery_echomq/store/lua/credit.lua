@@ -31,20 +31,28 @@
 --                    :settled, :processed or :dependencies behind (keys without a TTL)
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local processed_key = KEYS[3]
+local ignored_key = KEYS[4]
+local settled_key = KEYS[5]
+local pending_key = KEYS[6]
+local failed_key = KEYS[7]
+local counters_key = KEYS[8]
 --- @include "gate"
 --- @include "settle_child"
 --- @include "format"
-local refused = gate_ids(1, 2) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 2) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then
+if redis.call('EXISTS', parent_key) == 0 then
   return {'missing', ''}
 end
-if redis.call('HSETNX', KEYS[5], ARGV[2], ARGV[3]) == 0 then
+if redis.call('HSETNX', settled_key, ARGV[2], ARGV[3]) == 0 then
   return {'duplicate', ''}
 end
-local parent = {id = ARGV[1], row = KEYS[1], deps = KEYS[2], processed = KEYS[3],
-  ignored = KEYS[4], settled = KEYS[5], pending = KEYS[6], failed = KEYS[7],
-  counters = KEYS[8], quorum = cmsgpack.unpack(ARGV[#ARGV]).quorum}
+local parent = {id = ARGV[1], row = parent_key, deps = deps_key, processed = processed_key,
+  ignored = ignored_key, settled = settled_key, pending = pending_key, failed = failed_key,
+  counters = counters_key, quorum = cmsgpack.unpack(ARGV[#ARGV]).quorum}
 return settle_child(parent, ARGV[2], ARGV[3], ARGV[4], ARGV[5], tonumber(ARGV[6]))

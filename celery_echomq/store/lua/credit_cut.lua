@@ -14,26 +14,29 @@
 --   "missing"   no parent row (the flow was forgotten or has expired): nothing written
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local settled_key = KEYS[2]
+local counters_key = KEYS[3]
 --- @include "gate"
 --- @include "format"
-local refused = gate_ids(1, #ARGV) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, #ARGV) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
-if redis.call('EXISTS', KEYS[1]) == 0 then
+if redis.call('EXISTS', parent_key) == 0 then
   return {'missing', 0}
 end
 local n = 0
 for i = 2, #ARGV do
-  n = n + redis.call('HSETNX', KEYS[2], ARGV[i], 'cut')
+  n = n + redis.call('HSETNX', settled_key, ARGV[i], 'cut')
 end
 if n > 0 then
-  redis.call('HINCRBY', KEYS[1], 'cut_children', n)
-  redis.call('HINCRBY', KEYS[3], 'children_cut', n)
+  redis.call('HINCRBY', parent_key, 'cut_children', n)
+  redis.call('HINCRBY', counters_key, 'children_cut', n)
 end
 -- :settled lives as long as the row: a finished flow's keys expire together.
-local ttl = redis.call('PTTL', KEYS[1])
+local ttl = redis.call('PTTL', parent_key)
 if ttl > 0 then
-  redis.call('PEXPIRE', KEYS[2], ttl)
+  redis.call('PEXPIRE', settled_key, ttl)
 end
 return {'credited', n}

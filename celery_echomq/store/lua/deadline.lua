@@ -49,43 +49,54 @@
 --   "noop"      no entry (disarmed or done), or another worker's follow-up lease is live
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local processed_key = KEYS[3]
+local ignored_key = KEYS[4]
+local settled_key = KEYS[5]
+local pending_key = KEYS[6]
+local failed_key = KEYS[7]
+local counters_key = KEYS[8]
+local deadlines_key = KEYS[9]
+local children_at = 9 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
+--- @include "keys"
 --- @include "now_ms"
 --- @include "expire"
 --- @include "release_parent"
 --- @include "cut_pending"
 --- @include "format"
 local n = tonumber(ARGV[6])
-local refused = gate_ids(1, 1) or gate_ids(7, #ARGV) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or gate_ids(7, #ARGV) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
 local id = ARGV[1]
-local due = redis.call('ZSCORE', KEYS[9], id)
+local due = redis.call('ZSCORE', deadlines_key, id)
 if not due then
   return {'noop'}
 end
 due = tonumber(due)
 local now = now_ms()
-local row = redis.call('HMGET', KEYS[1], 'state', 'deadline_fired', 'failed_by')
+local row = redis.call('HMGET', parent_key, 'state', 'deadline_fired', 'failed_by')
 if not row[1] then
-  redis.call('ZREM', KEYS[9], id)
+  redis.call('ZREM', deadlines_key, id)
   return {'missing'}
 end
 if row[2] then
   if due > now then
     return {'noop'}
   end
-  redis.call('ZADD', KEYS[9], now + tonumber(ARGV[5]), id)
-  local at = redis.call('HGET', KEYS[1], 'deadline_at')
+  redis.call('ZADD', deadlines_key, now + tonumber(ARGV[5]), id)
+  local at = redis.call('HGET', parent_key, 'deadline_at')
   return {'fired', at, row[2], row[3] == 'deadline' and 'failed' or 'released'}
 end
 if due > now then
   return {'early', due}
 end
 if row[1] ~= 'awaiting_children' then
-  redis.call('ZREM', KEYS[9], id)
-  redis.call('HSET', KEYS[1], 'deadline_at', due)
+  redis.call('ZREM', deadlines_key, id)
+  redis.call('HSET', parent_key, 'deadline_at', due)
   return {'moot', row[1]}
 end
 -- A flow of 100,000 children is checked by its index's length: its payload (every child's
@@ -93,9 +104,9 @@ end
 local listed = string.match(ARGV[2], '^n:(%d+)$')
 local fresh
 if listed then
-  fresh = redis.call('LLEN', KEYS[1] .. ':children') == tonumber(listed)
+  fresh = redis.call('LLEN', children_of(parent_key)) == tonumber(listed)
 else
-  fresh = redis.sha1hex(redis.call('HGET', KEYS[1], 'payload') or '') == ARGV[2]
+  fresh = redis.sha1hex(redis.call('HGET', parent_key, 'payload') or '') == ARGV[2]
 end
 if not fresh then
   return {'stale'}
@@ -104,8 +115,8 @@ local ttl = tonumber(ARGV[4])
 local why = 'FlowDeadlineExceeded: flow ' .. id .. ' passed its deadline before this child started'
 local cut, running, remote = {}, {}, {}
 for i = 1, n do
-  local child, cid = KEYS[9 + i], ARGV[6 + i]
-  if cut_pending(child, cid, id, KEYS[6], ttl, why, KEYS[8]) then
+  local child, cid = KEYS[children_at + i], ARGV[6 + i]
+  if cut_pending(child, cid, id, pending_key, ttl, why, counters_key) then
     cut[#cut + 1] = cid
   else
     local s = redis.call('HGET', child, 'state')
@@ -115,12 +126,12 @@ for i = 1, n do
   end
 end
 for i = 7 + n, #ARGV do
-  if redis.call('HEXISTS', KEYS[5], ARGV[i]) == 0 then
+  if redis.call('HEXISTS', settled_key, ARGV[i]) == 0 then
     remote[#remote + 1] = ARGV[i]
   end
 end
 -- Every child the parent still waited for, in the chunks or not: its counter.
-local outstanding = math.max(tonumber(redis.call('GET', KEYS[2]) or '0') or 0,
+local outstanding = math.max(tonumber(redis.call('GET', deps_key) or '0') or 0,
   #cut + #running + #remote)
 local named = {}
 for _, list in ipairs({cut, running, remote}) do
@@ -138,28 +149,28 @@ if #named > 0 then
     text = text .. ' and ' .. (outstanding - #named) .. ' more'
   end
 end
-redis.call('HSET', KEYS[1], 'deadline_at', due, 'deadline_fired', now,
+redis.call('HSET', parent_key, 'deadline_at', due, 'deadline_fired', now,
   'deadline_outstanding', outstanding)
 if #cut > 0 then
   -- Counted as cut: the flow ended without them (reads.counts_of; retry_deadline counts
   -- back those it runs again).
-  redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
-  redis.call('HINCRBY', KEYS[8], 'children_cut', #cut)
+  redis.call('HINCRBY', parent_key, 'cut_children', #cut)
+  redis.call('HINCRBY', counters_key, 'children_cut', #cut)
 end
-redis.call('HINCRBY', KEYS[8], 'deadlines', 1)
+redis.call('HINCRBY', counters_key, 'deadlines', 1)
 local status
 if ARGV[3] == 'continue' then
-  release_parent(KEYS[1], KEYS[6], id, KEYS[8])
-  redis.call('HSET', KEYS[1], 'released_by', 'deadline')
+  release_parent(parent_key, pending_key, id, counters_key)
+  redis.call('HSET', parent_key, 'released_by', 'deadline')
   status = 'released'
 else
-  redis.call('HSET', KEYS[1], 'state', 'failed', 'failed_by', 'deadline', 'error', text)
-  redis.call('ZADD', KEYS[7], now, id)
-  redis.call('HINCRBY', KEYS[8], 'held', -1)
-  expire_keys(ttl, {KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
+  redis.call('HSET', parent_key, 'state', 'failed', 'failed_by', 'deadline', 'error', text)
+  redis.call('ZADD', failed_key, now, id)
+  redis.call('HINCRBY', counters_key, 'held', -1)
+  expire_keys(ttl, {parent_key, deps_key, processed_key, ignored_key, settled_key})
   status = 'failed'
 end
-redis.call('ZADD', KEYS[9], now + tonumber(ARGV[5]), id)
+redis.call('ZADD', deadlines_key, now + tonumber(ARGV[5]), id)
 local reply = {status, due, now, #cut, #running, #remote, outstanding}
 for _, list in ipairs({cut, running, remote}) do
   for _, cid in ipairs(list) do

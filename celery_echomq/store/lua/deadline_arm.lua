@@ -17,6 +17,8 @@
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" the row exists (and
 --        is not the outer flow's placeholder).
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deadlines_key = KEYS[2]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "placeholder"
@@ -24,8 +26,8 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts', 'format')
-refused = newer_format(row[4], KEYS[1])
+local row = redis.call('HMGET', parent_key, 'state', 'parent', 'attempts', 'format')
+refused = newer_format(row[4], parent_key)
 if refused then
   return refused
 end
@@ -36,5 +38,5 @@ local at = tonumber(ARGV[3])
 if ARGV[2] == 'in' then
   at = now_ms() + at
 end
-redis.call('ZADD', KEYS[2], at, ARGV[1])
+redis.call('ZADD', deadlines_key, at, ARGV[1])
 return {'armed', at}

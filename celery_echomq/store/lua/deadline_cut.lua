@@ -23,31 +23,32 @@
 --        cut now (the host revokes their messages).
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local pending_key = KEYS[1]
+local counters_key = KEYS[2]
+local parent_key = KEYS[3]
+local children_at = 3 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
 --- @include "cut_pending"
+--- @include "cut_here"
 --- @include "format"
-local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, 3, #KEYS)
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, children_at, #KEYS)
 if refused then
   return refused
 end
 local ttl = tonumber(ARGV[2])
 local cut = {}
-for i = 1, #KEYS - 3 do
-  if cut_pending(KEYS[3 + i], ARGV[3 + i], ARGV[1], KEYS[1], ttl, ARGV[3], KEYS[2]) then
+for i = 1, #KEYS - children_at do
+  if cut_pending(KEYS[children_at + i], ARGV[3 + i], ARGV[1], pending_key, ttl, ARGV[3],
+      counters_key) then
     cut[#cut + 1] = ARGV[3 + i]
   end
 end
 local counted = {}
--- The placeholder never exists: a parent of another slot is counted there.
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  if #cut > 0 then
-    redis.call('HINCRBY', KEYS[3], 'cut_children', #cut)
-    redis.call('HINCRBY', KEYS[2], 'children_cut', #cut)
-  end
-else
+-- A parent of another slot is counted there.
+if not counted_here(parent_key, counters_key, cut) then
   -- Every child of the parent its deadline cut here, not only now (see cancel_elsewhere):
   -- a chain is cut by its one pending step.
-  for i = 4, #KEYS do
+  for i = children_at + 1, #KEYS do
     local c = redis.call('HMGET', KEYS[i], 'state', 'parent', 'cut')
     if c[1] == 'cancelled' and c[2] == ARGV[1] and c[3] == 'deadline' then
       counted[#counted + 1] = ARGV[i]

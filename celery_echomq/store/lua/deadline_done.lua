@@ -10,13 +10,15 @@
 -- Reply: 1 when the entry was removed, else 0.
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deadlines_key = KEYS[2]
 --- @include "gate"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
-if redis.call('HGET', KEYS[1], 'deadline_fired') ~= ARGV[2] then
+if redis.call('HGET', parent_key, 'deadline_fired') ~= ARGV[2] then
   return 0
 end
-return redis.call('ZREM', KEYS[2], ARGV[1])
+return redis.call('ZREM', deadlines_key, ARGV[1])

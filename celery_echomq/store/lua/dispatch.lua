@@ -15,16 +15,19 @@
 --        child's value, or {payload, "scan"} when there are more than ARGV[3] of them.
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local processed_key = KEYS[2]
+local counters_key = KEYS[3]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "hand_out"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
 -- One read of the row: whether it waits to be dispatched, since when, and what to publish.
-local row = redis.call('HMGET', KEYS[1], 'state', 'dispatched', 'payload')
+local row = redis.call('HMGET', parent_key, 'state', 'dispatched', 'payload')
 if row[1] ~= 'pending' then
   return {}
 end
@@ -36,4 +39,4 @@ if last then
     return {}
   end
 end
-return hand_out(KEYS[1], KEYS[2], KEYS[3], row[3], tonumber(ARGV[3]), now_text())
+return hand_out(parent_key, processed_key, counters_key, row[3], tonumber(ARGV[3]), now_text())

@@ -20,27 +20,31 @@
 --   {"noop"}               not active under that holder (finished, retried, claimed anew)
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local active_key = KEYS[2]
+local pending_key = KEYS[3]
+local counters_key = KEYS[4]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({job_key}, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'skipped')
+local row = redis.call('HMGET', job_key, 'state', 'token', 'skipped')
 if row[1] ~= 'active' or string.sub(row[2] or '', 1, #ARGV[2]) ~= ARGV[2] then
   return {'noop'}
 end
 local now = now_ms()
 if row[3] then
-  redis.call('HDEL', KEYS[1], 'skipped')
-  redis.call('HSET', KEYS[1], 'state', 'pending')
-  redis.call('HINCRBY', KEYS[1], 'requeued', 1)
-  redis.call('HINCRBY', KEYS[4], 'republished', 1)
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('ZADD', KEYS[3], now, ARGV[1])
-  local stored = redis.call('HMGET', KEYS[1], 'payload', 'delta', 'parent', 'input')
+  redis.call('HDEL', job_key, 'skipped')
+  redis.call('HSET', job_key, 'state', 'pending')
+  redis.call('HINCRBY', job_key, 'requeued', 1)
+  redis.call('HINCRBY', counters_key, 'republished', 1)
+  redis.call('ZREM', active_key, ARGV[1])
+  redis.call('ZADD', pending_key, now, ARGV[1])
+  local stored = redis.call('HMGET', job_key, 'payload', 'delta', 'parent', 'input')
   return {'requeued', stored[1], stored[2], stored[3], stored[4]}
 end
-redis.call('ZADD', KEYS[2], now, ARGV[1])
+redis.call('ZADD', active_key, now, ARGV[1])
 return {'lapsed'}

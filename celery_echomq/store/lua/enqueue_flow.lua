@@ -57,7 +57,14 @@
 -- "EMQEXISTS <id> <queue>" the id is another queue's (its row, or its enqueue in flight);
 -- "EMQWIDE ..." the check across queues is too wide for one script: the host makes it.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local pending_key = KEYS[3]
+local recent_key = KEYS[4]
+local counters_key = KEYS[5]
+local children_at = 5 -- child i's row is KEYS[children_at + i], the optional keys after them
 --- @include "gate"
+--- @include "keys"
 --- @include "recent"
 --- @include "child_row"
 --- @include "taken"
@@ -86,15 +93,15 @@ local outer = options.outer or ''
 -- first slice's variadic EXISTS below, and their own reads are skipped (two commands a flow).
 local placeholder = {}
 if outer ~= '' then
-  if redis.call('EXISTS', KEYS[2]) > 0 then
+  if redis.call('EXISTS', deps_key) > 0 then
     return redis.error_reply('EMQEXISTS ' .. ARGV[1])
   end
-  placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts', 'format')
-  refused = newer_format(placeholder[4], KEYS[1])
+  placeholder = redis.call('HMGET', parent_key, 'state', 'parent', 'attempts', 'format')
+  refused = newer_format(placeholder[4], parent_key)
   if refused then
     return refused
   end
-elseif n == 0 and redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then
+elseif n == 0 and redis.call('EXISTS', parent_key, deps_key) > 0 then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
 end
 if placeholder[1] then
@@ -106,12 +113,12 @@ end
 -- One variadic EXISTS per slice of rows (Lua's unpack has a stack limit); look for the
 -- offender only on a hit.
 local SLICE = 500
-for first = 6, 5 + n, SLICE do
-  local last = math.min(first + SLICE - 1, 5 + n)
+for first = children_at + 1, children_at + n, SLICE do
+  local last = math.min(first + SLICE - 1, children_at + n)
   local found
-  if first == 6 and outer == '' then
-    found = redis.call('EXISTS', KEYS[1], KEYS[2], unpack(KEYS, first, last))
-    if found > 0 and redis.call('EXISTS', KEYS[1], KEYS[2]) > 0 then
+  if first == children_at + 1 and outer == '' then
+    found = redis.call('EXISTS', parent_key, deps_key, unpack(KEYS, first, last))
+    if found > 0 and redis.call('EXISTS', parent_key, deps_key) > 0 then
       return redis.error_reply('EMQEXISTS ' .. ARGV[1])
     end
   else
@@ -129,7 +136,7 @@ end
 local register = options.register or {}
 local check = options.check
 local locator_ttl = options.locator_ttl
-local extra = 6 + n -- the first of the optional KEYS
+local extra = children_at + n + 1 -- the first of the optional KEYS
 if locator_ttl then
   extra = extra + 1 -- after the locator
 end
@@ -158,7 +165,7 @@ local members = {}
 -- operator's page of children reads (LRANGE of a page), never the payload's whole list. One
 -- RPUSH per slice. A linked chain is listed once, by its last step (the child its parent
 -- counts).
-local index_key = KEYS[1] .. ':children'
+local index_key = children_of(parent_key)
 local index = {}
 -- The children the parent counts: every child, but the steps of a chain before its last.
 local counted, head, head_at = 0, '', 0
@@ -168,7 +175,7 @@ local function id_at(i)
   return children[2 * i - 1]
 end
 for i = 1, n do
-  local child = KEYS[5 + i]
+  local child = KEYS[children_at + i]
   local cid, stored = children[2 * i - 1], children[2 * i]
   local kind = string.byte(kinds, i)
   local pending = true
@@ -201,7 +208,7 @@ for i = 1, n do
     index[#index + 1] = cid
   end
   if #members >= 2 * SLICE or (i == n and #members > 0) then
-    redis.call('ZADD', KEYS[3], unpack(members))
+    redis.call('ZADD', pending_key, unpack(members))
     members = {}
   end
   if #index >= SLICE or (i == n and #index > 0) then
@@ -210,19 +217,20 @@ for i = 1, n do
   end
 end
 if #waiting > 0 then
-  window_push(KEYS[1] .. ':window', waiting, counted - #waiting, KEYS[5]) -- the window's size: those out
+  -- the window's size: those out
+  window_push(window_of(parent_key), waiting, counted - #waiting, counters_key)
 end
 if placeholder[1] then
-  redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('ZREM', pending_key, ARGV[1])
 end
 -- The parent: held out of pending (awaiting_children, in NO state set, so no claim reaches it)
 -- and the counter set to N. With no children there is nothing to wait for: release it now.
 local policy = options.policy or ''
 if counted == 0 then
-  redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0', 'payload', ARGV[2],
+  redis.call('HSET', parent_key, 'state', 'pending', 'attempts', '0', 'payload', ARGV[2],
     'format', STORE_FORMAT_TEXT)
-  redis.call('ZADD', KEYS[3], now_text(), ARGV[1])
-  redis.call('HINCRBY', KEYS[5], 'released', '1')
+  redis.call('ZADD', pending_key, now_text(), ARGV[1])
+  redis.call('HINCRBY', counters_key, 'released', '1')
 else
   -- The row in one HSET: its template and policy, where given, with its state.
   local row = {'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
@@ -233,17 +241,17 @@ else
   if policy ~= '' then
     row[#row + 1], row[#row + 2] = 'policy', policy
   end
-  redis.call('HSET', KEYS[1], unpack(row))
-  redis.call('HINCRBY', KEYS[5], 'held', '1')
+  redis.call('HSET', parent_key, unpack(row))
+  redis.call('HINCRBY', counters_key, 'held', '1')
 end
-redis.call('SET', KEYS[2], string.format('%d', counted))
+redis.call('SET', deps_key, string.format('%d', counted))
 if counted == 0 and policy ~= '' then
-  redis.call('HSET', KEYS[1], 'policy', policy)
+  redis.call('HSET', parent_key, 'policy', policy)
 end
 -- Where a bare id lives, and where recovery looks: written with the flow, so a producer that
 -- dies after this script leaves neither missing, and a refused flow leaves neither behind.
 if locator_ttl then
-  redis.call('SET', KEYS[6 + n], options.queue, 'EX', locator_ttl)
+  redis.call('SET', KEYS[children_at + n + 1], options.queue, 'EX', locator_ttl)
 end
 if #register > 0 then
   redis.call('SADD', KEYS[extra], unpack(register))
@@ -251,7 +259,7 @@ end
 if #register > 0 or check then
   extra = extra + 1 -- after the registry
 end
-index_recent(KEYS[4], ARGV[1], tonumber(ARGV[5]), tonumber(ARGV[6]))
+index_recent(recent_key, ARGV[1], tonumber(ARGV[5]), tonumber(ARGV[6]))
 -- The children's messages, when the broker is a database of this server: the flow lands with
 -- its messages or not at all, in one round trip. Each list's messages in one LPUSH per slice,
 -- in the order given (what the host's own pipeline would push).

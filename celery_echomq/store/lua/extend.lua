@@ -24,6 +24,9 @@
 -- dies. An entry left a moment after its claim is harmless: recovery reads the reserved set
 -- only for pending jobs.
 -- Errors: "EMQKIND ..." a non-JOB id (checked for every id before any write).
+local active_key = KEYS[1]
+local reserved_key = KEYS[2]
+local running_at = 2 -- the j-th running job's row is KEYS[running_at + j]
 --- @include "gate"
 --- @include "now_ms"
 local refused = gate_ids(4, #ARGV)
@@ -35,18 +38,18 @@ local running = 3 + tonumber(ARGV[2])
 local held = running + tonumber(ARGV[3])
 local moved = 0
 if #ARGV > held then
-  redis.call('ZREM', KEYS[2], unpack(ARGV, held + 1, #ARGV))
+  redis.call('ZREM', reserved_key, unpack(ARGV, held + 1, #ARGV))
 end
 for i = 4, held do
-  local current = redis.call('ZSCORE', KEYS[i <= running and 1 or 2], ARGV[i])
+  local current = redis.call('ZSCORE', (i <= running and active_key or reserved_key), ARGV[i])
   if i <= running then
-    local replaced = redis.call('HEXISTS', KEYS[i - 1], 'replaced') == 1
+    local replaced = redis.call('HEXISTS', KEYS[running_at + i - 3], 'replaced') == 1
     if current and tonumber(current) < deadline and not replaced then
-      redis.call('ZADD', KEYS[1], deadline, ARGV[i])
+      redis.call('ZADD', active_key, deadline, ARGV[i])
       moved = moved + 1
     end
   elseif not current or tonumber(current) < deadline then
-    redis.call('ZADD', KEYS[2], deadline, ARGV[i])
+    redis.call('ZADD', reserved_key, deadline, ARGV[i])
     moved = moved + 1
   end
 end

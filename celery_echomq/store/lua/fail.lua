@@ -64,6 +64,22 @@
 -- for the host to settle it for them (before the window's list, which is always last).
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local pending_key = KEYS[2]
+local active_key = KEYS[3]
+local failed_key = KEYS[4]
+local deps_key = KEYS[5]
+local processed_key = KEYS[6]
+local ignored_key = KEYS[7]
+local counters_key = KEYS[8]
+local outbox_key = KEYS[9]
+local joined_key = KEYS[10]
+local parents_key = KEYS[11]
+local parent_key = KEYS[12]
+local parent_deps_key = KEYS[13]
+local parent_processed_key = KEYS[14]
+local parent_ignored_key = KEYS[15]
+local window_key = KEYS[16]
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
@@ -78,9 +94,9 @@ if refused then
   return refused
 end
 local options = cmsgpack.unpack(ARGV[#ARGV])
-local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'next', 'joined',
+local row = redis.call('HMGET', job_key, 'state', 'token', 'parent', 'next', 'joined',
   'windowed', 'chain', 'format')
-refused = newer_format(row[8], KEYS[1])
+refused = newer_format(row[8], job_key)
 if refused then
   return refused
 end
@@ -95,7 +111,7 @@ local now = now_ms()
 local ttl = tonumber(ARGV[4])
 if ARGV[8] == '1' then
   if (state ~= 'failed' and state ~= 'cancelled')
-      or redis.call('HSETNX', KEYS[1], 'propagated', '1') == 0 then
+      or redis.call('HSETNX', job_key, 'propagated', '1') == 0 then
     return {'finished', ''}
   end
 else
@@ -105,43 +121,43 @@ else
   if ARGV[2] ~= '' and (state ~= 'active' or row[2] ~= ARGV[2]) then
     return {'stale', ''}
   end
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  redis.call('ZADD', KEYS[4], now, ARGV[1])
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - ttl * 1000)
-  redis.call('HSET', KEYS[1], 'state', 'failed', 'error', ARGV[3])
+  redis.call('ZREM', pending_key, ARGV[1])
+  redis.call('ZREM', active_key, ARGV[1])
+  redis.call('ZADD', failed_key, now, ARGV[1])
+  redis.call('ZREMRANGEBYSCORE', failed_key, '-inf', now - ttl * 1000)
+  redis.call('HSET', job_key, 'state', 'failed', 'error', ARGV[3])
   if ARGV[6] ~= '' then -- a child failed by its id while it waited for a slot of its window
-    left_window(KEYS[8], state, row[7])
+    left_window(counters_key, state, row[7])
   end
-  expire_keys(ttl, ARGV[5] == '1' and {KEYS[1], KEYS[5], KEYS[6], KEYS[7]} or {KEYS[1]})
+  expire_keys(ttl, ARGV[5] == '1' and {job_key, deps_key, processed_key, ignored_key} or {job_key})
   if row[4] then
     -- A chain's step but its last: the steps waiting behind it never run unless a retry
     -- makes it pending again (repend persists them): they expire with it.
-    expire_steps_after(KEYS[1], ARGV[1], row[4], ttl)
+    expire_steps_after(job_key, ARGV[1], row[4], ttl)
   end
 end
 local shared = ARGV[8] ~= '1'
-  and stage_edges(KEYS[1], ARGV[1], KEYS[10], KEYS[11], row[5], ttl, nil)
+  and stage_edges(job_key, ARGV[1], joined_key, parents_key, row[5], ttl, nil)
 local function reply(r)
   if shared then
     r[#r + 1] = 'edges'
   end
   return r
 end
-local policy = redis.call('HGET', KEYS[1], 'parent_policy') or ''
+local policy = redis.call('HGET', job_key, 'parent_policy') or ''
 -- A child of a flow without a window holds no slot ('windowed' is on every child of one that
 -- has), nor does a waiting child failed by its id (revoked): it frees none.
 -- (A child's row has a parent: ARGV[6].)
-local window = row[6] and state ~= 'waiting' and ARGV[6] ~= '' and KEYS[16] or nil
+local window = row[6] and state ~= 'waiting' and ARGV[6] ~= '' and window_key or nil
 if ARGV[7] == '1' then
-  redis.call('ZADD', KEYS[9], now, ARGV[1])
-  return window_reply(reply({'staged', policy}), window, KEYS[2], KEYS[8], ttl)
+  redis.call('ZADD', outbox_key, now, ARGV[1])
+  return window_reply(reply({'staged', policy}), window, pending_key, counters_key, ttl)
 end
 if ARGV[6] == '' then
   return reply({'failed', ''})
 end
-local parent = {id = ARGV[6], row = KEYS[12], deps = KEYS[13], processed = KEYS[14],
-  ignored = KEYS[15], pending = KEYS[2], failed = KEYS[4], counters = KEYS[8],
-  quorum = options.quorum}
+local parent = {id = ARGV[6], row = parent_key, deps = parent_deps_key,
+  processed = parent_processed_key, ignored = parent_ignored_key, pending = pending_key,
+  failed = failed_key, counters = counters_key, quorum = options.quorum}
 return window_reply(reply(settle_child(parent, ARGV[1], 'failed', ARGV[3], policy, ttl)),
-  window, KEYS[2], KEYS[8], ttl)
+  window, pending_key, counters_key, ttl)

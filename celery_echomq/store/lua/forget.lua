@@ -12,11 +12,12 @@
 -- have (after ARGV[2+N] ms when it had no TTL).
 --
 -- KEYS[1]      the queue's counters
--- KEYS[2..8]   the queue's job sets: pending, active, failed, outbox, open, recent, adding
---              (Keyspace.job_set_keys)
--- KEYS[8+i]    job i's row, i = 1..N
--- KEYS[9+N..]  the flows' own keys deleted with them (Keyspace.flow_own_keys: :dependencies,
---              :children, :window, ...)
+-- KEYS[2..11]  the queue's job sets: pending, active, failed, outbox, open, recent, adding,
+--              deadlines, joined, reserved (Keyspace.job_set_keys)
+-- KEYS[11+i]   job i's row, i = 1..N; a row deleted takes its ':parents' with it (the
+--              parents it was joined to: on_exists="join"), named from it by includes/keys.lua
+-- KEYS[12+N..] the flows' own keys deleted with them (Keyspace.flow_own_keys: :dependencies,
+--              :children, :window, :quorum, ...)
 -- ARGV[1]      N, how many jobs
 -- ARGV[1+i]    job i's id
 -- ARGV[2+N]    ms a cut-down cancelled row lives when its row had no TTL; '0': no row is
@@ -27,25 +28,29 @@
 -- nothing and keeps what the first kept.
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQFORMAT <found> <known> <row>" a
 -- row of a newer store format (includes/format.lua).
+local counters_key = KEYS[1]
+local sets_at = 1 -- the queue's job sets are KEYS[sets_at + 1 .. rows_at]
+local rows_at = 11 -- job i's row is KEYS[rows_at + i], the flows' own keys after them
 --- @include "gate"
+--- @include "keys"
 --- @include "unwait"
 --- @include "format"
 local n = tonumber(ARGV[1])
-local refused = gate_ids(2, 1 + n) or newer_rows(KEYS, 9, 8 + n)
+local refused = gate_ids(2, 1 + n) or newer_rows(KEYS, rows_at + 1, rows_at + n)
 if refused then
   return refused
 end
 local keep_ms = tonumber(ARGV[2 + n])
 local deleted, kept, ids = {}, {}, {}
 for i = 1, n do
-  local row, id = KEYS[8 + i], ARGV[1 + i]
+  local row, id = KEYS[rows_at + i], ARGV[1 + i]
   local job = redis.call('HMGET', row, 'state', 'parent', 'chain')
   local state = job[1]
   if state == 'awaiting_children' then
-    redis.call('HINCRBY', KEYS[1], 'held', -1)
+    redis.call('HINCRBY', counters_key, 'held', -1)
   end
   if state then
-    left_window(KEYS[1], state, job[3])
+    left_window(counters_key, state, job[3])
   end
   if state == 'cancelled' and job[2] and keep_ms > 0 then
     local ttl = redis.call('PTTL', row)
@@ -55,16 +60,20 @@ for i = 1, n do
     kept[#kept + 1] = id
   elseif redis.call('UNLINK', row) == 1 then
     deleted[#deleted + 1] = row
+    local edges = parents_of(row)
+    if redis.call('UNLINK', edges) == 1 then
+      deleted[#deleted + 1] = edges
+    end
   end
   ids[#ids + 1] = id
 end
-for i = 9 + n, #KEYS do
+for i = rows_at + n + 1, #KEYS do
   if redis.call('UNLINK', KEYS[i]) == 1 then
     deleted[#deleted + 1] = KEYS[i]
   end
 end
 if n > 0 then
-  for set = 2, 8 do
+  for set = sets_at + 1, rows_at do
     redis.call('ZREM', KEYS[set], unpack(ids))
   end
 end

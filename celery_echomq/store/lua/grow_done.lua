@@ -10,16 +10,18 @@
 --
 -- Reply: the number of children still staged for this parent.
 -- Errors: "EMQKIND ..." a non-JOB id.
+local adding_key = KEYS[1]
+local adding_set_key = KEYS[2]
 --- @include "gate"
 local refused = gate_ids(1, #ARGV)
 if refused then
   return refused
 end
 for i = 2, #ARGV do
-  redis.call('HDEL', KEYS[1], ARGV[i], ARGV[i] .. ':policy')
+  redis.call('HDEL', adding_key, ARGV[i], ARGV[i] .. ':policy')
 end
-local left = redis.call('HLEN', KEYS[1])
+local left = redis.call('HLEN', adding_key)
 if left == 0 then
-  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZREM', adding_set_key, ARGV[1])
 end
 return left

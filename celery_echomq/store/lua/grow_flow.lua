@@ -38,18 +38,27 @@
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" a row of this slot
 --   already exists.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local pending_key = KEYS[3]
+local adding_key = KEYS[4]
+local adding_set_key = KEYS[5]
+local counters_key = KEYS[6]
+local window_key = KEYS[7]
+local children_at = 7 -- child i's row on this slot is KEYS[children_at + i]
 --- @include "gate"
+--- @include "keys"
 --- @include "now_ms"
 --- @include "child_row"
 --- @include "window"
 --- @include "format"
 local k = tonumber(ARGV[4])
 local r = tonumber(ARGV[5])
-local refused = gate_ids(1, 1) or gate_ids(6, 3 + 3 * (k + r), 3) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or gate_ids(6, 3 + 3 * (k + r), 3) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'payload')
+local row = redis.call('HMGET', parent_key, 'state', 'payload')
 if row[1] ~= 'awaiting_children' then
   return {row[1] or 'missing', 0}
 end
@@ -57,46 +66,46 @@ if redis.sha1hex(row[2]) ~= ARGV[2] then
   return {'stale', 0}
 end
 for i = 1, k do
-  if redis.call('EXISTS', KEYS[7 + i]) == 1 then
+  if redis.call('EXISTS', KEYS[children_at + i]) == 1 then
     return redis.error_reply('EMQEXISTS ' .. ARGV[3 + 3 * i])
   end
 end
 local now = now_ms()
 local size = tonumber(cmsgpack.unpack(ARGV[#ARGV]).max_active)
-local window = KEYS[7]
-local room = size and window_room(size, KEYS[2], window, k) or k
+local window = window_key
+local room = size and window_room(size, deps_key, window, k) or k
 local waiting = {}
 for i = 1, k do
-  local child = KEYS[7 + i]
+  local child = KEYS[children_at + i]
   if i > room then
     write_waiting_row(child, ARGV[1], ARGV[4 + 3 * i], WAIT_PAYLOAD)
     waiting[#waiting + 1] = ARGV[3 + 3 * i]
   else
     write_child_row(child, ARGV[1], ARGV[4 + 3 * i], false, size ~= nil)
-    redis.call('ZADD', KEYS[3], now, ARGV[3 + 3 * i])
+    redis.call('ZADD', pending_key, now, ARGV[3 + 3 * i])
   end
   if ARGV[5 + 3 * i] ~= '' then
     redis.call('HSET', child, 'parent_policy', ARGV[5 + 3 * i])
   end
 end
 if #waiting > 0 then
-  window_push(window, waiting, size, KEYS[6])
+  window_push(window, waiting, size, counters_key)
 end
 for i = k + 1, k + r do
-  redis.call('HSET', KEYS[4], ARGV[3 + 3 * i], ARGV[4 + 3 * i])
+  redis.call('HSET', adding_key, ARGV[3 + 3 * i], ARGV[4 + 3 * i])
   if ARGV[5 + 3 * i] ~= '' then
-    redis.call('HSET', KEYS[4], ARGV[3 + 3 * i] .. ':policy', ARGV[5 + 3 * i])
+    redis.call('HSET', adding_key, ARGV[3 + 3 * i] .. ':policy', ARGV[5 + 3 * i])
   end
 end
 if r > 0 then
-  redis.call('ZADD', KEYS[5], now, ARGV[1])
+  redis.call('ZADD', adding_set_key, now, ARGV[1])
 end
 -- The parent's format is its flow's newest (includes/format.lua): raised to this release's.
-redis.call('HSET', KEYS[1], 'payload', ARGV[3], 'format', STORE_FORMAT_TEXT)
+redis.call('HSET', parent_key, 'payload', ARGV[3], 'format', STORE_FORMAT_TEXT)
 -- The new children at the end of the parent's index by position, the list '<its row>:children'
 -- (see enqueue_flow; a flow written before the index existed has none: its pages read the
 -- payload, and it gets none now, which would list only the new ones).
-local index_key = KEYS[1] .. ':children'
+local index_key = children_of(parent_key)
 if redis.call('EXISTS', index_key) == 1 then
   local index = {}
   for i = 1, k + r do
@@ -107,4 +116,4 @@ if redis.call('EXISTS', index_key) == 1 then
     end
   end
 end
-return {'added', redis.call('INCRBY', KEYS[2], k + r), math.min(room, k)}
+return {'added', redis.call('INCRBY', deps_key, k + r), math.min(room, k)}

@@ -15,13 +15,15 @@
 --   "<state>"      the job is not active: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local active_key = KEYS[2]
 --- @include "gate"
 --- @include "holder"
 --- @include "now_ms"
-local refused = gate_ids(1, 1) or not_holder(KEYS[1], ARGV[2])
+local refused = gate_ids(1, 1) or not_holder(job_key, ARGV[2])
 if refused then
   return refused
 end
-redis.call('HSET', KEYS[1], 'replaced', '1')
-redis.call('ZADD', KEYS[2], now_ms(), ARGV[1])
+redis.call('HSET', job_key, 'replaced', '1')
+redis.call('ZADD', active_key, now_ms(), ARGV[1])
 return {'handed_over'}

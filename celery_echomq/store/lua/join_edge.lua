@@ -17,22 +17,24 @@
 -- when the row expires; the row gains 'joined' = '1'.
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local parents_key = KEYS[2]
 --- @include "gate"
 --- @include "format"
-local refused = gate_ids(1, 2) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 2) or newer_rows({job_key}, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'error', 'parent')
+local row = redis.call('HMGET', job_key, 'state', 'error', 'parent')
 if not row[1] then
   return {'', '', ''}
 end
-redis.call('HSETNX', KEYS[2], ARGV[2], ARGV[4] .. '|' .. ARGV[3])
+redis.call('HSETNX', parents_key, ARGV[2], ARGV[4] .. '|' .. ARGV[3])
 -- The row says it has edges ('joined'): its completion reads that with its holder, in the
 -- HMGET it makes anyway, and looks at '<row>:parents' only then.
-redis.call('HSET', KEYS[1], 'joined', '1')
-local ttl = redis.call('PTTL', KEYS[1])
+redis.call('HSET', job_key, 'joined', '1')
+local ttl = redis.call('PTTL', job_key)
 if ttl > 0 then
-  redis.call('PEXPIRE', KEYS[2], ttl)
+  redis.call('PEXPIRE', parents_key, ttl)
 end
 return {row[1], row[2] or '', row[3] or ''}

@@ -6,7 +6,8 @@
 -- ARGV[1]  the holder's token
 --
 -- Reply: 1 released; 0 not held by this token (expired, or another holder's): nothing changed.
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+local lease_key = KEYS[1]
+if redis.call('GET', lease_key) == ARGV[1] then
+  return redis.call('DEL', lease_key)
 end
 return 0

@@ -24,6 +24,12 @@
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id; "EMQEXISTS <id>" the row exists
 --         (other than a nested parent's placeholder written by its outer flow).
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local open_key = KEYS[3]
+local pending_key = KEYS[4]
+local recent_key = KEYS[5]
+local counters_key = KEYS[6]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "placeholder"
@@ -32,11 +38,11 @@ local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-if redis.call('EXISTS', KEYS[2]) > 0 then
+if redis.call('EXISTS', deps_key) > 0 then
   return redis.error_reply('EMQEXISTS ' .. ARGV[1])
 end
-local placeholder = redis.call('HMGET', KEYS[1], 'state', 'parent', 'attempts', 'format')
-refused = newer_format(placeholder[4], KEYS[1])
+local placeholder = redis.call('HMGET', parent_key, 'state', 'parent', 'attempts', 'format')
+refused = newer_format(placeholder[4], parent_key)
 if refused then
   return refused
 end
@@ -44,18 +50,18 @@ if placeholder[1] then
   if not is_placeholder(placeholder, ARGV[5]) then
     return redis.error_reply('EMQEXISTS ' .. ARGV[1])
   end
-  redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('ZREM', pending_key, ARGV[1])
 end
 local now = now_ms()
 local n = tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
+redis.call('HSET', parent_key, 'state', 'awaiting_children', 'attempts', '0', 'payload', ARGV[2],
   'policy', ARGV[4], 'format', STORE_FORMAT_TEXT)
 local template = cmsgpack.unpack(ARGV[#ARGV]).template
 if template then
-  redis.call('HSET', KEYS[1], 'template', template)
+  redis.call('HSET', parent_key, 'template', template)
 end
-redis.call('SET', KEYS[2], n + 1)
-redis.call('ZADD', KEYS[3], now, ARGV[1])
-redis.call('HINCRBY', KEYS[6], 'held', 1)
-index_recent(KEYS[5], ARGV[1], tonumber(ARGV[6]), tonumber(ARGV[7]))
+redis.call('SET', deps_key, n + 1)
+redis.call('ZADD', open_key, now, ARGV[1])
+redis.call('HINCRBY', counters_key, 'held', 1)
+index_recent(recent_key, ARGV[1], tonumber(ARGV[6]), tonumber(ARGV[7]))
 return n + 1

@@ -24,29 +24,34 @@
 --                failed, cancelled, or "missing" for no row)
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local pending_key = KEYS[2]
+local active_key = KEYS[3]
+local counters_key = KEYS[4]
+local children_at = 4 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "release_parent"
 --- @include "cancel_children"
 --- @include "format"
-local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
-local state = redis.call('HGET', KEYS[1], 'state')
+local state = redis.call('HGET', parent_key, 'state')
 if state ~= 'awaiting_children' then
   return {state or 'missing'}
 end
-release_parent(KEYS[1], KEYS[2], ARGV[1], KEYS[4])
-redis.call('HSET', KEYS[1], 'released_by', 'operator')
+release_parent(parent_key, pending_key, ARGV[1], counters_key)
+redis.call('HSET', parent_key, 'released_by', 'operator')
 local reply = {'released'}
 if ARGV[3] == '1' then
-  local cut = cancel_children(5, 4, KEYS[2], KEYS[3], KEYS[4], tonumber(ARGV[2]), reply, false,
-    ARGV[1])
+  local cut = cancel_children(children_at + 1, 4, pending_key, active_key, counters_key,
+    tonumber(ARGV[2]), reply, false, ARGV[1])
   if #cut > 0 then
     -- Counted as cut: the flow ended without them (see cancel.lua).
-    redis.call('HINCRBY', KEYS[1], 'cut_children', #cut)
-    redis.call('HINCRBY', KEYS[4], 'children_cut', #cut)
+    redis.call('HINCRBY', parent_key, 'cut_children', #cut)
+    redis.call('HINCRBY', counters_key, 'children_cut', #cut)
   end
 end
 return reply

@@ -36,19 +36,24 @@
 --   {"<state>"}   the job is no longer in the state the caller found: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local pending_key = KEYS[2]
+local active_key = KEYS[3]
+local reserved_key = KEYS[4]
+local counters_key = KEYS[5]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({job_key}, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'requeued')
+local row = redis.call('HMGET', job_key, 'state', 'token', 'requeued')
 local state = row[1]
 if not state then
-  redis.call('ZREM', KEYS[2], ARGV[1])
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  redis.call('ZREM', KEYS[4], ARGV[1])
+  redis.call('ZREM', pending_key, ARGV[1])
+  redis.call('ZREM', active_key, ARGV[1])
+  redis.call('ZREM', reserved_key, ARGV[1])
   return {'missing'}
 end
 if state ~= ARGV[3] or (state ~= 'pending' and state ~= 'active') then
@@ -57,28 +62,28 @@ end
 local now = now_ms()
 local stall = tonumber(ARGV[2]) * math.min(2 ^ (tonumber(row[3]) or 0), 16)
 if state == 'pending' then
-  local since = redis.call('ZSCORE', KEYS[2], ARGV[1])
+  local since = redis.call('ZSCORE', pending_key, ARGV[1])
   if since and now - tonumber(since) < stall then
     return {'fresh'}
   end
-  if tonumber(redis.call('ZSCORE', KEYS[4], ARGV[1]) or '0') > now then
+  if tonumber(redis.call('ZSCORE', reserved_key, ARGV[1]) or '0') > now then
     return {'held'}
   end
 else
   if row[2] ~= ARGV[4] then
     return {'stale'}
   end
-  local deadline = redis.call('ZSCORE', KEYS[3], ARGV[1])
+  local deadline = redis.call('ZSCORE', active_key, ARGV[1])
   if deadline and tonumber(deadline) > now then
     return {'fresh'}
   end
-  redis.call('ZREM', KEYS[3], ARGV[1])
-  redis.call('HSET', KEYS[1], 'state', 'pending')
-  redis.call('HDEL', KEYS[1], 'skipped', 'replaced')
+  redis.call('ZREM', active_key, ARGV[1])
+  redis.call('HSET', job_key, 'state', 'pending')
+  redis.call('HDEL', job_key, 'skipped', 'replaced')
 end
-redis.call('ZADD', KEYS[2], now, ARGV[1])
-redis.call('HDEL', KEYS[1], 'suspect')
-redis.call('HINCRBY', KEYS[1], 'requeued', 1)
-redis.call('HINCRBY', KEYS[5], 'republished', 1)
-local stored = redis.call('HMGET', KEYS[1], 'payload', 'delta', 'parent', 'input')
+redis.call('ZADD', pending_key, now, ARGV[1])
+redis.call('HDEL', job_key, 'suspect')
+redis.call('HINCRBY', job_key, 'requeued', 1)
+redis.call('HINCRBY', counters_key, 'republished', 1)
+local stored = redis.call('HMGET', job_key, 'payload', 'delta', 'parent', 'input')
 return {'requeued', stored[1], stored[2], stored[3], stored[4]}

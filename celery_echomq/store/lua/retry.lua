@@ -15,15 +15,18 @@
 --   "<state>"   the job is not active: nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local pending_key = KEYS[2]
+local active_key = KEYS[3]
 --- @include "gate"
 --- @include "holder"
 --- @include "now_ms"
-local refused = gate_ids(1, 1) or not_holder(KEYS[1], ARGV[2])
+local refused = gate_ids(1, 1) or not_holder(job_key, ARGV[2])
 if refused then
   return refused
 end
-redis.call('HSET', KEYS[1], 'state', 'pending')
-redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('HSET', job_key, 'state', 'pending')
+redis.call('ZREM', active_key, ARGV[1])
 local due = now_ms() + tonumber(ARGV[3])
-redis.call('ZADD', KEYS[2], due, ARGV[1])
+redis.call('ZADD', pending_key, due, ARGV[1])
 return {'retried'}

@@ -18,23 +18,26 @@
 --        template on the parent's row (see codec.py)
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local pending_key = KEYS[1]
+local failed_key = KEYS[2]
+local children_at = 2 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "repend"
 --- @include "join"
 --- @include "format"
-local refused = gate_ids(1, #ARGV) or newer_rows(KEYS, 3, #KEYS)
+local refused = gate_ids(1, #ARGV) or newer_rows(KEYS, children_at + 1, #KEYS)
 if refused then
   return refused
 end
 local now = now_ms()
 local reply = {}
 for i = 1, #KEYS - 2 do
-  local child = KEYS[2 + i]
+  local child = KEYS[children_at + i]
   local cid = ARGV[1 + i]
   local c = redis.call('HMGET', child, 'state', 'parent')
   if c[1] == 'failed' and (c[2] == ARGV[1] or joined_to(child, ARGV[1])) then
-    repend(child, cid, KEYS[1], KEYS[2], now, reply)
+    repend(child, cid, pending_key, failed_key, now, reply)
   end
 end
 return reply

@@ -28,18 +28,29 @@
 --   "<state>"    refused, nothing changed: the parent is not failed by its deadline
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local processed_key = KEYS[3]
+local ignored_key = KEYS[4]
+local settled_key = KEYS[5]
+local pending_key = KEYS[6]
+local failed_key = KEYS[7]
+local counters_key = KEYS[8]
+local deadlines_key = KEYS[9]
+local children_at = 9 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
+--- @include "keys"
 --- @include "expire"
 --- @include "now_ms"
 --- @include "release_parent"
 --- @include "repend"
 --- @include "format"
-local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or gate_ids(4, #ARGV) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
 local id = ARGV[1]
-local row = redis.call('HMGET', KEYS[1], 'state', 'failed_by', 'policy')
+local row = redis.call('HMGET', parent_key, 'state', 'failed_by', 'policy')
 if row[1] ~= 'failed' or row[2] ~= 'deadline' then
   return {row[1] == 'failed' and 'failed' or (row[1] or 'missing')}
 end
@@ -51,33 +62,33 @@ end
 local default = row[3] or 'fail'
 local reply = {'retried', at}
 for i = 1, #KEYS - 9 do
-  local child, cid = KEYS[9 + i], ARGV[3 + i]
+  local child, cid = KEYS[children_at + i], ARGV[3 + i]
   local c = redis.call('HMGET', child, 'state', 'parent', 'cut', 'parent_policy')
   local again = c[2] == id and ((c[1] == 'cancelled' and c[3] == 'deadline')
     or (c[1] == 'failed' and (c[4] or default) == 'fail'))
   if again then
-    repend(child, cid, KEYS[6], KEYS[7], now, reply, 'cut', 'dispatched')
+    repend(child, cid, pending_key, failed_key, now, reply, 'cut', 'dispatched')
     -- A cut child runs again: cut no more. A flow whose deadline fired before cuts were
     -- counted ('cut_children' absent) has none to count back.
-    if c[1] == 'cancelled' and tonumber(redis.call('HGET', KEYS[1], 'cut_children') or '0') > 0
+    if c[1] == 'cancelled' and tonumber(redis.call('HGET', parent_key, 'cut_children') or '0') > 0
         then
-      redis.call('HINCRBY', KEYS[1], 'cut_children', -1)
+      redis.call('HINCRBY', parent_key, 'cut_children', -1)
     end
   end
 end
-redis.call('HSET', KEYS[1], 'state', 'awaiting_children')
-redis.call('HDEL', KEYS[1], 'error', 'failed_by', 'deadline_fired', 'deadline_outstanding',
+redis.call('HSET', parent_key, 'state', 'awaiting_children')
+redis.call('HDEL', parent_key, 'error', 'failed_by', 'deadline_fired', 'deadline_outstanding',
   'propagated')
-redis.call('HINCRBY', KEYS[8], 'held', 1)
-redis.call('ZREM', KEYS[7], id)
-persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
-redis.call('ZADD', KEYS[9], at, id)
+redis.call('HINCRBY', counters_key, 'held', 1)
+redis.call('ZREM', failed_key, id)
+persist_keys({parent_key, deps_key, processed_key, ignored_key, settled_key})
+redis.call('ZADD', deadlines_key, at, id)
 -- Under a quorum whose K-th success came after the deadline (includes/quorum.lua keeps the
 -- row's 'quorum' then), met already: released at once, as a counter of 0 is.
-local need = tonumber(redis.call('HGET', KEYS[1], 'quorum') or '')
-if need and redis.call('LLEN', KEYS[1] .. ':quorum') >= need
-    or tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
-  release_parent(KEYS[1], KEYS[6], id, KEYS[8])
+local need = tonumber(redis.call('HGET', parent_key, 'quorum') or '')
+if need and redis.call('LLEN', quorum_of(parent_key)) >= need
+    or tonumber(redis.call('GET', deps_key) or '0') <= 0 then
+  release_parent(parent_key, pending_key, id, counters_key)
   reply[1] = 'released'
 end
 return reply

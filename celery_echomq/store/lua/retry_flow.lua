@@ -41,7 +41,17 @@
 -- failed no more, and the parent is released when K children have succeeded.
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local processed_key = KEYS[3]
+local ignored_key = KEYS[4]
+local settled_key = KEYS[5]
+local pending_key = KEYS[6]
+local failed_key = KEYS[7]
+local counters_key = KEYS[8]
+local children_at = 8 -- child i's row is KEYS[children_at + i]
 --- @include "gate"
+--- @include "keys"
 --- @include "expire"
 --- @include "now_ms"
 --- @include "release_parent"
@@ -53,10 +63,10 @@
 -- had failed under fail_at_end: such a child was counted as resolved (settle_child), so it is
 -- outstanding again, and one such failure fewer.
 local function unrecord(cid)
-  local late = redis.call('HGET', KEYS[1] .. ':failures', cid) == 'late'
-  if redis.call('HDEL', KEYS[1], 'failed:' .. cid) == 1 then
-    redis.call('HINCRBY', KEYS[1], 'failed_children', -1)
-    redis.call('HDEL', KEYS[1] .. ':failures', cid) -- see settle_child
+  local late = redis.call('HGET', failures_of(parent_key), cid) == 'late'
+  if redis.call('HDEL', parent_key, 'failed:' .. cid) == 1 then
+    redis.call('HINCRBY', parent_key, 'failed_children', -1)
+    redis.call('HDEL', failures_of(parent_key), cid) -- see settle_child
   end
   return late
 end
@@ -64,16 +74,16 @@ end
 -- count_back(need): a child credited as failed is outstanding again: under a quorum one
 -- failure fewer, under fail_at_end one such failure fewer (a quorum counts its own).
 local function count_back(need)
-  redis.call('HINCRBY', KEYS[1], need and 'quorum_failed' or 'late_failed', -1)
-  redis.call('HINCRBY', KEYS[1], 'credited_failed', -1)
-  redis.call('INCR', KEYS[2])
+  redis.call('HINCRBY', parent_key, need and 'quorum_failed' or 'late_failed', -1)
+  redis.call('HINCRBY', parent_key, 'credited_failed', -1)
+  redis.call('INCR', deps_key)
 end
 -- ARGV[2] is a count, not an id: gate the ids on either side of it.
-local refused = gate_ids(1, 1) or gate_ids(3, #ARGV) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or gate_ids(3, #ARGV) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'failed_child', 'policy', 'quorum')
+local row = redis.call('HMGET', parent_key, 'state', 'failed_child', 'policy', 'quorum')
 -- A flow released by a quorum (includes/quorum.lua): each child retried is one failure fewer,
 -- and outstanding again; the parent is released by its K-th success, not by its counter.
 local need = tonumber(row[4] or '')
@@ -89,7 +99,7 @@ local default = row[3] or 'fail'
 local now = now_ms()
 local reply = {'retried'}
 for i = 1, n do
-  local child = KEYS[8 + i]
+  local child = KEYS[children_at + i]
   local cid = ARGV[2 + i]
   local c = redis.call('HMGET', child, 'state', 'parent_policy', 'parent')
   if c[1] == 'failed' and c[3] ~= ARGV[1] then
@@ -100,9 +110,9 @@ for i = 1, n do
   end
   local policy = c[2] or default
   if c[1] == 'failed' and (policy == 'fail' or policy == 'fail_at_end') and c[3] == ARGV[1] then
-    redis.call('HDEL', KEYS[5], cid)
+    redis.call('HDEL', settled_key, cid)
     local late = unrecord(cid)
-    repend(child, cid, KEYS[6], KEYS[7], now, reply)
+    repend(child, cid, pending_key, failed_key, now, reply)
     if need or late then
       count_back(need)
     end
@@ -112,7 +122,7 @@ local others = #ARGV - 2 - n
 for i = 3 + n, #ARGV do
   -- A child of another slot credited as failed under the quorum or under fail_at_end:
   -- outstanding again.
-  local credited = redis.call('HDEL', KEYS[5], ARGV[i]) == 1
+  local credited = redis.call('HDEL', settled_key, ARGV[i]) == 1
   local late = unrecord(ARGV[i])
   if credited and (need or late) then
     count_back(need)
@@ -122,15 +132,15 @@ if state == 'awaiting_children' and #reply == 1 and others == 0 then
   return {'awaiting_children'}
 end
 if state == 'failed' then
-  redis.call('HSET', KEYS[1], 'state', 'awaiting_children')
-  redis.call('HINCRBY', KEYS[8], 'held', 1)
-  redis.call('HDEL', KEYS[1], 'error', 'failed_child', 'propagated', 'late_child')
-  redis.call('ZREM', KEYS[7], ARGV[1])
-  persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]})
+  redis.call('HSET', parent_key, 'state', 'awaiting_children')
+  redis.call('HINCRBY', counters_key, 'held', 1)
+  redis.call('HDEL', parent_key, 'error', 'failed_child', 'propagated', 'late_child')
+  redis.call('ZREM', failed_key, ARGV[1])
+  persist_keys({parent_key, deps_key, processed_key, ignored_key, settled_key})
 end
-if need and redis.call('LLEN', KEYS[1] .. ':quorum') >= need
-    or not need and tonumber(redis.call('GET', KEYS[2]) or '0') <= 0 then
-  release_parent(KEYS[1], KEYS[6], ARGV[1], KEYS[8])
+if need and redis.call('LLEN', quorum_of(parent_key)) >= need
+    or not need and tonumber(redis.call('GET', deps_key) or '0') <= 0 then
+  release_parent(parent_key, pending_key, ARGV[1], counters_key)
   reply[1] = 'released'
 end
 return reply

@@ -19,16 +19,22 @@
 --               that flow's children instead), or another flow's ("forged")
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local processed_key = KEYS[3]
+local ignored_key = KEYS[4]
+local pending_key = KEYS[5]
+local failed_key = KEYS[6]
 --- @include "gate"
 --- @include "expire"
 --- @include "now_ms"
 --- @include "chain_rest"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'failed_child', 'parent', 'next')
+local row = redis.call('HMGET', parent_key, 'state', 'failed_child', 'parent', 'next')
 if row[1] ~= 'failed' then
   return {row[1] or 'missing'}
 end
@@ -38,12 +44,12 @@ end
 if row[2] then
   return {'child'}
 end
-redis.call('HSET', KEYS[1], 'state', 'pending')
-redis.call('HDEL', KEYS[1], 'error', 'token', 'dispatched', 'propagated', 'suspect')
-redis.call('ZREM', KEYS[6], ARGV[1])
-redis.call('ZADD', KEYS[5], now_ms(), ARGV[1])
-persist_keys({KEYS[1], KEYS[2], KEYS[3], KEYS[4]})
+redis.call('HSET', parent_key, 'state', 'pending')
+redis.call('HDEL', parent_key, 'error', 'token', 'dispatched', 'propagated', 'suspect')
+redis.call('ZREM', failed_key, ARGV[1])
+redis.call('ZADD', pending_key, now_ms(), ARGV[1])
+persist_keys({parent_key, deps_key, processed_key, ignored_key})
 if row[4] then
-  persist_steps_after(KEYS[1], ARGV[1], row[4])  -- a chain's step: the steps waiting behind it
+  persist_steps_after(parent_key, ARGV[1], row[4])  -- a chain's step: the steps waiting behind it
 end
 return {'retried'}

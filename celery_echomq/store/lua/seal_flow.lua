@@ -14,18 +14,24 @@
 --   "noop"      not open (sealed before, or failed by recovery): nothing changed
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local parent_key = KEYS[1]
+local deps_key = KEYS[2]
+local pending_key = KEYS[3]
+local open_key = KEYS[4]
+local counters_key = KEYS[5]
 --- @include "gate"
 --- @include "release_parent"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({parent_key}, 1)
 if refused then
   return refused
 end
 -- Leaving the open set is what makes the seal happen once.
-if redis.call('ZREM', KEYS[4], ARGV[1]) == 0 then
+if redis.call('ZREM', open_key, ARGV[1]) == 0 then
   return {'noop'}
 end
-if release_if_last(KEYS[1], KEYS[3], ARGV[1], redis.call('DECR', KEYS[2]), KEYS[5]) then
+local left = redis.call('DECR', deps_key)
+if release_if_last(parent_key, pending_key, ARGV[1], left, counters_key) then
   return {'released'}
 end
 return {'sealed'}

@@ -16,14 +16,15 @@
 --              nothing changed; the caller claims as for any delivery
 -- Errors (nothing written): "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
 --- @include "gate"
 --- @include "format"
 local refused = gate_ids(1, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'parent', 'format')
-refused = newer_format(row[4], KEYS[1])
+local row = redis.call('HMGET', job_key, 'state', 'token', 'parent', 'format')
+refused = newer_format(row[4], job_key)
 if refused then
   return refused
 end
@@ -33,5 +34,5 @@ end
 if row[2] then
   return {row[2] == ARGV[2] and 'claimed' or 'noop'}
 end
-redis.call('HSET', KEYS[1], 'token', ARGV[2])
+redis.call('HSET', job_key, 'token', ARGV[2])
 return {'claimed'}

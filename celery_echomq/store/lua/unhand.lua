@@ -16,23 +16,26 @@
 --   "noop"     anything else (taken by a delivery: it has a token; finished; gone)
 -- Errors: "EMQKIND ..." a non-JOB id.
 -- "EMQFORMAT <found> <known> <row>" a row of a newer store format (includes/format.lua).
+local job_key = KEYS[1]
+local pending_key = KEYS[2]
+local active_key = KEYS[3]
 --- @include "gate"
 --- @include "now_ms"
 --- @include "format"
-local refused = gate_ids(1, 1) or newer_rows(KEYS, 1)
+local refused = gate_ids(1, 1) or newer_rows({job_key}, 1)
 if refused then
   return refused
 end
-local row = redis.call('HMGET', KEYS[1], 'state', 'token', 'started')
+local row = redis.call('HMGET', job_key, 'state', 'token', 'started')
 if row[1] ~= 'active' or row[2] then
   return {'noop'}
 end
-local lease = redis.call('ZSCORE', KEYS[3], ARGV[1])
+local lease = redis.call('ZSCORE', active_key, ARGV[1])
 local now = now_ms()
 if lease and tonumber(lease) > now then
   return {'fresh'}
 end
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZADD', KEYS[2], tonumber(row[3] or now) or now, ARGV[1])
-redis.call('HSET', KEYS[1], 'state', 'pending', 'attempts', '0')
+redis.call('ZREM', active_key, ARGV[1])
+redis.call('ZADD', pending_key, tonumber(row[3] or now) or now, ARGV[1])
+redis.call('HSET', job_key, 'state', 'pending', 'attempts', '0')
 return {'pending'}

@@ -53,8 +53,9 @@ of its dead pool processes, and runs the pass, one worker of each queue at a tim
 queue's Redis lease.
 
 The modules: ``common`` (settings of a pass, reading stored jobs), ``lost`` (a pending job
-whose message is gone, a released parent never published: (a), (c)), ``repairs`` (a lapsed
-lease, an unrecorded failure, an uncredited or unsealed cross-slot flow: (b), (d)-(f)),
+whose message is gone, a released parent never published: (a), (c)), ``stalled`` (a lapsed
+lease, an unrecorded failure: (b), (d)), ``unfinished`` (the cross-slot path: a child never
+credited, a flow never sealed, children added but never written: (e)-(g)),
 ``sweep`` (one pass over every queue) and ``worker`` (the worker's leases and loop).
 """
 

@@ -12,11 +12,12 @@
 -- cut step, so that a retry of it runs the rest of the chain.
 --- @include "chain_rest"
 --- @include "unwait"
+--- @include "keys"
 local function cut_pending(row, cid, parent_id, pending, ttl, error, counters)
   local c = redis.call('HMGET', row, 'state', 'parent', 'next', 'chain')
   local behind_a_step = c[1] == 'waiting' and c[4]
   if (c[1] ~= 'pending' and c[1] ~= 'waiting') or behind_a_step or c[2] ~= parent_id
-      or redis.call('EXISTS', row .. ':parents') == 1 then
+      or redis.call('EXISTS', parents_of(row)) == 1 then
     return false
   end
   redis.call('HSET', row, 'state', 'cancelled', 'cut', 'deadline', 'error', error)

@@ -7,12 +7,13 @@
 -- (settle_child); '<its row>:window' and ':slots', its window (includes/window.lua);
 -- '<its row>:quorum', its successes in order under a quorum (includes/quorum.lua).
 -- Their names are derived from the flow's ':dependencies' (the same hash
--- tag, so the same slot): they expire and persist wherever it does, and no caller passes them.
+-- tag, so the same slot; includes/keys.lua): they expire and persist wherever it does, and no
+-- caller passes them.
+--- @include "keys"
 local function indexes_of(key)
-  if string.sub(key, -13) == ':dependencies' then
-    local row = string.sub(key, 1, -14)
-    return {row .. ':children', row .. ':failures', row .. ':window', row .. ':slots',
-      row .. ':quorum'}
+  local row = row_of_dependencies(key)
+  if row then
+    return {children_of(row), failures_of(row), window_of(row), slots_of(row), quorum_of(row)}
   end
   return {}
 end

@@ -22,12 +22,3 @@ local function gate_ids(first, last, step, values)
   end
   return nil
 end
-
--- row_of(id): the row id that names a gated job id's keys, as store/keyspace.py's row_id: a
--- JOB id as it is, a Celery uuid as 'JOB' .. uuid. Only for ids gate_ids let through.
-local function row_of(id)
-  if string.sub(id, 1, 3) == 'JOB' then
-    return id
-  end
-  return 'JOB' .. id
-end

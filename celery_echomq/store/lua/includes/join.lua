@@ -1,4 +1,5 @@
 --- @include "now_ms"
+--- @include "keys"
 -- stage_edges(row, id, index, edges, joined, ttl, value): a job that finished, and that was
 -- joined to more parents than its first (on_exists="join": its '<row>:parents', KEYS-passed
 -- as ``edges``; ``joined`` its row's 'joined' field, which join_edge sets with the first
@@ -21,11 +22,11 @@ local function stage_edges(row, id, index, edges, joined, ttl, value)
 end
 
 -- joined_to(row, parent_id): whether the job of ``row`` was joined to ``parent_id`` after its
--- first parent (its '<row>:parents', named from its row as ':children' is in 'expire'), and
+-- first parent (its '<row>:parents', named from its row by includes/keys.lua), and
 -- then the policy of that edge ('' for that flow's default). An operator's retry of that
 -- parent runs such a job again as it does its own children.
 local function joined_to(row, parent_id)
-  local spec = redis.call('HGET', row .. ':parents', parent_id)
+  local spec = redis.call('HGET', parents_of(row), parent_id)
   if not spec then
     return false, nil
   end

@@ -1,6 +1,7 @@
 --- @include "expire"
 --- @include "now_ms"
 --- @include "release_parent"
+--- @include "keys"
 -- flow_keys(parent): the flow's keys that expire with its row once it is finished (those of
 -- ``parent`` that its caller passed: complete passes no :ignored and no :settled).
 local function flow_keys(parent)
@@ -47,7 +48,7 @@ local function record_failed(parent, child_id, data, policy)
     -- HSCAN of it, never of the row, whose payload a huge flow's scan would copy.
     -- A child failed under fail_at_end is marked 'late': a retry counts it back, and the
     -- failure of the flow looks for one there (settle_child).
-    redis.call('HSET', parent.row .. ':failures', child_id,
+    redis.call('HSET', failures_of(parent.row), child_id,
       policy == 'fail_at_end' and 'late' or 1)
   end
   return policy, found
@@ -68,7 +69,7 @@ end
 local function settle_quorum(parent, child_id, outcome, data, policy, ttl)
   local need, total = string.match(parent.quorum, '^(%d+)/(%d+)$')
   need, total = tonumber(need), tonumber(total)
-  local order = parent.row .. ':quorum'
+  local order = quorum_of(parent.row)
   if outcome == 'done' then
     local state = redis.call('HGET', parent.row, 'state')
     if state ~= 'awaiting_children' and state ~= 'failed' then

@@ -1,4 +1,4 @@
--- fold_value(spec, acc, value): a flow's reducer (flow(..., reduce=R), send/reducers.py) applied
+-- fold_value(spec, acc, value): a flow's reducer (flow(..., reduce=R), send/fan_in.py) applied
 -- to one child's value. spec: the reducer as JSON ('["sum"]', '["top", 3, "score"]'); acc: the
 -- accumulator so far, JSON, as the parent's row keeps it ('acc'; false before the first);
 -- value: the child's value, JSON. Returns the new accumulator as JSON, or nil and the reason
@@ -24,7 +24,7 @@ local function fold_value(spec, acc, value)
   if not ok then
     return nil, name .. ' folds JSON values, not ' .. string.sub(value, 1, 80)
   end
-  -- The value named as the refusal names it (send/reducers.py): its Python type, then its
+  -- The value named as the refusal names it (send/fan_in.py): its Python type, then its
   -- JSON cut at 80 bytes. cjson decodes {} and [] alike: a dict is told by its text.
   local kind
   if v == cjson.null then

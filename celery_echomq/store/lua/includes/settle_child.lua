@@ -2,6 +2,7 @@
 --- @include "now_ms"
 --- @include "release_parent"
 --- @include "quorum"
+--- @include "keys"
 -- settle_child(parent, child_id, outcome, data, policy, ttl): the fan-in, on the parent's
 -- slot. Every script that counts a finished child toward its parent calls this: complete and
 -- fail when the parent shares the child's slot, credit for a child of another slot. The
@@ -42,10 +43,10 @@ local function fail_parent(parent, child_id, data, ttl)
   -- complete.lua's parent names neither its queue's failed set nor its :ignored (a success
   -- that settles a flow failed under fail_at_end fails it): the failed set is the pending
   -- set's sibling, :ignored the row's, both on the same slot.
-  local failed = parent.failed or string.gsub(parent.pending, ':pending$', ':failed')
+  local failed = parent.failed or failed_set_of(parent.pending)
   local keys = flow_keys(parent)
   if not parent.ignored then
-    table.insert(keys, parent.row .. ':ignored')
+    table.insert(keys, ignored_of(parent.row))
   end
   redis.call('HSET', parent.row, 'state', 'failed', 'failed_child', child_id,
     'error', 'child ' .. child_id .. ' failed: ' .. data)
@@ -63,7 +64,7 @@ local function fail_at_end(parent, ttl)
     -- A retry took the first back (retry_counted.lua, retry_flow.lua): any still failed.
     local cursor = '0'
     repeat
-      local page = redis.call('HSCAN', parent.row .. ':failures', cursor, 'COUNT', 100)
+      local page = redis.call('HSCAN', failures_of(parent.row), cursor, 'COUNT', 100)
       cursor = page[1]
       for i = 1, #page[2], 2 do
         if not data and page[2][i + 1] == 'late' then

@@ -1,3 +1,4 @@
+--- @include "keys"
 -- taken_elsewhere(registry, parts, own, ids): an id names one job in the whole store. On a
 -- store of one server, where a script may read any key, the enqueue that writes ``ids`` on
 -- queue ``own`` checks them against every queue at once, atomically with its writes: a
@@ -52,7 +53,7 @@ local function taken_elsewhere(registry, parts, own, ids)
   end
   local claims = {}
   for i = 1, #ids do
-    claims[i] = parts[3] .. row_of(ids[i]) .. parts[4]
+    claims[i] = claim_of(parts, ids[i])
   end
   local hit, queue = _first_taken(claims, own)
   if hit then
@@ -61,7 +62,7 @@ local function taken_elsewhere(registry, parts, own, ids)
   for _, other in ipairs(others) do
     local rows = {}
     for i = 1, #ids do
-      rows[i] = parts[1] .. other .. parts[2] .. row_of(ids[i])
+      rows[i] = row_on(parts, other, ids[i])
     end
     hit = _first_taken(rows, nil)
     if hit then

@@ -1,5 +1,6 @@
 --- @include "now_ms"
 --- @include "format"
+--- @include "keys"
 -- A window on a flow's children (flow(..., max_active=N)): at most N of them published or
 -- running at once. The others are rows 'waiting' (in no state set: nothing claims them, and
 -- they have no message), their ids in the children's order in the list '<parent row>:window'
@@ -47,9 +48,6 @@ end
 -- count of children waiting in windows, 'window_waiting' in ``counters`` (its counters
 -- hash), goes up by as many. Every way out of 'waiting' counts one down: window_take here,
 -- includes/unwait.lua elsewhere.
-local function slots_of(window)
-  return string.sub(window, 1, -8) .. ':slots' -- '<parent row>:window' -> '<parent row>:slots'
-end
 
 -- How many freed slots are taken at once: a tenth of the window (at most 100), so that a
 -- worker publishes the next children in batches, not one message per child, and the window
@@ -63,19 +61,9 @@ local function window_push(window, ids, size, counters)
   for first = 1, #ids, 500 do
     redis.call('RPUSH', window, unpack(ids, first, math.min(first + 499, #ids)))
   end
-  local slots = slots_of(window)
+  local slots = slots_of_window(window)
   redis.call('HSET', slots, 'batch', window_batch(size))
   redis.call('PERSIST', slots)
-end
-
--- The row of a child listed in ``window``: on the window's own slot (its hash tag), named
--- by the child's row id (store/keyspace.py's row_id: a JOB id as it is, a uuid as JOB + it).
-local function waiting_row(window, id)
-  local slot = string.match(window, '^(.-}:)')
-  if string.sub(id, 1, 3) == 'JOB' then
-    return slot .. id
-  end
-  return slot .. 'JOB' .. id
 end
 
 -- A waiting row that left 'waiting' by another way than this window (revoked by its id) is
@@ -97,7 +85,7 @@ local function window_take(window, pending, count, taken)
     if not id then
       break
     end
-    local row = waiting_row(window, id)
+    local row = row_beside(window, id) -- on the window's own slot
     local found = redis.call('HMGET', row, 'state', 'payload', 'delta', 'parent')
     if found[1] == 'waiting' then
       redis.call('HSET', row, 'state', 'pending', 'attempts', '0', 'windowed', '1')
@@ -130,7 +118,7 @@ end
 -- (out + free = max_active: never more out, and the window never stalls, batch <= max_active);
 -- nil otherwise. Called only for a child marked 'windowed' (a flow without a window has none).
 local function window_free(window, pending, ttl, counters)
-  local slots = slots_of(window)
+  local slots = slots_of_window(window)
   local batch = redis.call('HGET', slots, 'batch')
   if not batch then
     return nil
@@ -173,7 +161,7 @@ end
 -- go out now: its free slots, or where it has none yet, its window's size less the children
 -- out (its outstanding ones, ``deps``, less those waiting). Those are taken here.
 local function window_room(size, deps, window, wanted)
-  local slots = slots_of(window)
+  local slots = slots_of_window(window)
   local free = redis.call('HGET', slots, 'free')
   if free then
     local room = math.min(wanted, math.max(0, tonumber(free)))
