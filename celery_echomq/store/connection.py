@@ -298,6 +298,17 @@ def _sentinel_client(settings: Settings, kwargs: dict[str, Any]) -> redis.Redis:
     return _checked_select(client, settings)  # type: ignore[no-any-return]
 
 
+# The connection's method that authenticates and selects the database once connected:
+# redis-py 6 split it out of ``on_connect`` (which ``connect`` no longer calls); redis-py 5
+# has ``on_connect`` alone. Of the redis-py versions that Celery 5.5's kombu allows (<= 5.2.1)
+# and the newest, this is the one difference celery-echomq meets.
+HANDSHAKE = (
+    "on_connect_check_health"
+    if hasattr(redis.connection.Connection, "on_connect_check_health")
+    else "on_connect"
+)
+
+
 def _checked_select(client: Any, settings: Settings) -> Any:
     """``client`` whose connections turn the server's refusal of the URL's database (``ERR DB
     index is out of range``) into a ConfigError naming the setting: no retry waits it out."""
@@ -306,9 +317,9 @@ def _checked_select(client: Any, settings: Settings) -> Any:
     where = f"{settings.url_setting}={safe_url(settings.redis_url or '')!r}"
 
     class Checked(base):  # type: ignore[valid-type,misc]
-        def on_connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        def handshake(self, *args: Any, **kwargs: Any) -> None:
             try:
-                super().on_connect_check_health(*args, **kwargs)
+                getattr(super(), HANDSHAKE)(*args, **kwargs)
             except ResponseError as exc:
                 if "DB index" not in str(exc):
                     raise
@@ -318,6 +329,7 @@ def _checked_select(client: Any, settings: Settings) -> Any:
                     f"(Redis: {exc}); name one below its `databases` setting (16 by default)"
                 ) from None
 
+    setattr(Checked, HANDSHAKE, Checked.handshake)
     Checked.__name__ = Checked.__qualname__ = base.__name__
     pool.connection_class = Checked
     return client
