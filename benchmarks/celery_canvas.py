@@ -119,6 +119,10 @@ def run(version: str, tree: Path, setting: str, url: str, db: int, extra: list[s
         **os.environ,
         "TEST_BROKER": f"{url}/{db}",
         "TEST_BACKEND": f"{url}/{db + 1}",
+        # The suite's own Redis reads (redis_echo, redis_count): the same server, where the
+        # suite reads them (Celery 5.3's suite takes the host alone: the default port, 6379).
+        "REDIS_HOST": "127.0.0.1",
+        "REDIS_PORT": url.rsplit(":", 1)[1],
         "PYTHONPATH": str(HERE),
     }
     args = [str(python(version)), "-m", "pytest", "t/integration/test_canvas.py", "-q", "-rfE"]
