@@ -7,6 +7,7 @@ result backend, as Celery's suite runs on Redis) and Celery's own session worker
     python3 benchmarks/celery_canvas.py --all          # the newest release of each minor
     python3 benchmarks/celery_canvas.py --only on      # one of the two runs
     python3 benchmarks/celery_canvas.py 5.4.0 -- -k chord   # pytest arguments after --
+    python3 benchmarks/celery_canvas.py --all --logs   # the table again, from the last logs
 
 Each Celery release gets a venv of its own, ``canvas-celery<version>`` under
 ECHOMQ_VERSIONS_CACHE (default ~/.cache/celery-echomq/versions, beside .ci/versions' venvs),
@@ -46,7 +47,7 @@ NEWEST = ("5.3.6", "5.4.0", "5.5.3", "5.6.3", "5.7.0")
 # Beyond Celery's own pytest plugins: what its suite imports (5.5 on: pydantic).
 EXTRA_PACKAGES = ["pydantic>=2.4"]
 COUNT = re.compile(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|rerun)")
-SUMMARY = re.compile(r"^=+ (.*\d+ (?:passed|failed|skipped|errors?).*) in [0-9.]+s", re.MULTILINE)
+SUMMARY = re.compile(r"^=* ?(.*\d+ (?:passed|failed|skipped|errors?).*) in [0-9.]+s", re.MULTILINE)
 OUTCOME = re.compile(r"^(FAILED|ERROR) (\S+)", re.MULTILINE)
 
 
@@ -130,11 +131,20 @@ def run(version: str, tree: Path, setting: str, url: str, db: int, extra: list[s
     if setting == "on":
         args += ["-p", "celery_suite_plugin"]
     LOGS.mkdir(exist_ok=True)
-    log = LOGS / f"celery-canvas-{version}-{setting}.log"
+    log = log_of(version, setting)
     print(f"celery_canvas: Celery {version}, echomq_chords {setting}: log in {log}", flush=True)
     with log.open("w") as out:
         subprocess.run([*args, *extra], cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT)
-    text = log.read_text()
+    return read(version, setting)
+
+
+def log_of(version: str, setting: str) -> Path:
+    return LOGS / f"celery-canvas-{version}-{setting}.log"
+
+
+def read(version: str, setting: str) -> Run:
+    """A run's counts and failures, from its log."""
+    text = log_of(version, setting).read_text()
     result = Run(failed={name for _, name in OUTCOME.findall(text)})
     found = SUMMARY.findall(text)
     if found:
@@ -154,13 +164,17 @@ def main(argv: list[str]) -> int:
     p.add_argument("versions", nargs="*", help="Celery releases (default: the one installed here)")
     p.add_argument("--all", action="store_true", help=f"the newest of each minor: {NEWEST}")
     p.add_argument("--only", choices=("off", "on"), help="one run instead of both")
+    p.add_argument("--logs", action="store_true", help="the table from the last runs' logs")
     args = p.parse_args(argv)
     versions = list(NEWEST) if args.all else args.versions or [installed_celery()]
     settings = [s for s in ("off", "on") if args.only in (None, s)]
     from celery_echomq.embedded import RedisServer
 
     results: dict[str, dict[str, Run]] = {}
-    for version in versions:
+    for version in versions if args.logs else ():
+        found = [s for s in settings if log_of(version, s).is_file()]
+        results[version] = {setting: read(version, setting) for setting in found}
+    for version in () if args.logs else versions:
         tree = ensure_sdist(version)
         ensure_venv(version, tree)
         results[version] = {}

@@ -865,7 +865,8 @@ def crash_under(
     # (the replica cannot authenticate to reconnect): what the primary acknowledges
     # from now on is on it alone.
     replica.config_set("masterauth", "partitioned")
-    primary.client_kill_filter(_type="replica")
+    # (sent as it is: client_kill_filter of redis-py 5 and older refuses the type replica)
+    primary.execute_command("CLIENT", "KILL", "TYPE", "replica")
     time.sleep(cut_for)
     at_kill = len(traffic.sent)
     behind = int(primary.info("replication")["master_repl_offset"]) - int(
