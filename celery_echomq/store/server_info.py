@@ -16,7 +16,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from celery_echomq.store.connection import text
+from celery_echomq.store.connection import pool_connection, text
 
 # The commands celery-echomq sends from Python (the scripts' own are read from their files),
 # with arguments of the right arity for a probe: K is a key of the store's, C a channel.
@@ -183,7 +183,7 @@ def refused_commands(
     keys, channels) as it queues, then the transaction is discarded: nothing runs.
     """
     node = primaries(client)[0][1]
-    connection = node.connection_pool.get_connection()
+    connection = pool_connection(node.connection_pool)
     refused: dict[str, str] = {}
     try:
         connection.send_command("MULTI")
