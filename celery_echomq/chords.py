@@ -91,7 +91,8 @@ def run(
             eager=eager,
             task_id=task_id,
             kwargs=kwargs,
-            header_delay=header_delay,
+            # Celery 5.7's; before, run takes no such argument (it would become an option)
+            **({} if header_delay is None else {"header_delay": header_delay}),
             **options,
         )
     return _run_as_flow(
@@ -144,9 +145,12 @@ def _run_as_flow(
         options.pop(key, None)
     if options:
         options.pop("task_id", None)
-        body = chord._add_body_callbacks(body, options)
-        body.options.update(chord._body_options(options))
-    if isinstance(body, _chain):
+        if hasattr(chord, "_add_body_callbacks"):  # Celery 5.7
+            body = chord._add_body_callbacks(body, options)
+            body.options.update(chord._body_options(options))
+        else:  # before 5.7, Celery's run gives the body the chord's options as they are
+            body.options.update(options)
+    if isinstance(body, _chain) and hasattr(body, "_unroll_chords"):  # Celery 5.7
         body._unroll_chords(app)
     bodyres = body.freeze(task_id or uuid(), group_id=group_id, root_id=root_id)
     # What travels to the header tasks (a chord's header never carries the chain after it,

@@ -326,7 +326,8 @@ class Templates:
     def _maxlevels(self) -> Any:
         """The app's ``task_repr_maxlevels``, read the first time a batch needs it."""
         if self.maxlevels is _UNREAD:
-            self.maxlevels = self.amqp.app.conf.task_repr_maxlevels
+            # Celery before 5.7 has no such setting: its amqp keeps saferepr's depth, 3.
+            self.maxlevels = self.amqp.app.conf.get("task_repr_maxlevels", 3)
         return self.maxlevels
 
     def _reprs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str, str]:

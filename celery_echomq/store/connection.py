@@ -19,6 +19,7 @@ count one event twice).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import random
 import socket
@@ -86,6 +87,35 @@ SOCKET_CONNECT_TIMEOUT = 5.0
 SENTINEL_SOCKET_TIMEOUT = 2.0
 
 _local = threading.local()
+
+
+# What differs between the redis-py releases the package runs on (4.5.2, which Celery 5.3
+# allows, to the newest), here alone.
+#
+# The connection's method that authenticates and selects the database once connected:
+# redis-py 6 split it out of ``on_connect`` (which ``connect`` no longer calls); redis-py 5
+# and older have ``on_connect`` alone.
+HANDSHAKE = (
+    "on_connect_check_health"
+    if hasattr(redis.connection.Connection, "on_connect_check_health")
+    else "on_connect"
+)
+OLD_REDIS_PY = HANDSHAKE == "on_connect"  # redis-py 5 and older
+# A client's ``retry_on_error``: redis-py 5 and older end a command's retry at its first
+# error unless the error is named there too (redis-py 6 leaves that to the Retry alone).
+RETRY_ON_ERROR = list(RETRYABLE)
+# redis-py 5 and older connect a pool's connection before the command's retry starts, and
+# retry the connect itself on the Retry's errors alone, which the socket's own (a refused
+# connection: an OSError) are not; redis-py 6 retries those with the command.
+CONNECT_RETRYABLE: tuple[type[Exception], ...] = (OSError,) if OLD_REDIS_PY else ()
+# A pool's ``get_connection`` needs a command name before redis-py 5.3, and warns of one after.
+_NAMING = inspect.signature(redis.ConnectionPool.get_connection).parameters.get("command_name")
+_NAMED = _NAMING is not None and _NAMING.default is inspect.Parameter.empty
+
+
+def pool_connection(pool: Any) -> Any:
+    """A connection taken from ``pool`` (give it back with ``pool.release``)."""
+    return pool.get_connection("PING") if _NAMED else pool.get_connection()
 
 
 @overload
@@ -186,7 +216,7 @@ class DeadlineRetry(Retry):
     """
 
     def __init__(self, timeout: float) -> None:
-        super().__init__(NoBackoff(), -1, RETRYABLE)
+        super().__init__(NoBackoff(), -1, (*RETRYABLE, *CONNECT_RETRYABLE))
         self.timeout = timeout
 
     def __eq__(self, other: object) -> bool:
@@ -296,6 +326,7 @@ def _sentinel_client(
         redis_class=redis.Redis,
         db=url.db,
         retry=DeadlineRetry(settings.store_retry_timeout),
+        retry_on_error=RETRY_ON_ERROR,
         health_check_interval=30,
         **kwargs,
     )
@@ -313,9 +344,9 @@ def _checked(base: Any, settings: Settings, minimum: tuple[int, ...] | None) -> 
     checked = threading.Event()
 
     class Checked(base):  # type: ignore[misc]
-        def on_connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        def handshake(self, *args: Any, **kwargs: Any) -> None:
             try:
-                super().on_connect_check_health(*args, **kwargs)
+                getattr(super(), HANDSHAKE)(*args, **kwargs)
             except ResponseError as exc:
                 if "DB index" not in str(exc):
                     raise
@@ -347,6 +378,7 @@ def _checked(base: Any, settings: Settings, minimum: tuple[int, ...] | None) -> 
                 if not str(exc).startswith("MISCONF"):
                     raise
 
+    setattr(Checked, HANDSHAKE, Checked.handshake)
     Checked.__name__ = Checked.__qualname__ = base.__name__
     return Checked
 
@@ -396,6 +428,7 @@ def make_client(settings: Settings | str, *, min_version: tuple[int, ...] | None
     client = redis.Redis.from_url(
         url,
         retry=DeadlineRetry(settings.store_retry_timeout),
+        retry_on_error=RETRY_ON_ERROR,
         health_check_interval=30,
         **kwargs,
     )

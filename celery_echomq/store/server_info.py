@@ -19,7 +19,7 @@ from typing import Any
 import redis
 from redis.cluster import RedisCluster
 
-from celery_echomq.store.connection import text
+from celery_echomq.store.connection import pool_connection, text
 
 logger = logging.getLogger("celery_echomq.store")
 
@@ -224,7 +224,7 @@ def refused_commands(
     keys, channels) as it queues, then the transaction is discarded: nothing runs.
     """
     node = primaries(client)[0][1]
-    connection = node.connection_pool.get_connection()
+    connection = pool_connection(node.connection_pool)
     refused: dict[str, str] = {}
     try:
         connection.send_command("MULTI")

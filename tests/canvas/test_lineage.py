@@ -32,8 +32,8 @@ def how(request: pytest.FixtureRequest) -> str:
         request.getfixturevalue("worker")
     elif _eager_tasks_have_no_root(request.getfixturevalue("proj")):
         pytest.skip(
-            "this Celery's Task.apply gives an eager task no root_id at all (Celery 5.3: a "
-            "chord's eager tasks have none either), so there is no root for a flow to keep"
+            "Celery before 5.6 gives a task run by Task.apply (eager) no root_id at all, so "
+            "there is no root for a flow to keep"
         )
     return str(request.param)
 
