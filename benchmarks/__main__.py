@@ -45,6 +45,7 @@ BENCHMARKS = {
     "quorum-ten": "quorum_ten.py",
     "flow-path": "flow_path.py",
     "celery-canvas": "celery_canvas.py",
+    "chord-cost": "chord_cost.py",
     "loop-times": "loop_times.py",
 }
 

@@ -15,7 +15,7 @@ engine: ``chord-engine``), the two interleaved in every round, the order rotatin
 (b) the peak of ``used_memory`` (INFO sampled every 50 ms from a thread) while one chord of
     5,000 runs, above what the server held before it was sent;
 (c) the end-to-end time of chords of 100, 500 and 5,000 and of 20 chords x 50: send to the
-    body's result stored (benchmarks/bench.py's ``run_once``), medians of the rounds.
+    body's result stored (as benchmarks/bench.py times a round), medians of the rounds.
 
 Memory and key counts do not depend on the machine's load; the times do (the load average is
 printed beside them). Results go to benchmarks/results/chord-cost-<time>.json.
@@ -32,19 +32,16 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE), str(HERE.parent)]
+import bench_app
+import modes
+import redis
+from measure import HERE, Size, machine, med, rotated, settle
+from modes import CHORD_ENGINE, Waiter, Worker, only_queue, result_ids
 
-import bench  # noqa: E402 - needs the path above
-import bench_app  # noqa: E402
-import redis  # noqa: E402
-from bench import CHORD_ENGINE, Size, Waiter, Worker, mode_hooks, rotated, run_once, settle  # noqa: E402
-from report import med  # noqa: E402
-
-from celery_echomq.embedded import RedisServer  # noqa: E402
+from celery_echomq.embedded import RedisServer
 
 MODES = ("chord", CHORD_ENGINE)
 KEPT = Size(10, 100)
@@ -127,8 +124,35 @@ def row_fields(admin_for: Any) -> dict[str, float]:
     return {**fields, **{e: n / rows for e, n in encodings.items()}}
 
 
+@contextlib.contextmanager
+def hook(mode: str) -> Iterator[None]:
+    """The engine's chords: the producer decides where a chord it sends fans in."""
+    bench_app.app.conf.echomq_chords = mode == CHORD_ENGINE
+    try:
+        yield
+    finally:
+        bench_app.app.conf.echomq_chords = False
+
+
+def timed(admin: Any, waiter: Waiter, mode: str, size: Size) -> float:
+    """Seconds from the first send to the last body's result stored, the values checked."""
+    canvases = modes.build(mode, size, None)
+    timeout = max(120.0, size.total / 20)
+    only_queue("celery")
+    settle(admin)
+    with hook(mode):
+        t0 = time.perf_counter()
+        results = [c.apply_async() for c in canvases]
+    waiter.wait([i for res in results for i in result_ids(mode, res)], timeout)
+    took = time.perf_counter() - t0
+    for res in results:
+        if res.get(timeout=timeout) != modes.expected(mode, size):
+            raise AssertionError(f"{mode} {size.label}: wrong value")
+    return took
+
+
 def kept(admin_for: Any, admin: Any, waiter: Waiter, mode: str, hook: Any) -> dict[str, Any]:
-    canvases = bench.build(mode, KEPT)
+    canvases = modes.build(mode, KEPT)
     flush(admin_for)
     settle(admin)
     time.sleep(0.2)
@@ -138,7 +162,7 @@ def kept(admin_for: Any, admin: Any, waiter: Waiter, mode: str, hook: Any) -> di
         results = [c.apply_async() for c in canvases]
     waiter.wait([r.id for r in results], 300)
     for r in results:
-        if r.get(timeout=60) != bench.expected(mode, KEPT):
+        if r.get(timeout=60) != modes.expected(mode, KEPT):
             raise AssertionError(f"{mode}: wrong value")
     settle(admin)
     time.sleep(0.2)
@@ -170,7 +194,7 @@ class Sampler(threading.Thread):
 
 
 def peak(admin_for: Any, admin: Any, waiter: Waiter, url: str, mode: str, hook: Any) -> float:
-    canvases = bench.build(mode, PEAK)
+    canvases = modes.build(mode, PEAK)
     flush(admin_for)
     settle(admin)
     time.sleep(0.2)
@@ -198,12 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 5, --quick 3)")
     args = p.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 5)
-    hook = mode_hooks(None)
-    report: dict[str, Any] = {"machine": bench.machine(), "rounds": rounds}
+    report: dict[str, Any] = {"machine": machine(), "rounds": rounds}
     load = [os.getloadavg()[0]]
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(RedisServer())
-        stack.callback(bench.release_results)
+        stack.callback(modes.release_results)
         base = f"redis://127.0.0.1:{server.port}"
         bench_app.configure(base)
         clients: dict[int, Any] = {}
@@ -218,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         worker = Worker(base, "celery")
         stack.callback(worker.stop)
         for mode in MODES:  # warm: script cache, templates, queue bindings
-            run_once(admin, waiter, mode, Size(2, 20), -1, hook)
+            timed(admin, waiter, mode, Size(2, 20))
 
         kept_runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         peaks: dict[str, list[float]] = defaultdict(list)
@@ -231,8 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             flush(admin_for)
             for size in TIMED:
                 for mode in rotated(MODES, rnd):
-                    run = run_once(admin, waiter, mode, size, rnd, hook)
-                    times[size.label][mode].append(run.e2e_s)
+                    times[size.label][mode].append(timed(admin, waiter, mode, size))
             load.append(os.getloadavg()[0])
             print(
                 f"chord_cost: round {rnd + 1}/{rounds} done, load {load[-1]:.2f}", file=sys.stderr
