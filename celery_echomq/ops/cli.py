@@ -58,7 +58,7 @@ from celery_echomq.ops.rendering import (
     stats_json,
 )
 from celery_echomq.ops.replication import replication_wait, store_refusal
-from celery_echomq.ops.views import FINISHED, node_dict, tree_json
+from celery_echomq.ops.views import FINISHED, node_dict
 from celery_echomq.store.connection import describe
 from celery_echomq.store.state import EchoMQ
 
@@ -119,7 +119,8 @@ def show(
         show_every(state, node, only, count, as_json)
         return
     if as_json:
-        click.echo(tree_json(node))
+        # What the text's last line says, for scripts: "" while the store takes writes.
+        emit_json({**node_dict(node), "store_refuses_writes": store_refusal(state)})
         return
     for line in render_tree(node, color=True):
         click.echo(line)

@@ -26,6 +26,8 @@ from kombu.exceptions import OperationalError
 
 from celery_echomq.errors import EchoMQError
 from celery_echomq.ops.nodes import json_default
+from celery_echomq.store.connection import describe
+from celery_echomq.store.refusals import Refusal, refusal_of, refused
 from celery_echomq.store.state import EchoMQ, get_state
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -113,6 +115,15 @@ def _notice_retries() -> Iterator[None]:
         store_logger.removeHandler(handler)
 
 
+def _refused(refusal: Refusal, exc: BaseException) -> Exception:
+    """The error naming the store, the refusal and its remedy, for a command's plain write."""
+    context = click.get_current_context(silent=True)
+    store = describe(cli_state(context).settings) if context is not None else ""
+    return refused(
+        refusal, store, "the command stopped at that write and did nothing after it", exc
+    )
+
+
 def plain_errors(func: F) -> F:
     """Turn every error a user can cause or meet (bad id, unknown flow, refused action, any
     Redis error: unreachable, auth, permission) into one line on stderr and exit status 1."""
@@ -129,6 +140,9 @@ def plain_errors(func: F) -> F:
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise click.ClickException(f"cannot reach the flow store in Redis: {exc}") from None
         except redis.RedisError as exc:  # NOPERM (an ACL user without script rights), ...
+            refusal = refusal_of(exc)
+            if refusal is not None:  # a plain command's (a script's is ours already)
+                raise click.ClickException(str(_refused(refusal, exc))) from None
             raise click.ClickException(f"the flow store refused: {exc}") from None
         except (OperationalError, OSError) as exc:  # the broker, for a revoke
             raise click.ClickException(f"cannot reach the broker: {exc}") from None

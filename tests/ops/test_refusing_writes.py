@@ -160,6 +160,10 @@ def test_doctor_show_and_the_dashboard_say_the_store_refuses_writes_and_what_hea
             last = shown.output.splitlines()[-1]
             assert last.startswith(f"the flow store refuses writes: 127.0.0.1:{server.port} is ")
             assert why in last and "; heals: " in last and heals in last
+            # The same line in show --json, for scripts.
+            as_json = json.loads(_cli(app, "show", held, "--json").stdout)
+            said = as_json["store_refuses_writes"]  # read again: used_memory may have moved
+            assert said.startswith("the flow store refuses writes: ") and why in said
         dashboard = Served(app, allow_actions=False)
         try:
             for page in ("/", "/workers", f"/flows/{held}"):
@@ -177,3 +181,37 @@ def test_doctor_show_and_the_dashboard_say_the_store_refuses_writes_and_what_hea
     assert _writes(app)["status"] == "ok"
     if answer != "READONLY":
         assert "refuses writes" not in _cli(app, "show", held).output
+        assert json.loads(_cli(app, "show", held, "--json").stdout)["store_refuses_writes"] == ""
+
+
+def test_a_commands_plain_write_that_the_store_refuses_names_the_store_and_the_remedy(
+    deployment: tuple[RedisServer, Any, str],
+) -> None:
+    """A write the command makes outside the scripts (here a plain SET, through the CLI's own
+    error handling) that a full store refuses: one line naming the store, why and what heals
+    it, exit status 1."""
+    import click
+
+    from celery_echomq.ops.cli_common import cli_state, plain_errors
+
+    server, app, _ = deployment
+
+    @click.command()
+    @click.pass_context
+    @plain_errors
+    def mark(ctx: click.Context) -> None:
+        cli_state(ctx).client.set("emq:marked", "x" * 1000)
+
+    undo = _oom(server, server.client())
+    try:
+        out = CliRunner().invoke(mark, [], obj=SimpleNamespace(app=app))
+    finally:
+        undo()
+    assert out.exit_code == 1
+    line = out.output.strip().splitlines()[-1]
+    assert line.startswith(
+        f"Error: the flow store redis://127.0.0.1:{server.port}/1 refuses writes"
+    )
+    assert "out of memory" in line and "maxmemory raised" in line
+    assert "the command stopped at that write and did nothing after it" in line
+    assert server.client(db=1).get("emq:marked") is None
