@@ -24,7 +24,7 @@ from typing import Any
 
 from celery.app.task import Task
 from celery.backends.redis import RedisBackend
-from celery.canvas import Signature, _chain, _chord, group
+from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 from celery.utils import uuid
 from celery.utils.functional import _regen
 
@@ -150,6 +150,8 @@ def _run_as_flow(
             body.options.update(chord._body_options(options))
         else:  # before 5.7, Celery's run gives the body the chord's options as they are
             body.options.update(options)
+            if isinstance(body, _chain):
+                body = _chain_after_last_step(body, app)
     if isinstance(body, _chain) and hasattr(body, "_unroll_chords"):  # Celery 5.7
         body._unroll_chords(app)
     bodyres = body.freeze(task_id or uuid(), group_id=group_id, root_id=root_id)
@@ -185,6 +187,25 @@ def _run_as_flow(
         )
     bodyres.parent = app.GroupResult(group_id, results)
     return bodyres
+
+
+def _chain_after_last_step(body: _chain, app: Any) -> _chain:
+    """Before Celery 5.7, a chain body sent with the rest of the chain it is in (``a | chord(h,
+    b | c) | d``: ``b | c`` carries ``chain=[d]``) hands that rest on when it runs, by adding it
+    to its own steps' ``chain`` option. The engine sends a chain body as steps of its own, so
+    the rest goes on the body's last step, which runs it when it succeeds, as Celery would; a
+    last step that is itself a canvas keeps Celery's way (left as it is)."""
+    rest = body.options.get("chain")
+    tasks = [maybe_signature(task, app=app) for task in body.tasks]
+    if not rest or not tasks or type(tasks[-1]) is not Signature:
+        return body
+    body = body.clone()
+    last = tasks[-1].clone()
+    # Celery's chain option is read from its end: the last step's own steps run first.
+    last.options["chain"] = [*rest, *(last.options.get("chain") or [])]
+    body.kwargs["tasks"] = [*tasks[:-1], last]
+    del body.options["chain"]
+    return body
 
 
 def _engine_options(options: dict[str, Any]) -> dict[str, Any]:

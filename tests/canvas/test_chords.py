@@ -297,6 +297,22 @@ def test_a_chain_of_implicit_chords_runs_a_failed_steps_errback_once(
     assert store.lrange(key, 0, -1) == [b"failed"]
 
 
+@pytest.mark.parametrize("steps", [1, 2])
+def test_a_chain_after_a_chord_whose_body_grew_runs_its_group(
+    proj: Any, engine: str, queue: str, steps: int
+) -> None:
+    # ``group | tsum | add`` is one chord whose body is ``tsum | add``; a group chained after
+    # it is the rest of the chain that body carries (before Celery 5.7, in its options): the
+    # group runs after the body's last step, with its value.
+    add, tsum = proj.add, proj.tsum
+    workflow = group(add.s(1, 1), add.s(1, 1)) | tsum.s()
+    for _ in range(steps):
+        workflow = workflow | add.s(1)
+    workflow = workflow | group(add.s(1), add.s(1))
+    res = workflow.apply_async(queue=queue)
+    assert res.get(timeout=60) == [5 + steps] * 2
+
+
 @pytest.mark.filterwarnings("ignore::celery.exceptions.CPendingDeprecationWarning")
 def test_a_chord_nested_in_a_header_runs_the_errback_once(
     proj: Any, store: redis.Redis, engine: str, queue: str
