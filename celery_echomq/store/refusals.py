@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import redis
-from redis.exceptions import OutOfMemoryError, ReadOnlyError
+from redis.exceptions import ReadOnlyError
 
 from celery_echomq.errors import StoreWriteRefusedError
 
@@ -66,6 +66,14 @@ REFUSALS = {
 }
 
 
+# Newer redis-py raises OOM as a class of its own, whose text has lost its code; an older one
+# raises a plain ResponseError that keeps it ("OOM command not allowed ...").
+_OUT_OF_MEMORY: tuple[type[Exception], ...] = tuple(
+    getattr(redis.exceptions, name)
+    for name in ("OutOfMemoryError",)
+    if hasattr(redis.exceptions, name)
+)
+
 # A command's refusal starts with its code ("OOM command not allowed ..."); a script's is that
 # reply inside Redis's own words: "OOM ... script: <sha>, on @user_script:12." (Redis 7),
 # "Error running script (call to f_<sha>): @user_script:12: -OOM ..." (Redis 6).
@@ -81,7 +89,7 @@ def refusal_of(exc: BaseException | None) -> Refusal | None:
         seen.add(id(exc))
         if isinstance(exc, StoreWriteRefusedError):
             return REFUSALS.get(exc.code)
-        if isinstance(exc, OutOfMemoryError):  # redis-py keeps the reply without its code
+        if isinstance(exc, _OUT_OF_MEMORY):  # redis-py keeps the reply without its code
             return REFUSALS["OOM"]
         if isinstance(exc, ReadOnlyError):
             return REFUSALS["READONLY"]
