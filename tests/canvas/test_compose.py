@@ -6,6 +6,7 @@ import json
 import uuid
 from typing import Any
 
+import celery
 import pytest
 from celery import chain, chord, group
 from celery.canvas import Signature
@@ -44,8 +45,10 @@ def test_a_parent_replaced_by_a_chain_gives_the_chains_link_its_value(
     try:
         f = flow(proj.replace_with_chain.s(link_key=key), [proj.identity.s(42)])
         assert f.apply_async().get(timeout=60) == [42]
-        wait_for(lambda: store.llen(key) > 0, timeout=30)
-        assert [json.loads(v) for v in store.lrange(key, 0, -1)] == [[42]]
+        # Celery before 5.7 runs a replacing chain's link twice, a plain task's as a flow's.
+        runs = 1 if celery.VERSION >= (5, 7) else 2
+        wait_for(lambda: store.llen(key) >= runs, timeout=30)
+        assert [json.loads(v) for v in store.lrange(key, 0, -1)] == [[42]] * runs
     finally:
         store.delete(key)
 
