@@ -58,7 +58,7 @@ from celery_echomq.ops.rendering import (
     stats_json,
 )
 from celery_echomq.ops.replication import replication_wait, store_refusal
-from celery_echomq.ops.views import FINISHED, node_dict
+from celery_echomq.ops.views import FINISHED, node_dict, shown_dict
 from celery_echomq.store.connection import describe
 from celery_echomq.store.state import EchoMQ
 
@@ -120,7 +120,7 @@ def show(
         return
     if as_json:
         # What the text's last line says, for scripts: "" while the store takes writes.
-        emit_json({**node_dict(node), "store_refuses_writes": store_refusal(state)})
+        emit_json(shown_dict(node, store_refusal(state)))
         return
     for line in render_tree(node, color=True):
         click.echo(line)

@@ -4,7 +4,6 @@ steps. Plain data, and its JSON form (what ``show --json`` prints and the dashbo
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +134,7 @@ def node_dict(node: JobNode) -> dict[str, Any]:
     return data
 
 
-def tree_json(node: JobNode, *, indent: int | None = 2) -> str:
-    """``node`` and its children as JSON text (values JSON cannot hold via :func:`json_default`)."""
-    return json.dumps(node_dict(node), indent=indent, default=json_default)
+def shown_dict(node: JobNode, refusing: str) -> dict[str, Any]:
+    """What ``show --json`` and the dashboard's ``/api/flows/<id>`` give: ``node`` and its
+    children, and ``refusing``, why the store refuses writes now ("" while it takes them)."""
+    return {**node_dict(node), "store_refuses_writes": refusing}

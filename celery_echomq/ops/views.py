@@ -19,7 +19,7 @@ from celery_echomq.ops.nodes import (
     FlowInfo,
     JobNode,
     node_dict,
-    tree_json,
+    shown_dict,
 )
 from celery_echomq.ops.timing import finish_times
 from celery_echomq.store.codec import Delta, Step, load_job, stored_of
@@ -39,7 +39,7 @@ __all__ = [
     "node_dict",
     "queue_stats",
     "read_tree",
-    "tree_json",
+    "shown_dict",
     "walk",
 ]
 

@@ -45,10 +45,11 @@ from celery_echomq.ops.dashboard.overview import read_overview
 from celery_echomq.ops.dashboard.timeline import KINDS, build_timeline
 from celery_echomq.ops.dashboard.tracebacks import failed_jobs, tracebacks
 from celery_echomq.ops.listing import STATES
+from celery_echomq.ops.nodes import json_default
 from celery_echomq.ops.pages import FILTERS, PAGE, iter_children, read_flow
 from celery_echomq.ops.rendering import seconds, short
 from celery_echomq.ops.replication import replication_wait, store_refusal
-from celery_echomq.ops.views import FINISHED, JobNode, tree_json
+from celery_echomq.ops.views import FINISHED, JobNode, shown_dict
 from celery_echomq.store.state import EchoMQ, get_state
 
 logger = logging.getLogger("celery_echomq")
@@ -188,7 +189,8 @@ class Dashboard:
         node, _, problem, status = self._tree(request)
         if node is None:
             return _json_error(status, problem)
-        return Response(tree_json(node, indent=None), media_type="application/json")
+        body = json.dumps(shown_dict(node, store_refusal(self.state)), default=json_default)
+        return Response(body, media_type="application/json")
 
     def workers(self, request: Request) -> Response:
         from celery_echomq.ops.dashboard.workers import read_workers
