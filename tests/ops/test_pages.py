@@ -151,17 +151,17 @@ def test_a_nested_flow_is_one_line_with_its_own_counts_until_opened(
     assert res.get(timeout=60) == 26
     site = serve()
 
-    tree = httpx.get(f"{site.url}/api/flows/{res.id}").json()
+    tree = httpx.get(f"{site.url}/api/flows/{res.id}", timeout=30).json()
     nested = tree["children"][0]
     assert nested["id"] == id_of(inner) and nested["children"] == []
     assert nested["flow"]["total"] == 3 and nested["flow"]["done"] == 2
     assert nested["flow"]["ignored"] == 1 and nested["value"] == 6
-    page = httpx.get(f"{site.url}/flows/{res.id}").text
+    page = httpx.get(f"{site.url}/flows/{res.id}", timeout=30).text
     assert f'id="job-{id_of(inner)}"' in page and f'href="/flows/{id_of(inner)}"' in page
     assert all(f'id="job-{id_of(leaf)}"' not in page for leaf in leaves)
     assert "done=2/3" in page
 
-    opened = httpx.get(f"{site.url}/flows/{id_of(inner)}").text
+    opened = httpx.get(f"{site.url}/flows/{id_of(inner)}", timeout=30).text
     assert all(f'id="job-{id_of(leaf)}"' in opened for leaf in leaves)
     assert 'id="failed"' in opened  # its failed child, first
 
