@@ -392,11 +392,16 @@ def test_a_chord_sent_by_a_client_has_one_root_on_the_engine(
     assert [h["parent_id"] for h in got["header"]] == [None, None]
 
 
+# On the engine only: Celery's own chord loses this race now and then. Its Redis backend marks
+# a finished chord's group done, and the next apply clears the mark only just before it sends
+# the header's last task, so a first header task that runs sooner meets the mark and its result
+# is dropped: the body never runs (Celery 5.7, 1 run in 3 on a loaded machine).
+@pytest.mark.parametrize("engine", ["on"], indirect=True)
 def test_a_frozen_chord_applied_again_runs_again(
     proj: Any, store: redis.Redis, engine: str, queue: str
 ) -> None:
-    # Each apply of one frozen chord is a new run under the same ids, as Celery runs it: on
-    # the engine, the finished flow those ids name is forgotten and the chord held anew.
+    # Each apply of one frozen chord is a new run under the same ids, as Celery means to run it:
+    # on the engine, the finished flow those ids name is forgotten and the chord held anew.
     key = f"test:count:{uuid.uuid4().hex}"
     c = chord(group(proj.add.s(1, 2), proj.add.s(3, 4)), proj.redis_count.si(key))
     c.freeze()
@@ -407,7 +412,7 @@ def test_a_frozen_chord_applied_again_runs_again(
     assert second.id == first.id
     second.get(timeout=60)
     wait_for(lambda: store.get(key) == b"2", timeout=30)
-    assert held_by_engine(second.id) is (engine == "on")
+    assert held_by_engine(second.id)
 
 
 def test_a_frozen_task_reused_by_a_second_chord_runs_in_it(
