@@ -30,9 +30,10 @@ from celery.utils.functional import _regen
 
 from celery_echomq.errors import ConfigError
 from celery_echomq.ops.reuse import forget_finished_holding, send_reusing_finished
+from celery_echomq.send.accepts import CHILD_OPTIONS, SEND_OPTIONS, check_spelling
 from celery_echomq.send.fan_in import check_max_active
-from celery_echomq.send.jobs import CHORD_POLICY, check_policy
-from celery_echomq.send.signatures import CHILD_OPTIONS, SEND_OPTIONS, check_spelling
+from celery_echomq.send.jobs import check_policy
+from celery_echomq.send.shape import CHORD_POLICY
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec
 from celery_echomq.store.headers import CHORD_OPTION, H_PARENT, OPEN_OPTION
 from celery_echomq.store.replies import Status
