@@ -116,7 +116,7 @@ def install(app: Any) -> EchoMQ:
     state = install_state(app)
     # Inert unless the app sets echomq_chords (see chords.py).
     patch_celery()
-    # What a flow whose parent is a group, a chord or a flow runs (see send/shapes.py).
+    # What a flow whose parent is a group, a chord or a flow runs (see send/shape.py).
     register_tasks(app)
     signals.connect()
     # A set: installing twice adds the step once.

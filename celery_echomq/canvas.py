@@ -10,6 +10,14 @@ from celery import current_app
 from celery.canvas import Signature, _chain, maybe_signature
 
 from celery_echomq.result import FlowResult
+from celery_echomq.send.accepts import (
+    CHILD_OPTIONS,
+    SEND_OPTIONS,
+    check_keywords,
+    check_order,
+    check_spelling,
+    child_signatures,
+)
 from celery_echomq.send.errbacks import give_errbacks
 from celery_echomq.send.fan_in import check_max_active, check_quorum, check_reduce
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
@@ -17,17 +25,7 @@ from celery_echomq.send.jobs import check_policy
 from celery_echomq.send.join import check_on_exists
 from celery_echomq.send.plan import too_deep
 from celery_echomq.send.producer import Sending, send_flow
-from celery_echomq.send.shapes import FLOW_TASK, normal_flow
-from celery_echomq.send.signatures import (
-    CALLBACKS,
-    CHILD_OPTIONS,
-    SEND_OPTIONS,
-    check_keywords,
-    check_order,
-    check_spelling,
-    child_signatures,
-    merge_callbacks,
-)
+from celery_echomq.send.shape import CALLBACKS, FLOW_TASK, merge_callbacks, normal_flow
 from celery_echomq.store.connection import bounded
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec
 from celery_echomq.store.headers import CHORD_OPTIONS
@@ -103,7 +101,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         opts = options.pop("options", None) or {}
         own: dict[str, Any] = {"parent": parent_sig, "children": child_sigs, "policy": policy}
         if single:
-            # A chain's step (see send/shapes.py): the parent takes its one child's value as is.
+            # A chain's step (see send/shape.py): the parent takes its one child's value as is.
             own["single"] = True
         if spec is not None:
             # Kept by the job that holds these children (see store/deadlines.py): JSON-safe.
@@ -172,7 +170,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         return self.kwargs.get("max_active")  # type: ignore[no-any-return]
 
     def shape(self, shared: bool = False) -> tuple[flow, str]:
-        """This flow as one whose parents are single tasks (see send/shapes.py), and the id of the
+        """This flow as one whose parents are single tasks (see send/shape.py), and the id of the
         job that holds its own children ("" when that is its parent). What ``freeze`` made
         is kept, and what ``apply_async`` then sends; unfrozen, each send makes it anew
         (new ids, as a chord's)."""

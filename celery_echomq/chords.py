@@ -13,14 +13,19 @@ which is a ``ChordError``, worded as Celery words it.
 
 Eager chords (``task_always_eager``, ``chord.apply``) are Celery's: nothing is held there.
 ``self.add_to_chord(sig)`` in a header task on the engine adds ``sig`` to the flow
-(``add_children``), as Celery's adds it to the backend's count.
+(``add_children``), as Celery's adds it to the backend's count. A frozen chord applied again
+runs again under its ids, as Celery's does: the finished flow that holds them is forgotten
+first (a flow still running refuses them, as any flow does).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
+from collections.abc import Callable
 from copy import deepcopy
-from typing import Any
+from typing import Any, TypeVar
 
 from celery.app.task import Task
 from celery.backends.redis import RedisBackend
@@ -28,16 +33,23 @@ from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 from celery.utils import uuid
 from celery.utils.functional import _regen
 
-from celery_echomq.errors import ConfigError
-from celery_echomq.ops.reuse import forget_finished_holding, send_reusing_finished
+from celery_echomq.errors import ConfigError, FlowExistsError, UnknownFlowError
+from celery_echomq.ops.forget import forget_flow
+from celery_echomq.ops.pages import read_flow
+from celery_echomq.ops.views import JobNode
+from celery_echomq.send.accepts import CHILD_OPTIONS, SEND_OPTIONS, check_spelling
 from celery_echomq.send.fan_in import check_max_active
-from celery_echomq.send.jobs import CHORD_POLICY, check_policy
-from celery_echomq.send.signatures import CHILD_OPTIONS, SEND_OPTIONS, check_spelling
+from celery_echomq.send.ids import tasks_of
+from celery_echomq.send.jobs import check_policy
+from celery_echomq.send.shape import CHORD_POLICY
+from celery_echomq.store.connection import text
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec
 from celery_echomq.store.headers import CHORD_OPTION, H_PARENT, OPEN_OPTION
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
-from celery_echomq.store.state import find_state, get_state
+from celery_echomq.store.state import EchoMQ, find_state, get_state
+
+logger = logging.getLogger("celery_echomq")
 
 SETTING = "echomq_chords"
 # A chord's own options that the engine reads (``chord(h, b, deadline=60)`` or
@@ -180,7 +192,7 @@ def _run_as_flow(
             _routed(app, task, result, send)
         held = flow(body, header, app=app, **engine)
         # Celery runs a frozen chord again under its ids: the engine forgets the finished
-        # flow that holds them first (ops/reuse.py).
+        # flow that holds them first (send_reusing_finished, below).
         forget_finished_holding(get_state(app), body)
         send_reusing_finished(
             get_state(app), lambda: held.apply_async(partial_args, kwargs, **send)
@@ -306,3 +318,96 @@ def patch_celery() -> None:
     _chord.run = run
     _chord.apply = apply
     Task.add_to_chord = add_to_chord
+
+
+# --- a Celery id sent again -------------------------------------------------------------------
+# Celery lets a frozen canvas be applied more than once (each apply is a new run under the same
+# ids, its results overwritten), and its tests reuse a frozen task in a second chord. The store
+# keeps one job per id for the result TTL, and a flow refuses an id it still keeps
+# (``FlowExistsError``): that is what makes every credit exactly-once. A chord on the engine
+# sent with ids of a flow that has finished forgets that flow first (as ``echomq forget`` does),
+# then sends again; an id of a flow still running is refused as before, since its jobs' rows
+# are what settles the work in flight.
+
+# How long a reused id's earlier run may take to settle once its Celery result is stored (its
+# worker stores the result, then finishes the row and credits the flow).
+SETTLE_WAIT_S = 5.0
+# The finished flows one send may forget: a canvas reusing the ids of more is refused.
+MAX_FORGOTTEN = 16
+
+T = TypeVar("T")
+
+
+def send_reusing_finished(state: EchoMQ, send: Callable[[], T]) -> T:
+    """``send()``; where it is refused for an id of a finished flow, forget that flow and send
+    again. Each refusal wrote and published nothing, so the send is whole or not at all."""
+    forgotten: set[str] = set()
+    while True:
+        try:
+            return send()
+        except FlowExistsError as exc:
+            top = _finished_top(state, exc.job_id)
+            if top is None or top.id in forgotten or len(forgotten) >= MAX_FORGOTTEN:
+                raise
+            _forget(state, top, exc.job_id, forgotten)
+
+
+def forget_finished_holding(state: EchoMQ, body: Signature) -> None:
+    """Before a chord whose body is a canvas is sent: the ids of that body's tasks that a
+    finished flow holds, that flow forgotten now. A group body's tasks are written when the
+    body is released, not when the chord is sent, so no refusal at the send would name them,
+    and the add at the release would be refused."""
+    if not getattr(body, "subtask_type", None):
+        return  # a task: its id is the flow's parent's, which the send itself checks
+    found: list[Signature] = []
+    tasks_of(body, found)
+    ids = [str(t.options["task_id"]) for t in found if t.options.get("task_id")]
+    keys = state.keys
+    queues = sorted(text(q) for q in state.client.smembers(keys.queues_key()))
+    if not ids or not queues:
+        return
+    pipe = state.client.pipeline(transaction=False)
+    for job_id in ids:
+        for queue in queues:
+            pipe.exists(keys.job_key(queue, job_id))
+    there = pipe.execute()
+    n = len(queues)
+    held = [job_id for at, job_id in enumerate(ids) if any(there[at * n : (at + 1) * n])]
+    forgotten: set[str] = set()
+    for job_id in held:
+        top = _finished_top(state, job_id)
+        if top is not None and top.id not in forgotten:
+            _forget(state, top, job_id, forgotten)
+
+
+def _forget(state: EchoMQ, top: JobNode, reused: str, forgotten: set[str]) -> None:
+    """Forget the finished flow ``top``, whose id ``reused`` a chord sent again reuses."""
+    forget_flow(state, top)
+    forgotten.add(top.id)
+    logger.info("echomq: flow %s forgotten: a chord sent again reuses its id %s", top.id, reused)
+
+
+def _finished_top(state: EchoMQ, job_id: str) -> JobNode | None:
+    """The outermost flow holding ``job_id``, once it has finished (None: unknown, or
+    running). A job whose Celery result is stored already is settled by its worker a moment
+    later (its flow too): that moment is waited for, at most :data:`SETTLE_WAIT_S`."""
+    if not job_id:
+        return None
+    deadline = time.monotonic() + SETTLE_WAIT_S
+    while True:
+        try:
+            top = _top(state, job_id)
+        except UnknownFlowError:
+            return None
+        if top.finished:
+            return top if top.flow is not None else None
+        if time.monotonic() > deadline or not state.app.AsyncResult(job_id).ready():
+            return None
+        time.sleep(0.05)
+
+
+def _top(state: EchoMQ, job_id: str) -> JobNode:
+    node = read_flow(state, job_id, count=1, with_result=False)
+    while node.parent is not None:
+        node = read_flow(state, node.parent, count=1, with_result=False)
+    return node

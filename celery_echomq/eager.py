@@ -41,8 +41,7 @@ from celery_echomq.send.plan import (
     plan_flow,
     too_deep,
 )
-from celery_echomq.send.shapes import expand, is_linked, nested_chain
-from celery_echomq.send.signatures import CALLBACKS, merge_callbacks
+from celery_echomq.send.shape import CALLBACKS, expand, is_linked, merge_callbacks, nested_chain
 from celery_echomq.send.tasks import register_tasks
 from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
 from celery_echomq.store.headers import H_REDUCE, H_RESULT

@@ -261,7 +261,7 @@ class _Pager:
 
     def _job(self, payload: Any, job_id: str) -> tuple[str | None, str]:
         """The parent's task name and the job holding its children (itself, unless its parent
-        is a canvas: see send/shapes.py)."""
+        is a canvas: see send/shape.py)."""
         try:
             job = self.store.loads(payload) if payload else None
         except Exception:

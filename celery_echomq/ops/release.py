@@ -81,7 +81,7 @@ def release_flow(
     fan_in = _fan_in(state, node)
     if fan_in:
         # Its parent is a chain, a group, a chord or a flow: what waits for the flow's own
-        # children is the job that holds them (see send/shapes.py); that is what runs now.
+        # children is the job that holds them (see send/shape.py); that is what runs now.
         return release_flow(state, fan_in, revoke=revoke, terminate=terminate)
     if node.state != "awaiting_children":
         raise NotRepairableError(

@@ -2,7 +2,7 @@
 
 Celery's ``group.link_error`` puts the errback on every task of the group, so a chord whose
 body is a group runs it once per failing task, each time with that task's id. A flow whose
-parent is a group (held as ``collect`` over the spread, see shapes.py) does the same: the
+parent is a group (held as ``collect`` over the spread, see shape.py) does the same: the
 errbacks of the flow and of the group are given to each task the spread will add, which runs
 them itself when it fails. The collect keeps them too, for a failure that is not one of its
 tasks' (the flow's children, through the spread): then they run once, with the flow's id, as
@@ -20,8 +20,7 @@ from celery.canvas import Signature
 from celery.utils.functional import maybe_list
 
 from celery_echomq.send.plan import Plan
-from celery_echomq.send.shapes import COLLECT_TASK, as_plain
-from celery_echomq.send.signatures import merge_callbacks
+from celery_echomq.send.shape import COLLECT_TASK, as_plain, merge_callbacks
 from celery_echomq.store.headers import H_CHORD, chord_headers
 from celery_echomq.store.planned import held_of
 

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from celery import current_app
 
 from celery_echomq.send import grow
-from celery_echomq.send.signatures import child_signatures
+from celery_echomq.send.accepts import child_signatures
 from celery_echomq.store import failed, reads
 from celery_echomq.store.keyspace import check_id
 from celery_echomq.store.reads import Dependencies

@@ -36,7 +36,7 @@ from typing import Any
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 
 from celery_echomq.errors import DuplicateIdError, FlowExistsError
-from celery_echomq.send.shapes import SPREAD_TASK, is_linked
+from celery_echomq.send.shape import SPREAD_TASK, is_linked
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import check_id, check_unique, new_job_id
 from celery_echomq.store.planned import Plan, PlannedJob

@@ -8,7 +8,7 @@ from typing import Any
 from celery.canvas import Signature
 
 from celery_echomq.errors import PolicyError
-from celery_echomq.send.signatures import CALLBACKS, STEP_ERRBACKS, merge_callbacks
+from celery_echomq.send.shape import CALLBACKS, STEP_ERRBACKS, merge_callbacks
 from celery_echomq.store.headers import H_RESULT, RESERVED
 from celery_echomq.store.keyspace import check_id, check_queue, new_job_id
 from celery_echomq.store.planned import keep
@@ -17,8 +17,6 @@ POLICIES = ("fail", "ignore", "remove", "continue", "fail_at_end")
 # The policies under which a failed child fails its parent: at once, or once every other
 # child has settled (as a Celery chord's body fails after its whole header has run).
 FAILING = ("fail", "fail_at_end")
-# A chord's: its body fails once the whole header has run, whatever canvas holds it.
-CHORD_POLICY = "fail_at_end"
 
 
 # Options that belong to the flow's parent alone: the rest reach every child too.

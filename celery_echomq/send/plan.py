@@ -27,9 +27,7 @@ from celery_echomq.send.jobs import (
     mark_for_store,
     route_queue,
 )
-from celery_echomq.send.links import queue_runs
-from celery_echomq.send.shapes import expand, is_linked, nested_chain
-from celery_echomq.send.signatures import CHORD_WORDS
+from celery_echomq.send.shape import CHORD_WORDS, expand, is_linked, nested_chain, queue_runs
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_CHORD, H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
 from celery_echomq.store.planned import Node, Plan, PlannedChain, PlannedJob, held_of, keep

@@ -23,7 +23,7 @@ from celery_echomq.send.join import (
     shared_in_canvas,
 )
 from celery_echomq.send.plan import Plan, check_depth, plan_flow
-from celery_echomq.send.signatures import merge_callbacks
+from celery_echomq.send.shape import merge_callbacks
 from celery_echomq.send.start import start_flow
 from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_QUEUE

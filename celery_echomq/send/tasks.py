@@ -1,4 +1,4 @@
-"""The tasks a flow whose parent is a canvas runs (see shapes.py): ``spread`` adds the
+"""The tasks a flow whose parent is a canvas runs (see shape.py): ``spread`` adds the
 canvas's children, each given the values; ``collect`` is a group parent's own parent."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 from celery.canvas import maybe_signature
 
 from celery_echomq.send.flow_reads import add_children
-from celery_echomq.send.shapes import COLLECT_TASK, SPREAD_TASK
+from celery_echomq.send.shape import COLLECT_TASK, SPREAD_TASK
 
 
 def register_tasks(app: Any) -> None:

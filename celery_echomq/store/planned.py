@@ -85,7 +85,7 @@ class Plan:
     outer: str = ""
     # The parent takes its one child's value as is, not as a list (a chain's step).
     single: bool = False
-    # Children whose values the parent does not get (a spread, see send/shapes.py).
+    # Children whose values the parent does not get (a spread, see send/shape.py).
     silent: list[str] = field(default_factory=list)
     max_active: int = 0  # the most children out at once; 0: no window (send/fan_in.py)
 

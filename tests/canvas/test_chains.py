@@ -1,5 +1,5 @@
 """Linked chains: a chain of tasks among a flow's children, its steps plain job rows run in
-order (send/shapes.py ``linked``, includes/chain_step.lua, complete.lua's ``advanced``), on
+order (send/shape.py ``linked``, includes/chain_step.lua, complete.lua's ``advanced``), on
 a real worker and eagerly, of any length."""
 
 from __future__ import annotations

@@ -20,7 +20,12 @@ chord takes a canvas, in the only shape the store holds (a held row per parent).
 
 Every id of the tree is assigned here, including the ids of what a spread will add, so a
 spread delivered twice adds the same jobs, which the second time are already there.
-Pure: nothing here touches Redis or the broker.
+
+Below the shaping, in the order it calls them: the nodes a shape is made of (a flow whose
+parent is a task, a linked chain, a canvas's parts) and what it reads of a signature (its
+callbacks, the options that are a canvas's own, a task copied with an id of its own); and
+above it the options it writes on what it makes. Pure: nothing here touches Redis or the
+broker.
 """
 
 from __future__ import annotations
@@ -30,34 +35,34 @@ from typing import Any
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
 from celery.utils.functional import maybe_list
 
-from celery_echomq.send.jobs import CHORD_POLICY
-from celery_echomq.send.links import (
-    COLLECT_TASK,
-    FLOW_TASK,
-    SPREAD_TASK,
-    as_flow_node,
-    fans_out,
-    flow_node,
-    group_tasks,
-    header_tasks,
-    is_linked,
-    linked,
-    linked_after,
-    task_run,
-    with_chain_callbacks,
-)
-from celery_echomq.send.signatures import (
-    CALLBACKS,
-    CHORD_WORDS,
-    STEP_ERRBACKS,
-    is_task,
-    merge_callbacks,
-    options_of,
-    task_copy,
-)
 from celery_echomq.store.keyspace import new_job_id
 
-__all__ = ["COLLECT_TASK", "FLOW_TASK", "SPREAD_TASK", "is_linked"]
+FLOW_TASK = "celery_echomq.flow"
+# The tasks a flow whose parent is a canvas runs (send/tasks.py registers them).
+SPREAD_TASK = "celery_echomq.spread"
+COLLECT_TASK = "celery_echomq.collect"
+# A chord's: its body fails once the whole header has run, whatever canvas holds it.
+CHORD_POLICY = "fail_at_end"
+
+# The options a signature's callbacks travel in.
+CALLBACKS = ("link", "link_error")
+# The option that marks a linked chain (a chain of single tasks, each with its id): a child
+# of a flow planned as steps (send/plan.py), not as nested flows.
+LINKED = "echomq_linked"
+# An option of a chain parent's steps after its first: the errbacks each step carries (the
+# chain's own). A job held on the steps before it (its last step, a flow step) that one of
+# them failed does not run these again (send/jobs.py stores them as its ``step_errbacks``).
+STEP_ERRBACKS = "echomq_step_errbacks"
+# An option of a chord's node among a flow's children, with every chord on the engine
+# (``echomq_chords``): its failure is worded as Celery words a chord's (send/plan.py marks it).
+CHORD_WORDS = "echomq_chord_words"
+
+# Options of a chain, group or chord that are its own, not handed down to its tasks.
+_OWN = frozenset(
+    "task_id group_id group_index chord parent_policy subtask_type link link_error chain "  # noqa: SIM905
+    "reply_to root_id parent_id echomq_silent echomq_linked echomq_step_errbacks "
+    "echomq_chord_words".split()
+)
 
 
 def nested_chain(sig: Signature, app: Any) -> Signature:
@@ -424,3 +429,187 @@ def as_plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [as_plain(v) for v in value]
     return value
+
+
+# --- the nodes a shape is made of -----------------------------------------------------------------
+
+
+def flow_node(
+    parent: Signature,
+    children: list[Signature],
+    inherited: dict[str, Any],
+    *,
+    policy: str = "fail",
+    single: bool = False,
+    timing: dict[str, Any] | None = None,
+) -> Signature:
+    """A flow whose parent is ``parent``, held on ``children``: the node shapes are made of."""
+    # Made from its registered type (canvas.flow), as its JSON would be: this module comes
+    # before the signature class in the package's imports.
+    node = Signature.from_dict(
+        {
+            "task": FLOW_TASK,
+            "subtask_type": "flow",
+            "args": (),
+            "kwargs": {
+                "parent": parent,
+                "children": children,
+                "policy": policy,
+                "single": single,
+                **(timing or {}),
+            },
+            "options": {**inherited, "task_id": parent.options["task_id"]},
+            "immutable": False,
+        },
+        app=parent._app,
+    )
+    return node
+
+
+def is_linked(sig: Any) -> bool:
+    """A linked chain: made by :func:`linked`, planned as steps."""
+    return isinstance(sig, _chain) and bool(sig.options.get(LINKED))
+
+
+def linked(
+    sig: _chain, steps: list[Any], app: Any, inherited: dict[str, Any], *, own: bool = True
+) -> Signature:
+    """A chain of single tasks as one child whose steps run in order: each step a copy with
+    its own id (the last takes the chain's, with ``own``), the chain's options handed down to
+    each."""
+    own_id = sig.options.get("task_id") if own else None
+    last = len(steps) - 1
+    tasks = [task_copy(s, inherited, own_id if i == last else None) for i, s in enumerate(steps)]
+    node = _chain(tasks, app=app)
+    node.options[LINKED] = True
+    node.options["task_id"] = tasks[-1].options["task_id"]
+    return node
+
+
+def linked_after(
+    head: Signature, steps: list[Any], app: Any, inherited: dict[str, Any], own_id: Any
+) -> Signature:
+    """``head`` (a flow: the step held on what comes before it; or a linked chain) and then
+    ``steps`` (single tasks), linked: ``head``'s value goes to the first of them as a
+    chain's does. ``own_id``: the id the last step takes (the chain's own)."""
+    first = list(head.tasks) if is_linked(head) else [head]
+    last = len(steps) - 1
+    tasks = [task_copy(s, inherited, own_id if i == last else None) for i, s in enumerate(steps)]
+    node = _chain([*first, *tasks], app=app)
+    node.options[LINKED] = True
+    node.options["task_id"] = tasks[-1].options["task_id"]
+    return node
+
+
+def as_flow_node(node: Signature, app: Any) -> Signature:
+    """A node that must be a flow (the top of a tree): a linked chain's last step is held on
+    the steps before it (taking their value as is), so the flow's id stays its value task's."""
+    if not is_linked(node):
+        return node
+    *before, last = node.tasks
+    if len(before) == 1:
+        below = before[0]
+    else:
+        below = _chain(before, app=app)
+        below.options[LINKED] = True
+        below.options["task_id"] = before[-1].options["task_id"]
+    return flow_node(last, [below], {}, single=True)
+
+
+def with_chain_callbacks(steps: list[Any], options: dict[str, Any], app: Any) -> list[Any]:
+    """A chain parent's steps with the chain's own callbacks where Celery's chain puts them:
+    ``link`` on its last step (it runs once, with the chain's value), ``link_error`` on each
+    step (the step that fails runs it, with its own id; no step after it runs)."""
+    errbacks = maybe_list(options.get("link_error")) or []
+    out = [maybe_signature(step, app=app).clone() for step in steps]
+    for i, step in enumerate(out):
+        if errbacks:
+            # A group, chord or flow step takes them as its own link_error (a group's then go
+            # to each of its tasks, as a group parent's do: send/errbacks.py).
+            step.options["link_error"] = merge_callbacks(step.options.get("link_error"), errbacks)
+        if i and errbacks:
+            step.options[STEP_ERRBACKS] = list(errbacks)
+    if options.get("link"):
+        last = out[-1]
+        last.options["link"] = merge_callbacks(last.options.get("link"), options["link"])
+    return out
+
+
+def task_run(steps: list[Any], start: int) -> int:
+    """How many of ``steps`` from ``start`` on are single tasks, one after another."""
+    end = start
+    while end < len(steps) and is_task(steps[end]):
+        end += 1
+    return end - start
+
+
+def group_tasks(sig: group) -> list[Any]:
+    return [maybe_signature(t, app=sig._app) for t in sig.tasks]
+
+
+def header_tasks(sig: _chord, app: Any) -> list[Any]:
+    tasks = sig.tasks
+    if isinstance(tasks, group):
+        return group_tasks(tasks)
+    return [maybe_signature(t, app=app) for t in tasks]
+
+
+def fans_out(sig: Any) -> bool:
+    """Whether a step's value is the list of a group's values, not a single value."""
+    return isinstance(maybe_signature(sig), group)
+
+
+def queue_runs(chain: Signature, queues: list[str], app: Any) -> Signature:
+    """A linked chain whose steps live on several queues' slots (``queues``: each step's), as
+    runs of steps on one queue: each run linked (one script makes its next step pending on its
+    slot), its first step held on the run before it. A flow level per run, none per step."""
+    tasks = list(chain.tasks)
+    node: Signature | None = None
+    start = 0
+    while start < len(tasks):
+        end = start + 1
+        while end < len(tasks) and queues[end] == queues[start]:
+            end += 1
+        head = tasks[start] if node is None else flow_node(tasks[start], [node], {}, single=True)
+        rest = tasks[start + 1 : end]
+        node = linked_after(head, rest, app, {}, None) if rest else head
+        start = end
+    assert node is not None
+    return node
+
+
+# --- what a shape reads of a signature ------------------------------------------------------------
+
+
+def merge_callbacks(own: Any, given: Any) -> list[Any]:
+    """A signature's own callbacks, then those it was sent with, each once."""
+    merged: list[Any] = []
+    for callback in [*(maybe_list(own) or ()), *(maybe_list(given) or ())]:
+        if callback not in merged:
+            merged.append(callback)
+    return merged
+
+
+def is_task(sig: Any) -> bool:
+    """A single task's signature (not a chain, group, chord or flow)."""
+    return type(sig) is Signature or (
+        isinstance(sig, Signature)
+        and not isinstance(sig, (_chain, _chord, group))
+        and getattr(sig, "subtask_type", None) != "flow"
+    )
+
+
+def options_of(sig: Signature) -> dict[str, Any]:
+    """A canvas's options that its tasks inherit (its own left out)."""
+    return {k: v for k, v in sig.options.items() if k not in _OWN}
+
+
+def task_copy(sig: Signature, inherited: dict[str, Any], task_id: Any = None) -> Signature:
+    """A copy of a task with an id of its own and the options of the canvases around it."""
+    copy = sig.clone()
+    for key, value in inherited.items():
+        copy.options.setdefault(key, value)
+    if task_id is not None:
+        copy.options.setdefault("task_id", task_id)
+    copy.options.setdefault("task_id", new_job_id())
+    return copy
