@@ -18,7 +18,7 @@ from celery_echomq.ops.cancel import cancel_flow
 from celery_echomq.send.flow_reads import add_children, reads_of
 from celery_echomq.store import reads
 from celery_echomq.store.connection import text
-from celery_echomq.store.fan_in_rules import rule_of
+from celery_echomq.store.fan_in_rules import Decides, rule_of
 from celery_echomq.store.reads import Dependencies, indexed_children, locate
 from celery_echomq.store.state import get_state
 
@@ -324,8 +324,8 @@ class FanIn:
             self.credited += 1
         return self.waiting and self._decide(rule.decides, child_id, data)
 
-    def _decide(self, decides: str, child_id: str, data: Any) -> bool:
-        """What the outcome decides while the parent waits (``fan_in_rules.Decides``);
+    def _decide(self, decides: Decides, child_id: str, data: Any) -> bool:
+        """What the outcome decides while the parent waits (its rule's ``decides``);
         ``data`` a failure's error text."""
         if decides == "fail":
             return self._fail(f"child {child_id} failed: {data}", child_id, data)
