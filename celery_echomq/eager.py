@@ -1,10 +1,12 @@
 """A flow run eagerly: ``flow(...).apply()``, and ``apply_async`` under ``task_always_eager``.
 
 Every child runs in this process, in order, then the parent, as ``chord(...).apply()`` does;
-nothing touches Redis or the broker. The fan-in follows the same rules as
-``lua/includes/settle_child.lua``, kept in memory: a child's value is counted once, a failed
-child's ``parent_policy`` (else the flow's ``policy``) decides what it means for the parent,
-a deadline applies as deadline.lua does, and the result holds what the reads give on a worker.
+nothing touches Redis or the broker. The fan-in follows the rules
+``store/fan_in_rules.py`` states for both ways, which ``lua/includes/settle_child.lua``
+applies in the store, kept in memory (``result.py``'s ``FanIn``): a child's value is counted
+once, a failed child's ``parent_policy`` (else the flow's ``policy``) decides what it means
+for the parent, a deadline applies as deadline.lua does, and the result holds what the reads
+give on a worker.
 
 What differs from a worker: children run one after another, in the order given, so under
 ``continue`` the parent runs (at once, as on release) with the values of the children before
@@ -28,7 +30,7 @@ from celery.result import AsyncResult
 
 from celery_echomq.config import Settings
 from celery_echomq.errors import FlowClosedError, FlowFailed, ReduceError
-from celery_echomq.result import EagerFlowResult, FanIn, QuorumFanIn
+from celery_echomq.result import EagerFlowResult, FanIn
 from celery_echomq.send.errbacks import errbacks_left, ran_by_child, with_errbacks
 from celery_echomq.send.fan_in import empty, fan_in_of, fold, refuse_growth, window_of
 from celery_echomq.send.flow_reads import IN_PROCESS
@@ -219,17 +221,10 @@ class _Level:
         # Children added while this runs are appended to the entries, and to child_ids (the
         # order the parent gets their values in).
         self.child_ids = plan.child_ids()
+        n = len(self.child_ids)
         quorum = held_of(plan.parent).quorum
-        self.fanin = seen[plan.parent_id] = (
-            QuorumFanIn(
-                plan.parent_id,
-                len(self.child_ids),
-                plan.policy,
-                quorum=quorum,
-                total=len(self.child_ids),
-            )
-            if quorum
-            else FanIn(plan.parent_id, len(self.child_ids), plan.policy)
+        self.fanin = seen[plan.parent_id] = FanIn(
+            plan.parent_id, n, plan.policy, quorum=quorum, total=n
         )
         self.parent_options = {
             k: merge_callbacks(sig.parent.options[k], v) if k in sig.parent.options else v
@@ -330,7 +325,7 @@ class _Level:
                 self.run_parent()
             if cut:
                 break
-            if isinstance(self.fanin, QuorumFanIn) and self.parent_res is not None:
+            if self.fanin.quorum and self.parent_res is not None:
                 # Its quorum met: the children not started never run, counted as cut.
                 self.fanin.ended_without += [e[1] for e in self.growing.entries[i:]]
                 break

@@ -18,6 +18,7 @@ from celery_echomq.ops.cancel import cancel_flow
 from celery_echomq.send.flow_reads import add_children, reads_of
 from celery_echomq.store import reads
 from celery_echomq.store.connection import text
+from celery_echomq.store.fan_in_rules import Decides, rule_of
 from celery_echomq.store.reads import Dependencies, indexed_children, locate
 from celery_echomq.store.state import get_state
 
@@ -252,7 +253,9 @@ class FlowResult(AsyncResult):  # type: ignore[misc]
 
 @dataclass
 class FanIn:
-    """A flow's counter, values and ignored errors, as the scripts keep them in Redis."""
+    """A flow's counter, values and ignored errors, as the scripts keep them in Redis; a
+    finished child settled by the fan-in's rules (``store/fan_in_rules.py``), as
+    settle_child.lua settles it."""
 
     parent_id: str
     outstanding: int
@@ -274,6 +277,11 @@ class FanIn:
     # The children's results, in the children's order, once the run is over (the result's
     # ``parent``).
     results: list[Any] = field(default_factory=list)
+    # Released by its quorum-th success of ``total`` children (includes/quorum.lua), 0: none;
+    # ``failed`` counts the failures that left one child fewer able to succeed.
+    quorum: int = 0
+    total: int = 0
+    failed: int = 0
 
     def children_values(self, cursor: str | None, count: int | None) -> Any:
         return reads.eager_values(dict(self.values), cursor, count)
@@ -304,85 +312,59 @@ class FanIn:
         }
 
     def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
-        """Count one finished child; whether this released the parent (settle_child.lua)."""
-        if ok:
-            self.values[child_id] = data
-            policy = ""
-        else:
-            policy = policy or self.policy
-            if policy != "ignore":
-                self.failures[child_id] = data
-            if policy == "fail":
-                if self.waiting:
-                    self.waiting = False
-                    self.failure = FlowFailed(
-                        f"flow {self.parent_id}: child {child_id} failed: {data}", child_id, data
-                    )
-                return False
-            if policy == "ignore":
-                self.ignored[child_id] = data
-            if policy == "fail_at_end" and self.late is None:
-                self.late = (child_id, data)
-        self.outstanding -= 1
-        self.credited += 1
-        if (policy == "continue" or self.outstanding <= 0) and self.waiting:
-            self.waiting = False
-            if self.late is not None:
-                # A failure it waited to give, once every child has settled.
-                failed, error = self.late
-                self.failure = FlowFailed(
-                    f"flow {self.parent_id}: child {failed} failed: {error}", failed, error
-                )
-                return False
-            return True
-        return False
-
-    def released_values(self, child_ids: Sequence[str]) -> list[Any]:
-        """The parent's argument: the values so far, in the children's order (dispatch.lua)."""
-        return [self.values[cid] for cid in child_ids if cid in self.values]
-
-
-@dataclass
-class QuorumFanIn(FanIn):
-    """A flow's fan-in released by its ``quorum``-th success (includes/quorum.lua): the values
-    kept in the order they succeeded; a failure is one child fewer that can succeed."""
-
-    quorum: int = 0
-    total: int = 0
-    failed: int = 0
-
-    def settle(self, child_id: str, ok: bool, data: Any, policy: str | None) -> bool:
-        if ok and not self.waiting and self.failure is None:
-            self.ended_without.append(child_id)  # finished after the quorum was met: cut
+        """Count one finished child by its rule; whether this released the parent."""
+        rule = rule_of(self.quorum, "done" if ok else policy or self.policy)
+        if rule.cut_once_released and not self.waiting and self.failure is None:
+            self.ended_without.append(child_id)  # finished after its flow was released
             return False
-        if ok:
-            self.values[child_id] = data
-        else:
-            policy = policy or self.policy
-            (self.ignored if policy == "ignore" else self.failures)[child_id] = data
-        self.outstanding -= 1
-        self.credited += 1
-        if not self.waiting:
-            return False
-        if ok or policy == "continue":
-            self.waiting = len(self.values) < self.quorum and policy != "continue"
-            return not self.waiting
-        self.failed += 1
-        if self.total - self.failed < self.quorum:
-            self.waiting = False
-            self.failure = FlowFailed(
-                f"flow {self.parent_id}: quorum not met: {len(self.values)} of {self.total} "
-                f"children succeeded, {self.quorum} needed ({self.failed} failed; the last, "
-                f"{child_id}: {data})",
+        kept = {"values": self.values, "ignored": self.ignored, "failures": self.failures}
+        kept[rule.kept][child_id] = data
+        if rule.counted:
+            self.outstanding -= 1
+            self.credited += 1
+        return self.waiting and self._decide(rule.decides, child_id, data)
+
+    def _decide(self, decides: Decides, child_id: str, data: Any) -> bool:
+        """What the outcome decides while the parent waits (its rule's ``decides``);
+        ``data`` a failure's error text."""
+        if decides == "fail":
+            return self._fail(f"child {child_id} failed: {data}", child_id, data)
+        if decides == "at_quorum":
+            return len(self.values) >= self.quorum and self._release()
+        if decides == "short":
+            self.failed += 1
+            if self.total - self.failed >= self.quorum:
+                return False
+            return self._fail(
+                f"quorum not met: {len(self.values)} of {self.total} children succeeded, "
+                f"{self.quorum} needed ({self.failed} failed; the last, {child_id}: {data})",
                 child_id,
                 str(data),
                 self.parent_id,
             )
+        if decides == "late" and self.late is None:
+            self.late = (child_id, data)
+        return (decides == "at_once" or self.outstanding <= 0) and self._release()
+
+    def _release(self) -> bool:
+        """Released, unless a failure under fail_at_end waits to be given: then failed."""
+        if self.late is not None:
+            child_id, error = self.late
+            return self._fail(f"child {child_id} failed: {error}", child_id, error)
+        self.waiting = False
+        return True
+
+    def _fail(self, reason: str, child_id: str, error: str, *parent: str) -> bool:
+        self.waiting = False
+        self.failure = FlowFailed(f"flow {self.parent_id}: {reason}", child_id, error, *parent)
         return False
 
     def released_values(self, child_ids: Sequence[str]) -> list[Any]:
-        """In the order they succeeded."""
-        return list(self.values.values())
+        """The parent's argument: the values so far, in the children's order (dispatch.lua);
+        under a quorum, in the order they succeeded."""
+        if self.quorum:
+            return list(self.values.values())
+        return [self.values[cid] for cid in child_ids if cid in self.values]
 
 
 class EagerFlowResult(EagerResult, FlowResult):  # type: ignore[misc]

@@ -33,6 +33,10 @@
 -- failed under fail (never counted down) from one still outstanding. On the row, not in a
 -- key of its own: it lives and expires with the flow, and no script takes one more key.
 --
+-- The same rules, as the table eager mode executes (it runs with no Redis), are
+-- store/fan_in_rules.py's RULES: a rule changed here is changed there too;
+-- tests/store/test_fan_in_rules.py runs every row of it on these scripts.
+--
 -- Returns {status, policy}:
 --   "released"       the parent is now pending (the host dispatches it)
 --   "credited"       counted; the parent still waits, or no longer waits
