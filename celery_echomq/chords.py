@@ -2,14 +2,15 @@
 
 Celery runs a chord in ``chord.run``: it freezes the body and the header, asks the result
 backend to keep the count (``apply_chord``, then ``on_chord_part_return`` from each header
-task) and sends the header. With the setting on, ``run`` keeps every step a caller can see
-(the ids Celery gives, the body's options and callbacks, the ``AsyncResult`` of the body
-whose ``parent`` is the header's ``GroupResult``) and hands the fan-in to the flow engine
-instead of the backend: the body is held in the store as a flow's parent, each header task
-is one of its children, credited once by the script that completes it, and recovered like
-any flow job. A header failure fails the body once every header task has settled (the
-policy ``fail_at_end``), as Celery's does; what the engine records then is a ``FlowFailed``,
-which is a ``ChordError``, worded as Celery words it.
+task) and sends the header. With the setting on, Celery's own ``run`` still does every step a
+caller can see (the ids it gives, the body's options and callbacks, the ``AsyncResult`` of the
+body whose ``parent`` is the header's ``GroupResult``), each as that Celery release does it;
+two of its steps go to the flow engine instead: the backend's ``apply_chord`` keeps no count,
+and the header's send (``HeldHeader.apply_async``) is the send of a flow whose parent is the
+body, held in the store, and whose children are the header's tasks, each credited once by the
+script that completes it and recovered like any flow job. A header failure fails the body once
+every header task has settled (the policy ``fail_at_end``), as Celery's does; what the engine
+records then is a ``FlowFailed``, which is a ``ChordError``, worded as Celery words it.
 
 Eager chords (``task_always_eager``, ``chord.apply``) are Celery's: nothing is held there.
 ``self.add_to_chord(sig)`` in a header task on the engine adds ``sig`` to the flow
@@ -20,18 +21,19 @@ first (a flow still running refuses them, as any flow does).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from copy import deepcopy
 from typing import Any, TypeVar
 
 from celery.app.task import Task
 from celery.backends.redis import RedisBackend
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
-from celery.utils import uuid
-from celery.utils.functional import _regen
+from celery.utils.functional import regen
 
 from celery_echomq.errors import ConfigError, FlowExistsError, UnknownFlowError
 from celery_echomq.ops.forget import forget_flow
@@ -55,6 +57,9 @@ SETTING = "echomq_chords"
 # A chord's own options that the engine reads (``chord(h, b, deadline=60)`` or
 # ``apply_async(max_active=10)``), and that never reach a task's message.
 ENGINE_OPTIONS = ("policy", "deadline", "on_deadline", "max_active")
+
+# What Celery keeps a header given as a generator in (``regen``'s type): it is sent as read.
+READ_AS_SENT = type(regen(iter(())))
 
 # The options of a chord's send that override its header tasks' own.
 ROUTING = ("queue", "routing_key", "exchange", "priority")
@@ -88,28 +93,42 @@ def run(
     header_delay: dict[str, Any] | None = None,
     **options: Any,
 ) -> Any:
-    """``chord.run`` for every chord: Celery's own unless the app's chords are on the engine."""
+    """``chord.run`` for every chord: Celery's own, which on the engine hands its header's send
+    to the flow engine (:class:`HeldHeader`)."""
     app = app or self._get_app(body)
-    if not on_engine(app):
-        return _celery_run(
-            self,
-            header,
-            body,
-            partial_args,
-            app=app,
-            interval=interval,
-            countdown=countdown,
-            max_retries=max_retries,
-            eager=eager,
-            task_id=task_id,
-            kwargs=kwargs,
-            # Celery 5.7's; before, run takes no such argument (it would become an option)
-            **({} if header_delay is None else {"header_delay": header_delay}),
-            **options,
-        )
-    return _run_as_flow(
-        self, header, body, partial_args, app, task_id, kwargs, header_delay, options
-    )
+    engine_run = on_engine(app)
+    # The engine's own options never reach Celery's run, which would give them to the body and
+    # the header's tasks as message options; the chord keeps its own for its next apply.
+    stashed: dict[str, Any] = {}
+    sent: Any = header
+    if engine_run:
+        engine = _engine_options({**self.options, **options})
+        for name in ENGINE_OPTIONS:
+            options.pop(name, None)
+            if name in self.options:
+                stashed[name] = self.options.pop(name)
+        sent = HeldHeader(header, app, engine)
+        _hold_backend_count(app.backend)
+    try:
+        with _HOLDING.count_of(app.backend if engine_run else None):
+            return _celery_run(
+                self,
+                sent,
+                body,
+                partial_args,
+                app=app,
+                interval=interval,
+                countdown=countdown,
+                max_retries=max_retries,
+                eager=eager,
+                task_id=task_id,
+                kwargs=kwargs,
+                # Celery 5.7's; before, run takes no such argument (it would become an option)
+                **({} if header_delay is None else {"header_delay": header_delay}),
+                **options,
+            )
+    finally:
+        self.options.update(stashed)
 
 
 def apply(
@@ -131,74 +150,108 @@ def apply(
     return _celery_apply(self, args, kwargs, propagate=propagate, body=body, **options)
 
 
-def _run_as_flow(
-    chord: _chord,
-    header: group,
-    body: Signature,
-    partial_args: Any,
-    app: Any,
-    task_id: str | None,
-    kwargs: dict[str, Any] | None,
-    header_delay: dict[str, Any] | None,
-    options: dict[str, Any],
-) -> Any:
-    """Celery's steps up to the header's send (the same ids, options and callbacks, so the
-    same results), then one flow of the body over the header's tasks."""
-    from celery_echomq.canvas import flow
+class _Holding(threading.local):
+    """The result backend whose chord count this thread (or greenlet) leaves to the engine:
+    the app's, while Celery's run of one of its chords on the engine is under way."""
 
-    group_id = header.options.get("task_id") or uuid()
-    root_id = body.options.get("root_id")
-    options = dict(chord.options, **options)
-    engine = _engine_options(options)
-    delay = dict(header_delay or {})
-    for key in ("countdown", "eta"):
-        if key not in delay and options.get(key) is not None:
-            delay[key] = options[key]
-        options.pop(key, None)
-    if options:
-        options.pop("task_id", None)
-        if hasattr(chord, "_add_body_callbacks"):  # Celery 5.7
-            body = chord._add_body_callbacks(body, options)
-            body.options.update(chord._body_options(options))
-        else:  # before 5.7, Celery's run gives the body the chord's options as they are
-            body.options.update(options)
-            if isinstance(body, _chain):
-                body = _chain_after_last_step(body, app)
-    if isinstance(body, _chain) and hasattr(body, "_unroll_chords"):  # Celery 5.7
-        body._unroll_chords(app)
-    bodyres = body.freeze(task_id or uuid(), group_id=group_id, root_id=root_id)
-    # What travels to the header tasks (a chord's header never carries the chain after it,
-    # nor a chord of its own).
-    for name in ("chain", "chord", "task_id"):
-        options.pop(name, None)
-    header.options["task_id"] = group_id
-    # A generator's tasks are frozen as it is read (a GroupResult made now would read it
-    # whole), so the GroupResult is made after the send, as Celery makes it.
-    _, results = header._freeze_group_tasks(group_id=group_id, root_id=root_id)
-    if not header.tasks:
-        # Nothing to wait for: the body runs now, as Celery runs it.
-        body.delay([])
-        bodyres.parent = app.GroupResult(group_id, results)
-        return bodyres
-    # What the engine records when the header fails: Celery's own error handling of this body
-    # (its errbacks, a group body's tasks, the chain after it), from the body as sent; a chain
-    # body's steps are flow jobs that run their errbacks themselves.
-    chord_body = "1" if isinstance(body, _chain) else deepcopy(dict(body))
-    send = {**options, **delay, CHORD_OPTION: chord_body}
-    if isinstance(header.tasks, _regen):
-        _send_as_read(app, body, header, results, engine, partial_args, kwargs, send)
-    else:
-        for task, result in zip(header.tasks, results, strict=True):
-            _routed(app, task, result, send)
-        held = flow(body, header, app=app, **engine)
-        # Celery runs a frozen chord again under its ids: the engine forgets the finished
-        # flow that holds them first (send_reusing_finished, below).
-        forget_finished_holding(get_state(app), body)
-        send_reusing_finished(
-            get_state(app), lambda: held.apply_async(partial_args, kwargs, **send)
-        )
-    bodyres.parent = app.GroupResult(group_id, results)
-    return bodyres
+    backend: Any = None
+
+    @contextlib.contextmanager
+    def count_of(self, backend: Any) -> Iterator[None]:
+        before, self.backend = self.backend, backend
+        try:
+            yield
+        finally:
+            self.backend = before
+
+
+_HOLDING = _Holding()
+
+
+def _hold_backend_count(backend: Any) -> None:
+    """Celery's run asks the result backend to keep the chord's count (``apply_chord``) before
+    it sends the header: on the engine the flow keeps it, and a backend that would otherwise
+    send ``celery.chord_unlock`` (any but Redis's) would run the body a second time. The
+    backend's own ``apply_chord`` is left for every other run, decided per call, so that
+    threads sharing the backend never see it change."""
+    if "apply_chord" in vars(backend):
+        return
+    own = backend.apply_chord
+
+    def apply_chord(*args: Any, **kwargs: Any) -> Any:
+        if _HOLDING.backend is backend:
+            return None
+        return own(*args, **kwargs)
+
+    backend.apply_chord = apply_chord
+
+
+class HeldHeader:
+    """A chord's header as Celery's run sees it on the engine: Celery freezes it (the ids, the
+    group id, the body it gives each task), and its send is the flow's send: the body held in
+    the store as the parent of the header's tasks, which go out as the flow's children."""
+
+    def __init__(self, header: group, app: Any, engine: dict[str, Any]) -> None:
+        self.header, self.app, self.engine = header, app, engine
+        self.frozen: tuple[str, Any] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        # What Celery's run reads of its header (options, tasks) is the header's own.
+        return getattr(self.header, name)
+
+    def _freeze_group_tasks(self, *args: Any, **kwargs: Any) -> Any:
+        # Celery's run freezes the header here and keeps what it returns (the group id and
+        # the tasks' results) to itself: the flow needs the results too.
+        self.frozen = self.header._freeze_group_tasks(*args, **kwargs)
+        return self.frozen
+
+    def apply_async(
+        self, args: Any = None, kwargs: Any = None, task_id: str | None = None, **options: Any
+    ) -> Any:
+        """The header's send, as Celery's run asks for it (the chord's options, less what a
+        header never carries), made the flow's."""
+        from celery_echomq.canvas import flow
+
+        assert self.frozen is not None, "Celery's run freezes the header before it sends it"
+        group_id, results = self.frozen
+        header, app = self.header, self.app
+        body = header.options.pop("chord")
+        # What the engine records when the header fails: Celery's own error handling of this
+        # body (its errbacks, a group body's tasks, the chain after it), from the body as sent;
+        # a chain body's steps are flow jobs that run their errbacks themselves.
+        chord_body = "1" if isinstance(body, _chain) else deepcopy(dict(body))
+        if isinstance(body, _chain) and "chain" in body.options:
+            body = _chain_after_last_step(body, app)
+        send = {**options, CHORD_OPTION: chord_body}
+        if isinstance(header.tasks, READ_AS_SENT):
+            _send_as_read(app, body, header, results, self.engine, args, kwargs, send)
+        else:
+            for task, result in zip(header.tasks, results, strict=True):
+                _routed(app, task, result, send, body)
+            held = flow(body, header, app=app, **self.engine)
+            # Celery runs a frozen chord again under its ids: the engine forgets the finished
+            # flow that holds them first (send_reusing_finished, below).
+            forget_finished_holding(get_state(app), body)
+            send_reusing_finished(get_state(app), lambda: held.apply_async(args, kwargs, **send))
+        return app.GroupResult(group_id, results)
+
+
+def _without_body(sig: Any, body: Signature) -> None:
+    """Celery's run gives every header task the body as its ``chord`` option, by which a worker
+    reports to the backend's count; on the engine the flow counts, so no task carries it."""
+    if not isinstance(sig, Signature):
+        return
+    if sig.options.get("chord") is body:
+        del sig.options["chord"]
+    tasks: Any = getattr(sig, "tasks", None)
+    # A generator's tasks are left to be read as they are sent (they carry the body only if
+    # the generator was a nested group's, which the engine sends as a group of its own).
+    if isinstance(sig, (group, _chain)) and type(tasks) in (list, tuple):
+        for task in tasks:
+            _without_body(task, body)
+    elif isinstance(sig, _chord):
+        _without_body(sig.tasks, body)
+        _without_body(sig.body, body)
 
 
 def _chain_after_last_step(body: _chain, app: Any) -> _chain:
@@ -242,11 +295,15 @@ def _check_header_task(task: Any) -> None:
         check_spelling(task.options, CHILD_OPTIONS, f"chord header task {task.task!r}: .set()")
 
 
-def _routed(app: Any, task: Signature, result: Any, send: dict[str, Any]) -> Signature:
+def _routed(
+    app: Any, task: Signature, result: Any, send: dict[str, Any], body: Signature
+) -> Signature:
     """A header task with what the chord is sent with over its own routing (as in Celery's
-    header.apply_async(**options); a flow's own children keep theirs), its result listened
-    for from now on, as Celery's send of it does (Redis's result backend, by pub/sub)."""
+    header.apply_async(**options); a flow's own children keep theirs), without the body Celery
+    gave it, its result listened for from now on, as Celery's send of it does (Redis's result
+    backend, by pub/sub)."""
     _check_header_task(task)
+    _without_body(task, body)
     task.options.update({k: v for k, v in send.items() if k in ROUTING})
     if isinstance(app.backend, RedisBackend):
         app.backend.on_task_call(None, result.id)
@@ -274,7 +331,7 @@ def _send_as_read(
 
     state = get_state(app)
     # Each task is frozen (its id given) by the header's results as they are read.
-    tasks = (_routed(app, t, r, send) for t, r in zip(header.tasks, results, strict=True))
+    tasks = (_routed(app, t, r, send, body) for t, r in zip(header.tasks, results, strict=True))
     held = flow(body, [next(tasks)], app=app, **engine)
     result = held.apply_async(partial_args, kwargs, **{**send, OPEN_OPTION: True})
     # The job that holds the flow's children: the body, or a chain body's first step.
