@@ -27,7 +27,7 @@ ENV_OTEL = "ECHOMQ_BENCH_OTEL"
 # runs those (bench peers --against: the worker of the "flow (against)" peer).
 ENV_LUA = "ECHOMQ_BENCH_LUA"
 # The flow store shares the result backend's database: then a flow job's completion writes its
-# result too (celery_echomq/store/results.py).
+# result too (celery_echomq/wire/results.py).
 BROKER_DB, BACKEND_DB, STORE_DB = 0, 1, 1
 
 app = Celery("bench_app")

@@ -52,7 +52,7 @@ class Env:
         self.base = base
         self.broker = broker or f"{base}/11"
         # ECHOMQ_TEST_SHARED_DB=1: the result backend on the store's database, where the store
-        # writes a flow job's result itself (celery_echomq/store/results.py). For the behaviour
+        # writes a flow job's result itself (celery_echomq/wire/results.py). For the behaviour
         # tests: those that list the store's keys or watch its commands (ops/test_cli's forget and
         # show) leave Celery's result keys out; those that need the two apart (worker/test_held's
         # MONITOR of the store's database, some of store/test_results) skip with

@@ -19,7 +19,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "celery_echomq"
 ROOT = "celery_echomq"
 # From the bottom up: a module may import its own room and the rooms below it. The leaves
 # (errors, config, tracing) any room may import; the top-level modules are what users import.
-ROOMS = ["leaf", "embedded", "store", "send", "worker", "ops", "top"]
+# ``wire``, Celery's and kombu's formats, sits on the store (whose scripts write them as given)
+# and under everything that sends a message or writes a result.
+ROOMS = ["leaf", "embedded", "store", "wire", "send", "worker", "ops", "top"]
 LEAVES = {"errors", "config", "tracing"}
 LUA_RUN = 6  # lines: a run this long in two Lua files belongs in lua/includes/
 
@@ -108,7 +110,7 @@ def test_imports_run_down_the_rooms() -> None:
 
 def test_every_room_is_a_package_a_newcomer_can_name() -> None:
     rooms = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
-    assert rooms == {"embedded", "store", "send", "worker", "ops"}
+    assert rooms == {"embedded", "store", "wire", "send", "worker", "ops"}
     top = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__"}
     assert top == {"canvas", "chords", "result", "eager", "config", "errors", "testing", "tracing"}
 
@@ -184,7 +186,7 @@ PATH = re.compile(r"(?<![\w/])celery_echomq/[\w/]+\.(?:py|lua)\b")
 # ``store/lua/complete.lua``, ``lua/includes/gate.lua``, ``includes/gate.lua``), and a
 # script named by its file alone (``credit.lua``): each names a file of the package.
 SHORT_PATH = re.compile(
-    r"(?<![\w/.-])(?:embedded|store|send|worker|ops|lua|includes)/[\w/]+\.(?:py|lua)\b"
+    r"(?<![\w/.-])(?:embedded|store|wire|send|worker|ops|lua|includes)/[\w/]+\.(?:py|lua)\b"
 )
 LUA_FILE = re.compile(r"(?<![\w/.-])\w+\.lua\b")
 # Where a short path is read from: the package, its store (``lua/...``), its scripts.

@@ -26,10 +26,10 @@ from celery_echomq.ops.fleet import Finding, ask_workers, check_workers, has_ext
 from celery_echomq.store import server_info, server_versions, store_format
 from celery_echomq.store.connection import describe
 from celery_echomq.store.reads import queues_of
-from celery_echomq.store.results import database_on_store_server, writes_results
 from celery_echomq.store.server_info import RESULT_KEYS, NodeFacts, refusals_of
 from celery_echomq.store.server_versions import MIN_SERVER, dotted, open_advisories, server_of
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.wire.results import database_on_store_server, writes_results
 
 # A host clock further than this from the store's moves what is timed by host clocks (an
 # aware-datetime deadline, a retry's countdown, Celery's eta and expires) by more than the

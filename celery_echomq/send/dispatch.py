@@ -15,12 +15,12 @@ from typing import Any
 from celery_echomq import tracing
 from celery_echomq.send.fan_in import accumulated, cut_rest, quorum_values
 from celery_echomq.send.plan import parent_args
-from celery_echomq.send.publish import send_jobs
 from celery_echomq.store.codec import with_input
 from celery_echomq.store.headers import H_HANDED, H_SINCE
 from celery_echomq.store.planned import held_of
 from celery_echomq.store.script_values import Handed
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.wire.publish import send_jobs
 
 logger = logging.getLogger("celery_echomq")
 

@@ -29,7 +29,7 @@ class Encoded(NamedTuple):
     See :mod:`~celery_echomq.store.codec`. ``kinds`` empty: every child's is a whole payload.
     ``alike``: per child, whether its job is the template's task with the template's options
     (its id aside): the messages of such children differ only in id and arguments, which
-    their publish need not compare again (send/publish.py).
+    their publish need not compare again (wire/publish.py).
     """
 
     parent: bytes

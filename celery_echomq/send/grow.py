@@ -39,9 +39,9 @@ from celery_echomq.store.planned import Node, PlannedJob, held_of, keep, node_of
 from celery_echomq.store.reads import locate
 from celery_echomq.store.refusals import named_refusal
 from celery_echomq.store.replies import Status
-from celery_echomq.store.results import writes_results
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ, get_state
+from celery_echomq.wire.results import writes_results
 
 logger = logging.getLogger("celery_echomq")
 

@@ -93,7 +93,7 @@ def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -
 
 def mark_for_store(job: dict[str, Any]) -> None:
     """Mark ``job`` with the :data:`H_RESULT` header: the store writes its result when it
-    completes, in the same script call (see store/results.py).
+    completes, in the same script call (see wire/results.py).
 
     The message does not say ``ignore_result``: a worker with the extension keeps Celery's
     trace from storing the SUCCESS itself once it holds the job (``hold_result``), while a

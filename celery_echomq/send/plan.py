@@ -72,7 +72,7 @@ def plan_flow(
     (``echomq_child_results``): a child task whose signature does not say otherwise is sent
     with ``ignore_result``; its value reaches the parent through the store alone.
     ``store_results`` (the app's result backend is on the store's server and database, see
-    store/results.py): every job whose options leave ``ignore_result`` unset is marked for the
+    wire/results.py): every job whose options leave ``ignore_result`` unset is marked for the
     store to write its result (:func:`mark_for_store`).
     """
     parent_id = job_id_of(parent.options, options.get("task_id"))

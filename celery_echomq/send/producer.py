@@ -30,8 +30,8 @@ from celery_echomq.store.headers import H_QUEUE
 from celery_echomq.store.keyspace import new_job_id
 from celery_echomq.store.planned import keep
 from celery_echomq.store.replies import Status
-from celery_echomq.store.results import writes_results
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.wire.results import writes_results
 
 __all__ = ["Sending", "Sent", "send_flow"]
 

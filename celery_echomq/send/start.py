@@ -29,7 +29,6 @@ from celery_echomq.send.encoding import Encoded, encode_plan
 from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.join import Joined, joins_by_level
 from celery_echomq.send.plan import Plan
-from celery_echomq.send.publish import SINCE_MARK, prepare, send_jobs
 from celery_echomq.store.connection import describe
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
@@ -38,6 +37,7 @@ from celery_echomq.store.refusals import named_refusal, refusal_of
 from celery_echomq.store.replies import Status, WideCheck
 from celery_echomq.store.script_values import BrokerPushes
 from celery_echomq.store.state import EchoMQ, get_state
+from celery_echomq.wire.publish import SINCE_MARK, prepare, send_jobs
 
 logger = logging.getLogger("celery_echomq")
 
@@ -137,7 +137,7 @@ def _land(
     """Write the flow, every level; on a refusal take back what was written. Returns when
     each level's children became pending (the store's clock, no later than their pending
     score: their messages carry it, sparing each claim a read, see H_SINCE), the messages
-    its enqueue pushed itself (send/publish.py), if it did, and what crediting the joined jobs
+    its enqueue pushed itself (wire/publish.py), if it did, and what crediting the joined jobs
     that had finished made of their new parents."""
     written: Written = []
     since: dict[str, int | None] = {}
@@ -271,7 +271,7 @@ def _register_queues(state: EchoMQ, start: _Start) -> tuple[int | None, list[str
 
 def _fused(state: EchoMQ, start: _Start, encoded: dict[str, Encoded]) -> BrokerPushes | None:
     """A small flow of one level, on a broker that shares the store's server: its children's
-    messages go with its enqueue script (send/publish.py)."""
+    messages go with its enqueue script (wire/publish.py)."""
     levels, one = start.levels, start.levels[0]
     plain = not (start.cluster or start.chunked[0] or one.child_policies)
     if len(levels) != 1 or not one.children or not plain:

@@ -4,8 +4,9 @@ Keys and the id gate (``keyspace``), the connection (``connection``), the Lua sc
 transition (``lua/``, read by ``loader``, run by ``runner``, called as typed methods of
 ``scripts.Scripts`` with their replies in ``replies``), the stored-message codec (``codec``),
 the message headers a flow job carries (``headers``), the process's handle on all of it
-(``state``), pure reads (``reads``), results the store writes for Celery's backend
-(``results``) and deadlines (``deadline_spec``, ``deadlines``).
+(``state``), pure reads (``reads``) and deadlines (``deadline_spec``, ``deadlines``). What the
+scripts write in Celery's and kombu's formats (a result record, a queue's messages) they take
+from their callers' arguments, computed in ``wire``.
 
 Imports only ``errors``, ``config`` and ``tracing`` from above it.
 """

@@ -30,7 +30,7 @@ H_STORE = "echomq_s"
 H_HANDED = "echomq_h"
 # "1": the store writes this job's result into Celery's result backend when the job completes
 # (the worker that holds the job keeps Celery's trace from writing it; the message itself does
-# not say ignore_result, so a worker without the extension stores it; see results.py).
+# not say ignore_result, so a worker without the extension stores it; see wire/results.py).
 H_RESULT = "echomq_r"
 # On the parent of a flow that stands for a chord (``echomq_chords``, see chords.py): the
 # chord's body as Celery would send it (its failure is then Celery's, from the body), or "1"

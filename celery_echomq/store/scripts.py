@@ -430,7 +430,7 @@ class Scripts:
     ) -> tuple[Status, bool, Handed | None, bool]:
         """Finish an active job (complete.lua) and credit its parent; returns the status,
         whether it wrote ``result``, the job's result for Celery's Redis backend (see
-        results.py): only the job's real active -> done transition writes it, never a stale or
+        wire/results.py): only the job's real active -> done transition writes it, never a stale or
         repeated completion; and, with ``inline_max``, the parent this completion released
         for the caller to publish (what :meth:`dispatch` would hand out), else None; and
         whether the job was joined to more parents (its :parents), which the caller credits.

@@ -118,7 +118,7 @@ class EchoMQ:
         # line each, however often it meets them; store/store_format.py).
         self.told_newer: Kept[str, bool] = Kept(10_000)
         # The message templates of each kombu channel this app publishes a flow's jobs on
-        # (send/templates.py's Templates), gone with the channel.
+        # (wire/templates.py's Templates), gone with the channel.
         self.message_templates: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
         # Set once this process's worker has reached the store (worker/checks.py): its
         # background threads wait for it rather than each retrying and warning meanwhile;

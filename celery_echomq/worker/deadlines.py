@@ -206,7 +206,7 @@ def follow_again(state: EchoMQ, step: Step, revoke: list[str]) -> str:
 
 
 def _readable(state: EchoMQ) -> bool:
-    from celery_echomq.store.results import backend_readable
+    from celery_echomq.wire.results import backend_readable
 
     return backend_readable(state.app)
 

@@ -32,7 +32,8 @@ from celery_echomq.store.headers import (
 )
 from celery_echomq.store.refusals import refusal_of
 from celery_echomq.store.replies import DUPLICATE_DELIVERY, STARTED, Status
-from celery_echomq.store.results import (
+from celery_echomq.store.state import Deliveries, EchoMQ, find_state
+from celery_echomq.wire.results import (
     hold_result,
     marked,
     store_failure,
@@ -43,7 +44,6 @@ from celery_echomq.store.results import (
     store_success,
     success_write,
 )
-from celery_echomq.store.state import Deliveries, EchoMQ, find_state
 from celery_echomq.worker.checks import on_worker_ready
 from celery_echomq.worker.claims import claim, new_token, warn_no_row
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown

@@ -1,5 +1,5 @@
 """A small flow in one round trip: where the broker is a database of the store's own server,
-its enqueue script pushes the children's messages itself (send/publish.py). The messages are
+its enqueue script pushes the children's messages itself (wire/publish.py). The messages are
 those the producer would have published, they carry the time the script read, and a refused
 flow still publishes nothing."""
 
@@ -20,8 +20,8 @@ from celery import chord
 from celery_echomq import flow, get_state
 from celery_echomq.embedded import RedisServer
 from celery_echomq.errors import FlowExistsError
-from celery_echomq.send import publish
-from celery_echomq.store.results import database_on_store_server
+from celery_echomq.wire import publish
+from celery_echomq.wire.results import database_on_store_server
 from tests.helpers import KEYS, Env, needs_batching
 
 pytestmark = needs_batching

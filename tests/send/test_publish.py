@@ -18,11 +18,11 @@ from celery import signals, signature
 from celery.utils.saferepr import saferepr
 
 from celery_echomq import flow, get_state
-from celery_echomq.send import publish
-from celery_echomq.send.envelope import fast_repr
 from celery_echomq.send.plan import plan_flow
 from celery_echomq.send.start import with_since
 from celery_echomq.store.planned import PlannedJob
+from celery_echomq.wire import publish
+from celery_echomq.wire.envelope import fast_repr
 from tests.helpers import needs_batching, new_job_id
 
 VALUES: list[Any] = [

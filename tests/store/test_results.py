@@ -25,9 +25,9 @@ import celery_echomq
 from celery_echomq import flow
 from celery_echomq.store.codec import load_job, read_stored
 from celery_echomq.store.headers import H_RESULT
-from celery_echomq.store.results import fusable
 from celery_echomq.store.scripts import ParentRef, ResultWrite, Scripts
 from celery_echomq.store.state import get_state
+from celery_echomq.wire.results import fusable
 from tests.helpers import KEYS, Env, needs_own_backend_db, wait_for
 
 TIMEOUT = 60

@@ -23,9 +23,9 @@ from celery_echomq.store.headers import (
     parent_ref,
 )
 from celery_echomq.store.replies import Status
-from celery_echomq.store.results import backend_readable
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
+from celery_echomq.wire.results import backend_readable
 from celery_echomq.worker.recovery.common import (
     BUDGET,
     FAILED_MARK,

@@ -25,11 +25,11 @@ from typing import Any
 from celery.utils.functional import maybe_list
 from celery.utils.saferepr import saferepr
 
-from celery_echomq.send.envelope import PER_MESSAGE, queue_of, same
-from celery_echomq.send.pushes import REDIS_TRANSPORT, RedisPushes
 from celery_echomq.store.codec import serialize
 from celery_echomq.store.keyspace import uuid4_hex
 from celery_echomq.store.state import get_state
+from celery_echomq.wire.envelope import PER_MESSAGE, queue_of, same
+from celery_echomq.wire.pushes import REDIS_TRANSPORT, RedisPushes
 
 __all__ = ["Prepared", "quoted", "token"]
 

@@ -42,7 +42,10 @@ from typing import Any, NamedTuple, TypeVar
 from celery.app.routes import MapRoute
 from celery.utils.functional import maybe_list
 
-from celery_echomq.send.envelope import (
+from celery_echomq.store.headers import H_SINCE
+from celery_echomq.store.script_values import BrokerPushes
+from celery_echomq.store.state import EchoMQ
+from celery_echomq.wire.envelope import (
     MESSAGE_OPTIONS,
     expiration_of,
     fast_repr,
@@ -51,12 +54,9 @@ from celery_echomq.send.envelope import (
     queue_of,
     same,
 )
-from celery_echomq.send.pushes import RedisPushes, client_of
-from celery_echomq.send.templates import Template, Templates
-from celery_echomq.store.headers import H_SINCE
-from celery_echomq.store.results import database_on_store_server
-from celery_echomq.store.script_values import BrokerPushes
-from celery_echomq.store.state import EchoMQ
+from celery_echomq.wire.pushes import RedisPushes, client_of
+from celery_echomq.wire.results import database_on_store_server
+from celery_echomq.wire.templates import Template, Templates
 
 T = TypeVar("T")
 
