@@ -108,7 +108,8 @@ def one_round(
         scripts.claim(QUEUE, kid, tokens[kid], lease, since=since, parent=pid)
 
     def complete(pid: str, kid: str) -> list[Freed]:
-        result = ResultWrite(f"celery-task-meta-{kid}", '{"status": "SUCCESS"}', 86400)
+        key = f"celery-task-meta-{kid}"
+        result = ResultWrite(key, '{"status": "SUCCESS"}', 86400, channel=key)
         freed: list[Freed] = []
         _, _, got, _ = scripts.complete_settling(
             QUEUE,

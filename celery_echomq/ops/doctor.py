@@ -26,10 +26,15 @@ from celery_echomq.ops.fleet import Finding, ask_workers, check_workers, has_ext
 from celery_echomq.store import server_info, server_versions, store_format
 from celery_echomq.store.connection import describe
 from celery_echomq.store.reads import queues_of
-from celery_echomq.store.server_info import RESULT_KEYS, NodeFacts, refusals_of
+from celery_echomq.store.server_info import NodeFacts, refusals_of
 from celery_echomq.store.server_versions import MIN_SERVER, dotted, open_advisories, server_of
 from celery_echomq.store.state import EchoMQ
-from celery_echomq.wire.results import database_on_store_server, writes_results
+from celery_echomq.wire.results import (
+    RESULT_KEYS,
+    RESULT_PREFIX,
+    database_on_store_server,
+    writes_results,
+)
 
 # A host clock further than this from the store's moves what is timed by host clocks (an
 # aware-datetime deadline, a retry's countdown, Celery's eta and expires) by more than the
@@ -78,7 +83,7 @@ def read_facts(state: EchoMQ, workers_timeout: float = 1.0) -> Facts:
         # The scripts publish only results, on the fast path: no channel is needed (and
         # probed, Redis would log the refusal of one).
         commands.pop("PUBLISH")
-    facts.refused = server_info.refused_commands(client, commands, probe, "celery-task-meta-doctor")
+    facts.refused = server_info.refused_commands(client, commands, probe, f"{RESULT_PREFIX}doctor")
     if facts.refused is not None:
         facts.refused_elsewhere = _refused_elsewhere(state, facts.fast_path)
     if (settings.redis_url or "").startswith("redis+cluster://"):
@@ -109,7 +114,7 @@ def _refused_elsewhere(state: EchoMQ, fast_path: bool) -> dict[str, dict[str, st
     messages there)."""
     probes: dict[str, tuple[str, dict[str, tuple[str, ...]]]] = {}
     if fast_path:
-        probes[RESULT_KEYS] = ("celery-task-meta-doctor", {"SET": ("K", "v")})
+        probes[RESULT_KEYS] = (f"{RESULT_PREFIX}doctor", {"SET": ("K", "v")})
     broker = str(state.app.conf.broker_url or "")
     if broker.startswith(("redis://", "rediss://", "unix://")):
         try:

@@ -70,11 +70,13 @@ class ParentRef:
 @dataclass(frozen=True)
 class ResultWrite:
     """A job's result for Celery's Redis backend, as ``RedisBackend._set`` would send it for a
-    SUCCESS: SET (EX ``expires`` when set) and PUBLISH of ``meta`` under ``key``."""
+    SUCCESS: SET (EX ``expires`` when set) of ``meta`` under ``key``, then PUBLISH of it on
+    ``channel``. Every piece computed by wire/results.py: complete.lua writes them as given."""
 
     key: str
     meta: Value
     expires: int | None
+    channel: str
 
 
 @dataclass(frozen=True)

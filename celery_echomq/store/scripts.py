@@ -494,13 +494,14 @@ class Scripts:
         inline_max: int,
         remote: bool,
     ) -> bytes:
-        """complete.lua's options: the result to write, the next step of a chain (and its
-        lease), how large a released parent may be handed back inline, the flow's quorum and
-        reducer."""
+        """complete.lua's options: the result to write (its meta, expiry and channel), the
+        next step of a chain (and its lease), how large a released parent may be handed back
+        inline, the flow's quorum and reducer."""
         releases = parent is not None and not remote and not next_step
         return packed_options(
             result=result.meta if result is not None else None,
             expires=str(result.expires) if result is not None and result.expires else None,
+            channel=result.channel if result is not None else None,
             inline=str(inline_max) if inline_max and releases else None,
             next=next_step or None,
             lease=str(hand_ms) if next_step and hand_ms else None,

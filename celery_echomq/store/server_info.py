@@ -116,9 +116,6 @@ TRANSACTION_COMMANDS = ("MULTI", "EXEC", "DISCARD")
 # What ``celery echomq doctor`` sends besides, each optional: refused, its check says what it
 # could not read (CONFIG GET could also read the server's passwords: left out of the user).
 DOCTOR_COMMANDS = ("ACL|WHOAMI", "CONFIG|GET", "CLUSTER|INFO")
-# Celery's result keys and channels: the scripts write and publish them where the result
-# backend is the store's own server, database and user (the fast path).
-RESULT_KEYS = "celery-task-meta-*"
 
 
 def acl_setuser(user: str = "flows", password: str = "PASSWORD", *, prefix: str = "emq") -> str:

@@ -34,6 +34,7 @@ from typing import Any
 
 import redis
 from celery import states
+from celery.backends.base import KeyValueStoreBackend
 
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_RESULT
@@ -41,6 +42,12 @@ from celery_echomq.store.scripts import ResultWrite
 from celery_echomq.store.state import EchoMQ
 
 logger = logging.getLogger("celery_echomq")
+
+# Celery's result keys, each also the channel its result is published on (result_write): the
+# scripts write and publish them where the result backend is the store's own server, database
+# and user (the fast path). Celery's own prefix, as its key-value backends name a result.
+RESULT_PREFIX = KeyValueStoreBackend.task_keyprefix
+RESULT_KEYS = f"{RESULT_PREFIX}*"
 
 # backend -> whether it is fusable with its app's store (a backend object belongs to one app,
 # and is made once per thread).
@@ -188,15 +195,20 @@ def success_write(state: EchoMQ, task: Any, request: Any, result: Any) -> Result
         encoded = backend.encode(meta)
         limit = getattr(backend, "_MAX_STR_VALUE_SIZE", None)
         if not (isinstance(encoded, str) and limit is not None and len(encoded) > limit):
-            expires = backend.expires
-            return ResultWrite(
-                text(backend.get_key_for_task(request.id)),
-                encoded,
-                int(expires) if expires else None,
-            )
+            return result_write(backend, request.id, encoded)
     # Not fusable here, or too large for one value (Celery's own path raises its error).
     backend.store_result(request.id, result, states.SUCCESS, request=request)
     return None
+
+
+def result_write(backend: Any, task_id: str, encoded: Any) -> ResultWrite:
+    """Celery's result record for ``task_id`` with its ``encoded`` meta, every piece as
+    ``RedisBackend`` names it: the key, the backend's expiry (None: kept), and the channel
+    ``_set`` publishes it on, the key's own name, which a waiting ``AsyncResult.get``
+    subscribes to."""
+    key = text(backend.get_key_for_task(task_id))
+    expires = backend.expires
+    return ResultWrite(key, encoded, int(expires) if expires else None, channel=key)
 
 
 def store_success(task: Any, request: Any, result: Any) -> None:

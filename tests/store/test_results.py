@@ -27,7 +27,7 @@ from celery_echomq.store.codec import load_job, read_stored
 from celery_echomq.store.headers import H_RESULT
 from celery_echomq.store.scripts import ParentRef, ResultWrite, Scripts
 from celery_echomq.store.state import get_state
-from celery_echomq.wire.results import fusable
+from celery_echomq.wire.results import RESULT_KEYS, fusable, result_write
 from tests.helpers import KEYS, Env, needs_own_backend_db, wait_for
 
 TIMEOUT = 60
@@ -310,7 +310,7 @@ def test_only_the_real_completion_writes_the_result(db: redis.Redis, scripts: Sc
     key = f"celery-task-meta-{child}"
 
     def complete(token: str, meta: bytes) -> tuple[str, bool]:
-        write = ResultWrite(key, meta, 100)
+        write = ResultWrite(key, meta, 100, channel=key)
         return scripts.complete_writing(
             queue, child, token, ttl=600, is_parent=False, parent=ref, value=b"1", result=write
         )
@@ -352,3 +352,20 @@ def test_a_child_cancelled_while_running_still_stores_its_success(
     store.set(gate, 1)
     assert AsyncResult(cid, app=app).get(timeout=TIMEOUT) == 5
     assert store.hget(row, "state") == b"cancelled"
+
+
+def test_the_result_record_is_named_as_celerys_backend_names_it() -> None:
+    # complete.lua writes the key, expiry and channel as given: each is the backend's own.
+    app = Celery("record", set_as_current=False)
+    app.conf.update(result_backend="redis://localhost:1/0", result_expires=EXPIRES)
+    backend = app.backend
+    write = result_write(backend, "some-id", b"meta")
+    assert write.key == backend.get_key_for_task("some-id").decode() == "celery-task-meta-some-id"
+    assert write.channel == write.key  # RedisBackend._set publishes on the key's own name
+    assert (write.meta, write.expires) == (b"meta", EXPIRES)
+    assert RESULT_KEYS == "celery-task-meta-*"
+    app.close()
+    kept = Celery("kept", set_as_current=False)
+    kept.conf.update(result_backend="redis://localhost:1/0", result_expires=None)
+    assert result_write(kept.backend, "some-id", b"meta").expires is None
+    kept.close()

@@ -179,7 +179,9 @@ def test_no_script_writes_the_placeholder_passed_for_a_key_a_call_has_not(
         assert run_child(scripts, here, top, child, b"1") == "released"
         token = claimed(scripts, here, top)
         if outcome == "done":
-            write = ResultWrite(f"celery-task-meta-{top}", b"meta", None)
+            write = ResultWrite(
+                f"celery-task-meta-{top}", b"meta", None, channel=f"celery-task-meta-{top}"
+            )
             status = scripts.complete(
                 here, top, token, ttl=TTL, is_parent=True, parent=None, value=b"2", result=write
             )

@@ -31,9 +31,11 @@
 -- ARGV[8]  the options, a msgpack map (an option not given is not in it):
 --   result   the result's encoded meta, exactly as Celery's RedisBackend would store it: this
 --            script writes it to KEYS[16] (the worker held Celery's own write back and the
---            store's server and db are the result backend's; see results.py)
+--            store's server and db are the result backend's; see wire/results.py, which
+--            computes the key and each option of the result)
 --   expires  with result: its expiry in seconds (the backend's result_expires); not given:
 --            none
+--   channel  with result: the channel it is published on (Celery's: the key's own name)
 --   inline   when this completion releases its parent (on this slot), hand the host the
 --            parent to publish, as dispatch.lua would, inlining at most this many values (not
 --            given: the host calls dispatch itself)
@@ -209,15 +211,15 @@ else
 end
 local written = ''
 if options.result and was_active == 1 then
-  -- What RedisBackend._set sends (SETEX or SET, then PUBLISH to the key's channel for a
-  -- waiting AsyncResult.get), once: a stale or duplicate completion never rewrites it. Before
+  -- What RedisBackend._set sends (SETEX or SET, then PUBLISH on the channel a waiting
+  -- AsyncResult.get listens to), once: a stale or duplicate completion never rewrites it. Before
   -- the fan-in, so a released parent's waiter finds every child's result already stored.
   if options.expires then
     redis.call('SET', result_key, options.result, 'EX', options.expires)
   else
     redis.call('SET', result_key, options.result)
   end
-  redis.call('PUBLISH', result_key, options.result)
+  redis.call('PUBLISH', options.channel, options.result)
   written = '1'
 end
 if was_active == 1 and stage_edges(job_key, ARGV[1], joined_key, parents_key, joined, ttl, ARGV[6])
