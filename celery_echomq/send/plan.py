@@ -15,6 +15,7 @@ from celery import current_task
 from celery.canvas import Signature
 
 from celery_echomq.errors import DepthError
+from celery_echomq.send.errbacks import mark_chord
 from celery_echomq.send.fan_in import NO_SPEC, FlowSpec, quorum_of, reduce_of, window_of
 from celery_echomq.send.ids import check_ids
 from celery_echomq.send.jobs import (
@@ -74,13 +75,15 @@ def plan_flow(
     shared_jobs: bool = False,
     spec: FlowSpec = NO_SPEC,
     fan: str = "",
+    chord: dict[str, Any] | None = None,
 ) -> Plan:
     """Assign and gate every id and build every message; touches neither Redis nor the broker.
 
     ``spec``: how the flow's parent fans in (its deadline, window, quorum, reducer), applied
     here to its level and its children's messages; ``fan``: the job that holds the flow's
     children where that is not its parent (what operators' repairs follow from the flow's
-    id to its children). Nothing changes the plan once it is returned.
+    id to its children); ``chord``: the chord options Celery passes a chord's body, when the
+    flow stands for a chord (chords.py). Nothing changes the plan once it is returned.
 
     Each job's keys live on the slot of the queue it is sent to: a child routed elsewhere
     than its parent is credited across slots (see ``start_flow``). ``child_results`` False
@@ -127,6 +130,8 @@ def plan_flow(
         plan.parent["options"]["root_id"] = root
         set_root(plan.children, root)
     plan.held = _held(plan, spec, ran.step_errbacks, fan)
+    if chord:
+        mark_chord(plan, fan, chord)  # a chord on the engine: the job that holds its header
     return plan
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_echomq import tracing
-from celery_echomq.send.errbacks import mark_chord, with_errbacks
+from celery_echomq.send.errbacks import with_errbacks
 from celery_echomq.send.fan_in import FlowSpec
 from celery_echomq.send.join import (
     check_joinable,
@@ -132,9 +132,9 @@ def _planned(
         # Its deadline, window, quorum or reducer, kept by the job that holds its children.
         spec=FlowSpec.of(shape.kwargs),
         fan=fan,  # what operators' repairs follow from the flow's id to its children
+        chord=sending.chord,  # a chord on the engine (chords.py)
     )
     check_depth(plan, state.settings.max_depth)
-    mark_chord(plan, fan, sending.chord)  # a chord on the engine (chords.py)
     return plan
 
 
