@@ -72,7 +72,7 @@ class Growing:
                 state,
             )
         refuse_growth(self.plan.parent_id, self.plan.held)
-        added = Plan.added_to(self.plan.queue, self.plan.parent_id)
+        added = Plan.for_children(self.plan.queue, self.plan.parent_id)
         # Added children take no partial arguments, as on a worker.
         # A chain of tasks among them is held step by step, as on a worker (see grow.py).
         sigs = [

@@ -98,7 +98,7 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
     """Plan ``sigs`` as children of ``parent`` and add them (see the module's steps)."""
     # Every id assigned and gated before anything reaches Redis. Added children go to their
     # parent's queue unless they name their own.
-    plan = Plan.added_to(parent.queue, parent.id)
+    plan = Plan.for_children(parent.queue, parent.id)
     plan_children(
         state.app,
         plan,

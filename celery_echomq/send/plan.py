@@ -32,14 +32,7 @@ from celery_echomq.send.links import queue_runs
 from celery_echomq.send.shapes import expand, is_linked, nested_chain
 from celery_echomq.send.signatures import CHORD_WORDS
 from celery_echomq.store.headers import H_CHORD, H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
-from celery_echomq.store.planned import (
-    Held,
-    Node,
-    Plan,
-    PlannedChain,
-    PlannedJob,
-    held_of,
-)
+from celery_echomq.store.planned import Held, Node, Plan, PlannedChain, PlannedJob, held_of
 
 __all__ = ["Plan", "check_depth", "plan_flow", "too_deep"]
 
@@ -96,7 +89,7 @@ def plan_flow(
     parent_id = job_id_of(parent.options, options.get("task_id"))
     queue = route_queue(app, parent, options)
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
-    plan = Plan.added_to(queue, parent_id)  # its parent's message built below, once
+    plan = Plan.for_children(queue, parent_id)  # its parent's message built below, once
     plan.policy, plan.outer, plan.single = policy, outer, single
     plan_children(
         app,

@@ -172,9 +172,10 @@ class Plan:
     held: Held = NOTHING_HELD
 
     @classmethod
-    def added_to(cls, queue: str, parent_id: str) -> Plan:
-        """A level to plan children added to a running flow on (its parent ``parent_id`` on
-        ``queue``): only its children are planned; its parent's message is the stored one."""
+    def for_children(cls, queue: str, parent_id: str) -> Plan:
+        """A level (its parent ``parent_id`` on ``queue``) to plan children on before its
+        parent's message is built: a flow's, which ``plan_flow`` builds after them, or a
+        running flow's that children are added to, whose parent's message is the stored one."""
         return cls(queue=queue, parent_id=parent_id, parent=cast(JobMessage, {}))
 
     @property
