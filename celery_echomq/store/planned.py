@@ -97,7 +97,7 @@ NOTHING_HELD = Held()
 HELD_FIELDS = frozenset(f.name for f in fields(Held))
 
 
-@dataclass
+@dataclass(slots=True)
 class PlannedJob:
     """One task's message in a flow: a child, or a step of a linked chain. ``message`` is
     the job dict its Celery message is built from (task, args, kwargs, options, ...);
