@@ -19,7 +19,7 @@ once the parent has run it raises ``FlowClosedError``, as on a worker.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -32,7 +32,7 @@ from celery_echomq.config import Settings
 from celery_echomq.errors import FlowClosedError, FlowFailed, ReduceError
 from celery_echomq.result import EagerFlowResult, FanIn
 from celery_echomq.send.errbacks import errbacks_left, ran_by_child, with_errbacks
-from celery_echomq.send.fan_in import empty, fan_in_of, fold, refuse_growth, window_of
+from celery_echomq.send.fan_in import FlowSpec, empty, fold, refuse_growth
 from celery_echomq.send.flow_reads import IN_PROCESS
 from celery_echomq.send.join import EAGER_JOIN, check_on_exists, eager_joined, eager_ran
 from celery_echomq.send.plan import (
@@ -45,9 +45,9 @@ from celery_echomq.send.plan import (
 )
 from celery_echomq.send.shape import CALLBACKS, expand, is_linked, merge_callbacks, nested_chain
 from celery_echomq.send.tasks import register_tasks
-from celery_echomq.store.deadline_spec import exceeded, level_deadline, stamp
+from celery_echomq.store.deadline_spec import exceeded, level_deadline
 from celery_echomq.store.headers import H_REDUCE, H_RESULT
-from celery_echomq.store.planned import Node, PlannedChain, PlannedJob, held_of
+from celery_echomq.store.planned import Node, PlannedChain, PlannedJob, stored_message
 from celery_echomq.store.state import find_state
 from celery_echomq.worker.settle import error_text
 
@@ -72,8 +72,8 @@ class Growing:
                 self.plan.parent_id,
                 state,
             )
-        refuse_growth(self.plan.parent)
-        added = Plan(queue=self.plan.queue, parent_id=self.plan.parent_id, parent={})
+        refuse_growth(self.plan.parent_id, self.plan.held)
+        added = Plan.for_children(self.plan.queue, self.plan.parent_id)
         # Added children take no partial arguments, as on a worker.
         # A chain of tasks among them is held step by step, as on a worker (see grow.py).
         sigs = [
@@ -164,13 +164,12 @@ def apply_flow(
             options=merged,
             single=sig.single,
             shared_jobs=joins,  # one job listed by several flows of it: send/ids.py
+            # Refused as on a worker; a window runs its children in order, one at a time.
+            spec=FlowSpec.of(sig.kwargs),
         )
     except RecursionError:
         raise too_deep(limit) from None
     check_depth(plan, limit)
-    stamp(plan, sig.kwargs)
-    window_of(plan, sig.kwargs)  # refused as on a worker; run in order, one child at a time
-    fan_in_of(plan, sig.kwargs)  # its quorum or reducer, refused as on a worker
     seen: dict[str, FanIn] = {}
     started = STARTED.set((time.monotonic(), time.time()))
     joining = EAGER_JOIN.set(joins)
@@ -222,7 +221,7 @@ class _Level:
         # order the parent gets their values in).
         self.child_ids = plan.child_ids()
         n = len(self.child_ids)
-        quorum = held_of(plan.parent).quorum
+        quorum = plan.held.quorum
         self.fanin = seen[plan.parent_id] = FanIn(
             plan.parent_id, n, plan.policy, quorum=quorum, total=n
         )
@@ -248,7 +247,7 @@ class _Level:
             ],
         )
         self.deadline = _deadline_of(plan)
-        self.reducer: list[Any] | None = held_of(plan.parent).reduce
+        self.reducer: list[Any] | None = plan.held.reduce
         self.acc: Any = empty(self.reducer) if self.reducer is not None else None
 
     def run(self) -> EagerFlowResult:
@@ -370,7 +369,7 @@ class _Level:
         failure = fanin.failure or FlowFailed(f"flow {plan.parent_id}: never released")
         child = failure.child_id or ""
         exc: BaseException = failure
-        if child and (plan.single or ran_by_child(plan.parent, child)):
+        if child and (plan.single or ran_by_child(stored_message(plan), child)):
             # A chain's step held on the step before it, or a group parent's task: that
             # task's own error, as a chord's chain or group body raises it (as on a worker).
             exc = self.errors.get(child) or failure
@@ -409,7 +408,7 @@ def _run_child(
         return eager_ran(cid, message, run.apply(task_id=cid, throw=False, **held))
 
 
-def _held(job: dict[str, Any]) -> bool:
+def _held(job: Mapping[str, Any]) -> bool:
     """Whether a child's result waits for its flow's reducer (send/fan_in.py marks it)."""
     headers = (job.get("options") or {}).get("headers") or {}
     return bool(headers.get(H_REDUCE) and headers.get(H_RESULT))
@@ -498,7 +497,7 @@ def _record_failure(app: Any, plan: Plan, sig: Any, failure: BaseException, chil
 
     # A group parent's tasks, or a chain parent's steps, ran its errbacks themselves
     # (send/errbacks.py).
-    left = errbacks_left(plan.parent, child)
+    left = errbacks_left(stored_message(plan), child)
     request = Context(
         id=plan.parent_id,
         task=sig.parent.task,

@@ -45,8 +45,6 @@ __all__ = ["release_flow", "retry_flow"]
 
 logger = logging.getLogger("celery_echomq")
 
-__all__ = ["release_flow", "retry_flow"]
-
 RETRY_ALLOWS = (
     "retry applies to a flow that failed under policy 'fail' or 'fail_at_end' (or that failed "
     "its outer flow), and to a held flow with children failed under either"

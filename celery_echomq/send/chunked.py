@@ -17,6 +17,7 @@ from celery_echomq.send.encoding import Encoded
 from celery_echomq.send.join import Joined, join_level
 from celery_echomq.send.plan import Plan
 from celery_echomq.store.headers import is_open_header
+from celery_echomq.store.planned import stored_message
 from celery_echomq.store.replies import Status
 from celery_echomq.store.scripts import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -57,7 +58,9 @@ def enqueue_chunked(
         template=encoded.template,
     )
     written.append((level.queue, level.parent_id, []))
-    index_children(state, level.queue, level.parent_id, level.parent, level.child_ids(), chunk)
+    index_children(
+        state, level.queue, level.parent_id, stored_message(level), level.child_ids(), chunk
+    )
     # Per queue, each child's rows with their kinds: one row, or a chain's steps, which one
     # add_children call writes together (a step names the next, which must be there).
     by_queue: dict[str, list[list[tuple[str, bytes, str, str]]]] = {}

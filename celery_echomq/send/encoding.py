@@ -12,7 +12,7 @@ from kombu.exceptions import EncodeError
 from celery_echomq.send.fan_in import waiting_kinds
 from celery_echomq.send.plan import Plan
 from celery_echomq.store.codec import child_template, job_delta
-from celery_echomq.store.planned import PlannedChain, PlannedJob, stored_node
+from celery_echomq.store.planned import PlannedChain, PlannedJob, stored_message, stored_node
 from celery_echomq.store.state import EchoMQ
 
 # A chain's steps, by their kind (enqueue_flow.lua, add_children.lua): its first step, pending;
@@ -66,7 +66,7 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
         # The template lives on the parent's row: only a child on the same slot (routed to
         # the parent's queue) can be stored against it.
         template = child_template(
-            j.message
+            stored_message(j)
             for j in level.children
             if isinstance(j, PlannedJob) and j.queue == level.queue
         )
@@ -86,7 +86,7 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
             cid = job.id
             delta = None
             if template is not None and isinstance(job, PlannedJob) and job.queue == level.queue:
-                delta = job_delta(template, job.message)
+                delta = job_delta(template, stored_message(job))
             kinds.append("p" if delta is None else "d")
             alike.append(delta is not None and "task" not in delta and "options" not in delta)
             try:
@@ -97,7 +97,7 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
                 where = f"flow {level.parent_id}: child {position} ({what}, {cid})"
                 raise _refused(state, where, exc) from exc
         where = f"flow {level.parent_id}: the parent ({level.parent['task']})"
-        parent = _encode(state, level.parent, where)
+        parent = _encode(state, stored_message(level), where)
         kinds = list(waiting_kinds("".join(kinds), level.max_active))
         if template is None:
             told = any(isinstance(j, PlannedChain) for j in level.children) or level.max_active > 0

@@ -19,10 +19,9 @@ from typing import Any
 from celery.canvas import Signature
 from celery.utils.functional import maybe_list
 
-from celery_echomq.send.plan import Plan
 from celery_echomq.send.shape import COLLECT_TASK, as_plain, merge_callbacks
 from celery_echomq.store.headers import H_CHORD, chord_headers
-from celery_echomq.store.planned import held_of
+from celery_echomq.store.planned import Plan, held_of
 
 # The H_CHORD of a chord's flow parent whose header another job of the flow holds.
 FAN = "fan"

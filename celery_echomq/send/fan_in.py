@@ -45,12 +45,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from celery_echomq.send.jobs import mark_for_store
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_QUEUE, H_QUORUM, H_REDUCE
-from celery_echomq.store.planned import Node, Plan, PlannedChain, held_of, keep
+from celery_echomq.store.planned import Held, Node, Plan, PlannedChain, held_of
 from celery_echomq.store.state import EchoMQ
 
 MAX_ACTIVE_ALLOWED = (
@@ -67,13 +69,40 @@ def check_max_active(value: object, where: str = "flow(max_active=...)") -> int 
     return value
 
 
-def window_of(plan: Plan, kwargs: dict[str, Any]) -> None:
-    """Give a planned level its window (from its flow signature's ``kwargs``), kept on its
-    parent's stored job too (what ``add_children`` and ``show`` read); refuse a window the
-    store cannot keep, before anything is written."""
-    size = check_max_active(kwargs.get("max_active"))
+@dataclass(frozen=True)
+class FlowSpec:
+    """How a flow's parent fans in, as ``flow()`` was given it and checked it (canvas.py): its
+    deadline (store/deadline_spec.py), window, quorum and reducer. The planner applies it as
+    it builds the flow's level (send/plan.py), without checking it again."""
+
+    deadline: dict[str, float] | None = None
+    on_deadline: str = "fail"
+    max_active: int | None = None
+    quorum: int | None = None
+    reduce: list[Any] | None = None
+
+    @classmethod
+    def of(cls, kwargs: Mapping[str, Any]) -> FlowSpec:
+        """The spec a flow signature's ``kwargs`` keep (each checked by ``flow()``)."""
+        return cls(
+            deadline=kwargs.get("deadline") or None,
+            on_deadline=str(kwargs.get("on_deadline", "fail")),
+            max_active=kwargs.get("max_active"),
+            quorum=kwargs.get("quorum"),
+            reduce=kwargs.get("reduce"),
+        )
+
+
+NO_SPEC = FlowSpec()
+
+
+def window_of(plan: Plan, size: int | None) -> tuple[int, str]:
+    """Give a planned level its window of ``size`` (None: none): ``(size, the queue its
+    children are on)``, which its parent's stored job keeps (what ``add_children`` and
+    ``show`` read), ``(0, "")`` for none; refuse a window the store cannot keep, before
+    anything is written."""
     if size is None:
-        return
+        return 0, ""
     for job in plan.children:
         if isinstance(job, PlannedChain):
             raise ValueError(
@@ -89,7 +118,7 @@ def window_of(plan: Plan, kwargs: dict[str, Any]) -> None:
             "children routed to one queue (it may differ from the parent's), or no max_active"
         )
     plan.max_active = size
-    keep(plan.parent, max_active=size, window_queue=queues[0] if queues else plan.queue)
+    return size, queues[0] if queues else plan.queue
 
 
 # A windowed level's first children, out at once, are marked as holding a slot (``e``, ``q``:
@@ -150,13 +179,13 @@ def _headers(job: dict[str, Any]) -> dict[str, Any]:
     return headers
 
 
-def quorum_of(plan: Plan, kwargs: dict[str, Any]) -> None:
-    """Give a planned level its quorum (from its flow signature's ``kwargs``): kept on its
-    parent's stored job, and on every child's message; refuse one that cannot be met or that
-    the store cannot count, before anything is written."""
-    need = check_quorum(kwargs.get("quorum"))
+def quorum_of(plan: Plan, need: int | None) -> tuple[int, list[str]]:
+    """Give a planned level its quorum of ``need`` (None: none) on every child's message:
+    ``(need, the queues of its children on other slots)``, which its parent's stored job
+    keeps, ``(0, [])`` for none; refuse one that cannot be met or that the store cannot
+    count, before anything is written."""
     if need is None:
-        return
+        return 0, []
     total = len(plan.children)
     if need > total:
         raise ValueError(
@@ -169,32 +198,25 @@ def quorum_of(plan: Plan, kwargs: dict[str, Any]) -> None:
                 f"flow {plan.parent_id}: quorum={need} takes tasks and flows as children, not "
                 "a chain of tasks; allowed: wrap the chain in a flow of its own, or no quorum"
             )
-    keep(plan.parent, quorum=need)
     # The queues of its children on other slots than its own: where cut_rest cancels them.
     elsewhere = sorted({job.queue for job in plan.children} - {plan.queue})
-    if elsewhere:
-        keep(plan.parent, quorum_queues=elsewhere)
     mark = f"{need}/{total}"
     for job in plan.children:
         if not isinstance(job, PlannedChain):  # refused above
-            _headers(job.message)[H_QUORUM] = mark
+            job.message["options"].setdefault("headers", {})[H_QUORUM] = mark
+    return need, elsewhere
 
 
-def refuse_growth(job: dict[str, Any]) -> None:
-    """Refuse children added to a flow released by a quorum (``job``: its parent's stored
-    job): its children's messages carry the N of "K of N", fixed when it was sent."""
-    if quorum := held_of(job).quorum:
+def refuse_growth(flow_id: str, held: Held) -> None:
+    """Refuse children added to a flow released by a quorum (``held``: what its parent's
+    stored job keeps): its children's messages carry the N of "K of N", fixed when it was
+    sent."""
+    if quorum := held.quorum:
         raise ValueError(
-            f"flow {(job.get('options') or {}).get('task_id')}: a flow with "
+            f"flow {flow_id}: a flow with "
             f"quorum={quorum} takes no added children (its quorum counts the children "
             "it was sent with); allowed: add_children to a flow without a quorum"
         )
-
-
-def fan_in_of(plan: Plan, kwargs: dict[str, Any]) -> None:
-    """A planned level's quorum and reducer (send/fan_in.py), from its flow's ``kwargs``."""
-    quorum_of(plan, kwargs)
-    reduce_of(plan, kwargs)
 
 
 def quorum_values(state: EchoMQ, job: dict[str, Any], stored: dict[str, Any]) -> list[Any]:
@@ -267,25 +289,23 @@ def empty(spec: list[Any]) -> Any:
     return EMPTY.get(spec[0], [])
 
 
-def reduce_of(plan: Plan, kwargs: dict[str, Any]) -> None:
-    """Give a planned level its reducer (from its flow signature's ``kwargs``): kept on its
-    parent's stored job and on every child's message; refuse one the store cannot fold.
+def reduce_of(plan: Plan, spec: list[Any] | None) -> list[Any] | None:
+    """Give a planned level its reducer ``spec`` (None: none) on every child's message:
+    returned for its parent's stored job to keep; refuse one the store cannot fold.
 
     Each child is sent for the store to write its result (:func:`mark_for_store`, unless its
     options decide ``ignore_result`` themselves): Celery's trace then stores no SUCCESS before
     its worker learns whether the value can be folded, and a value refused is stored as the
     child's FAILURE (a :class:`~celery_echomq.errors.ReduceError`), never after a SUCCESS."""
-    spec = check_reduce(kwargs.get("reduce"))
     if spec is None:
-        return
+        return None
     for job in plan.children:
         if isinstance(job, PlannedChain) or job.queue != plan.queue:
             raise ValueError(
-                f"flow {plan.parent_id}: reduce={kwargs['reduce']!r} takes tasks and flows on "
+                f"flow {plan.parent_id}: reduce={spec!r} takes tasks and flows on "
                 f"its parent's queue {plan.queue!r} as children (the values are folded on its "
                 "slot), not a chain of tasks; allowed: wrap the chain in a flow of its own"
             )
-    keep(plan.parent, reduce=spec)
     mark = json.dumps(spec)
     for job in plan.children:
         if isinstance(job, PlannedChain):  # refused above
@@ -293,6 +313,7 @@ def reduce_of(plan: Plan, kwargs: dict[str, Any]) -> None:
         target = job.message
         target["options"].setdefault("headers", {})[H_REDUCE] = mark
         mark_for_store(target)
+    return spec
 
 
 def _shown(value: Any, raw: str | None) -> str:

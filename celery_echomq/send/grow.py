@@ -35,7 +35,15 @@ from celery_echomq.send.start import publish, start_flow
 from celery_echomq.store.connection import describe, text
 from celery_echomq.store.headers import H_PARENT, H_PARENT_QUEUE, H_QUEUE, parent_ref
 from celery_echomq.store.keyspace import check_unique
-from celery_echomq.store.planned import Node, PlannedJob, held_of, keep, node_of, stored_node
+from celery_echomq.store.planned import (
+    Node,
+    PlannedJob,
+    held_of,
+    node_of,
+    stored_message,
+    stored_node,
+    with_children,
+)
 from celery_echomq.store.reads import locate
 from celery_echomq.store.refusals import named_refusal
 from celery_echomq.store.replies import Status
@@ -90,7 +98,7 @@ def grow(state: EchoMQ, parent: ParentRef, sigs: list[Any]) -> list[str]:
     """Plan ``sigs`` as children of ``parent`` and add them (see the module's steps)."""
     # Every id assigned and gated before anything reaches Redis. Added children go to their
     # parent's queue unless they name their own.
-    plan = Plan(queue=parent.queue, parent_id=parent.id, parent={})
+    plan = Plan.for_children(parent.queue, parent.id)
     plan_children(
         state.app,
         plan,
@@ -132,12 +140,13 @@ def _grow(
         if row_state != b"awaiting_children" or payload is None:
             raise _closed(parent, text(row_state) if row_state is not None else "missing")
         job = state.loads(payload)
-        children = held_of(job).children
+        held = held_of(job)
+        children = held.children
         listed = set(children)
         fresh = [j for j in plan.children if j.id not in listed]
         if not fresh:
             return []
-        refuse_growth(job)
+        refuse_growth(str((job.get("options") or {}).get("task_id")), held)
         size = windowed(job, parent.queue, fresh)
         root = (job.get("options") or {}).get("root_id")
         if root:
@@ -155,7 +164,7 @@ def _grow(
             queues.update([level.queue, *(c.queue for c in level.children)])
         # Before the rows land, as in start_flow: recovery must find their queues.
         client.sadd(keys.queues_key(), *sorted(queues))
-        keep(job, children=[*children, *(j.id for j in fresh)])
+        with_children(job, [*children, *(j.id for j in fresh)])
         status, counter, started = scripts.grow_flow_windowed(
             parent, hashlib.sha1(payload).hexdigest(), state.dumps(job), local, remote, size
         )
@@ -176,7 +185,7 @@ def _grow(
     for j in out:
         if isinstance(j, Plan):
             start_flow(state, j)
-    leaves = [j.message for j in out if isinstance(j, PlannedJob)]
+    leaves = [stored_message(j) for j in out if isinstance(j, PlannedJob)]
     if leaves:
         publish(state.app, leaves)
     logger.info(

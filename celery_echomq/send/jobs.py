@@ -11,7 +11,7 @@ from celery_echomq.errors import PolicyError
 from celery_echomq.send.shape import CALLBACKS, STEP_ERRBACKS, merge_callbacks
 from celery_echomq.store.headers import H_RESULT, RESERVED
 from celery_echomq.store.keyspace import check_id, check_queue, new_job_id
-from celery_echomq.store.planned import keep
+from celery_echomq.store.planned import NOTHING_HELD, Held, JobMessage
 
 POLICIES = ("fail", "ignore", "remove", "continue", "fail_at_end")
 # The policies under which a failed child fails its parent: at once, or once every other
@@ -65,7 +65,12 @@ def route_queue(app: Any, sig: Signature, options: dict[str, Any]) -> str:
     return check_queue(str(name))
 
 
-def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -> dict[str, Any]:
+def job_dict(
+    sig: Signature, options: dict[str, Any], headers: dict[str, str]
+) -> tuple[JobMessage, Held]:
+    """The message ``sig`` is sent as (sent with ``options``, ``headers`` over its own), and
+    what its stored message keeps beside it: the errbacks its chain's steps ran, never an
+    option Celery is sent (see send/errbacks.py); most jobs keep nothing."""
     opts = {k: v for k, v in {**options, **sig.options}.items() if k not in NOT_STORED}
     for name in CALLBACKS:
         if name in options and name in sig.options:
@@ -77,7 +82,7 @@ def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -
         # request, or from untrusted JSON) must not name another flow's job.
         given = {k: v for k, v in given.items() if not str(k).startswith(RESERVED)}
     opts["headers"] = {**given, **headers}
-    job = {
+    job: JobMessage = {
         "task": sig.task,
         "args": list(sig.args),
         "kwargs": dict(sig.kwargs),
@@ -86,12 +91,10 @@ def job_dict(sig: Signature, options: dict[str, Any], headers: dict[str, str]) -
         "immutable": sig.immutable,
     }
     ran = opts.pop(STEP_ERRBACKS, None)  # its own or its flow node's: never handed down
-    if ran:
-        keep(job, step_errbacks=ran)  # not an option Celery is sent: see send/errbacks.py
-    return job
+    return job, Held(step_errbacks=list(ran)) if ran else NOTHING_HELD
 
 
-def mark_for_store(job: dict[str, Any]) -> None:
+def mark_for_store(job: JobMessage) -> None:
     """Mark ``job`` with the :data:`H_RESULT` header: the store writes its result when it
     completes, in the same script call (see wire/results.py).
 

@@ -18,6 +18,7 @@ anything is written (``FlowExistsError`` naming both).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from celery_echomq.store.codec import (
     stored_of,
 )
 from celery_echomq.store.connection import text
-from celery_echomq.store.planned import PlannedJob, held_of
+from celery_echomq.store.planned import PlannedJob, held_of, stored_message
 from celery_echomq.store.replies import Status
 from celery_echomq.store.script_values import ParentRef
 from celery_echomq.store.state import EchoMQ
@@ -84,7 +85,7 @@ def describe(job: Any) -> str:
     return f"{job.get('task')}({args})"
 
 
-def _same_call(state: EchoMQ, stored: Any, planned: dict[str, Any]) -> bool:
+def _same_call(state: EchoMQ, stored: Any, planned: Mapping[str, Any]) -> bool:
     """Whether ``stored`` (as the store decoded it) is ``planned``'s task with its arguments.
 
     The planned job goes through the serializer first: a tuple argument is stored as a list."""
@@ -92,7 +93,7 @@ def _same_call(state: EchoMQ, stored: Any, planned: dict[str, Any]) -> bool:
     return isinstance(stored, dict) and all(stored.get(k) == mine[k] for k in mine)
 
 
-def _refuse(job_id: str, stored: Any, planned: dict[str, Any], what: str = "") -> None:
+def _refuse(job_id: str, stored: Any, planned: Mapping[str, Any], what: str = "") -> None:
     raise FlowExistsError(
         f"job id {job_id!r} already exists in Redis as {describe(stored)}; this flow gives it "
         f"as {describe(planned)}{what}: on_exists='join' joins only the same job "
@@ -146,7 +147,7 @@ def joined_children(state: EchoMQ, plan: Plan) -> dict[str, Joined]:
     checked to be the same task with the same arguments (else :class:`FlowExistsError`).
     Only a task is joined: a nested flow's parent or a chain's step that exists is refused
     by the enqueue, as with on_exists="raise"."""
-    wanted: list[tuple[str, str, dict[str, Any]]] = []
+    wanted: list[tuple[str, str, Mapping[str, Any]]] = []
     for level in plan.levels():
         for entry in level.children:
             if isinstance(entry, PlannedJob):
@@ -172,7 +173,7 @@ EAGER_RAN: OrderedDict[str, tuple[dict[str, Any], Any]] = OrderedDict()
 EAGER_JOIN: ContextVar[bool] = ContextVar("echomq_eager_join", default=False)
 
 
-def _call_of(job: dict[str, Any]) -> dict[str, Any]:
+def _call_of(job: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "task": job.get("task"),
         "args": list(job.get("args") or ()),
@@ -180,7 +181,7 @@ def _call_of(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def eager_joined(job_id: str, job: dict[str, Any]) -> Any:
+def eager_joined(job_id: str, job: Mapping[str, Any]) -> Any:
     """The result of ``job_id`` run eagerly before, when this run joins (else None); a job run
     before as another task or with other arguments raises :class:`FlowExistsError`."""
     if not EAGER_JOIN.get() or job_id not in EAGER_RAN:
@@ -191,7 +192,7 @@ def eager_joined(job_id: str, job: dict[str, Any]) -> Any:
     return result
 
 
-def eager_ran(job_id: str, job: dict[str, Any], result: Any) -> Any:
+def eager_ran(job_id: str, job: Mapping[str, Any], result: Any) -> Any:
     """Keep ``result`` as what ``job_id`` gave; returns it."""
     EAGER_RAN[job_id] = (_call_of(job), result)
     EAGER_RAN.move_to_end(job_id)
@@ -211,7 +212,7 @@ def shared_in_canvas(plan: Plan, joined: dict[str, Joined]) -> dict[str, Joined]
             if not isinstance(entry, PlannedJob) or cid not in writes:
                 continue  # only a task is shared (send/ids.py)
             if cid not in joined and cid not in found:
-                found[cid] = Joined(cid, entry.queue, "pending", entry.message, writes[cid])
+                found[cid] = Joined(cid, entry.queue, "pending", stored_message(entry), writes[cid])
     return found
 
 

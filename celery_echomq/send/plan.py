@@ -15,7 +15,8 @@ from celery import current_task
 from celery.canvas import Signature
 
 from celery_echomq.errors import DepthError
-from celery_echomq.send.fan_in import fan_in_of, window_of
+from celery_echomq.send.errbacks import mark_chord
+from celery_echomq.send.fan_in import NO_SPEC, FlowSpec, quorum_of, reduce_of, window_of
 from celery_echomq.send.ids import check_ids
 from celery_echomq.send.jobs import (
     CHILD_ONLY,
@@ -28,9 +29,8 @@ from celery_echomq.send.jobs import (
     route_queue,
 )
 from celery_echomq.send.shape import CHORD_WORDS, expand, is_linked, nested_chain, queue_runs
-from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_CHORD, H_FLOW, H_NEXT, H_PARENT, H_PARENT_QUEUE, H_QUEUE
-from celery_echomq.store.planned import Node, Plan, PlannedChain, PlannedJob, held_of, keep
+from celery_echomq.store.planned import Held, Node, Plan, PlannedChain, PlannedJob, held_of
 
 __all__ = ["Plan", "check_depth", "plan_flow", "too_deep"]
 
@@ -64,8 +64,17 @@ def plan_flow(
     store_results: bool = False,
     single: bool = False,
     shared_jobs: bool = False,
+    spec: FlowSpec = NO_SPEC,
+    fan: str = "",
+    chord: dict[str, Any] | None = None,
 ) -> Plan:
     """Assign and gate every id and build every message; touches neither Redis nor the broker.
+
+    ``spec``: how the flow's parent fans in (its deadline, window, quorum, reducer), applied
+    here to its level and its children's messages; ``fan``: the job that holds the flow's
+    children where that is not its parent (what operators' repairs follow from the flow's
+    id to its children); ``chord``: the chord options Celery passes a chord's body, when the
+    flow stands for a chord (chords.py). Nothing changes the plan once it is returned.
 
     Each job's keys live on the slot of the queue it is sent to: a child routed elsewhere
     than its parent is credited across slots (see ``start_flow``). ``child_results`` False
@@ -78,9 +87,8 @@ def plan_flow(
     parent_id = job_id_of(parent.options, options.get("task_id"))
     queue = route_queue(app, parent, options)
     shared = {k: v for k, v in options.items() if k not in PARENT_ONLY}
-    plan = Plan(
-        queue=queue, parent_id=parent_id, parent={}, policy=policy, outer=outer, single=single
-    )
+    plan = Plan.for_children(queue, parent_id)  # its parent's message built below, once
+    plan.policy, plan.outer, plan.single = policy, outer, single
     plan_children(
         app,
         plan,
@@ -102,22 +110,42 @@ def plan_flow(
         headers[H_PARENT] = outer
         if outer_queue != queue:
             headers[H_PARENT_QUEUE] = outer_queue
-    plan.parent = job_dict(parent, parent_opts, headers)
+    plan.parent, ran = job_dict(parent, parent_opts, headers)
     plan.parent["options"]["task_id"] = parent_id
     if store_results:
         mark_for_store(plan.parent)
-    keep(plan.parent, children=plan.child_ids())
-    if single:
-        keep(plan.parent, single=True)
-    if plan.silent:
-        keep(plan.parent, silent=list(plan.silent))
     if not outer:
         # Every id of the tree once: a nested parent is listed as its outer flow's child.
         check_ids(list(plan.levels(True)), parent_id, shared_jobs)  # shared: see send/ids.py
         root = flow_root(options, parent_id)
         plan.parent["options"]["root_id"] = root
         set_root(plan.children, root)
+    plan.held = _held(plan, spec, ran.step_errbacks, fan)
+    if chord:
+        mark_chord(plan, fan, chord)  # a chord on the engine: the job that holds its header
     return plan
+
+
+def _held(plan: Plan, spec: FlowSpec, ran: list[Any], fan: str) -> Held:
+    """What a planned level's parent keeps beside Celery's fields: its children, and how it
+    fans in (``spec`` applied to its children as it is: a window, a quorum, a reducer);
+    refuses a spec its children cannot take, before anything is written."""
+    max_active, window_queue = window_of(plan, spec.max_active)
+    quorum, quorum_queues = quorum_of(plan, spec.quorum)
+    return Held(
+        children=plan.child_ids(),
+        silent=list(plan.silent),
+        single=plan.single,
+        quorum=quorum,
+        quorum_queues=quorum_queues,
+        reduce=reduce_of(plan, spec.reduce),
+        max_active=max_active,
+        window_queue=window_queue,
+        deadline=spec.deadline,
+        on_deadline=spec.on_deadline if spec.deadline else "fail",
+        fan_in=fan if fan != plan.parent_id else "",
+        step_errbacks=ran,
+    )
 
 
 def flow_root(options: dict[str, Any], flow_id: str) -> str:
@@ -215,14 +243,14 @@ def plan_children(
             headers = {H_QUEUE: child_queue, H_PARENT: parent_id}
             if child_queue != queue:
                 headers[H_PARENT_QUEUE] = queue
-            job = job_dict(child, shared, headers)
+            job, ran = job_dict(child, shared, headers)
             job["options"].pop("parent_policy", None)
             job["options"]["task_id"] = cid
             if not child_results:
                 job["options"].setdefault("ignore_result", True)
             elif store_results:
                 mark_for_store(job)
-            plan.children.append(PlannedJob(job))
+            plan.children.append(PlannedJob(job, ran))
         if child_policy is not None:
             plan.child_policies[cid] = check_policy(child_policy, f"child {cid}")
 
@@ -256,13 +284,11 @@ def _nested(
         child_results=child_results,
         store_results=store_results,
         single=child.single,
+        spec=FlowSpec.of(child.kwargs),  # its own deadline, window, quorum or reducer
     )
     if chord_words:
         # A chord's failure, worded as Celery words it (worker/settle.py reads the mark).
         inner.parent["options"].setdefault("headers", {}).setdefault(H_CHORD, "1")
-    stamp(inner, child.kwargs)  # its own deadline, if it has one
-    window_of(inner, child.kwargs)  # its own window, if it has one
-    fan_in_of(inner, child.kwargs)  # its own quorum or reducer, if it has one
     return inner
 
 
@@ -313,14 +339,14 @@ def _steps(
             headers[H_PARENT_QUEUE] = plan.queue
         if i + 1 < len(tasks):
             headers[H_NEXT] = ids[i + 1]
-        job = job_dict(task, shared, headers)
+        job, ran = job_dict(task, shared, headers)
         job["options"].pop("parent_policy", None)
         job["options"]["task_id"] = ids[i]
         if not child_results:
             job["options"].setdefault("ignore_result", True)
         elif store_results:
             mark_for_store(job)
-        jobs.append(PlannedJob(job))
+        jobs.append(PlannedJob(job, ran))
     return jobs
 
 

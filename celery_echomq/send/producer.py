@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from celery_echomq import tracing
-from celery_echomq.send.errbacks import mark_chord, with_errbacks
-from celery_echomq.send.fan_in import fan_in_of, window_of
+from celery_echomq.send.errbacks import with_errbacks
+from celery_echomq.send.fan_in import FlowSpec
 from celery_echomq.send.join import (
     check_joinable,
     existing_flow,
@@ -25,10 +25,8 @@ from celery_echomq.send.join import (
 from celery_echomq.send.plan import Plan, check_depth, plan_flow
 from celery_echomq.send.shape import merge_callbacks
 from celery_echomq.send.start import start_flow
-from celery_echomq.store.deadline_spec import stamp
 from celery_echomq.store.headers import H_QUEUE
 from celery_echomq.store.keyspace import new_job_id
-from celery_echomq.store.planned import keep
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ
 from celery_echomq.wire.results import writes_results
@@ -131,15 +129,12 @@ def _planned(
         child_results=state.settings.child_results,
         store_results=writes_results(state),
         shared_jobs=sending.on_exists == "join",
+        # Its deadline, window, quorum or reducer, kept by the job that holds its children.
+        spec=FlowSpec.of(shape.kwargs),
+        fan=fan,  # what operators' repairs follow from the flow's id to its children
+        chord=sending.chord,  # a chord on the engine (chords.py)
     )
     check_depth(plan, state.settings.max_depth)
-    stamp(plan, shape.kwargs)  # its deadline, kept by the job that holds its children
-    window_of(plan, shape.kwargs)  # its window, kept there too
-    fan_in_of(plan, shape.kwargs)  # its quorum or reducer, kept there and on its children
-    if fan and fan != plan.parent_id:
-        # What operators' repairs follow from the flow's id to its children (release).
-        keep(plan.parent, fan_in=fan)
-    mark_chord(plan, fan, sending.chord)  # a chord on the engine (chords.py)
     return plan
 
 

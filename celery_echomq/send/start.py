@@ -32,7 +32,7 @@ from celery_echomq.send.plan import Plan
 from celery_echomq.store.connection import describe
 from celery_echomq.store.deadlines import arm_levels, disarm
 from celery_echomq.store.headers import H_SINCE, H_STORE
-from celery_echomq.store.planned import PlannedJob, nested_plan
+from celery_echomq.store.planned import PlannedJob, nested_plan, stored_message
 from celery_echomq.store.refusals import named_refusal, refusal_of
 from celery_echomq.store.replies import Status, WideCheck
 from celery_echomq.store.script_values import BrokerPushes
@@ -277,7 +277,9 @@ def _fused(state: EchoMQ, start: _Start, encoded: dict[str, Encoded]) -> BrokerP
     if len(levels) != 1 or not one.children or not plain:
         return None
     heads, store = [child.head for child in one.started()], start.store
-    jobs = [with_since(h.message, SINCE_MARK, store) for h in heads if isinstance(h, PlannedJob)]
+    jobs = [
+        with_since(stored_message(h), SINCE_MARK, store) for h in heads if isinstance(h, PlannedJob)
+    ]
     return prepare(state, jobs, encoded[one.parent_id].alike)
 
 
@@ -366,7 +368,7 @@ def _publish_levels(state: EchoMQ, start: _Start, since: dict[str, int | None]) 
     """The leaves' messages (a nested flow's parent is no leaf: its own level holds it), and
     the parents with no children, which run at once."""
     leaves = [
-        with_since(head.message, since[level.parent_id], start.store)
+        with_since(stored_message(head), since[level.parent_id], start.store)
         for level in start.levels
         for child in level.started()
         if isinstance(head := child.head, PlannedJob)

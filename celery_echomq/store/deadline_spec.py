@@ -13,7 +13,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from celery_echomq.errors import DeadlineError
-from celery_echomq.store.planned import held_of, keep
+from celery_echomq.store.planned import Plan
 
 ON_DEADLINE = ("fail", "continue")
 # A deadline further away than this is almost certainly a unit mistake (ms for s).
@@ -90,18 +90,10 @@ def describe(spec: dict[str, float] | None) -> str:
     return datetime.fromtimestamp(spec["at"]).astimezone().isoformat(timespec="milliseconds")
 
 
-def stamp(plan: Any, kwargs: dict[str, Any]) -> None:
-    """Keep a flow's deadline options (from its signature's ``kwargs``) on its planned parent:
-    the stored payload of the job that holds its children, which the store arms and fires."""
-    spec = kwargs.get("deadline")
-    if spec:
-        on_deadline = check_on_deadline(kwargs.get("on_deadline", "fail"))
-        keep(plan.parent, deadline=deadline_spec(spec), on_deadline=on_deadline)
-
-
-def level_deadline(level: Any) -> tuple[dict[str, float], str] | None:
-    """A planned level's deadline spec and on_deadline, or None when it has none."""
-    held = held_of(level.parent)
+def level_deadline(level: Plan) -> tuple[dict[str, float], str] | None:
+    """A planned level's deadline spec and on_deadline (kept by the job that holds its
+    children, which the store arms and fires), or None when it has none."""
+    held = level.held
     return (held.deadline, held.on_deadline) if held.deadline else None
 
 

@@ -6,6 +6,7 @@ Request, recovery from a stored job. Celery keeps custom headers across retries.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from celery_echomq.store.script_values import ParentRef
@@ -67,7 +68,7 @@ def chord_headers(options: dict[str, Any]) -> dict[str, Any]:
     return marks
 
 
-def is_open_header(job: dict[str, Any]) -> bool:
+def is_open_header(job: Mapping[str, Any]) -> bool:
     """Whether the stored parent ``job`` heads a chord whose header was read as it yielded."""
     return bool(((job.get("options") or {}).get("headers") or {}).get(H_OPEN))
 

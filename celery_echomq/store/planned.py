@@ -5,7 +5,10 @@ A flow's level is a :class:`Plan` (its parent's message and its children); each 
 ``outer`` naming the flow it is a child of) or a :class:`PlannedChain` (a linked chain: one
 child whose id is its last step's, its first step a job or a nested flow). Each node says
 its id, its queue and which rows it writes; nothing needs to guess a node's kind from a
-dict's keys. What a row keeps of a node (:func:`stored_node`) and the one way to read it back
+dict's keys. Beside Celery's message each node carries :class:`Held`, the engine's own facts
+of it (a parent's children and fan-in, the errbacks a chain's steps ran): written into a
+stored message by :func:`stored_message` alone, read back from one by :func:`held_of` alone.
+What a row keeps of a node (:func:`stored_node`) and the one way to read it back
 (:func:`node_of`) are at the end of this module: the planner's types are not the stored
 format, and nothing else reads a stored node's keys. Pure.
 """
@@ -14,17 +17,94 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeGuard
+from typing import Any, TypedDict, TypeGuard, cast
 
 from celery_echomq.store.headers import H_QUEUE
 
 
-@dataclass
+class JobMessage(TypedDict):
+    """Celery's fields of one job's message, as the planner builds them (``job_dict``) and a
+    publish sends them; the engine's own facts of the job are not among them (:class:`Held`)."""
+
+    task: str
+    args: list[Any]
+    kwargs: dict[str, Any]
+    options: dict[str, Any]
+    subtask_type: None
+    immutable: bool
+
+
+@dataclass(frozen=True)
+class Held:
+    """What the engine keeps of a job beside Celery's own fields (task, arguments, options):
+    a held parent's children and how its flow fans in; a job's, the errbacks its chain's steps
+    ran. The planner builds it once per node; :func:`stored_message` writes it into the
+    stored message, and whoever releases, shows, cuts or grows the flow reads it back
+    (:func:`held_of`)."""
+
+    children: list[str] = field(default_factory=list)
+    # Children whose values the parent does not get (a spread's).
+    silent: list[str] = field(default_factory=list)
+    single: bool = False  # a chain's step: the one value as is, not a list
+    quorum: int = 0  # released once this many children succeeded; 0: by all of them
+    quorum_queues: list[str] = field(default_factory=list)  # its children's other queues
+    reduce: list[Any] | None = None  # the reducer its children's values are folded by
+    max_active: int = 0  # its window; 0: none
+    window_queue: str = ""  # the queue its window's children are on
+    deadline: dict[str, float] | None = None
+    on_deadline: str = "fail"
+    fan_in: str = ""  # the job that holds the flow's children, where it is not the parent
+    step_errbacks: list[Any] = field(default_factory=list)  # errbacks its chain's steps ran
+
+    def valued(self) -> list[str]:
+        """The children whose values the parent gets, in order."""
+        if not self.silent:
+            return list(self.children)
+        silent = set(self.silent)
+        return [cid for cid in self.children if cid not in silent]
+
+    def kept(self, parent: bool) -> dict[str, Any]:
+        """The fields a stored message keeps (``parent``: a held parent's, which lists its
+        children even when there are none), in the order its bytes have always had them; a
+        field at its default is not kept."""
+        kept: dict[str, Any] = {}
+        if self.step_errbacks:
+            kept["step_errbacks"] = self.step_errbacks
+        if parent:
+            kept["children"] = self.children
+        if self.single:
+            kept["single"] = True
+        if self.silent:
+            kept["silent"] = self.silent
+        if self.deadline:
+            kept["deadline"] = self.deadline
+            kept["on_deadline"] = self.on_deadline
+        if self.max_active:
+            kept["max_active"] = self.max_active
+            kept["window_queue"] = self.window_queue
+        if self.quorum:
+            kept["quorum"] = self.quorum
+        if self.quorum_queues:
+            kept["quorum_queues"] = self.quorum_queues
+        if self.reduce is not None:
+            kept["reduce"] = self.reduce
+        if self.fan_in:
+            kept["fan_in"] = self.fan_in
+        return kept
+
+
+NOTHING_HELD = Held()
+HELD_FIELDS = frozenset(f.name for f in fields(Held))
+
+
+@dataclass(slots=True)
 class PlannedJob:
     """One task's message in a flow: a child, or a step of a linked chain. ``message`` is
-    the job dict its Celery message is built from (task, args, kwargs, options, ...)."""
+    the job dict its Celery message is built from (task, args, kwargs, options, ...);
+    ``held``, what the engine keeps of it beside them."""
 
-    message: dict[str, Any]
+    message: JobMessage
+    held: Held = NOTHING_HELD
 
     @property
     def id(self) -> str:
@@ -78,7 +158,7 @@ class Plan:
 
     queue: str
     parent_id: str
-    parent: dict[str, Any]
+    parent: JobMessage
     children: list[Node] = field(default_factory=list)
     policy: str = "fail"
     child_policies: dict[str, str] = field(default_factory=dict)
@@ -88,6 +168,15 @@ class Plan:
     # Children whose values the parent does not get (a spread, see send/shape.py).
     silent: list[str] = field(default_factory=list)
     max_active: int = 0  # the most children out at once; 0: no window (send/fan_in.py)
+    # What its parent's stored message keeps beside Celery's fields (its children, fan-in).
+    held: Held = NOTHING_HELD
+
+    @classmethod
+    def for_children(cls, queue: str, parent_id: str) -> Plan:
+        """A level (its parent ``parent_id`` on ``queue``) to plan children on before its
+        parent's message is built: a flow's, which ``plan_flow`` builds after them, or a
+        running flow's that children are added to, whose parent's message is the stored one."""
+        return cls(queue=queue, parent_id=parent_id, parent=cast(JobMessage, {}))
 
     @property
     def id(self) -> str:
@@ -100,7 +189,7 @@ class Plan:
         return self
 
     @property
-    def message(self) -> dict[str, Any]:
+    def message(self) -> JobMessage:
         """The message that stands for this flow among its siblings: its parent's."""
         return self.parent
 
@@ -116,7 +205,7 @@ class Plan:
             if isinstance(head := child.head, Plan):
                 yield from head.levels(whole)
 
-    def messages(self) -> Iterator[dict[str, Any]]:
+    def messages(self) -> Iterator[JobMessage]:
         """Every message this flow's start sends or holds: each started level's parent and
         each of its tasks (a nested flow's parent is its own level's)."""
         for level in self.levels():
@@ -152,43 +241,29 @@ class Plan:
 Node = PlannedJob | Plan | PlannedChain
 
 
-@dataclass
-class Held:
-    """What a held parent's message keeps beside Celery's own fields (task, arguments,
-    options): its children and how its flow fans in. The planner writes it (:func:`keep`),
-    whoever releases, shows, cuts or grows the flow reads it (:func:`held_of`)."""
-
-    children: list[str] = field(default_factory=list)
-    # Children whose values the parent does not get (a spread's).
-    silent: list[str] = field(default_factory=list)
-    single: bool = False  # a chain's step: the one value as is, not a list
-    quorum: int = 0  # released once this many children succeeded; 0: by all of them
-    quorum_queues: list[str] = field(default_factory=list)  # its children's other queues
-    reduce: list[Any] | None = None  # the reducer its children's values are folded by
-    max_active: int = 0  # its window; 0: none
-    window_queue: str = ""  # the queue its window's children are on
-    deadline: dict[str, float] | None = None
-    on_deadline: str = "fail"
-    fan_in: str = ""  # the job that holds the flow's children, where it is not the parent
-    step_errbacks: list[Any] = field(default_factory=list)  # errbacks its chain's steps ran
-
-    def valued(self) -> list[str]:
-        """The children whose values the parent gets, in order."""
-        if not self.silent:
-            return list(self.children)
-        silent = set(self.silent)
-        return [cid for cid in self.children if cid not in silent]
+def stored_message(node: PlannedJob | Plan) -> dict[str, Any]:
+    """The message a row keeps of ``node`` (a job's, or a nested flow's parent's): Celery's
+    fields, then what the engine holds of it. The one place a message takes the engine's
+    fields; Celery's are shared, not copied (a job that holds nothing: its message as is)."""
+    held = node.held
+    if held is NOTHING_HELD and isinstance(node, PlannedJob):
+        return node.message  # type: ignore[return-value]  # a JobMessage is such a dict
+    kept = held.kept(parent=isinstance(node, Plan))
+    return {**node.message, **kept} if kept else node.message  # type: ignore[return-value]
 
 
-HELD_FIELDS = frozenset(f.name for f in fields(Held))
+def with_children(stored: dict[str, Any], children: list[str]) -> None:
+    """List ``children`` on a held parent's stored message (decoded), in its place: what
+    adding children to a running flow writes on its parent's row."""
+    stored["children"] = children
 
 
-def keep(message: dict[str, Any], **facts: Any) -> None:
-    """Write ``facts`` (fields of :class:`Held`) into a parent's message."""
-    unknown = sorted(set(facts) - HELD_FIELDS)
-    if unknown:
-        raise TypeError(f"not what a held parent keeps: {', '.join(unknown)}")
-    message.update(facts)
+def split_held(stored: dict[str, Any]) -> tuple[JobMessage, Held]:
+    """A stored message (decoded) as Celery's fields and what the engine holds of it."""
+    if HELD_FIELDS.isdisjoint(stored):
+        return stored, NOTHING_HELD  # type: ignore[return-value]  # as stored_message wrote it
+    message = {k: v for k, v in stored.items() if k not in HELD_FIELDS}
+    return message, held_of(stored)  # type: ignore[return-value]
 
 
 def held_of(message: Any) -> Held:
@@ -224,14 +299,14 @@ NESTED, STEPS = "nested", "steps"
 def stored_node(node: Node) -> dict[str, Any]:
     """What a row keeps of ``node`` (its messages are shared, not copied)."""
     if isinstance(node, PlannedJob):
-        return node.message
+        return stored_message(node)
     if isinstance(node, PlannedChain):
         return {STEPS: [stored_node(step) for step in node.steps]}
     return {
         NESTED: {
             "queue": node.queue,
             "parent_id": node.parent_id,
-            "parent": node.parent,
+            "parent": stored_message(node),
             "children": [stored_node(child) for child in node.children],
             "policy": node.policy,
             "child_policies": node.child_policies,
@@ -252,7 +327,7 @@ def node_of(stored: Any) -> Node:
         if isinstance(steps := stored.get(STEPS), list) and steps:
             return PlannedChain([_step_of(step) for step in steps])
         if isinstance(stored.get("options"), dict):
-            return PlannedJob(stored)
+            return PlannedJob(*split_held(stored))
     raise ValueError(f"not a stored job: {type(stored).__name__}")
 
 
@@ -277,10 +352,12 @@ def nested_plan(stored: Any) -> Plan | None:
 
 
 def _plan_of(level: dict[str, Any]) -> Plan:
+    parent, held = split_held(level["parent"])
     return Plan(
         queue=str(level["queue"]),
         parent_id=str(level["parent_id"]),
-        parent=level["parent"],
+        parent=parent,
+        held=held,
         children=[node_of(child) for child in level.get("children") or ()],
         policy=str(level.get("policy") or "fail"),
         child_policies=dict(level.get("child_policies") or {}),

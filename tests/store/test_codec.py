@@ -16,9 +16,9 @@ from celery_echomq.store.planned import (
     PlannedJob,
     held_of,
     is_row_job,
-    keep,
     nested_plan,
     node_of,
+    stored_message,
     stored_node,
 )
 
@@ -84,10 +84,14 @@ def test_a_job_of_other_fields_is_stored_whole() -> None:
 
 
 def test_every_kind_of_node_reads_back_as_it_was_planned() -> None:
-    chain = PlannedChain([nested("JOBh", PlannedJob(job("JOBh1"))), PlannedJob(job("JOBs2"))])
+    ran = Held(step_errbacks=[{"task": "t.err"}])
+    chain = PlannedChain([nested("JOBh", PlannedJob(job("JOBh1"))), PlannedJob(job("JOBs2"), ran)])
     inner = nested("JOBi", PlannedJob(job("JOBi1")), chain)
     inner.policy, inner.child_policies, inner.outer = "continue", {"JOBi1": "ignore"}, "JOBo"
     inner.silent, inner.max_active, inner.single = ["JOBi1"], 1, True
+    inner.held = Held(
+        children=inner.child_ids(), silent=["JOBi1"], single=True, max_active=1, window_queue="q"
+    )
     for node in (PlannedJob(job("JOB1", 1)), chain, inner):
         assert node_of(stored_node(node)) == node
     assert nested_plan(stored_node(inner)) == inner
@@ -137,14 +141,23 @@ def test_a_message_is_encoded_as_kombu_encodes_it(serializer: str) -> None:
         unregister("yaml-like")
 
 
-def test_what_a_held_parent_keeps_reads_back_and_nothing_else_is_kept() -> None:
-    message = job("JOBp")
-    keep(message, children=["JOB1", "JOB2", "JOB3"], silent=["JOB2"], quorum=2)
-    keep(message, reduce=["sum"], deadline={"in": 5.0}, on_deadline="continue")
-    held = held_of(message)
-    assert held.valued() == ["JOB1", "JOB3"] and held.quorum == 2 and held.reduce == ["sum"]
-    assert held.deadline == {"in": 5.0} and held.on_deadline == "continue"
+def test_what_a_held_parent_keeps_follows_celerys_fields_in_its_order_and_reads_back() -> None:
+    held = Held(
+        children=["JOB1", "JOB2", "JOB3"],
+        silent=["JOB2"],
+        quorum=2,
+        reduce=["sum"],
+        deadline={"in": 5.0},
+        on_deadline="continue",
+    )
+    plan = Plan(queue="q", parent_id="JOBp", parent=job("JOBp"), held=held)
+    stored = stored_message(plan)
+    kept = ["children", "silent", "deadline", "on_deadline", "quorum", "reduce"]
+    assert list(stored) == [*job("JOBp"), *kept] and list(plan.parent) == list(job("JOBp"))
+    assert held_of(stored) == held and held.valued() == ["JOB1", "JOB3"]
     assert held_of(job("JOB1")) == Held() and held_of(None) == Held()
-    with pytest.raises(TypeError, match="not what a held parent keeps: quorom"):
-        keep(message, quorom=3)
-    assert "quorom" not in message
+    # A parent with no child still lists them; a job that holds nothing is its message as is.
+    empty = Plan(queue="q", parent_id="JOBe", parent=job("JOBe"))
+    assert stored_message(empty)["children"] == []
+    alone = PlannedJob(job("JOB1"))
+    assert stored_message(alone) is alone.message
