@@ -168,22 +168,28 @@ class _Holding(threading.local):
 _HOLDING = _Holding()
 
 
+class _CountLeftToEngine:
+    """A result backend's ``apply_chord`` that keeps no count while a chord of that backend
+    runs on the engine (``_HOLDING``), and is the backend's own for every other call."""
+
+    def __init__(self, backend: Any, own: Any) -> None:
+        self.backend, self.own = backend, own
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if _HOLDING.backend is self.backend:
+            return None
+        return self.own(*args, **kwargs)
+
+
 def _hold_backend_count(backend: Any) -> None:
     """Celery's run asks the result backend to keep the chord's count (``apply_chord``) before
-    it sends the header: on the engine the flow keeps it, and a backend that would otherwise
-    send ``celery.chord_unlock`` (any but Redis's) would run the body a second time. The
-    backend's own ``apply_chord`` is left for every other run, decided per call, so that
-    threads sharing the backend never see it change."""
-    if "apply_chord" in vars(backend):
-        return
-    own = backend.apply_chord
-
-    def apply_chord(*args: Any, **kwargs: Any) -> Any:
-        if _HOLDING.backend is backend:
-            return None
-        return own(*args, **kwargs)
-
-    backend.apply_chord = apply_chord
+    it sends the header: on the engine the flow keeps it, and a backend without a counter of
+    its own would send ``celery.chord_unlock``, which polls the header and sends the body a
+    second time. The backend's own ``apply_chord`` (which some backends set per instance) is
+    kept for every other run, decided per call, so that threads sharing the backend never
+    see it change."""
+    if not isinstance(backend.apply_chord, _CountLeftToEngine):
+        backend.apply_chord = _CountLeftToEngine(backend, backend.apply_chord)
 
 
 class HeldHeader:

@@ -26,12 +26,13 @@ from tests.helpers import KEYS, RABBIT, Env, rabbit_answers
 TIMEOUT = 90
 
 
-def caller(env: Env, broker: str, backend: str | None) -> Celery:
+def caller(env: Env, broker: str, backend: str | None, chords: bool = False) -> Celery:
     app = Celery("caller", set_as_current=False)
     app.conf.update(
         broker_url=broker,
         result_backend=backend,
         echomq_redis_url=env.store,
+        echomq_chords=chords,
         broker_connection_retry_on_startup=True,
     )
     celery_echomq.install(app)
@@ -105,6 +106,32 @@ def test_rpc_backend_get_returns_the_parent_value_to_the_caller(
         # Where a chord cannot go at all.
         with pytest.raises(NotImplementedError, match="rpc"):
             chord([task(app, "add", 1, 1)], task(app, "tsum")).apply_async(queue=q)
+    finally:
+        app.close()
+
+
+@pytest.mark.parametrize("engine", [True, False], ids=["on", "off"])
+def test_a_chord_on_a_backend_that_polls_runs_its_body_once(
+    env: Env, own_queue: Any, start_worker: Any, store: redis.Redis, tmp_path: Any, engine: bool
+) -> None:
+    # A result backend without a counter of its own (the file system's) counts a chord by
+    # polling: Celery sends celery.chord_unlock, which sends the body once the header is done.
+    # On the engine the flow holds the body: no poller is sent, and the body runs once.
+    q = own_queue("polls")
+    backend = f"file://{tmp_path}"
+    chords = "1" if engine else "0"
+    start_worker(queues=q, extra_env={"ECHOMQ_T_BACKEND": backend, "ECHOMQ_T_CHORDS": chords})
+    app = caller(env, env.broker, backend, chords=engine)
+    key = f"test:count:{uuid.uuid4().hex}"
+    try:
+        body = task(app, "redis_count", key).set(immutable=True)
+        res = chord([task(app, "add", 1, 2), task(app, "add", 3, 4)], body).apply_async(queue=q)
+        assert res.get(timeout=TIMEOUT) is None
+        assert store.get(key) == b"1"
+        time.sleep(3)  # a poller polls every second: a second body would have run by now
+        assert store.get(key) == b"1"
+        if engine:  # the body was the parent of a flow of the header's two tasks
+            assert celery_echomq.dependencies(res.id).done == 2
     finally:
         app.close()
 
