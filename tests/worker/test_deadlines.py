@@ -164,13 +164,15 @@ def test_a_flow_done_before_its_deadline_is_left_alone_and_its_entry_goes(
 
 def _pair(proj: Any, t: str, on_deadline: str) -> tuple[Any, list[str]]:
     """One flow, the same ids each time it is made: a quick child done before the deadline
-    and one still running when it passes."""
+    and one still running when it passes. Each side has 4 s to spare (the quick child to
+    finish, the deadline to fire before the slow one ends), so that a loaded machine cannot
+    swap them."""
     ids = [f"JOB{uuid.uuid5(uuid.NAMESPACE_URL, f'{t}:{n}').hex}" for n in range(3)]
 
     def make() -> Any:
-        kids = [proj.add.s(1, 1).set(task_id=ids[1]), proj.sleep_then.s(2, 2.5).set(task_id=ids[2])]
+        kids = [proj.add.s(1, 1).set(task_id=ids[1]), proj.sleep_then.s(2, 8).set(task_id=ids[2])]
         parent = proj.collect.s(tag=t).set(task_id=ids[0])
-        return flow(parent, kids, deadline=1, on_deadline=on_deadline)
+        return flow(parent, kids, deadline=4, on_deadline=on_deadline)
 
     return make, ids
 
