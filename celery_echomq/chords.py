@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from copy import deepcopy
 from typing import Any, TypeVar
 
+import celery
 from celery.app.task import Task
 from celery.backends.redis import RedisBackend
 from celery.canvas import Signature, _chain, _chord, group, maybe_signature
@@ -218,10 +219,17 @@ class HeldHeader:
         header never carries), made the flow's."""
         from celery_echomq.canvas import flow
 
-        assert self.frozen is not None, "Celery's run freezes the header before it sends it"
-        group_id, results = self.frozen
         header, app = self.header, self.app
-        body = header.options.pop("chord")
+        body = header.options.pop("chord", None)
+        if self.frozen is None or body is None:
+            # A Celery whose run no longer freezes the header with its body before the send:
+            # nothing is sent, and the error says which step the extension relies on.
+            raise RuntimeError(
+                f"Celery {celery.__version__}'s chord.run sent the header without freezing it "
+                "with its body (group._freeze_group_tasks(chord=body)), which echomq_chords "
+                "relies on; set echomq_chords = False to run chords as Celery does"
+            )
+        group_id, results = self.frozen
         # What the engine records when the header fails: Celery's own error handling of this
         # body (its errbacks, a group body's tasks, the chain after it), from the body as sent;
         # a chain body's steps are flow jobs that run their errbacks themselves.
