@@ -164,24 +164,27 @@ def test_a_flow_done_before_its_deadline_is_left_alone_and_its_entry_goes(
 
 def _pair(proj: Any, t: str, on_deadline: str) -> tuple[Any, list[str]]:
     """One flow, the same ids each time it is made: a quick child done before the deadline
-    and one still running when it passes. Each side has 4 s to spare (the quick child to
-    finish, the deadline to fire before the slow one ends), so that a loaded machine cannot
-    swap them."""
+    and one still running when it passes. On a worker of the test's own (two pool processes,
+    nothing else queued) the quick child runs at once, and the deadline has 3 s to fire
+    before the slow one ends."""
     ids = [f"JOB{uuid.uuid5(uuid.NAMESPACE_URL, f'{t}:{n}').hex}" for n in range(3)]
 
     def make() -> Any:
-        kids = [proj.add.s(1, 1).set(task_id=ids[1]), proj.sleep_then.s(2, 8).set(task_id=ids[2])]
+        kids = [proj.add.s(1, 1).set(task_id=ids[1]), proj.sleep_then.s(2, 5).set(task_id=ids[2])]
         parent = proj.collect.s(tag=t).set(task_id=ids[0])
-        return flow(parent, kids, deadline=4, on_deadline=on_deadline)
+        return flow(parent, kids, deadline=2, on_deadline=on_deadline)
 
     return make, ids
 
 
-def test_fail_gives_the_same_error_eagerly_and_on_a_worker(proj: Any, worker: Any) -> None:
-    t = tag()
+def test_fail_gives_the_same_error_eagerly_and_on_a_worker(
+    proj: Any, own_queue: Any, start_worker: Any
+) -> None:
+    t, q = tag(), own_queue("deadline-pair")
+    start_worker(queues=q)
     make, ids = _pair(proj, t, "fail")
     errors = []
-    for res in (make().apply(), make().apply_async()):
+    for res in (make().apply(), make().apply_async(queue=q)):
         with pytest.raises(FlowDeadlineExceeded) as info:
             res.get(timeout=30)
         errors.append(info.value)
@@ -191,14 +194,17 @@ def test_fail_gives_the_same_error_eagerly_and_on_a_worker(proj: Any, worker: An
     assert eager.flow_id == real.flow_id == ids[0] and eager.count == real.count == 1
 
 
-def test_continue_gives_the_same_values_eagerly_and_on_a_worker(proj: Any, worker: Any) -> None:
-    t = tag()
+def test_continue_gives_the_same_values_eagerly_and_on_a_worker(
+    proj: Any, own_queue: Any, start_worker: Any
+) -> None:
+    t, q = tag(), own_queue("deadline-pair")
+    start_worker(queues=q)
     make, ids = _pair(proj, t, "continue")
     eager = make().apply()
     assert eager.get() == {"values": [2], "tag": t}
     # The running child finished after the deadline: recorded, too late for the parent.
     assert eager.children_values() == {ids[1]: 2, ids[2]: 2}
-    real = make().apply_async()
+    real = make().apply_async(queue=q)
     assert real.get(timeout=30) == {"values": [2], "tag": t}
     wait_for(lambda: real.children_values() == {ids[1]: 2, ids[2]: 2})
 
