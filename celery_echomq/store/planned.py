@@ -225,11 +225,6 @@ class Plan:
         """The ids of every row this level writes for its children: each step of a chain."""
         return [cid for child in self.children for cid in child.row_ids()]
 
-    def valued_ids(self) -> list[str]:
-        """The children whose values the parent gets, in order."""
-        silent = set(self.silent)
-        return [cid for cid in self.child_ids() if cid not in silent]
-
     def chunked(self, chunk_size: int) -> bool:
         """Whether this level takes open/add/seal instead of one enqueue_flow script."""
         return len(self.children) > chunk_size or any(
