@@ -3,6 +3,7 @@ passes while it still waits, by whichever worker polls first; on real workers an
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -162,32 +163,49 @@ def test_a_flow_done_before_its_deadline_is_left_alone_and_its_entry_goes(
 # --- eager mode gives the same values and errors ------------------------------------------
 
 
-def _pair(proj: Any, t: str, on_deadline: str) -> tuple[Any, list[str]]:
+# The pair's deadline: time enough for the quick child on a worker of the test's own.
+DEADLINE = 3
+
+
+def _pair(proj: Any, t: str, on_deadline: str) -> tuple[Any, list[str], str]:
     """One flow, the same ids each time it is made: a quick child done before the deadline
-    and one still running when it passes. On a worker of the test's own (two pool processes,
-    nothing else queued) the quick child runs at once, and the deadline has 3 s to fire
-    before the slow one ends."""
+    and one that waits on a gate (the third value) the test opens only once the deadline has
+    passed, so that no loaded machine can finish it in time."""
     ids = [f"JOB{uuid.uuid5(uuid.NAMESPACE_URL, f'{t}:{n}').hex}" for n in range(3)]
+    gate = f"gate:{t}"
 
     def make() -> Any:
-        kids = [proj.add.s(1, 1).set(task_id=ids[1]), proj.sleep_then.s(2, 5).set(task_id=ids[2])]
+        kids = [proj.add.s(1, 1).set(task_id=ids[1]), proj.gated.s(2, gate).set(task_id=ids[2])]
         parent = proj.collect.s(tag=t).set(task_id=ids[0])
-        return flow(parent, kids, deadline=2, on_deadline=on_deadline)
+        return flow(parent, kids, deadline=DEADLINE, on_deadline=on_deadline)
 
-    return make, ids
+    return make, ids, gate
+
+
+def _eagerly(make: Any, store: redis.Redis, gate: str) -> Any:
+    """The flow applied eagerly, its gated child let through a second after its deadline
+    (eager mode runs the children one after another in this thread), the gate closed again."""
+    opener = threading.Timer(DEADLINE + 1, store.set, (gate, 1))
+    opener.start()
+    try:
+        return make().apply()
+    finally:
+        opener.join()
+        store.delete(gate)
 
 
 def test_fail_gives_the_same_error_eagerly_and_on_a_worker(
-    proj: Any, own_queue: Any, start_worker: Any
+    proj: Any, own_queue: Any, start_worker: Any, store: redis.Redis
 ) -> None:
     t, q = tag(), own_queue("deadline-pair")
     start_worker(queues=q)
-    make, ids = _pair(proj, t, "fail")
+    make, ids, gate = _pair(proj, t, "fail")
     errors = []
-    for res in (make().apply(), make().apply_async(queue=q)):
+    for res in (_eagerly(make, store, gate), make().apply_async(queue=q)):
         with pytest.raises(FlowDeadlineExceeded) as info:
             res.get(timeout=30)
         errors.append(info.value)
+    store.set(gate, 1)
     eager, real = errors
     assert str(eager) == str(real)
     assert eager.outstanding == real.outstanding == (ids[2],)
@@ -195,17 +213,19 @@ def test_fail_gives_the_same_error_eagerly_and_on_a_worker(
 
 
 def test_continue_gives_the_same_values_eagerly_and_on_a_worker(
-    proj: Any, own_queue: Any, start_worker: Any
+    proj: Any, own_queue: Any, start_worker: Any, store: redis.Redis
 ) -> None:
     t, q = tag(), own_queue("deadline-pair")
     start_worker(queues=q)
-    make, ids = _pair(proj, t, "continue")
-    eager = make().apply()
+    make, ids, gate = _pair(proj, t, "continue")
+    eager = _eagerly(make, store, gate)
     assert eager.get() == {"values": [2], "tag": t}
-    # The running child finished after the deadline: recorded, too late for the parent.
+    # The gated child finished after the deadline: recorded, too late for the parent.
     assert eager.children_values() == {ids[1]: 2, ids[2]: 2}
     real = make().apply_async(queue=q)
+    # The worker's second pool process runs the parent while the first waits on the gate.
     assert real.get(timeout=30) == {"values": [2], "tag": t}
+    store.set(gate, 1)
     wait_for(lambda: real.children_values() == {ids[1]: 2, ids[2]: 2})
 
 
