@@ -30,7 +30,7 @@ from celery_echomq.send.ids import claim_ids, release_claims
 from celery_echomq.send.join import Joined, joins_by_level
 from celery_echomq.send.plan import Plan
 from celery_echomq.store.connection import describe
-from celery_echomq.store.deadlines import arm_levels, disarm
+from celery_echomq.store.deadlines import Armed, arm_levels, disarm, rearm
 from celery_echomq.store.headers import H_SINCE, H_STORE
 from celery_echomq.store.planned import PlannedJob, nested_plan, stored_message
 from celery_echomq.store.refusals import named_refusal, refusal_of
@@ -153,6 +153,7 @@ def _land(
             whole, settled = _enqueue_levels(
                 state, start, encoded, register, fused, clock, written, since, claims
             )
+        rearm(state, armed)  # a poller that met an entry before its flow landed dropped it
         _write_child_policies(state, whole)
         _write_locators(state, start)
     return since, fused, settled
@@ -223,7 +224,7 @@ def _claims_released(state: EchoMQ, claims: list[str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _taken_back_on_refusal(
-    state: EchoMQ, plan: Plan, written: Written, armed: Any
+    state: EchoMQ, plan: Plan, written: Written, armed: list[Armed]
 ) -> Iterator[None]:
     """A refusal after an earlier level or chunk landed: take back exactly what this call
     wrote, so bad input leaves nothing behind."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from celery_echomq.store.codec import Stored, stored_of
 from celery_echomq.store.connection import text
@@ -52,11 +52,46 @@ def arm(state: EchoMQ, queue: str, parent_id: str, kind: str, ms: int, outer: st
     return int(reply[1])
 
 
-def disarm(state: EchoMQ, armed: Sequence[tuple[str, str]]) -> None:
-    """Take back the arms ``(queue, parent id)`` of a flow that was refused (nothing of it
-    was written)."""
-    for queue, parent_id in armed:
-        state.client.zrem(index_key(state, queue), parent_id)
+class Armed(NamedTuple):
+    """A level's deadline entry as :func:`arm_levels` wrote it."""
+
+    queue: str
+    parent_id: str
+    at: int  # its score: when the deadline passes, ms on the store's clock
+
+
+def disarm(state: EchoMQ, armed: Sequence[Armed]) -> None:
+    """Take back the arms of a flow that was refused (nothing of it was written)."""
+    for entry in armed:
+        state.client.zrem(index_key(state, entry.queue), entry.parent_id)
+
+
+def rearm(state: EchoMQ, armed: Sequence[Armed]) -> None:
+    """Once the flow has landed: write again, with the score it was armed with, each entry a
+    poller dropped while the producer was between its arm and its enqueue (deadline.lua
+    finds no row: 'missing', as for a producer that died there). A producer slower than its
+    deadline keeps it: the entry, already due, fires at the next look. One round trip when
+    every entry is there. An entry whose deadline has fired is never written again (its
+    row's ``deadline_fired``): nothing but a fire and its follow-up removes an entry of a
+    landed flow, and with no entry no poller can fire it between the reads and the write."""
+    if not armed:
+        return
+    client, keys = state.client, state.keys
+    pipe = client.pipeline(transaction=False)
+    for entry in armed:
+        pipe.zscore(index_key(state, entry.queue), entry.parent_id)
+    gone = [entry for entry, score in zip(armed, pipe.execute(), strict=True) if score is None]
+    if not gone:
+        return
+    pipe = client.pipeline(transaction=False)
+    for entry in gone:
+        pipe.hget(keys.job_key(entry.queue, entry.parent_id), "deadline_fired")
+    fired = pipe.execute()
+    pipe = client.pipeline(transaction=False)
+    for entry, mark in zip(gone, fired, strict=True):
+        if mark is None:
+            pipe.zadd(index_key(state, entry.queue), {entry.parent_id: entry.at}, nx=True)
+    pipe.execute()
 
 
 def _flow_keys(state: EchoMQ, queue: str, parent_id: str, child_ids: Sequence[str]) -> list[str]:
@@ -176,21 +211,22 @@ def retry(
     return status, int(reply[1]), found
 
 
-def arm_levels(state: EchoMQ, levels: Sequence[Any]) -> list[tuple[str, str]]:
-    """Arm every planned level that has a deadline, before any of them is enqueued:
-    ``(queue, parent id)`` of each armed (what :func:`disarm` takes back on a refusal)."""
+def arm_levels(state: EchoMQ, levels: Sequence[Any]) -> list[Armed]:
+    """Arm every planned level that has a deadline, before any of them is enqueued: each
+    entry armed (what :func:`disarm` takes back on a refusal, :func:`rearm` checks after the
+    land)."""
     from celery_echomq.store.deadline_spec import level_deadline, spec_ms
 
-    armed: list[tuple[str, str]] = []
+    armed: list[Armed] = []
     for level in levels:
         found = level_deadline(level)
         if found is None:
             continue
         kind, ms = spec_ms(found[0])
         try:
-            arm(state, level.queue, level.parent_id, kind, ms, level.outer)
+            at = arm(state, level.queue, level.parent_id, kind, ms, level.outer)
         except Exception:
             disarm(state, armed)  # a refused flow leaves no entry behind
             raise
-        armed.append((level.queue, level.parent_id))
+        armed.append(Armed(level.queue, level.parent_id, at))
     return armed

@@ -398,6 +398,28 @@ def test_several_workers_racing_fire_each_deadline_exactly_once(
     assert len(firing) >= 1
 
 
+def test_a_producer_slower_than_the_deadline_between_arm_and_enqueue_keeps_it(
+    proj: Any, worker: Any, store: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery_echomq.send import start
+
+    # The producer stalls after arming the deadline and before the flow lands (a paused
+    # process, a slow network): the worker's poller meets the entry due with no row yet.
+    enqueue = start._enqueue_levels
+
+    def stalled(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(1.5)
+        return enqueue(*args, **kwargs)
+
+    monkeypatch.setattr(start, "_enqueue_levels", stalled)
+    gate = f"gate:{tag()}"
+    res = flow(proj.tsum.s(), [proj.gated.s(1, gate)], deadline=0.5).apply_async()
+    with pytest.raises(FlowDeadlineExceeded):
+        res.get(timeout=30)
+    assert row(store, res.id)["failed_by"] == "deadline"
+    store.set(gate, 1)
+
+
 def test_a_deadline_holds_across_a_worker_killed_and_one_started_later(
     proj: Any, start_worker: Any, store: redis.Redis, own_queue: Any
 ) -> None:
