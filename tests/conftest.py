@@ -69,6 +69,27 @@ def store(env: Env) -> redis.Redis:
     return redis.Redis.from_url(env.store)
 
 
+@pytest.fixture(autouse=True)
+def _gates_opened(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a test on the session's store, every gate a task still waits on is opened: a
+    test that failed before opening its own would otherwise hold pool processes of the
+    session's worker for the tests after it (tests/proj.py, WAITING_GATES)."""
+    yield
+    if "env" not in request.fixturenames:
+        return
+    from tests.proj import WAITING_GATES
+
+    client = redis.Redis.from_url(request.getfixturevalue("env").store)
+    with contextlib.suppress(redis.RedisError):  # a test that stopped its server
+        gates = client.smembers(WAITING_GATES)
+        if gates:
+            pipe = client.pipeline(transaction=False)
+            for gate in gates:
+                pipe.set(gate, 1)
+            pipe.delete(WAITING_GATES)
+            pipe.execute()
+
+
 INPROCESS = os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess"
 # The modules whose ``worker`` tests run on an in-process worker in the fast tier.
 INPROCESS_MODULES = frozenset({"canvas/test_compose", "worker/test_policies", "worker/test_counts"})

@@ -257,9 +257,16 @@ def _delivery(task_id: str) -> int:
     return int(_store().incr(f"test:delivery:{task_id}"))
 
 
+# Every gate a task has waited on, so that each test's teardown opens what the test left
+# closed (tests/conftest.py: a test that failed before opening its gate must not leave the
+# session's worker blocked for the tests after it).
+WAITING_GATES = "test:gates:waiting"
+
+
 def _wait_gate(gate: str) -> None:
     """Block until the key ``gate`` exists (the test opens it)."""
     client = _store()
+    client.sadd(WAITING_GATES, gate)
     deadline = time.monotonic() + 120
     while not client.exists(gate):
         if time.monotonic() > deadline:
