@@ -52,7 +52,9 @@ def redis_base(echomq_redis_url: str) -> str:
 def env(redis_base: str) -> Env:
     e = Env(redis_base)
     os.environ.update(ECHOMQ_T_BROKER=e.broker, ECHOMQ_T_BACKEND=e.backend, ECHOMQ_T_STORE=e.store)
-    for url in (e.broker, e.backend, e.store):
+    from tests.proj import BOOKKEEPING_DB
+
+    for url in (e.broker, e.backend, e.store, f"{e.base}/{BOOKKEEPING_DB}"):
         redis.Redis.from_url(url).flushdb()
     return e
 
@@ -77,17 +79,19 @@ def _gates_opened(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "env" not in request.fixturenames:
         return
-    from tests.proj import WAITING_GATES
+    from tests.proj import BOOKKEEPING_DB, WAITING_GATES
 
-    client = redis.Redis.from_url(request.getfixturevalue("env").store)
+    env = request.getfixturevalue("env")
+    client = redis.Redis.from_url(env.store)
+    kept = redis.Redis.from_url(f"{env.base}/{BOOKKEEPING_DB}")
     with contextlib.suppress(redis.RedisError):  # a test that stopped its server
-        gates = client.smembers(WAITING_GATES)
+        gates = kept.smembers(WAITING_GATES)
         if gates:
             pipe = client.pipeline(transaction=False)
             for gate in gates:
                 pipe.set(gate, 1)
-            pipe.delete(WAITING_GATES)
             pipe.execute()
+            kept.srem(WAITING_GATES, *gates)
 
 
 INPROCESS = os.environ.get("ECHOMQ_TEST_WORKER") == "inprocess"
