@@ -72,8 +72,9 @@ def rearm(state: EchoMQ, armed: Sequence[Armed]) -> None:
     finds no row: 'missing', as for a producer that died there). A producer slower than its
     deadline keeps it: the entry, already due, fires at the next look. One round trip when
     every entry is there. An entry whose deadline has fired is never written again (its
-    row's ``deadline_fired``): nothing but a fire and its follow-up removes an entry of a
-    landed flow, and with no entry no poller can fire it between the reads and the write."""
+    row's ``deadline_fired``; with no entry, no poller can fire it between the reads and the
+    write). One a poller removed for a flow that no longer waits, written again, is removed
+    again at the next look (deadline.lua: 'moot')."""
     if not armed:
         return
     client, keys = state.client, state.keys
