@@ -351,6 +351,46 @@ def follow(
             )
 
 
+def _complete(
+    state: EchoMQ,
+    queue: str,
+    job_id: str,
+    token: str,
+    is_parent: bool,
+    parent: ParentRef | None,
+    value: bytes,
+    result: ResultWrite | None,
+    next_step: str,
+) -> tuple[Status, bool, Handed | None, bool]:
+    """The completion script (complete.lua) for a job that succeeded, as ``outcome_of``
+    reports it, and the window slots it freed published."""
+    freed: list[Freed] = []
+    outcome = outcome_of(
+        state,
+        queue,
+        job_id,
+        token,
+        "the completion",
+        lambda: state.scripts.complete_settling(
+            queue,
+            job_id,
+            token,
+            ttl=state.settings.result_ttl,
+            is_parent=is_parent,
+            parent=parent,
+            value=value,
+            result=result,
+            inline_max=state.settings.chunk_size,
+            next_step=next_step,
+            freed=freed,
+            hand_ms=state.settings.stall_ms if next_step else 0,
+        ),
+    )
+    if freed:
+        publish_freed(state, queue, freed)
+    return outcome
+
+
 def settle_success(
     state: EchoMQ,
     queue: str,
@@ -379,30 +419,9 @@ def settle_success(
     delivery took it before the lease lapsed (``stalled.py``). ``refused``: stores the
     child's FAILURE with the reason its flow's reducer gave for not folding its value (the
     worker's own check, send/fan_in.py's ``refusal``, says the same first)."""
-    freed: list[Freed] = []
-    status, written, handed, shared = outcome_of(
-        state,
-        queue,
-        job_id,
-        token,
-        "the completion",
-        lambda: state.scripts.complete_settling(
-            queue,
-            job_id,
-            token,
-            ttl=state.settings.result_ttl,
-            is_parent=is_parent,
-            parent=parent,
-            value=value,
-            result=result,
-            inline_max=state.settings.chunk_size,
-            next_step=next_step,
-            freed=freed,
-            hand_ms=state.settings.stall_ms if next_step else 0,
-        ),
+    status, written, handed, shared = _complete(
+        state, queue, job_id, token, is_parent, parent, value, result, next_step
     )
-    if freed:
-        publish_freed(state, queue, freed)
     if status is Status.UNFOLDABLE and handed is not None:
         # Its flow's reducer cannot fold its value: the child fails, under its policy.
         reason = text(handed[1]["reason"])
