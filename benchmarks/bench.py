@@ -1,18 +1,19 @@
 """flow vs chord vs a plain group, on one private Redis and one real prefork `celery worker`.
 
 Modes: group, chord, flow, and flow-lean (a flow with echomq_child_results = False: its
-children store no result in Celery's backend); beside the plain flow, what two capabilities
-cost: flow-deadline (``flow(..., deadline=3600)``) and flow-traced (OpenTelemetry's SDK in
-the producer and in a second worker of the same options that runs the traced flows alone,
-tracing being process-wide). Before the worker starts, flow's enqueue is paired with
-BullMQ's FlowProducer (benchmarks/bullmq/, run with node; skipped with a message where node
-is absent) on the same redis-server. Then, on the same worker, chain children: one parent
-over N chains of S tasks as a flow (flow-chain) and as a chord with the chains in its header
-(chord-chain), beside a flow and a chord over N*S plain children (--chains). The report
-splits each mode's Redis commands by command name, per child and per flow (printed for
-flow, chord and group at 200x5: "where the commands go"), and its closing table gives each
-target, met or missed, with BullMQ's figure beside flow's, and the capabilities' costs and
-the chain rows as information.
+children store no result in Celery's backend); beside the plain flow, what three capabilities
+cost: flow-deadline (``flow(..., deadline=3600)``), flow-traced (OpenTelemetry's SDK in the
+producer and in a second worker of the same options that runs the traced flows alone, tracing
+being process-wide) and flow-batch (``flow(..., batch=50)``: the children delivered up to 50 a
+broker message, each still a job of its own). Before the worker starts, flow's enqueue is
+paired with BullMQ's FlowProducer (benchmarks/bullmq/, run with node; skipped with a message
+where node is absent) on the same redis-server. Then, on the same worker, chain children: one
+parent over N chains of S tasks as a flow (flow-chain) and as a chord with the chains in its
+header (chord-chain), beside a flow and a chord over N*S plain children (--chains). The report
+splits each mode's Redis commands by command name, per child and per flow (printed for flow,
+chord and group at 200x5: "where the commands go"), and its closing table gives each target,
+met or missed, with BullMQ's figure beside flow's, and the capabilities' costs and the chain
+rows as information.
 
     python3 dev.py bench                 # the default run (tens of minutes)
     python3 dev.py bench --quick         # a smoke run (smaller sizes, 2 rounds: several minutes)
@@ -60,6 +61,8 @@ from measure import (
     time_limit,
 )
 from modes import (
+    BATCH,
+    BATCH_SIZE,
     BULLMQ_DIR,
     CHORD_ENGINE,
     DEADLINE,
@@ -532,6 +535,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"skip {TRACED} (flow with an OpenTelemetry SDK in producer and worker)",
     )
     p.add_argument(
+        "--no-batch",
+        action="store_true",
+        help=f"skip {BATCH} (flow with batch={BATCH_SIZE}: up to {BATCH_SIZE} children a message)",
+    )
+    p.add_argument(
         "--bullmq-sizes",
         type=parse_sizes,
         help=f"KxN,... for enqueue vs BullMQ's FlowProducer (default {BULLMQ_SIZES})",
@@ -599,6 +607,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes.append(CHORD_ENGINE)
     if not args.no_deadline:
         modes.append(DEADLINE)
+    if not args.no_batch:
+        modes.append(BATCH)
     traced: ProducerTracing | None = None
     if not args.no_traced and args.sizes:
         why_not = tracing_missing()

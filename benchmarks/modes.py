@@ -44,6 +44,11 @@ DEADLINE_S = 3600
 # A flow with a window (``max_active``): ``flow-window`` (the peers bench's "flow window").
 WINDOW = "flow-window"
 WINDOW_SIZE = int(os.environ.get("BENCH_WINDOW", "20"))
+# A flow whose children go out BATCH_SIZE to a broker message (``flow(..., batch=50)``, the
+# internal task celery_echomq.batch), each child still a job of its own: a module constant,
+# so that a flow of up to 50 children goes out in one message.
+BATCH = "flow-batch"
+BATCH_SIZE = 50
 # A plain group with one task more than a flow's children: as many Celery messages as a flow
 # sends (its children and its parent), none of them fanned in (the peers bench's "celery group
 # + 1"). A flow beside it shows what the fan-in costs beyond the parent's own message.
@@ -144,6 +149,8 @@ def build(mode: str, size: Size, queue: str | None = None) -> list[Any]:
             canvases.append(flow(parent, children, deadline=DEADLINE_S))
         elif mode == WINDOW:
             canvases.append(flow(parent, children, max_active=WINDOW_SIZE))
+        elif mode == BATCH:
+            canvases.append(flow(parent, children, batch=BATCH_SIZE))
         elif mode.startswith("flow"):
             canvases.append(flow(parent, children))
         else:

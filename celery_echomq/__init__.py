@@ -110,6 +110,7 @@ def install(app: Any) -> EchoMQ:
         signals,
         unrevoke,  # noqa: F401 - registers the worker's echomq_unrevoke
     )
+    from celery_echomq.worker.batches import register_batch_task
     from celery_echomq.worker.deadline_poller import DeadlineStep
     from celery_echomq.worker.recovery import RecoveryStep
 
@@ -118,6 +119,7 @@ def install(app: Any) -> EchoMQ:
     patch_celery()
     # What a flow whose parent is a group, a chord or a flow runs (see send/shape.py).
     register_tasks(app)
+    register_batch_task(app)  # what a batch message runs (flow(..., batch=N))
     signals.connect()
     # A set: installing twice adds the step once.
     app.steps["worker"].add(RecoveryStep)

@@ -18,6 +18,7 @@ from celery_echomq.send.accepts import (
     check_spelling,
     child_signatures,
 )
+from celery_echomq.send.batches import check_batch
 from celery_echomq.send.errbacks import give_errbacks
 from celery_echomq.send.fan_in import check_max_active, check_quorum, check_reduce
 from celery_echomq.send.ids import assign_ids, check_tree, value_task
@@ -56,7 +57,9 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
     or ``fail_at_end`` (the parent fails once every child has settled, as a chord's body does).
     ``max_active``: at most that many children published or running at once, the others
     published in order as earlier ones finish. ``quorum``: the parent runs at the K-th success;
-    ``reduce``: it gets the values folded as they arrive (see docs/flows.md).
+    ``reduce``: it gets the values folded as they arrive; ``batch``: the children are
+    delivered up to that many a broker message, each still a job of its own (see
+    docs/flows.md).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         max_active: int | None = None,
         quorum: int | None = None,
         reduce: Any = None,
+        batch: int | None = None,
         args: Iterable[Any] | None = None,
         app: Any = None,
         task: str = FLOW_TASK,
@@ -91,6 +95,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
         check_on_deadline(on_deadline)
         check_max_active(max_active)
         check_quorum(quorum)
+        check_batch(batch)
         for child in child_sigs:
             check_spelling(child.options, CHILD_OPTIONS, f"flow child {child.task!r}: .set()")
             if "parent_policy" in child.options:
@@ -109,6 +114,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             own["on_deadline"] = on_deadline
         # A window, a quorum, a reducer (send/fan_in.py).
         fan_in = {"max_active": max_active, "quorum": quorum, "reduce": check_reduce(reduce)}
+        fan_in["batch"] = batch  # how the children are delivered (send/batches.py)
         own.update((k, v) for k, v in fan_in.items() if v is not None)
         super().__init__(
             task,
@@ -133,6 +139,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             max_active=kwargs.get("max_active"),
             quorum=kwargs.get("quorum"),
             reduce=kwargs.get("reduce"),
+            batch=kwargs.get("batch"),
             args=d.get("args"),
             app=app,
             options=dict(d.get("options") or {}),
@@ -257,6 +264,7 @@ class flow(Signature):  # type: ignore[misc]  # lower case, like chord and group
             max_active=self.max_active,
             quorum=self.kwargs.get("quorum"),
             reduce=self.kwargs.get("reduce"),
+            batch=self.kwargs.get("batch"),
             args=(*tuple(args or ()), *self.args),
             app=self._app,
             options={**deepcopy(self.options), **opts},

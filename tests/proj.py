@@ -765,3 +765,22 @@ def hedge(x: int, tag: str, delay: float = 0.0) -> int:
 def echo(value: Any) -> Any:
     """Return ``value`` as is (a child whose value a flow's reducer folds)."""
     return value
+
+
+# --- Tasks of tests/worker/test_batches.py: children delivered many to a message ---------------
+
+
+@app.task(bind=True)
+def own_request(self: Any, x: int) -> dict[str, Any]:
+    """What this delivery's ``self.request`` says of it."""
+    request = self.request
+    return {
+        "x": x,
+        "id": request.id,
+        "root_id": request.root_id,
+        "parent_id": request.parent_id,
+        "retries": request.retries,
+        "args": list(request.args or ()),
+        "queue": (request.delivery_info or {}).get("routing_key"),
+        "eager": bool(request.is_eager),
+    }

@@ -22,6 +22,7 @@ FLOW_KEYWORDS = (
     "max_active",
     "quorum",
     "reduce",
+    "batch",
     "args",
     "app",
     "task",

@@ -80,6 +80,7 @@ class FlowSpec:
     max_active: int | None = None
     quorum: int | None = None
     reduce: list[Any] | None = None
+    batch: int | None = None  # children a broker message delivers (send/batches.py)
 
     @classmethod
     def of(cls, kwargs: Mapping[str, Any]) -> FlowSpec:
@@ -90,6 +91,7 @@ class FlowSpec:
             max_active=kwargs.get("max_active"),
             quorum=kwargs.get("quorum"),
             reduce=kwargs.get("reduce"),
+            batch=kwargs.get("batch"),
         )
 
 

@@ -15,6 +15,7 @@ from celery import current_task
 from celery.canvas import Signature
 
 from celery_echomq.errors import DepthError
+from celery_echomq.send.batches import batch_of
 from celery_echomq.send.errbacks import mark_chord
 from celery_echomq.send.fan_in import NO_SPEC, FlowSpec, quorum_of, reduce_of, window_of
 from celery_echomq.send.ids import check_ids
@@ -121,6 +122,7 @@ def plan_flow(
         plan.parent["options"]["root_id"] = root
         set_root(plan.children, root)
     plan.held = _held(plan, spec, ran.step_errbacks, fan)
+    batch_of(plan, spec.batch)
     if chord:
         mark_chord(plan, fan, chord)  # a chord on the engine: the job that holds its header
     return plan

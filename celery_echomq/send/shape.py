@@ -133,7 +133,7 @@ def _own(sig: Signature) -> Any:
 def _as_flow(sig: Any) -> dict[str, Any]:
     """What a flow hands the job that holds its own children: its policy, whether it takes
     one value, its id, and its deadline options and window (kept by that job)."""
-    keys = ("deadline", "on_deadline", "max_active", "quorum", "reduce")
+    keys = ("deadline", "on_deadline", "max_active", "quorum", "reduce", "batch")
     timing = {k: sig.kwargs[k] for k in keys if k in sig.kwargs}
     return {"policy": sig.policy, "single": sig.single, "own_id": _own(sig), "timing": timing}
 

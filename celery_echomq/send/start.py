@@ -23,6 +23,7 @@ from celery_echomq.errors import (
     StoreUnavailableError,
     StoreWriteRefusedError,
 )
+from celery_echomq.send.batches import batch_jobs
 from celery_echomq.send.chunked import Written, enqueue_chunked, takes_chunked_path
 from celery_echomq.send.dispatch import declare_reply_queue, dispatch_parent
 from celery_echomq.send.encoding import Encoded, encode_plan
@@ -274,7 +275,7 @@ def _fused(state: EchoMQ, start: _Start, encoded: dict[str, Encoded]) -> BrokerP
     """A small flow of one level, on a broker that shares the store's server: its children's
     messages go with its enqueue script (wire/publish.py)."""
     levels, one = start.levels, start.levels[0]
-    plain = not (start.cluster or start.chunked[0] or one.child_policies)
+    plain = not (start.cluster or start.chunked[0] or one.child_policies or one.batch)
     if len(levels) != 1 or not one.children or not plain:
         return None
     heads, store = [child.head for child in one.started()], start.store
@@ -366,15 +367,22 @@ def _write_locators(state: EchoMQ, start: _Start) -> None:
 
 
 def _publish_levels(state: EchoMQ, start: _Start, since: dict[str, int | None]) -> None:
-    """The leaves' messages (a nested flow's parent is no leaf: its own level holds it), and
-    the parents with no children, which run at once."""
-    leaves = [
-        with_since(stored_message(head), since[level.parent_id], start.store)
-        for level in start.levels
-        for child in level.started()
-        if isinstance(head := child.head, PlannedJob)
-        and child.id not in start.joins[level.parent_id]
-    ]
+    """The leaves' messages (a nested flow's parent is no leaf: its own level holds it; a
+    level that batches its children sends a message per batch), and the parents with no
+    children, which run at once."""
+    leaves: list[dict[str, Any]] = []
+    for level in start.levels:
+        heads = [
+            head
+            for child in level.started()
+            if isinstance(head := child.head, PlannedJob)
+            and child.id not in start.joins[level.parent_id]
+        ]
+        at = since[level.parent_id]
+        if level.batch:
+            leaves += batch_jobs(level, heads, at, start.store)
+        else:
+            leaves += [with_since(stored_message(head), at, start.store) for head in heads]
     if leaves:
         publish(state.app, leaves)
     for level in start.levels:

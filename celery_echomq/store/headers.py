@@ -51,6 +51,9 @@ H_QUORUM = "echomq_k"
 # The reducer (JSON) on every child of a flow whose values are folded as they arrive
 # (``flow(..., reduce=R)``, send/fan_in.py, store/lua/includes/reduce.lua).
 H_REDUCE = "echomq_x"
+# On a batch message (``flow(..., batch=N)``, send/batches.py), never on a job's: the queue whose
+# rows its children are. The message's one argument lists their ids.
+H_BATCH = "echomq_b"
 
 
 # The prefix of every header above: reserved for the plan's own.

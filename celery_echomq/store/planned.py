@@ -168,6 +168,7 @@ class Plan:
     # Children whose values the parent does not get (a spread, see send/shape.py).
     silent: list[str] = field(default_factory=list)
     max_active: int = 0  # the most children out at once; 0: no window (send/fan_in.py)
+    batch: int = 0  # children a broker message delivers; 0: one each (send/batches.py)
     # What its parent's stored message keeps beside Celery's fields (its children, fan-in).
     held: Held = NOTHING_HELD
 
@@ -309,6 +310,7 @@ def stored_node(node: Node) -> dict[str, Any]:
             "single": node.single,
             "silent": node.silent,
             "max_active": node.max_active,
+            "batch": node.batch,
         }
     }
 
@@ -360,6 +362,7 @@ def _plan_of(level: dict[str, Any]) -> Plan:
         single=bool(level.get("single")),
         silent=list(level.get("silent") or ()),
         max_active=int(level.get("max_active") or 0),
+        batch=int(level.get("batch") or 0),
     )
 
 

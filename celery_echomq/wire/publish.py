@@ -81,6 +81,20 @@ def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
             pushes.flush()
 
 
+def built_message(app: Any, job: dict[str, Any]) -> Any:
+    """The message publishing ``job`` would send, Celery's ``task_message`` (headers,
+    properties, and the body not yet serialized), built and not sent: the task's defaults,
+    routing and reprs as a publish gives them. The job's own lineage only: the task building
+    it is not its sender."""
+    sender = _Sender(app, None)
+    sender.current, sender.sent_event = None, False
+    prepared = sender._prepare(job)
+    message = sender.message(prepared, prepared.routed)
+    # As send_task_message merges them into the headers it publishes.
+    message.headers.update(prepared.routed.get("headers") or {})
+    return message
+
+
 def built_pushes(
     app: Any,
     jobs: Iterable[dict[str, Any]],
@@ -319,19 +333,12 @@ class _Sender:
             self.last = _Last(p.name, job["options"], template, given, root, parent)
         return True
 
-    def _build_and_send(self, p: _Prepared) -> None:
-        """Build the message as Celery does and send it; learn its template on the way."""
-        routed = p.routed
-        queue_name = queue_of(routed)
-        first = queue_name not in self.declared
-        if not first:
-            # Declared by an earlier message of this batch: kombu would copy and re-bind
-            # the Queue entity for every message before its cache answers.
-            routed = {**routed, "declare": []}  # a copy: a template's key holds the dict
+    def message(self, p: _Prepared, routed: dict[str, Any]) -> Any:
+        """Celery's message of a prepared job, routed by ``routed``."""
         given = dict(p.named)
         if p.reprs is not None and p.own_reprs:
             given["argsrepr"], given["kwargsrepr"] = p.reprs
-        message = self.amqp.create_task_message(
+        return self.amqp.create_task_message(
             p.task_id,
             p.name,
             p.args,
@@ -343,6 +350,17 @@ class _Sender:
             **given,
             **routed,
         )
+
+    def _build_and_send(self, p: _Prepared) -> None:
+        """Build the message as Celery does and send it; learn its template on the way."""
+        routed = p.routed
+        queue_name = queue_of(routed)
+        first = queue_name not in self.declared
+        if not first:
+            # Declared by an earlier message of this batch: kombu would copy and re-bind
+            # the Queue entity for every message before its cache answers.
+            routed = {**routed, "declare": []}  # a copy: a template's key holds the dict
+        message = self.message(p, routed)
         self.amqp.send_task_message(self.producer, p.name, message, **routed)
         pushes = self.pushes
         if pushes is None:

@@ -21,6 +21,7 @@ from celery_echomq.errors import ReplicationError, StoreFormatError
 from celery_echomq.send.fan_in import refusal
 from celery_echomq.store.connection import describe
 from celery_echomq.store.headers import (
+    H_BATCH,
     H_FLOW,
     H_HANDED,
     H_NEXT,
@@ -44,6 +45,7 @@ from celery_echomq.wire.results import (
     store_success,
     success_write,
 )
+from celery_echomq.worker.batches import revoked_children
 from celery_echomq.worker.checks import on_worker_ready
 from celery_echomq.worker.claims import claim, new_token, warn_no_row
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
@@ -382,7 +384,12 @@ def on_postrun(
 
 def on_received(sender: Any = None, request: Any = None, **_: Any) -> None:
     headers = getattr(request, "request_dict", None) or {}
-    state = find_state(getattr(request, "app", None)) if headers.get(H_QUEUE) else None
+    app = getattr(request, "app", None)
+    if headers.get(H_BATCH):
+        for task, child in revoked_children(app, request):
+            on_revoked(sender=task, request=child)
+        return
+    state = find_state(app) if headers.get(H_QUEUE) else None
     if state is not None:
         state.deliveries.received.put(request.id, Headers(headers))
 

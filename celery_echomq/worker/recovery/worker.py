@@ -23,6 +23,7 @@ from celery_echomq.store.reads import queues_of
 from celery_echomq.store.refusals import refusal_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ, find_state
+from celery_echomq.worker.batches import batch_children
 from celery_echomq.worker.checks import wait_for_store
 from celery_echomq.worker.claims import holder_prefix, pid_alive
 from celery_echomq.worker.recovery.common import (
@@ -77,6 +78,9 @@ class Held:
     queue: str
     running: bool
     pid: int | None
+    # A child of a batch message: while its batch runs, it may be running or still waiting
+    # its turn, so both its lease and a hold are renewed.
+    batched: bool = False
 
 
 def has_processes(pool: Any) -> bool:
@@ -108,9 +112,12 @@ def held_jobs(processes: bool = True) -> dict[str, Held]:
         for request in requests:
             headers = getattr(request, "request_dict", None) or {}
             queue = headers.get(H_QUEUE)
+            pid = getattr(request, "worker_pid", None) if running and processes else None
             if queue and str(request.id) not in held:
-                pid = getattr(request, "worker_pid", None) if running and processes else None
                 held[str(request.id)] = Held(str(queue), running, pid)
+            elif (batch := batch_children(request)) is not None:
+                for child_id in batch[1]:
+                    held.setdefault(child_id, Held(batch[0], running, pid, batched=True))
     return held
 
 
@@ -121,6 +128,8 @@ def renew(state: EchoMQ, jobs: dict[str, Held], released: dict[str, Held] | None
     for job_id, job in jobs.items():
         running, waiting, _ = by_queue.setdefault(job.queue, ([], [], []))
         (running if job.running else waiting).append(job_id)
+        if job.batched and job.running:
+            waiting.append(job_id)
     for job_id, job in (released or {}).items():
         by_queue.setdefault(job.queue, ([], [], []))[2].append(job_id)
     moved = 0

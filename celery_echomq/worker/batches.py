@@ -1,0 +1,204 @@
+"""Running a batch message (send/batches.py): its children, one after another, in this process.
+
+The message names children by id and queue, nothing more. Each child's stored message is read
+from its row (one pipelined read for the batch), built into the request Celery's worker would
+build from that message, and run through the task's own trace: its signals (the claim on
+``task_prerun``, the completion on ``task_success``), ``self.request``, ``bind``,
+``autoretry_for``, ``self.retry()`` (a message of its own) and its stored result are those of a
+delivery of its own. So a child another delivery holds or finished skips its body, as a
+duplicate does, and each body runs once whatever copies of a batch come.
+
+What a batch shares is its pool process and Celery's time limits: a hard limit ends the process,
+and with it the children not yet run. They stay pending rows with no message, which recovery
+re-publishes, each on its own; the child that was running is recovered as any killed job is.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from celery.app.task import Context
+from celery.app.trace import trace_task
+
+from celery_echomq.errors import InvalidIdError
+from celery_echomq.send.batches import BATCH_TASK
+from celery_echomq.send.start import with_since
+from celery_echomq.store.codec import STORED_FIELDS, TemplateMissingError, load_job, stored_of
+from celery_echomq.store.connection import text
+from celery_echomq.store.headers import H_BATCH, H_SINCE, H_STORE
+from celery_echomq.store.keyspace import check_id
+from celery_echomq.store.planned import is_row_job
+from celery_echomq.store.state import EchoMQ, find_state, get_state
+from celery_echomq.wire.publish import built_message
+
+logger = logging.getLogger("celery_echomq")
+
+# What a child's message takes from its batch's where its own options name none: the lineage
+# and reply address of the producer that sent the batch, not of the batch task running it.
+_LINEAGE = ("root_id", "parent_id", "reply_to")
+
+
+def register_batch_task(app: Any) -> None:
+    """The batch task on ``app``: what a worker runs for a batch message."""
+    if BATCH_TASK not in app.tasks:
+        app.task(name=BATCH_TASK, bind=True, shared=False, lazy=False, ignore_result=True)(
+            run_batch
+        )
+
+
+def run_batch(task: Any, ids: list[str]) -> int:
+    """Run each child ``ids`` names, in order; how many had a stored message to run."""
+    request = task.request
+    queue = str(getattr(request, H_BATCH, None) or "")
+    if not queue or not isinstance(ids, list):
+        logger.warning("echomq: batch message %s names no queue or no ids; ignored", request.id)
+        return 0
+    state = get_state(task.app)
+    ran = 0
+    for job in _stored_jobs(state, queue, _valid(ids, queue)):
+        _run_child(task.app, request, _as_delivered(job, vars(request)))
+        ran += 1
+    return ran
+
+
+def revoked_children(app: Any, request: Any) -> list[tuple[Any, Context]]:
+    """At a batch message's receipt (the worker's main process): each child Celery's worker
+    holds revoked by id, as its task and the request its own message would have given it.
+    Celery checks a message's own id at receipt, and a batch's children have none: the
+    revoke receiver settles these as it settles a revoked message. Empty for any other
+    message."""
+    found = batch_children(request)
+    state = find_state(app)
+    if found is None or state is None:
+        return []
+    from celery.worker import state as worker_state
+
+    queue, ids = found
+    revoked = [job_id for job_id in ids if job_id in worker_state.revoked]
+    if not revoked:
+        return []
+    contexts = []
+    headers = getattr(request, "request_dict", None) or {}
+    for job in _stored_jobs(state, queue, _valid(revoked, queue)):
+        task = app.tasks.get(job["task"])
+        if task is not None:
+            delivered = _child_request(app, _as_delivered(job, headers), request)
+            contexts.append((task, Context(delivered)))
+    return contexts
+
+
+def _valid(ids: list[Any], queue: str) -> list[str]:
+    """The ids, each once, in order; an ill-formed one (never written by a producer) skipped
+    before any key is built from it."""
+    valid: list[str] = []
+    for raw in ids:
+        try:
+            job_id = check_id(raw)
+        except InvalidIdError:
+            logger.warning("echomq: batch on %s names an ill-formed id %r; skipped", queue, raw)
+            continue
+        if job_id not in valid:
+            valid.append(job_id)
+    return valid
+
+
+def _stored_jobs(state: EchoMQ, queue: str, ids: list[str]) -> list[dict[str, Any]]:
+    """Each child's stored message, read in one round trip; a child with none (expired,
+    forgotten, never written) skipped with a line."""
+    pipe = state.client.pipeline(transaction=False)
+    for job_id in ids:
+        pipe.hmget(state.keys.job_key(queue, job_id), STORED_FIELDS)
+    templates: dict[str, bytes | None] = {}
+    jobs = []
+    for job_id, fields in zip(ids, pipe.execute(), strict=True):
+        stored = stored_of(*fields)
+        if stored is None:
+            logger.warning("echomq: batch child %s on %s has no stored job; skipped", job_id, queue)
+            continue
+        try:
+            job = load_job(state, queue, job_id, stored, templates)
+        except (TemplateMissingError, ValueError) as exc:
+            logger.warning("echomq: batch child %s on %s: %s; skipped", job_id, queue, exc)
+            continue
+        if not is_row_job(job) or "options" not in job:
+            logger.warning("echomq: batch child %s on %s is not a task; skipped", job_id, queue)
+            continue
+        jobs.append(job)
+    return jobs
+
+
+def _as_delivered(job: dict[str, Any], batch: Mapping[str, Any]) -> dict[str, Any]:
+    """``job`` as its own first message would have carried it: the enqueue time and store
+    its batch message (``batch``: its headers) says, its producer's lineage where the job
+    names none."""
+    since = batch.get(H_SINCE)
+    store = str(batch.get(H_STORE) or "")
+    job = with_since(job, since if isinstance(since, int) else None, store)
+    options = job["options"]
+    for name in _LINEAGE:
+        if options.get(name) is None and batch.get(name):
+            options[name] = batch[name]
+    return job
+
+
+def _run_child(app: Any, batch: Any, job: dict[str, Any]) -> None:
+    """Build the child's message as its publish would, then run it as the worker runs a
+    delivered one (Celery's ``Request`` and the prefork pool's fast trace, in this process)."""
+    task = app.tasks.get(job["task"])
+    task_id = str(job["options"]["task_id"])
+    if task is None:
+        # Left pending: recovery re-publishes it on its own, for a worker that knows the task.
+        logger.warning(
+            "echomq: batch child %s names task %r, which this worker does not have; left to "
+            "recovery",
+            task_id,
+            job["task"],
+        )
+        return
+    request = _child_request(app, job, batch)
+    trace_task(
+        task, task_id, request["args"], request["kwargs"], request, app=app, hostname=batch.hostname
+    )
+
+
+def _child_request(app: Any, job: dict[str, Any], batch: Any) -> dict[str, Any]:
+    """The request dict Celery's worker builds from a delivered message, for ``job``'s own
+    message, delivered as its ``batch`` was."""
+    message = built_message(app, job)
+    args, kwargs, embed = message.body
+    properties = message.properties
+    delivery = batch.delivery_info or {}
+    return {
+        **message.headers,
+        "properties": properties,
+        "reply_to": properties.get("reply_to"),
+        "correlation_id": properties.get("correlation_id"),
+        "hostname": batch.hostname,
+        "delivery_info": {
+            "exchange": delivery.get("exchange"),
+            "routing_key": delivery.get("routing_key"),
+            "priority": properties.get("priority"),
+            "redelivered": False,
+        },
+        # As a broker delivers them: JSON's lists.
+        "args": list(args),
+        "kwargs": kwargs,
+        "is_eager": False,
+        **(embed or {}),
+    }
+
+
+def batch_children(request: Any) -> tuple[str, list[str]] | None:
+    """``(queue, child ids)`` of a batch message's request as the worker's state holds it (its
+    request dict), or None for any other request."""
+    headers = getattr(request, "request_dict", None) or {}
+    queue = headers.get(H_BATCH)
+    ids = headers.get("args")
+    if not queue or not isinstance(ids, list | tuple) or not ids:
+        return None
+    first = ids[0]
+    if not isinstance(first, list):
+        return None
+    return str(queue), [text(i) for i in first if isinstance(i, str | bytes)]

@@ -1,0 +1,244 @@
+"""A flow's children delivered many to a broker message, ``flow(parent, children, batch=N)``
+(send/batches.py, worker/batches.py): each child is still a job of its own (its id, result,
+request, claim and place in the parent's values), on a worker and eagerly; a copied, forged or
+half-run batch message runs no body twice."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+from typing import Any
+
+import pytest
+import redis
+from celery.result import AsyncResult
+
+import celery_echomq
+from celery_echomq import flow
+from celery_echomq.send.batches import BATCH_TASK
+from celery_echomq.store.headers import H_BATCH
+from celery_echomq.store.keyspace import new_job_id
+from tests.helpers import KEYS, Env, run, wait_for
+
+TIMEOUT = 60
+
+
+def runs(store: redis.Redis, name: str) -> int:
+    return int(store.get(f"test:ran:{name}") or 0)
+
+
+def send_batch(proj: Any, queue: str, ids: list[str]) -> str:
+    """A batch message of our own naming ``ids`` on ``queue``: a real message on the broker,
+    as a copy or a forgery of the producer's would be."""
+    sent = proj.app.send_task(BATCH_TASK, args=[ids], queue=queue, headers={H_BATCH: queue})
+    return str(sent.id)
+
+
+def batch_done(worker: Any, batch_id: str) -> bool:
+    return f"celery_echomq.batch[{batch_id}] succeeded" in worker.output()
+
+
+# --- values, results and requests: as a message each ---------------------------------------------
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 50])
+def test_values_results_and_order_are_a_flows(proj: Any, how: str, size: int) -> None:
+    kids = [proj.add.s(i, i) for i in range(7)]
+    res = run(flow(proj.collect.s(), kids, batch=size), how)
+    assert res.get(timeout=TIMEOUT)["values"] == [2 * i for i in range(7)]
+    assert [child.get(timeout=TIMEOUT) for child in res.parent.results] == [2 * i for i in range(7)]
+    assert res.dependencies() == (0, 7, 0, 0)
+
+
+def test_each_child_sees_the_request_a_message_of_its_own_gives_it(
+    proj: Any, how: str, worker: Any
+) -> None:
+    """``self.request`` of a batched child is what it is unbatched: its own id, the flow's
+    root, no parent (sent from no task), no retries, its own arguments and its queue."""
+    ids = [new_job_id() for _ in range(3)]
+    batched = run(
+        flow(
+            proj.collect.s(),
+            [proj.own_request.s(i).set(task_id=t) for i, t in enumerate(ids)],
+            batch=2,
+        ),
+        how,
+    ).get(timeout=TIMEOUT)["values"]
+    alone = flow(proj.collect.s(), [proj.own_request.s(i) for i in range(3)]).apply_async()
+    unbatched = alone.get(timeout=TIMEOUT)["values"]
+    for i, (seen, plain) in enumerate(zip(batched, unbatched, strict=True)):
+        assert seen["id"] == ids[i]
+        assert seen["args"] == [i] and seen["x"] == i
+        assert seen["retries"] == 0 and seen["parent_id"] is None
+        assert seen["root_id"] == plain["root_id"].replace(alone.id, seen["root_id"])
+        assert seen["eager"] is (how == "apply")
+        if how == "apply_async":
+            assert seen["queue"] == plain["queue"] == "celery"
+
+
+def test_a_failing_child_fails_the_flow_as_unbatched(proj: Any, how: str) -> None:
+    boom = new_job_id()
+    kids = [proj.add.s(1, 1), proj.boom.s("no").set(task_id=boom), proj.add.s(2, 2)]
+    res = run(flow(proj.tsum.s(), kids, batch=3), how)
+    with pytest.raises(celery_echomq.FlowFailed) as failed:
+        res.get(timeout=TIMEOUT)
+    assert failed.value.child_id == boom
+    assert "no" in failed.value.error
+    kids = [proj.add.s(1, 1), proj.boom.s("no"), proj.add.s(2, 2)]
+    kept = run(flow(proj.tsum.s(), kids, batch=3, policy="ignore"), how)
+    assert kept.get(timeout=TIMEOUT) == 6
+
+
+# --- refused before anything is written ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, -1, 1001, 2.5, "5", True])
+def test_a_batch_that_is_not_a_size_is_refused(proj: Any, size: Any) -> None:
+    with pytest.raises(ValueError, match=r"flow\(batch=\.\.\.\).*allowed: an int from 1 to 1000"):
+        flow(proj.tsum.s(), [proj.add.s(1, 1)], batch=size)
+
+
+@pytest.mark.parametrize(
+    ("kind", "said"),
+    [
+        ("window", "max_active=2 both decide when a child is published; allowed: one of them"),
+        ("chain", "not a chain of tasks"),
+        ("nested", "not a nested flow"),
+        ("countdown", "sets countdown, which only a message of its own can keep"),
+    ],
+)
+def test_children_a_batch_cannot_carry_are_refused_and_nothing_is_written(
+    proj: Any, how: str, env: Env, store: redis.Redis, kind: str, said: str
+) -> None:
+    kids: list[Any] = [proj.add.s(1, 1), proj.add.s(2, 2)]
+    extra: dict[str, Any] = {}
+    if kind == "window":
+        extra["max_active"] = 2
+    elif kind == "chain":
+        kids.append(proj.add.s(1, 1) | proj.square.s())
+    elif kind == "nested":
+        kids.append(flow(proj.tsum.s(), [proj.add.s(3, 3)]))
+    else:
+        kids.append(proj.add.s(3, 3).set(countdown=1))
+    broker = redis.Redis.from_url(env.broker)
+    before, queued = store.dbsize(), broker.llen("celery")
+    with pytest.raises(ValueError, match=said):
+        run(flow(proj.tsum.s(), kids, batch=2, **extra), how)
+    assert store.dbsize() == before
+    assert broker.llen("celery") == queued
+
+
+# --- copies and forgeries of a batch message -----------------------------------------------------
+
+
+def test_copies_of_a_batch_message_run_each_body_once(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    tag = uuid.uuid4().hex
+    ids = [new_job_id() for _ in range(6)]
+    kids = [proj.counted.s(i, tag).set(task_id=t) for i, t in enumerate(ids)]
+    res = flow(proj.collect.s(tag=tag), kids, batch=3).apply_async()
+    copies = [send_batch(proj, "celery", ids) for _ in range(2)]
+    assert res.get(timeout=TIMEOUT)["values"] == list(range(6))
+    wait_for(lambda: all(batch_done(worker, c) for c in copies), timeout=TIMEOUT)
+    assert runs(store, f"counted:{tag}") == 6
+    assert runs(store, f"collect:{tag}") == 1
+    late = send_batch(proj, "celery", ids)  # every child finished: nothing runs
+    wait_for(lambda: batch_done(worker, late), timeout=TIMEOUT)
+    assert runs(store, f"counted:{tag}") == 6
+
+
+def test_a_forged_batch_message_runs_no_held_parent_and_no_unknown_id(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    tag, gate = uuid.uuid4().hex, f"test:gate:{uuid.uuid4().hex}"
+    res = flow(proj.collect.s(tag=tag), [proj.gated.s(1, gate)], batch=2).apply_async()
+    wait_for(lambda: store.hget(KEYS.job_key("celery", res.id), "state") == b"awaiting_children")
+    forged = send_batch(proj, "celery", [res.id, new_job_id(), "not an id", "x" * 300])
+    wait_for(lambda: batch_done(worker, forged), timeout=TIMEOUT)
+    assert runs(store, f"collect:{tag}") == 0
+    assert store.hget(KEYS.job_key("celery", res.id), "state") == b"awaiting_children"
+    store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT)["values"] == [1]
+    assert runs(store, f"collect:{tag}") == 1
+
+
+# --- retries and a pool process killed mid-batch ------------------------------------------------
+
+
+def test_a_child_that_retries_leaves_its_batch_and_is_counted_once(
+    proj: Any, worker: Any, store: redis.Redis
+) -> None:
+    tag = uuid.uuid4().hex
+    kids = [proj.add.s(1, 1), proj.retry_once.s(7, tag, 0.5), proj.add.s(2, 2)]
+    res = flow(proj.collect.s(tag=tag), kids, batch=3).apply_async()
+    assert res.get(timeout=TIMEOUT)["values"] == [2, 7, 4]
+    assert runs(store, f"retry_once:{tag}") == 2
+    assert res.dependencies() == (0, 3, 0, 0)
+    assert runs(store, f"collect:{tag}") == 1
+
+
+@pytest.fixture
+def queue(own_queue: Any) -> str:
+    return str(own_queue("batch"))
+
+
+def test_a_pool_process_killed_mid_batch_loses_no_child_and_runs_none_twice(
+    proj: Any, store: redis.Redis, queue: str, start_worker: Any
+) -> None:
+    """The batch's first child finished, its second hangs and its process is killed, two wait
+    their turn: the first is credited once, the second runs again, the two waiting are found
+    by recovery (pending, their message gone) and run once; the parent runs once."""
+    tag, hung = uuid.uuid4().hex, new_job_id()
+    w = start_worker(queues=queue, concurrency=1, extra_env={"ECHOMQ_T_STALL": "2"})
+    kids = [
+        proj.counted.s(1, tag),
+        proj.hang_first.s(6).set(task_id=hung),
+        proj.counted.s(3, tag),
+        proj.counted.s(4, tag),
+    ]
+    res = flow(proj.collect.s(tag=tag), kids, batch=4).apply_async(queue=queue)
+    wait_for(lambda: store.exists(f"test:pid:{hung}"), timeout=TIMEOUT)
+    pid = int(store.get(f"test:pid:{hung}") or 0)
+    assert pid in w.pool_pids()
+    os.kill(pid, signal.SIGKILL)
+    assert res.get(timeout=120)["values"] == [1, 6, 3, 4]
+    time.sleep(1)
+    assert runs(store, f"counted:{tag}") == 3
+    assert int(store.get(f"test:delivery:{hung}") or 0) == 2
+    assert runs(store, f"collect:{tag}") == 1
+    assert res.dependencies() == (0, 4, 0, 0)
+
+
+def test_a_child_revoked_before_its_batch_arrives_is_revoked_and_never_runs(
+    proj: Any, store: redis.Redis, queue: str, start_worker: Any
+) -> None:
+    """Celery checks a message's own id against its revoked ids at receipt; a batched child
+    has no message of its own, and is checked as its batch arrives: it never runs, its result
+    is REVOKED and the flow fails under its policy, as for an unbatched child."""
+    tag, doomed = uuid.uuid4().hex, new_job_id()
+    w = start_worker(queues=queue, concurrency=1)
+    node = f"{w.name}@{socket.gethostname()}"
+    assert proj.app.control.cancel_consumer(queue, destination=[node], reply=True, timeout=10)
+    kids = [proj.counted.s(1, tag), proj.counted.s(2, tag).set(task_id=doomed)]
+    res = flow(proj.collect.s(tag=tag), kids, batch=2, policy="ignore").apply_async(queue=queue)
+    proj.app.control.revoke(doomed, destination=[node], reply=True, timeout=10)
+    assert proj.app.control.add_consumer(queue, destination=[node], reply=True, timeout=10)
+    assert res.get(timeout=TIMEOUT)["values"] == [1]
+    assert runs(store, f"counted:{tag}") == 1
+    assert AsyncResult(doomed, app=proj.app).state == "REVOKED"
+
+
+def test_a_quorum_cuts_the_children_its_batch_has_not_run(
+    proj: Any, how: str, store: redis.Redis
+) -> None:
+    tag = uuid.uuid4().hex
+    kids = [proj.add.s(1, 1), proj.counted.s(2, tag), proj.counted.s(3, tag)]
+    res = run(flow(proj.collect.s(tag=tag), kids, quorum=1, batch=3), how)
+    assert res.get(timeout=TIMEOUT)["values"] == [2]
+    time.sleep(0.5)
+    assert runs(store, f"counted:{tag}") == 0
+    assert runs(store, f"collect:{tag}") == 1
