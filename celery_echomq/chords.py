@@ -41,10 +41,11 @@ from celery_echomq.ops.forget import forget_flow
 from celery_echomq.ops.pages import read_flow
 from celery_echomq.ops.views import JobNode
 from celery_echomq.send.accepts import CHILD_OPTIONS, SEND_OPTIONS, check_spelling
+from celery_echomq.send.batches import OWN_MESSAGE, check_batch
 from celery_echomq.send.fan_in import check_max_active
 from celery_echomq.send.ids import tasks_of
 from celery_echomq.send.jobs import check_policy
-from celery_echomq.send.shape import CHORD_POLICY
+from celery_echomq.send.shape import CHORD_POLICY, is_task
 from celery_echomq.store.connection import text
 from celery_echomq.store.deadline_spec import check_on_deadline, deadline_spec
 from celery_echomq.store.headers import CHORD_OPTION, H_PARENT, OPEN_OPTION
@@ -55,9 +56,12 @@ from celery_echomq.store.state import EchoMQ, find_state, get_state
 logger = logging.getLogger("celery_echomq")
 
 SETTING = "echomq_chords"
+# Header tasks a broker message delivers, for every chord on the engine whose header a batch
+# can carry (send/batches.py); unset: one message each, as Celery sends them.
+BATCH_SETTING = "echomq_chord_batch"
 # A chord's own options that the engine reads (``chord(h, b, deadline=60)`` or
 # ``apply_async(max_active=10)``), and that never reach a task's message.
-ENGINE_OPTIONS = ("policy", "deadline", "on_deadline", "max_active")
+ENGINE_OPTIONS = ("policy", "deadline", "on_deadline", "max_active", "batch")
 
 # What Celery keeps a header given as a generator in (``regen``'s type): it is sent as read.
 READ_AS_SENT = type(regen(iter(())))
@@ -242,12 +246,34 @@ class HeldHeader:
         else:
             for task, result in zip(header.tasks, results, strict=True):
                 _routed(app, task, result, send, body)
-            held = flow(body, header, app=app, **self.engine)
+            held = flow(body, header, app=app, **_batched(app, header.tasks, self.engine))
             # Celery runs a frozen chord again under its ids: the engine forgets the finished
             # flow that holds them first (send_reusing_finished, below).
             forget_finished_holding(get_state(app), body)
             send_reusing_finished(get_state(app), lambda: held.apply_async(args, kwargs, **send))
         return app.GroupResult(group_id, results)
+
+
+def chord_batch(app: Any) -> int | None:
+    """The app's ``echomq_chord_batch``: header tasks a message delivers (None: one each)."""
+    try:
+        return check_batch(app.conf.get(BATCH_SETTING) or None, BATCH_SETTING)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _batched(app: Any, tasks: Any, engine: dict[str, Any]) -> dict[str, Any]:
+    """The chord's engine options with ``echomq_chord_batch`` applied: to a header of single
+    tasks that no option of their own keeps to a message each (a chain, a nested chord, a
+    countdown: such a header goes out a message a task, as Celery sends it), where the chord
+    names neither its own batch nor a window."""
+    size = chord_batch(app)
+    if size is None or "batch" in engine or engine.get("max_active"):
+        return engine
+    for task in tasks:
+        if not is_task(task) or any(task.options.get(name) is not None for name in OWN_MESSAGE):
+            return engine
+    return {**engine, "batch": size}
 
 
 def _without_body(sig: Any, body: Signature) -> None:
@@ -298,6 +324,7 @@ def _engine_options(options: dict[str, Any]) -> dict[str, Any]:
     engine.setdefault("policy", CHORD_POLICY)
     check_policy(engine["policy"], "chord(policy=...)", "policy")
     check_max_active(engine.get("max_active"), "chord(max_active=...)")
+    check_batch(engine.get("batch"), "chord(batch=...)")
     deadline_spec(engine.get("deadline"), "chord(deadline=...)")
     check_on_deadline(engine.get("on_deadline", "fail"), "chord(on_deadline=...)")
     return engine

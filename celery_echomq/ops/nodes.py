@@ -75,6 +75,9 @@ class JobNode:
     # A job that replaced itself with a flow (Task.replace): that flow's parent, a flow of its
     # own that runs in the job's place (the job takes its outcome).
     replaced_by: str | None = None
+    # The batch message that carried its latest delivery (flow(..., batch=N)); None: a
+    # message of its own.
+    batch: str | None = None
 
     @property
     def finished(self) -> bool:

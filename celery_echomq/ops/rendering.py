@@ -82,6 +82,8 @@ def job_line(node: JobNode, color: bool) -> str:
             parts.append(f"reduce={name}  acc={short(f.acc)}")
     if node.replaced_by is not None:
         parts.append(f"replaced-by=flow {node.replaced_by}")
+    if node.batch is not None:
+        parts.append(f"batch={node.batch}")
     if node.runtime_ms is not None:
         parts.append(f"runtime={seconds(node.runtime_ms)}")
     if node.has_value:

@@ -63,6 +63,7 @@ ROW_FIELDS = (
     "steps",  # a linked chain's last step: every step's id, in order
     "input",  # a chain's step: the value of the step before it, its first argument
     "replaced_by",  # Task.replace: the parent of the flow that runs in the job's place
+    "batch",  # the batch message that carried its latest delivery (flow(..., batch=N))
 )
 # Fields kept as bytes: a stored job (a pickle payload is not UTF-8).
 _STORED = frozenset({"payload", "delta", "template", "input"})
@@ -229,6 +230,7 @@ def node_of(
         started_ms=_int(row["started"]),
         dispatched_ms=_int(row["dispatched"]),
         replaced_by=row.get("replaced_by"),
+        batch=row.get("batch"),
     )
     return node, child_ids
 

@@ -13,7 +13,7 @@ whose rows run their own bodies once.
 A child whose batch message is lost (a worker killed mid-batch, a broker that dropped it) is a
 pending row with no message, as after any lost message: recovery re-publishes it, on its own.
 
-Planned here (pure): which flows may batch, and the batch messages of a level.
+Planned here: which flows may batch (pure), and the batch messages of a level.
 """
 
 from __future__ import annotations
@@ -77,18 +77,18 @@ def batch_of(plan: Plan, size: int | None) -> int:
 
 
 def batch_jobs(
-    level: Plan, jobs: Iterable[PlannedJob], since: int | None, store: str
+    app: Any, level: Plan, jobs: Iterable[PlannedJob], since: int | None, store: str
 ) -> list[dict[str, Any]]:
     """The batch messages that deliver ``jobs`` (children of ``level``, which batches them),
     as job dicts for a publish: up to ``level.batch`` of one queue and priority each, in the
-    children's order."""
+    children's order, each with the time limits of its children added up."""
     runs: dict[tuple[str, Any], list[PlannedJob]] = {}
     for job in jobs:
         runs.setdefault((job.queue, job.message["options"].get("priority")), []).append(job)
     batches = []
     for (queue, priority), run in runs.items():
         for at in range(0, len(run), level.batch):
-            batches.append(_batch_job(queue, priority, run[at : at + level.batch]))
+            batches.append(_batch_job(app, queue, priority, run[at : at + level.batch]))
     for batch in batches:
         headers = batch["options"]["headers"]
         headers[H_STORE] = store
@@ -97,7 +97,7 @@ def batch_jobs(
     return batches
 
 
-def _batch_job(queue: str, priority: Any, run: list[PlannedJob]) -> dict[str, Any]:
+def _batch_job(app: Any, queue: str, priority: Any, run: list[PlannedJob]) -> dict[str, Any]:
     first = run[0].message["options"]
     # Routed as its children are (they share a queue): what names their exchange and key.
     routing = {k: first[k] for k in ("exchange", "routing_key") if first.get(k) is not None}
@@ -113,6 +113,7 @@ def _batch_job(queue: str, priority: Any, run: list[PlannedJob]) -> dict[str, An
     options.update((k, first[k]) for k in ("root_id", "parent_id") if first.get(k))
     if priority is not None:
         options["priority"] = priority
+    options.update(_time_limits(app, run))
     return {
         "task": BATCH_TASK,
         "args": [[job.id for job in run]],
@@ -123,8 +124,26 @@ def _batch_job(queue: str, priority: Any, run: list[PlannedJob]) -> dict[str, An
     }
 
 
-def batch_queue(headers: Any) -> str | None:
-    """The queue whose rows a batch message's children are (its :data:`H_BATCH` header), or
-    None for any other message."""
-    queue = headers.get(H_BATCH) if isinstance(headers, dict) else None
-    return str(queue) if queue else None
+def _time_limits(app: Any, run: list[PlannedJob]) -> dict[str, float]:
+    """The batch message's time limits: Celery enforces a limit per message, so a batch's is
+    the sum of its children's (each its own option, else its task's, else the app's), where
+    every child has one; else none of that kind (a child without a limit may run for ever)."""
+    limits: dict[str, float] = {}
+    for name, setting in (
+        ("time_limit", "task_time_limit"),
+        ("soft_time_limit", "task_soft_time_limit"),
+    ):
+        each = [_limit_of(app, job, name, setting) for job in run]
+        if each and all(limit is not None for limit in each):
+            limits[name] = sum(limit for limit in each if limit is not None)
+    return limits
+
+
+def _limit_of(app: Any, job: PlannedJob, name: str, setting: str) -> float | None:
+    given = job.message["options"].get(name)
+    if given is None:
+        task = app.tasks.get(job.message["task"])
+        given = getattr(task, name, None) if task is not None else None
+    if given is None:
+        given = app.conf.get(setting)
+    return float(given) if given else None

@@ -380,7 +380,7 @@ def _publish_levels(state: EchoMQ, start: _Start, since: dict[str, int | None]) 
         ]
         at = since[level.parent_id]
         if level.batch:
-            leaves += batch_jobs(level, heads, at, start.store)
+            leaves += batch_jobs(state.app, level, heads, at, start.store)
         else:
             leaves += [with_since(stored_message(head), at, start.store) for head in heads]
     if leaves:

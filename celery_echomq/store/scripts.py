@@ -355,11 +355,13 @@ class Scripts:
         retries: int = 0,
         since: int | None = None,
         parent: str | None = None,
+        batch: str | None = None,
     ) -> tuple[Status, int, str]:
         """``(status, attempts, holder)``: see claim.lua (holder: the live token when busy).
 
         ``since``: the server time (ms) read just before the job was enqueued (its message's
-        ``echomq_t`` header), which spares the claim reading its pending score."""
+        ``echomq_t`` header), which spares the claim reading its pending score. ``batch``:
+        the batch message that carried this delivery, recorded on the row."""
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
@@ -380,6 +382,7 @@ class Scripts:
                 mark=str(known) if known else None,
                 since=str(since) if since else None,
                 parent=parent,
+                batch=batch,
             ),
         ]
         status, attempts, holder, mark = self._run("claim", keys, argv)

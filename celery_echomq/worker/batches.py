@@ -27,7 +27,7 @@ from celery_echomq.send.batches import BATCH_TASK
 from celery_echomq.send.start import with_since
 from celery_echomq.store.codec import STORED_FIELDS, TemplateMissingError, load_job, stored_of
 from celery_echomq.store.connection import text
-from celery_echomq.store.headers import H_BATCH, H_SINCE, H_STORE
+from celery_echomq.store.headers import H_BATCH, H_SINCE, H_STORE, H_VIA
 from celery_echomq.store.keyspace import check_id
 from celery_echomq.store.planned import is_row_job
 from celery_echomq.store.state import EchoMQ, find_state, get_state
@@ -56,11 +56,23 @@ def run_batch(task: Any, ids: list[str]) -> int:
         logger.warning("echomq: batch message %s names no queue or no ids; ignored", request.id)
         return 0
     state = get_state(task.app)
-    ran = 0
-    for job in _stored_jobs(state, queue, _valid(ids, queue)):
+    jobs = [job for job in _stored_jobs(state, queue, _valid(ids, queue)) if _known(task.app, job)]
+    for job in jobs:
         _run_child(task.app, request, _as_delivered(job, vars(request)))
-        ran += 1
-    return ran
+    return len(jobs)
+
+
+def _known(app: Any, job: dict[str, Any]) -> bool:
+    """Whether this worker has the child's task; a child it has not is left pending, for
+    recovery to re-publish on its own to a worker that does."""
+    if job["task"] in app.tasks:
+        return True
+    logger.warning(
+        "echomq: batch child %s names task %r, which this worker does not have; left to recovery",
+        job["options"]["task_id"],
+        job["task"],
+    )
+    return False
 
 
 def revoked_children(app: Any, request: Any) -> list[tuple[Any, Context]]:
@@ -137,6 +149,7 @@ def _as_delivered(job: dict[str, Any], batch: Mapping[str, Any]) -> dict[str, An
     store = str(batch.get(H_STORE) or "")
     job = with_since(job, since if isinstance(since, int) else None, store)
     options = job["options"]
+    options["headers"][H_VIA] = batch.get("id")
     for name in _LINEAGE:
         if options.get(name) is None and batch.get(name):
             options[name] = batch[name]
@@ -146,17 +159,8 @@ def _as_delivered(job: dict[str, Any], batch: Mapping[str, Any]) -> dict[str, An
 def _run_child(app: Any, batch: Any, job: dict[str, Any]) -> None:
     """Build the child's message as its publish would, then run it as the worker runs a
     delivered one (Celery's ``Request`` and the prefork pool's fast trace, in this process)."""
-    task = app.tasks.get(job["task"])
+    task = app.tasks[job["task"]]
     task_id = str(job["options"]["task_id"])
-    if task is None:
-        # Left pending: recovery re-publishes it on its own, for a worker that knows the task.
-        logger.warning(
-            "echomq: batch child %s names task %r, which this worker does not have; left to "
-            "recovery",
-            task_id,
-            job["task"],
-        )
-        return
     request = _child_request(app, job, batch)
     trace_task(
         task, task_id, request["args"], request["kwargs"], request, app=app, hostname=batch.hostname

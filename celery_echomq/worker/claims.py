@@ -15,7 +15,7 @@ import uuid
 from typing import Any
 
 from celery_echomq.config import safe_url
-from celery_echomq.store.headers import H_SINCE, H_STORE
+from celery_echomq.store.headers import H_SINCE, H_STORE, H_VIA
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ
 
@@ -70,6 +70,7 @@ def claim(
     lease, priority = state.settings.stall_ms, priority_of(request)
     retries = int(getattr(request, "retries", 0) or 0)
     since = getattr(request, H_SINCE, None)
+    via = getattr(request, H_VIA, None)
     status, attempts, holder = state.scripts.claim(
         queue,
         task_id,
@@ -79,6 +80,7 @@ def claim(
         retries=retries,
         since=since if isinstance(since, int) else None,
         parent=named,
+        batch=str(via) if via else None,
     )
     if status is Status.BUSY and holder == token:
         # The store's client resent this claim after a lost reply (a failover): the first

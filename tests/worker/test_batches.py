@@ -5,13 +5,16 @@ half-run batch message runs no body twice."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import socket
 import time
 import uuid
 from typing import Any
 
+import httpx
 import pytest
 import redis
 from celery.result import AsyncResult
@@ -21,7 +24,7 @@ from celery_echomq import flow
 from celery_echomq.send.batches import BATCH_TASK
 from celery_echomq.store.headers import H_BATCH
 from celery_echomq.store.keyspace import new_job_id
-from tests.helpers import KEYS, Env, run, wait_for
+from tests.helpers import KEYS, Env, echomq, run, wait_for
 
 TIMEOUT = 60
 
@@ -242,3 +245,74 @@ def test_a_quorum_cuts_the_children_its_batch_has_not_run(
     time.sleep(0.5)
     assert runs(store, f"counted:{tag}") == 0
     assert runs(store, f"collect:{tag}") == 1
+
+
+@pytest.mark.parametrize("cut", ["deadline", "cancel"])
+def test_a_deadline_or_a_cancel_cuts_the_children_its_batch_has_not_run(
+    proj: Any, worker: Any, store: redis.Redis, cut: str
+) -> None:
+    """The batch's first child holds it; meanwhile the flow's deadline passes, or the flow is
+    cancelled: the children behind it in the batch never run, and the parent never runs."""
+    tag, gate = uuid.uuid4().hex, f"test:gate:{uuid.uuid4().hex}"
+    kids = [proj.gated.s(1, gate), proj.counted.s(2, tag), proj.counted.s(3, tag)]
+    extra = {"deadline": 1} if cut == "deadline" else {}
+    res = flow(proj.collect.s(tag=tag), kids, batch=3, **extra).apply_async()
+    if cut == "deadline":
+        with pytest.raises(celery_echomq.FlowDeadlineExceeded):
+            res.get(timeout=TIMEOUT)
+    else:
+        first = KEYS.job_key("celery", res.parent.results[0].id)
+        wait_for(lambda: store.hget(first, "state") == b"active", timeout=TIMEOUT)
+        res.revoke()
+        wait_for(lambda: res.state == "REVOKED", timeout=TIMEOUT)
+    children = [KEYS.job_key("celery", child.id) for child in res.parent.results]
+    wait_for(lambda: all(store.hget(row, "state") == b"cancelled" for row in children[1:]))
+    store.set(gate, 1)
+    wait_for(lambda: store.hget(children[0], "state") in (b"done", b"cancelled"), timeout=TIMEOUT)
+    time.sleep(0.5)
+    assert runs(store, f"counted:{tag}") == 0
+    assert runs(store, f"collect:{tag}") == 0
+
+
+def test_a_nested_flows_own_batch_and_a_reducer_work_as_unbatched(proj: Any, how: str) -> None:
+    inner = flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(5)], batch=2)
+    res = run(flow(proj.collect.s(), [inner, proj.add.s(1, 1)]), how)
+    assert res.get(timeout=TIMEOUT)["values"] == [20, 2]
+    summed = run(
+        flow(proj.collect.s(), [proj.add.s(i, 0) for i in range(9)], reduce="sum", batch=4), how
+    )
+    assert summed.get(timeout=TIMEOUT)["values"] == 36
+
+
+def test_show_its_json_and_the_dashboard_say_which_batch_message_carried_each_child(
+    proj: Any, worker: Any, serve: Any
+) -> None:
+    res = flow(proj.tsum.s(), [proj.add.s(i, i) for i in range(5)], batch=2).apply_async()
+    assert res.get(timeout=TIMEOUT) == 20
+    shown = echomq("show", res.id).output
+    carried = re.findall(r"batch=([0-9a-f-]{36})", shown)
+    assert len(carried) == 5 and len(set(carried)) == 3
+    tree = json.loads(echomq("show", res.id, "--json").output)
+    assert [child["batch"] for child in tree["children"]] == carried
+    page = httpx.get(f"{serve().url}/flows/{res.id}", timeout=10).text
+    assert all(f"batch={batch}" in page for batch in carried)
+    unbatched = flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async()
+    assert unbatched.get(timeout=TIMEOUT) == 2
+    assert "batch=" not in echomq("show", unbatched.id).output
+
+
+@pytest.mark.parametrize("batch", [3, None])
+def test_a_child_past_its_time_limit_fails_its_flow_batched_or_not(
+    proj: Any, queue: str, start_worker: Any, batch: int | None
+) -> None:
+    """Celery limits a message: a batch's limit is its children's added up (3 x 1 s here). The
+    child that sleeps past its own limit uses up the batch's and is recovered on its own, where
+    its own limit ends it: the flow fails naming it, with the error it has unbatched."""
+    start_worker(queues=queue, extra_env={"ECHOMQ_T_STALL": "2"})
+    slow = new_job_id()
+    kids = [proj.too_slow.s(0.2), proj.too_slow.s(30).set(task_id=slow), proj.too_slow.s(0.2)]
+    res = flow(proj.collect.s(), kids, batch=batch).apply_async(queue=queue)
+    with pytest.raises(celery_echomq.FlowFailed) as failed:
+        res.get(timeout=120)
+    assert failed.value.child_id == slow
+    assert "TimeLimitExceeded" in failed.value.error

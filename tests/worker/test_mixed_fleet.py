@@ -298,3 +298,27 @@ def test_a_worker_of_the_last_release_beside_one_of_this_release_runs_nothing_tw
         assert not store.hget(KEYS.queue_key(queue, "counters"), "republished")
     finally:
         app.close()
+
+
+def test_a_batch_message_a_worker_without_the_extension_drops_loses_no_child(
+    env: Env, proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
+) -> None:
+    """A producer of this release sends a flow with ``batch``; a worker without the extension
+    takes the batch message, an unregistered task to it, and drops it. Its children are
+    pending rows with no message: a worker with the extension re-publishes each on its own,
+    and each runs once, the parent once."""
+    queue, tag = own_queue("fleet"), uuid.uuid4().hex
+    app = producer(env, env.store)
+    try:
+        old = start_worker(queues=queue, extra_env=fast_recovery(ECHOMQ_T_PLAIN="1"))
+        header = [task(app, "counted", i, f"{tag}-{i}").set(queue=queue) for i in range(HEADER)]
+        body = task(app, "collect", tag=tag).set(queue=queue)
+        res = flow(body, header, batch=HEADER).apply_async(queue=queue)
+        wait_for(lambda: "celery_echomq.batch" in old.output(), timeout=TIMEOUT)
+        old.stop()
+        assert header_runs(store, tag) == [0] * HEADER
+
+        start_worker(queues=queue, extra_env=fast_recovery())
+        settled(store, queue, res, tag)
+    finally:
+        app.close()

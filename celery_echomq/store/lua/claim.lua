@@ -27,6 +27,9 @@
 --   parent  the parent id the delivery's message names ('' for none). The row's own
 --           'parent' decides: a message that names another (a forged or copied header)
 --           claims nothing (not given: not compared, for a caller that knows no message)
+--   batch   the id of the batch message that carried this delivery (worker/batches.py),
+--           kept as the row's 'batch' (not given: a message of its own, and a 'batch' an
+--           earlier delivery left is removed)
 --
 -- Reply: {status, attempts, holder, mark}
 --   mark: the claim mark this priority is now known to have reached ('' when this claim
@@ -59,7 +62,7 @@ if refused then
 end
 local options = cmsgpack.unpack(ARGV[#ARGV])
 local row = redis.call('HMGET', job_key, 'state', 'attempts', 'token', 'replaced', 'retries',
-  'skipped', 'suspect', 'parent', 'format')
+  'skipped', 'suspect', 'parent', 'format', 'batch')
 refused = newer_format(row[9], job_key)
 if refused then
   return refused
@@ -119,6 +122,11 @@ redis.call('HSET', job_key, 'state', 'active', 'token', ARGV[2], 'started',
   string.format('%d', now), 'attempts', string.format('%d', attempts), 'retries', ARGV[6])
 if row[4] or row[6] or row[7] then
   redis.call('HDEL', job_key, 'skipped', 'replaced', 'suspect')
+end
+if options.batch then
+  redis.call('HSET', job_key, 'batch', options.batch)
+elseif row[10] then
+  redis.call('HDEL', job_key, 'batch') -- this delivery is a message of its own
 end
 redis.call('ZADD', active_key, string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
 if state == 'active' then
