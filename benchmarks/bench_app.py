@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,14 @@ def add(x: int, y: int) -> int:
 @app.task(name="bench.tsum")
 def tsum(values: list[int]) -> int:
     return sum(values)
+
+
+@app.task(name="bench.nap")
+def nap(i: int, ms: float) -> int:
+    """A child that costs ``ms`` milliseconds of wall time (a sleep): batch_size.py's."""
+    if ms:
+        time.sleep(ms / 1000)
+    return i
 
 
 announce_ready(ENV_READY)

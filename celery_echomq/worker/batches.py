@@ -28,7 +28,7 @@ from celery_echomq.send.start import with_since
 from celery_echomq.store.codec import STORED_FIELDS, TemplateMissingError, load_job, stored_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_BATCH, H_SINCE, H_STORE, H_VIA
-from celery_echomq.store.keyspace import check_id
+from celery_echomq.store.keyspace import check_id, check_queue
 from celery_echomq.store.planned import is_row_job
 from celery_echomq.store.state import EchoMQ, find_state, get_state
 from celery_echomq.wire.publish import built_message
@@ -51,14 +51,28 @@ def register_batch_task(app: Any) -> None:
 def run_batch(task: Any, ids: list[str]) -> int:
     """Run each child ``ids`` names, in order; how many had a stored message to run."""
     request = task.request
-    queue = str(getattr(request, H_BATCH, None) or "")
-    if not queue or not isinstance(ids, list):
-        logger.warning("echomq: batch message %s names no queue or no ids; ignored", request.id)
+    try:
+        queue = check_queue(getattr(request, H_BATCH, None))
+    except InvalidIdError as exc:
+        logger.warning("echomq: batch message %s ignored: %s", request.id, exc)
+        return 0
+    if not isinstance(ids, list):
+        logger.warning("echomq: batch message %s names no list of ids; ignored", request.id)
         return 0
     state = get_state(task.app)
     jobs = [job for job in _stored_jobs(state, queue, _valid(ids, queue)) if _known(task.app, job)]
     for job in jobs:
-        _run_child(task.app, request, _as_delivered(job, vars(request)))
+        try:
+            _run_child(task.app, request, _as_delivered(job, vars(request)))
+        except Exception:
+            # Celery's trace reports what a body raises: this is the message not building.
+            # The child is left as it is (pending: recovery re-publishes it on its own), and
+            # the batch goes on.
+            logger.exception(
+                "echomq: batch child %s on %s could not be run here; left to recovery",
+                job["options"]["task_id"],
+                queue,
+            )
     return len(jobs)
 
 

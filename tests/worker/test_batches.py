@@ -162,6 +162,10 @@ def test_a_forged_batch_message_runs_no_held_parent_and_no_unknown_id(
     wait_for(lambda: store.hget(KEYS.job_key("celery", res.id), "state") == b"awaiting_children")
     forged = send_batch(proj, "celery", [res.id, new_job_id(), "not an id", "x" * 300])
     wait_for(lambda: batch_done(worker, forged), timeout=TIMEOUT)
+    # One naming a queue no key can be built from, and one whose argument is no list.
+    bad_queue = proj.app.send_task(BATCH_TASK, args=[[res.id]], headers={H_BATCH: "a{b}"})
+    no_list = proj.app.send_task(BATCH_TASK, args=[res.id], headers={H_BATCH: "celery"})
+    wait_for(lambda: batch_done(worker, bad_queue.id) and batch_done(worker, no_list.id))
     assert runs(store, f"collect:{tag}") == 0
     assert store.hget(KEYS.job_key("celery", res.id), "state") == b"awaiting_children"
     store.set(gate, 1)
@@ -316,3 +320,27 @@ def test_a_child_past_its_time_limit_fails_its_flow_batched_or_not(
         res.get(timeout=120)
     assert failed.value.child_id == slow
     assert "TimeLimitExceeded" in failed.value.error
+
+
+def test_a_shared_child_and_an_autoretried_one_run_as_unbatched(
+    proj: Any, how: str, store: redis.Redis
+) -> None:
+    """A job two batched flows list (``on_exists="join"``) runs once and gives both its value;
+    a child that raises what its task retries for (``autoretry_for``) leaves its batch for a
+    message of its own and is counted once."""
+    tag, shared = uuid.uuid4().hex, new_job_id()
+    one = flow(
+        proj.collect.s(),
+        [proj.counted.s(1, tag).set(task_id=shared), proj.counted.s(2, tag)],
+        batch=2,
+    )
+    two = flow(
+        proj.collect.s(),
+        [proj.counted.s(1, tag).set(task_id=shared), proj.autoretry_later.s(3, 2)],
+        batch=2,
+    )
+    first = run(one, how, on_exists="join")
+    second = run(two, how, on_exists="join")
+    assert first.get(timeout=TIMEOUT)["values"] == [1, 2]
+    assert second.get(timeout=TIMEOUT)["values"] == [1, 3]
+    assert runs(store, f"counted:{tag}") == 2
