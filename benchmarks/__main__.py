@@ -47,6 +47,7 @@ BENCHMARKS = {
     "celery-canvas": "celery_canvas.py",
     "chord-cost": "chord_cost.py",
     "loop-times": "loop_times.py",
+    "batch-size": "batch_size.py",
 }
 
 

@@ -55,6 +55,7 @@ from measure import (
     time_limit,
 )
 from modes import (
+    BATCH,
     BULLMQ_DIR,
     GROUP_ONE_MORE,
     WINDOW,
@@ -82,8 +83,10 @@ CELERY_PEERS = {
     "flow window": WINDOW,
     # As many Celery messages as a flow (N children and one task for its parent), no fan-in.
     "celery group + 1": GROUP_ONE_MORE,
+    # batch=BATCH_SIZE (50): up to 50 children a broker message; run it by name (--peer).
+    "flow batch": BATCH,
 }
-OPT_IN = {"flow window", "celery group + 1"}
+OPT_IN = {"flow window", "celery group + 1", "flow batch"}
 # With --against DIR: the flow (and the windowed flow, when it runs) again, on a worker of its
 # own whose store (and this producer's, for its rounds) runs the scripts of DIR, another
 # tree's: a before and after in one run.
@@ -529,7 +532,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "--peer",
         action="append",
         help="run only this peer (repeatable; e.g. flow, 'bullmq flow'); "
-        "'flow window' and 'celery group + 1' run only by name",
+        "'flow window', 'celery group + 1' and 'flow batch' run only by name",
     )
     p.add_argument(
         "--against",

@@ -26,7 +26,6 @@ from celery_echomq.errors import InvalidIdError
 from celery_echomq.send.batches import BATCH_TASK
 from celery_echomq.send.start import with_since
 from celery_echomq.store.codec import STORED_FIELDS, TemplateMissingError, load_job, stored_of
-from celery_echomq.store.connection import text
 from celery_echomq.store.headers import H_BATCH, H_SINCE, H_STORE, H_VIA
 from celery_echomq.store.keyspace import check_id, check_queue
 from celery_echomq.store.planned import is_row_job
@@ -212,11 +211,11 @@ def batch_children(request: Any) -> tuple[str, list[str]] | None:
     """``(queue, child ids)`` of a batch message's request as the worker's state holds it (its
     request dict), or None for any other request."""
     headers = getattr(request, "request_dict", None) or {}
-    queue = headers.get(H_BATCH)
-    ids = headers.get("args")
-    if not queue or not isinstance(ids, list | tuple) or not ids:
+    named, ids = headers.get(H_BATCH), headers.get("args")
+    if not named or not isinstance(ids, list | tuple) or not ids or not isinstance(ids[0], list):
         return None
-    first = ids[0]
-    if not isinstance(first, list):
-        return None
-    return str(queue), [text(i) for i in first if isinstance(i, str | bytes)]
+    try:
+        queue = check_queue(named)
+    except InvalidIdError:
+        return None  # a forged message: no key is ever built from it
+    return queue, _valid(ids[0], queue)
