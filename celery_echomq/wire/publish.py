@@ -81,18 +81,23 @@ def send_jobs(app: Any, jobs: Iterable[dict[str, Any]]) -> None:
             pushes.flush()
 
 
-def built_message(app: Any, job: dict[str, Any]) -> Any:
-    """The message publishing ``job`` would send, Celery's ``task_message`` (headers,
-    properties, and the body not yet serialized), built and not sent: the task's defaults,
-    routing and reprs as a publish gives them. The job's own lineage only: the task building
-    it is not its sender."""
-    sender = _Sender(app, None)
-    sender.current, sender.sent_event = None, False
-    prepared = sender._prepare(job)
-    message = sender.message(prepared, prepared.routed)
-    # As send_task_message merges them into the headers it publishes.
-    message.headers.update(prepared.routed.get("headers") or {})
-    return message
+class MessageBuilder:
+    """Builds the messages publishing jobs would send, and sends none (a batch's children, run
+    where their batch message was delivered): each task's defaults read once for all of them.
+    The jobs' own lineage only: the task building them is not their sender."""
+
+    def __init__(self, app: Any) -> None:
+        self._sender = _Sender(app, None)
+        self._sender.current, self._sender.sent_event = None, False
+
+    def build(self, job: dict[str, Any]) -> Any:
+        """Celery's ``task_message`` of ``job`` (headers, properties, and the body not yet
+        serialized): the task's defaults, routing and reprs as a publish gives them."""
+        prepared = self._sender._prepare(job)
+        message = self._sender.message(prepared, prepared.routed)
+        # As send_task_message merges them into the headers it publishes.
+        message.headers.update(prepared.routed.get("headers") or {})
+        return message
 
 
 def built_pushes(

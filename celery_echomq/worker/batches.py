@@ -30,7 +30,7 @@ from celery_echomq.store.headers import H_BATCH, H_SINCE, H_STORE, H_VIA
 from celery_echomq.store.keyspace import check_id, check_queue
 from celery_echomq.store.planned import is_row_job
 from celery_echomq.store.state import EchoMQ, find_state, get_state
-from celery_echomq.wire.publish import built_message
+from celery_echomq.wire.publish import MessageBuilder
 
 logger = logging.getLogger("celery_echomq")
 
@@ -60,9 +60,10 @@ def run_batch(task: Any, ids: list[str]) -> int:
         return 0
     state = get_state(task.app)
     jobs = [job for job in _stored_jobs(state, queue, _valid(ids, queue)) if _known(task.app, job)]
+    builder = MessageBuilder(task.app)
     for job in jobs:
         try:
-            _run_child(task.app, request, _as_delivered(job, vars(request)))
+            _run_child(task.app, builder, request, _as_delivered(job, vars(request)))
         except Exception:
             # Celery's trace reports what a body raises: this is the message not building.
             # The child is left as it is (pending: recovery re-publishes it on its own), and
@@ -106,10 +107,11 @@ def revoked_children(app: Any, request: Any) -> list[tuple[Any, Context]]:
         return []
     contexts = []
     headers = getattr(request, "request_dict", None) or {}
+    builder = MessageBuilder(app)
     for job in _stored_jobs(state, queue, _valid(revoked, queue)):
         task = app.tasks.get(job["task"])
         if task is not None:
-            delivered = _child_request(app, _as_delivered(job, headers), request)
+            delivered = _child_request(builder, _as_delivered(job, headers), request)
             contexts.append((task, Context(delivered)))
     return contexts
 
@@ -169,21 +171,21 @@ def _as_delivered(job: dict[str, Any], batch: Mapping[str, Any]) -> dict[str, An
     return job
 
 
-def _run_child(app: Any, batch: Any, job: dict[str, Any]) -> None:
+def _run_child(app: Any, builder: MessageBuilder, batch: Any, job: dict[str, Any]) -> None:
     """Build the child's message as its publish would, then run it as the worker runs a
     delivered one (Celery's ``Request`` and the prefork pool's fast trace, in this process)."""
     task = app.tasks[job["task"]]
     task_id = str(job["options"]["task_id"])
-    request = _child_request(app, job, batch)
+    request = _child_request(builder, job, batch)
     trace_task(
         task, task_id, request["args"], request["kwargs"], request, app=app, hostname=batch.hostname
     )
 
 
-def _child_request(app: Any, job: dict[str, Any], batch: Any) -> dict[str, Any]:
+def _child_request(builder: MessageBuilder, job: dict[str, Any], batch: Any) -> dict[str, Any]:
     """The request dict Celery's worker builds from a delivered message, for ``job``'s own
     message, delivered as its ``batch`` was."""
-    message = built_message(app, job)
+    message = builder.build(job)
     args, kwargs, embed = message.body
     properties = message.properties
     delivery = batch.delivery_info or {}
