@@ -617,7 +617,7 @@ MISSPELT = {
     "chord(max_activ=...)": (
         lambda c, p: c(max_activ=2).apply_async,
         "chord got an unknown option 'max_activ'; did you mean 'max_active'? the options it "
-        "reads: policy, deadline, on_deadline, max_active, on_exists; nothing was sent",
+        "reads: policy, deadline, on_deadline, max_active, batch, on_exists; nothing was sent",
     ),
     "apply_async(on_exist=...)": (
         lambda c, p: functools.partial(c().apply_async, on_exist="join"),
