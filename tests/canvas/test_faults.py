@@ -413,7 +413,14 @@ def test_revoke_a_flow_with_unfinished_chain_children_cancels_every_step(
             on = {n: second_queue if n in ("a2", "b2") else queue for n in which}
             return {n: state_of(store, on[n], names[n]) for n in which}
 
+        def taken(name: str) -> bool:
+            """Active under a delivery's token: running, not a chain's step handed out active
+            that no delivery took yet (a revoke cancels that one before it runs)."""
+            on = second_queue if name in ("a2", "b2") else queue
+            return bool(store.hget(KEYS.job_key(on, names[name]), "token"))
+
         wait_for(lambda: states("a1", "b2") == {"a1": "active", "b2": "active"}, timeout=60)
+        wait_for(lambda: taken("a1") and taken("b2"), timeout=60)
 
         tree = show_json(res.id)
         if linked:
