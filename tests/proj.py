@@ -784,3 +784,13 @@ def own_request(self: Any, x: int) -> dict[str, Any]:
         "queue": (request.delivery_info or {}).get("routing_key"),
         "eager": bool(request.is_eager),
     }
+
+
+@app.task
+def forgets_scripts(x: int, tag: str) -> int:
+    """Return x, counted under ``counted:<tag>``, once the store has lost every script it had
+    loaded (SCRIPT FLUSH: what a restart leaves): the next script its worker sends meets
+    NOSCRIPT."""
+    mark(f"counted:{tag}")
+    _store().script_flush()
+    return x

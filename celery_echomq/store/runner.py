@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -164,6 +166,18 @@ def confirm_replicated(
         )
 
 
+@dataclass(frozen=True)
+class Rider:
+    """A script sent in the round trip of the next outcome its thread records (see
+    :meth:`ScriptRunner.ride`): ``landed`` hears its reply, or the error that left its
+    outcome unknown."""
+
+    name: str
+    keys: list[str]
+    args: list[Value]
+    landed: Callable[[Any], None]
+
+
 def _queue_of(keys: Sequence[str]) -> str:
     """The queue whose slot a script's first key is on (``emq:{queue}:...``), else ""."""
     first = text(keys[0]) if keys else ""
@@ -210,6 +224,28 @@ class ScriptRunner:
         self.registered: dict[str, Script] = {
             name: client.register_script(load_source(name)) for name in TRANSITIONS
         }
+        # The scripts that record a running job's outcome, which a rider may follow: what a
+        # batch's child did, then the claim of the child after it (worker/batches.py).
+        self.carries_riders = frozenset({"complete", "fail", "retry", "hand_over"})
+        # One rider per thread: a thread pool's batches run side by side.
+        self._riders = threading.local()
+        # Where a pipeline of two scripts is one round trip to one server: not a Cluster
+        # (their keys' slots could differ), nor a store that must WAIT for its replicas.
+        self._rides = not isinstance(client, RedisCluster) and not min_replicas
+
+    def ride(self, rider: Rider) -> None:
+        """Send ``rider`` after the next outcome script this thread runs, in its round trip,
+        so that it sees what that outcome wrote. A rider that finds no such script (this
+        store is a Cluster, or one that WAITs for replicas: it is never sent) stays until
+        :meth:`unride` takes it back."""
+        if self._rides:
+            self._riders.waiting = rider
+
+    def unride(self) -> Rider | None:
+        """The rider this thread left waiting, not sent (None: sent, or none)."""
+        rider: Rider | None = getattr(self._riders, "waiting", None)
+        self._riders.waiting = None
+        return rider
 
     def run(self, name: str, keys: Sequence[str], args: Sequence[Value]) -> Any:
         """Run the script ``name`` with ``keys`` and ``args``: its reply, or the error its
@@ -237,6 +273,8 @@ class ScriptRunner:
                     retry_timeout=self.retry_timeout,
                     name=name,
                 )
+            if name in self.carries_riders and (rider := self.unride()) is not None:
+                return self._carrying(script, keys, args, rider)
             return run_script(self.client, script, keys, args, self.retry_timeout)
         except ReplicationError as exc:
             if name not in self.hands_out:
@@ -289,3 +327,29 @@ class ScriptRunner:
             if raised is exc:
                 raise
             raise raised from None
+
+    def _carrying(
+        self, script: Script, keys: Sequence[str], args: Sequence[Value], rider: Rider
+    ) -> Any:
+        """``script``, then ``rider``, in one round trip (raw EVALSHA: redis-py's script
+        pipeline would first send a SCRIPT EXISTS of its own). What the pipeline could not
+        answer for ``script`` is asked again as any script is, with the client's retry (a
+        first attempt that landed is recognised as after a lost reply); the rider then hears
+        the error, and its caller sends it again on its own."""
+        pipe = self.client.pipeline(transaction=False)
+        pipe.evalsha(script.sha, len(keys), *keys, *args)
+        ridden = self.registered[rider.name]
+        pipe.evalsha(ridden.sha, len(rider.keys), *rider.keys, *rider.args)
+        try:
+            reply, carried = pipe.execute(raise_on_error=False)
+        except Exception as exc:
+            rider.landed(exc)
+            return run_script(self.client, script, keys, args, self.retry_timeout)
+        rider.landed(carried)
+        if isinstance(reply, NoScriptError | ReadOnlyError):
+            # Not loaded on this server (a restart, a failover), or a demoted primary: run
+            # as any script is, which loads it or waits for the new primary.
+            return run_script(self.client, script, keys, args, self.retry_timeout)
+        if isinstance(reply, Exception):
+            raise _demoted(self.client, reply)
+        return reply

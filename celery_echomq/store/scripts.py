@@ -15,7 +15,7 @@ through a failover, the ``WAIT`` of ``echomq_min_replicas``) is the part it hold
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import redis
@@ -24,7 +24,7 @@ from celery_echomq.store.codec import Stored, stored_of
 from celery_echomq.store.connection import text
 from celery_echomq.store.keyspace import Keyspace
 from celery_echomq.store.replies import Status
-from celery_echomq.store.runner import ScriptRunner, Value
+from celery_echomq.store.runner import Rider, ScriptRunner, Value
 from celery_echomq.store.script_values import (
     RECENT_MAX,
     RECENT_TTL_MS,
@@ -362,6 +362,52 @@ class Scripts:
         ``since``: the server time (ms) read just before the job was enqueued (its message's
         ``echomq_t`` header), which spares the claim reading its pending score. ``batch``:
         the batch message that carried this delivery, recorded on the row."""
+        keys, argv, claimed = self._claim_call(
+            queue, job_id, token, lease_ms, priority, force, retries, since, parent, batch
+        )
+        return claimed(self._run("claim", keys, argv))
+
+    def claim_riding(
+        self,
+        queue: str,
+        job_id: str,
+        token: str,
+        lease_ms: int,
+        landed: Callable[[tuple[Status, int, str] | None], None],
+        *,
+        priority: int = 0,
+        retries: int = 0,
+        since: int | None = None,
+        parent: str | None = None,
+        batch: str | None = None,
+    ) -> None:
+        """The same claim as :meth:`claim`, sent after the next outcome this thread records,
+        in its round trip (:meth:`ScriptRunner.ride`): ``landed`` hears its reply, or None
+        when the round trip failed and it may or may not have landed (the caller claims
+        again with the same ``token``, which a claim that landed recognises as its own)."""
+        keys, argv, claimed = self._claim_call(
+            queue, job_id, token, lease_ms, priority, False, retries, since, parent, batch
+        )
+
+        def heard(reply: Any) -> None:
+            landed(None if isinstance(reply, Exception) else claimed(reply))
+
+        self.runner.ride(Rider("claim", keys, argv, heard))
+
+    def _claim_call(
+        self,
+        queue: str,
+        job_id: str,
+        token: str,
+        lease_ms: int,
+        priority: int,
+        force: bool,
+        retries: int,
+        since: int | None,
+        parent: str | None,
+        batch: str | None,
+    ) -> tuple[list[str], list[Value], Callable[[Any], tuple[Status, int, str]]]:
+        """claim.lua's KEYS and ARGV, and what reads its reply (and keeps the mark it saw)."""
         keys = [
             self.keys.job_key(queue, job_id),
             self.keys.queue_key(queue, "pending"),
@@ -371,7 +417,7 @@ class Scripts:
         ]
         marks = self._known_marks
         known = marks.get((queue, priority), 0)
-        argv = [
+        argv: list[Value] = [
             job_id,
             token,
             str(lease_ms),
@@ -385,10 +431,14 @@ class Scripts:
                 batch=batch,
             ),
         ]
-        status, attempts, holder, mark = self._run("claim", keys, argv)
-        if mark not in (b"", "", None) and int(mark) > known:
-            marks[(queue, priority)] = int(mark)
-        return status_of(status), int(attempts), text(holder)
+
+        def claimed(reply: Any) -> tuple[Status, int, str]:
+            status, attempts, holder, mark = reply
+            if mark not in (b"", "", None) and int(mark) > marks.get((queue, priority), 0):
+                marks[(queue, priority)] = int(mark)
+            return status_of(status), int(attempts), text(holder)
+
+        return keys, argv, claimed
 
     def take_handed(self, queue: str, job_id: str, token: str, parent: str) -> bool:
         """Whether this delivery took a chain's step that the completion of the step before
@@ -546,10 +596,12 @@ class Scripts:
         parent: ParentRef | None,
         carry: bool = False,
         freed: list[Freed] | None = None,
+        unstarted: bool = False,
     ) -> tuple[Status, str, bool]:
         """Fail a job and apply its failure to its parent under the child's policy.
 
-        ``token`` '' accepts any delivery (revoke, recovery, a hard time limit). ``carry``: the
+        ``token`` '' accepts any delivery (revoke, recovery, a hard time limit); with
+        ``unstarted``, only a job that has not started (pending: else ``stale``). ``carry``: the
         job is a nested flow's parent, failed already by one of its own children; carry that
         failure, once, to the flow it is a child of (``token`` is not read). A child that was
         out frees its slot of its flow's window: the next child, made pending, goes into
@@ -580,7 +632,8 @@ class Scripts:
             "1" if carry else "0",
             # Released by a quorum of its children: credited here only on the parent's slot.
             packed_options(
-                quorum=parent.quorum or None if parent is not None and not remote else None
+                quorum=parent.quorum or None if parent is not None and not remote else None,
+                unstarted="1" if unstarted else None,
             ),
         ]
         reply = window_freed(self._run("fail", keys, argv), freed)

@@ -6,7 +6,9 @@ build from that message, and run through the task's own trace: its signals (the 
 ``task_prerun``, the completion on ``task_success``), ``self.request``, ``bind``,
 ``autoretry_for``, ``self.retry()`` (a message of its own) and its stored result are those of a
 delivery of its own. So a child another delivery holds or finished skips its body, as a
-duplicate does, and each body runs once whatever copies of a batch come.
+duplicate does, and each body runs once whatever copies of a batch come. One thing differs:
+a child's claim is sent with the outcome of the child before it, in that outcome's round trip
+(:func:`claim_next`), and read at the child's ``task_prerun`` (:func:`claimed_ahead`).
 
 What a batch shares is its pool process and Celery's time limits: a hard limit ends the process,
 and with it the children not yet run. They stay pending rows with no message, which recovery
@@ -16,6 +18,7 @@ re-publishes, each on its own; the child that was running is recovered as any ki
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,11 +29,24 @@ from celery_echomq.errors import InvalidIdError
 from celery_echomq.send.batches import BATCH_TASK
 from celery_echomq.send.start import with_since
 from celery_echomq.store.codec import STORED_FIELDS, TemplateMissingError, load_job, stored_of
-from celery_echomq.store.headers import H_BATCH, H_SINCE, H_STORE, H_VIA
+from celery_echomq.store.headers import (
+    H_BATCH,
+    H_PARENT,
+    H_QUEUE,
+    H_QUORUM,
+    H_SINCE,
+    H_STORE,
+    H_VIA,
+    parent_ref,
+)
 from celery_echomq.store.keyspace import check_id, check_queue
 from celery_echomq.store.planned import is_row_job
+from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ, find_state, get_state
 from celery_echomq.wire.publish import MessageBuilder
+from celery_echomq.wire.results import store_revoked
+from celery_echomq.worker.claims import claim_riding, new_token
+from celery_echomq.worker.settle import settle_failure
 
 logger = logging.getLogger("celery_echomq")
 
@@ -60,20 +76,88 @@ def run_batch(task: Any, ids: list[str]) -> int:
         return 0
     state = get_state(task.app)
     jobs = [job for job in _stored_jobs(state, queue, _valid(ids, queue)) if _known(task.app, job)]
-    builder = MessageBuilder(task.app)
+    children = _requests(MessageBuilder(task.app), request, queue, jobs)
+    try:
+        for index, (job, child) in enumerate(children):
+            _turn.running, _turn.after = job["options"]["task_id"], children[index + 1 :][:1]
+            _run_child(task.app, job, child, request.hostname)
+    finally:
+        _turn.running, _turn.after = None, []
+        _turn.ahead.clear()
+        state.scripts.runner.unride()
+    return len(jobs)
+
+
+class _Turn(threading.local):
+    """This thread's batch, as its children's claims see it: the child running, the one
+    after it (whose claim rides with the running child's outcome), and the claims sent
+    ahead so, by child id: the token and the reply (None: its round trip failed)."""
+
+    def __init__(self) -> None:
+        self.running: str | None = None
+        self.after: list[tuple[dict[str, Any], dict[str, Any]]] = []
+        self.ahead: dict[str, tuple[str, tuple[Status, int, str] | None]] = {}
+
+
+_turn = _Turn()
+
+
+def claimed_ahead(state: EchoMQ, task_id: str) -> tuple[str, tuple[Status, int, str] | None]:
+    """At a delivery's claim: the token and reply of its claim if it rode with the outcome of
+    the batch child before it; else a new token and None (claim now). A claim still waiting
+    for an outcome to ride with (the child before recorded none: a duplicate, a body that
+    did not run) is taken back: this claim is made now."""
+    state.scripts.runner.unride()
+    return _turn.ahead.pop(task_id, None) or (new_token(), None)
+
+
+def claim_next(state: EchoMQ, task_id: str) -> None:
+    """After the claim of ``task_id``, a batch's child: the claim of the child after it,
+    sent with this one's outcome, in its round trip, so that it sees what that outcome
+    wrote (a quorum met, a flow cut). A child runs with one round trip to the store rather
+    than two, and the child after it is claimed no earlier than its turn but for the
+    outcome's reply."""
+    if _turn.running != task_id or not _turn.after:
+        return
+    job, child = _turn.after[0]
+    if child.get(H_QUORUM):
+        # A quorum's cut is made after its release, by the host that published the parent
+        # (send/fan_in.py, cut_rest): a claim sent with the release would come before it.
+        return
+    next_id, token = str(job["options"]["task_id"]), new_token()
+    request = Context(child)
+
+    def landed(first: tuple[Status, int, str] | None) -> None:
+        _turn.ahead[next_id] = (token, first)
+
+    claim_riding(
+        state,
+        request,
+        str(child[H_QUEUE]),
+        next_id,
+        token,
+        str(child.get(H_PARENT) or ""),
+        landed,
+    )
+
+
+def _requests(
+    builder: MessageBuilder, batch: Any, queue: str, jobs: list[dict[str, Any]]
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each job with the request its own message would give it; a job whose message does not
+    build is left as it is (pending: recovery re-publishes it on its own)."""
+    built = []
     for job in jobs:
         try:
-            _run_child(task.app, builder, request, _as_delivered(job, vars(request)))
+            built.append((job, _child_request(builder, _as_delivered(job, vars(batch)), batch)))
         except Exception:
             # Celery's trace reports what a body raises: this is the message not building.
-            # The child is left as it is (pending: recovery re-publishes it on its own), and
-            # the batch goes on.
             logger.exception(
                 "echomq: batch child %s on %s could not be run here; left to recovery",
                 job["options"]["task_id"],
                 queue,
             )
-    return len(jobs)
+    return built
 
 
 def _known(app: Any, job: dict[str, Any]) -> bool:
@@ -116,17 +200,76 @@ def revoked_children(app: Any, request: Any) -> list[tuple[Any, Context]]:
     return contexts
 
 
-def _valid(ids: list[Any], queue: str) -> list[str]:
+def revoke_waiting(app: Any) -> list[str]:
+    """In the worker's main process, each tick of its lease loop: revoke the children of the
+    batches it holds (running or prefetched) that Celery's worker holds revoked by id and that
+    have not started, as its worker drops a message it holds once its id is revoked. Each is
+    failed in the store only if it is still pending (fail.lua's ``unstarted``), with its
+    result ``REVOKED``; at its turn its claim finds it failed and its body never runs. A child
+    that has started runs on, as a running task does under a revoke without ``terminate``.
+    Returns the ids revoked; nothing is read from the store unless a held batch names a
+    revoked id."""
+    state = find_state(app)
+    if state is None:
+        return []
+    from celery.worker import state as worker_state
+
+    revoked = worker_state.revoked
+    held = [*worker_state.active_requests, *worker_state.reserved_requests]
+    named = [(request, found) for request in held if (found := batch_children(request))]
+    doomed = [
+        (request, queue, job_id)
+        for request, (queue, ids) in named
+        for job_id in ids
+        if job_id in revoked
+    ]
+    if not doomed:
+        return []
+    pipe = state.client.pipeline(transaction=False)
+    for _, queue, job_id in doomed:
+        pipe.hget(state.keys.job_key(queue, job_id), "state")
+    waiting = [d for d, row in zip(doomed, pipe.execute(), strict=True) if row == b"pending"]
+    done = []
+    builder = MessageBuilder(app)
+    for request, queue, job_id in waiting:
+        headers = getattr(request, "request_dict", None) or {}
+        for job in _stored_jobs(state, queue, [job_id]):
+            task = app.tasks.get(job["task"])
+            if task is None:
+                continue
+            child = Context(_child_request(builder, _as_delivered(job, headers), request))
+            store_revoked(task, child, "revoked")
+            status = settle_failure(
+                state,
+                queue,
+                job_id,
+                "",
+                "TaskRevokedError: revoked",
+                False,
+                parent_ref(child),
+                unstarted=True,
+            )
+            if status is not Status.STALE:
+                done.append(job_id)
+                logger.info("echomq: batch child %s on %s revoked before its turn", job_id, queue)
+    return done
+
+
+def _valid(ids: list[Any], queue: str, *, say: bool = True) -> list[str]:
     """The ids, each once, in order; an ill-formed one (never written by a producer) skipped
-    before any key is built from it."""
+    before any key is built from it, with a line when ``say`` (the run of the batch says it
+    once; the lease loop, which reads a held batch every tick, says nothing)."""
     valid: list[str] = []
+    seen: set[str] = set()
     for raw in ids:
         try:
             job_id = check_id(raw)
         except InvalidIdError:
-            logger.warning("echomq: batch on %s names an ill-formed id %r; skipped", queue, raw)
+            if say:
+                logger.warning("echomq: batch on %s names an ill-formed id %r; skipped", queue, raw)
             continue
-        if job_id not in valid:
+        if job_id not in seen:
+            seen.add(job_id)
             valid.append(job_id)
     return valid
 
@@ -171,14 +314,13 @@ def _as_delivered(job: dict[str, Any], batch: Mapping[str, Any]) -> dict[str, An
     return job
 
 
-def _run_child(app: Any, builder: MessageBuilder, batch: Any, job: dict[str, Any]) -> None:
-    """Build the child's message as its publish would, then run it as the worker runs a
-    delivered one (Celery's ``Request`` and the prefork pool's fast trace, in this process)."""
+def _run_child(app: Any, job: dict[str, Any], request: dict[str, Any], hostname: str) -> None:
+    """Run the child's request as the worker runs a delivered one (Celery's ``Request`` and
+    the prefork pool's fast trace, in this process)."""
     task = app.tasks[job["task"]]
     task_id = str(job["options"]["task_id"])
-    request = _child_request(builder, job, batch)
     trace_task(
-        task, task_id, request["args"], request["kwargs"], request, app=app, hostname=batch.hostname
+        task, task_id, request["args"], request["kwargs"], request, app=app, hostname=hostname
     )
 
 
@@ -220,4 +362,4 @@ def batch_children(request: Any) -> tuple[str, list[str]] | None:
         queue = check_queue(named)
     except InvalidIdError:
         return None  # a forged message: no key is ever built from it
-    return queue, _valid(ids[0], queue)
+    return queue, _valid(ids[0], queue, say=False)

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from celery_echomq.config import safe_url
@@ -62,29 +63,39 @@ def priority_of(request: Any) -> int:
         return 0
 
 
-def claim(
-    state: EchoMQ, request: Any, queue: str, task_id: str, token: str, named: str
-) -> tuple[Status, int]:
-    """The claim script for this delivery, and once more, forced, when the holder it names
-    is a pool process known dead on this host. Returns the status and the attempt."""
-    lease, priority = state.settings.stall_ms, priority_of(request)
-    retries = int(getattr(request, "retries", 0) or 0)
+def _delivered(request: Any) -> dict[str, Any]:
+    """What a claim reads from the delivery's request: its priority, retry count, pending
+    time (:data:`H_SINCE`) and the batch message that carried it (:data:`H_VIA`)."""
     since = getattr(request, H_SINCE, None)
     via = getattr(request, H_VIA, None)
-    status, attempts, holder = state.scripts.claim(
-        queue,
-        task_id,
-        token,
-        lease,
-        priority=priority,
-        retries=retries,
-        since=since if isinstance(since, int) else None,
-        parent=named,
-        batch=str(via) if via else None,
-    )
+    return {
+        "priority": priority_of(request),
+        "retries": int(getattr(request, "retries", 0) or 0),
+        "since": since if isinstance(since, int) else None,
+        "batch": str(via) if via else None,
+    }
+
+
+def claim(
+    state: EchoMQ,
+    request: Any,
+    queue: str,
+    task_id: str,
+    token: str,
+    named: str,
+    first: tuple[Status, int, str] | None = None,
+) -> tuple[Status, int]:
+    """The claim script for this delivery, and once more, forced, when the holder it names
+    is a pool process known dead on this host. Returns the status and the attempt.
+    ``first``: the reply of this claim, sent already with ``token`` (:func:`claim_riding`)."""
+    lease, delivered = state.settings.stall_ms, _delivered(request)
+    if first is None:
+        first = state.scripts.claim(queue, task_id, token, lease, parent=named, **delivered)
+    status, attempts, holder = first
     if status is Status.BUSY and holder == token:
-        # The store's client resent this claim after a lost reply (a failover): the first
-        # attempt landed, so the job is this delivery's.
+        # The store's client resent this claim after a lost reply (a failover), or its
+        # round trip failed after it landed: the first attempt landed, so the job is this
+        # delivery's.
         return Status.CLAIMED, attempts
     if status is Status.BUSY and holder_dead(holder):
         # Its pool process died on this host (acks late: this is the broker's redelivery):
@@ -94,12 +105,30 @@ def claim(
             task_id,
             token,
             lease,
-            priority=priority,
+            priority=delivered["priority"],
             force=True,
-            retries=retries,
+            retries=delivered["retries"],
             parent=named,
         )
     return status, attempts
+
+
+def claim_riding(
+    state: EchoMQ,
+    request: Any,
+    queue: str,
+    task_id: str,
+    token: str,
+    named: str,
+    landed: Callable[[tuple[Status, int, str] | None], None],
+) -> None:
+    """This delivery's claim (as :func:`claim` makes it), sent with the next outcome this
+    thread records: ``landed`` hears its reply (None: the round trip failed), for
+    :func:`claim` to read as ``first``."""
+    delivered = _delivered(request)
+    state.scripts.claim_riding(
+        queue, task_id, token, state.settings.stall_ms, landed, parent=named, **delivered
+    )
 
 
 def warn_no_row(state: EchoMQ, request: Any, task_id: str, queue: str) -> None:

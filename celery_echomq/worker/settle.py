@@ -469,11 +469,13 @@ def settle_failure(
     parent: ParentRef | None,
     *,
     carry: bool = False,
+    unstarted: bool = False,
 ) -> Status:
     """A job failed for good: fail it and apply its parent_policy to the parent.
 
     ``carry``: the job is a nested flow's parent, already failed by one of its own children;
-    apply that failure, once, to the flow it belongs to (see fail.lua).
+    apply that failure, once, to the flow it belongs to (see fail.lua). ``unstarted``: only
+    if it has not started (``stale`` otherwise, nothing changed).
     """
     freed: list[Freed] = []
     status, policy, shared = outcome_of(
@@ -492,6 +494,7 @@ def settle_failure(
             parent=parent,
             carry=carry,
             freed=freed,
+            unstarted=unstarted,
         ),
     )
     if freed:

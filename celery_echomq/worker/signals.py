@@ -45,9 +45,9 @@ from celery_echomq.wire.results import (
     store_success,
     success_write,
 )
-from celery_echomq.worker.batches import revoked_children
+from celery_echomq.worker.batches import claim_next, claimed_ahead, revoked_children
 from celery_echomq.worker.checks import on_worker_ready
-from celery_echomq.worker.claims import claim, new_token, warn_no_row
+from celery_echomq.worker.claims import claim, warn_no_row
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
 from celery_echomq.worker.settle import (
     error_text,
@@ -80,11 +80,13 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
     state = _flow_state(task, request)
     if state is None:
         return
-    queue, token = getattr(request, H_QUEUE), new_token()
+    queue = getattr(request, H_QUEUE)
+    token, first = claimed_ahead(state, task_id)
     # The parent the message names: the claim compares it with the row's own.
     named = str(getattr(request, H_PARENT, None) or "")
     try:
-        _claim_delivery(state, task, request, queue, task_id, token, named)
+        _claim_delivery(state, task, request, queue, task_id, token, named, first)
+        claim_next(state, task_id)
     except StoreFormatError as exc:
         # A newer release wrote the row: this one writes nothing of it, and its body does not
         # run here. The message is acknowledged (before_start's Ignore; early acks had
@@ -147,9 +149,17 @@ def _defer(state: EchoMQ, task_id: str, queue: str, exc: Exception) -> None:
 
 
 def _claim_delivery(
-    state: EchoMQ, task: Any, request: Any, queue: str, task_id: str, token: str, named: str
+    state: EchoMQ,
+    task: Any,
+    request: Any,
+    queue: str,
+    task_id: str,
+    token: str,
+    named: str,
+    first: tuple[Status, int, str] | None = None,
 ) -> None:
-    """This delivery's claim (or a handed step's take), and what its status means."""
+    """This delivery's claim (or a handed step's take), and what its status means.
+    ``first``: the claim's reply, when it was sent ahead (a batch's child)."""
     if getattr(request, H_HANDED, None) and state.scripts.take_handed(queue, task_id, token, named):
         # A chain's step the completion of the step before handed out active: taken.
         _started(state, task, task_id, token)
@@ -157,7 +167,7 @@ def _claim_delivery(
         return
     # A claim that raises (a refusal, the store out of reach, a claim not replicated) is
     # deferred by on_prerun: the body waits, and recovery re-publishes the job.
-    status, attempts = claim(state, request, queue, task_id, token, named)
+    status, attempts = claim(state, request, queue, task_id, token, named, first)
     if status in STARTED:
         _started(state, task, task_id, token)
         if status is Status.CLAIMED:

@@ -671,3 +671,60 @@ def test_each_script_is_its_file_with_every_include_expanded_once() -> None:
     fan_in = load_source("credit")
     assert fan_in.count("local function settle_child(") == 1
     assert fan_in.count("local function now_ms(") == 1  # included twice, written once
+
+
+def test_a_claim_riding_with_an_outcome_lands_in_its_round_trip_after_it(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    """A batch's next child is claimed with the running child's completion, after it."""
+    parent, (first, second) = enqueue(scripts, queue, 2)
+    heard: list[object] = []
+    assert scripts.claim(queue, first, "t1", LEASE)[0] == "claimed"
+    scripts.claim_riding(queue, second, "t2", LEASE, heard.append, parent=parent)
+    # A script that records no outcome carries no rider: the lease loop's renewal.
+    scripts.extend(queue, [first], LEASE)
+    assert heard == [] and db.hget(KEYS.job_key(queue, second), "state") == b"pending"
+    ref = ParentRef(parent, queue)
+    status = scripts.complete(queue, first, "t1", ttl=TTL, is_parent=False, parent=ref, value=b"1")
+    assert status == "credited"
+    assert heard == [("claimed", 1, "")]
+    assert db.hget(KEYS.job_key(queue, second), "token") == b"t2"
+    assert scripts.runner.unride() is None  # sent once: nothing left waiting
+
+
+def test_a_rider_whose_round_trip_failed_is_heard_as_unknown_and_claimed_again(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    """The server lost its scripts (a restart): the outcome is run again as any script is,
+    the rider is heard as None, and the claim made again with its token takes the job, as it
+    would had the rider landed unanswered."""
+    parent, (first, second) = enqueue(scripts, queue, 2)
+    heard: list[object] = []
+    assert scripts.claim(queue, first, "t1", LEASE)[0] == "claimed"
+    scripts.claim_riding(queue, second, "t2", LEASE, heard.append, parent=parent)
+    db.script_flush()
+    ref = ParentRef(parent, queue)
+    status = scripts.complete(queue, first, "t1", ttl=TTL, is_parent=False, parent=ref, value=b"1")
+    assert status == "credited" and heard == [None]
+    assert db.hget(KEYS.job_key(queue, second), "state") == b"pending"
+    assert scripts.claim(queue, second, "t2", LEASE, parent=parent)[0] == "claimed"
+    # Had it landed, the same token finds its own claim: busy under itself, which the worker's
+    # claim (worker/claims.py) reads as claimed.
+    assert scripts.claim(queue, second, "t2", LEASE, parent=parent) == ("busy", 1, "t2")
+
+
+def test_a_failure_for_an_unstarted_job_fails_a_pending_one_and_leaves_a_started_one(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    """A revoke its worker learns of while a batch's child waits its turn (fail.lua's
+    ``unstarted``): a pending child fails; one already claimed is left as it was."""
+    parent, (waiting, running) = enqueue(scripts, queue, 2)
+    ref = ParentRef(parent, queue)
+    assert scripts.claim(queue, running, "t1", LEASE)[0] == "claimed"
+    before = db.hgetall(KEYS.job_key(queue, running))
+    revoked = "TaskRevokedError: revoked"
+    kwargs = {"ttl": TTL, "is_parent": False, "parent": ref, "unstarted": True}
+    assert scripts.fail(queue, running, "", revoked, **kwargs)[0] == "stale"
+    assert db.hgetall(KEYS.job_key(queue, running)) == before
+    assert scripts.fail(queue, waiting, "", revoked, **kwargs)[0] == "parent_failed"
+    assert db.hget(KEYS.job_key(queue, waiting), "state") == b"failed"

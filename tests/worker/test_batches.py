@@ -239,6 +239,46 @@ def test_a_child_revoked_before_its_batch_arrives_is_revoked_and_never_runs(
     assert AsyncResult(doomed, app=proj.app).state == "REVOKED"
 
 
+@pytest.mark.parametrize("revoked", ["waiting", "running"])
+def test_a_child_revoked_while_its_batch_runs_is_revoked_unless_it_has_started(
+    proj: Any, store: redis.Redis, queue: str, start_worker: Any, revoked: str
+) -> None:
+    """Celery's worker drops a message it holds once its id is revoked, and lets a running
+    task run on (a revoke without terminate). A batch's children are the same: one revoked
+    while it waits its turn never runs (REVOKED, the flow goes on under its policy); the one
+    running when its revoke comes finishes, and its value counts."""
+    tag, gate = uuid.uuid4().hex, f"test:gate:{uuid.uuid4().hex}"
+    first, doomed = new_job_id(), new_job_id()
+    w = start_worker(queues=queue, concurrency=1)
+    node = f"{w.name}@{socket.gethostname()}"
+    kids = [
+        proj.gated.s(1, gate).set(task_id=first),
+        proj.counted.s(2, tag).set(task_id=doomed),
+        proj.counted.s(3, tag),
+    ]
+    res = flow(proj.collect.s(tag=tag), kids, batch=3, policy="ignore").apply_async(queue=queue)
+    wait_for(lambda: store.hget(KEYS.job_key(queue, first), "state") == b"active", timeout=TIMEOUT)
+    target = doomed if revoked == "waiting" else first
+    assert proj.app.control.revoke(target, destination=[node], reply=True, timeout=10)
+    if revoked == "waiting":
+        row = KEYS.job_key(queue, doomed)
+        wait_for(lambda: store.hget(row, "state") == b"failed", timeout=TIMEOUT)
+    else:
+        time.sleep(1.5)  # several ticks of the worker's lease loop, which would revoke it
+    store.set(gate, 1)
+    values = res.get(timeout=TIMEOUT)["values"]
+    time.sleep(0.5)
+    if revoked == "waiting":
+        assert values == [1, 3]
+        assert runs(store, f"counted:{tag}") == 1
+        assert AsyncResult(doomed, app=proj.app).state == "REVOKED"
+    else:
+        assert values == [1, 2, 3]
+        assert runs(store, f"counted:{tag}") == 2
+        assert AsyncResult(first, app=proj.app).state == "SUCCESS"
+    assert runs(store, f"collect:{tag}") == 1
+
+
 def test_a_quorum_cuts_the_children_its_batch_has_not_run(
     proj: Any, how: str, store: redis.Redis
 ) -> None:
@@ -249,6 +289,22 @@ def test_a_quorum_cuts_the_children_its_batch_has_not_run(
     time.sleep(0.5)
     assert runs(store, f"counted:{tag}") == 0
     assert runs(store, f"collect:{tag}") == 1
+
+
+def test_a_store_that_lost_its_scripts_mid_batch_runs_each_child_once(
+    proj: Any, how: str, store: redis.Redis
+) -> None:
+    """The first child's completion carries the second child's claim in its round trip; the
+    store has lost its scripts meanwhile (as after a restart), so neither runs there: the
+    completion is sent again on its own, and the claim is made at the second child's start."""
+    tag = uuid.uuid4().hex
+    kids = [proj.forgets_scripts.s(1, tag), proj.counted.s(2, tag), proj.counted.s(3, tag)]
+    res = run(flow(proj.collect.s(tag=tag), kids, batch=3), how)
+    assert res.get(timeout=TIMEOUT)["values"] == [1, 2, 3]
+    time.sleep(0.5)
+    assert runs(store, f"counted:{tag}") == 3
+    assert runs(store, f"collect:{tag}") == 1
+    assert res.dependencies() == (0, 3, 0, 0)
 
 
 @pytest.mark.parametrize("cut", ["deadline", "cancel"])

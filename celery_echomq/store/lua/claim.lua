@@ -118,15 +118,19 @@ attempts = attempts + 1
 -- Numbers go to Redis as strings made here ('%d'): a Lua number passed to redis.call is
 -- printed with '%.17g', which costs the server several times more (the same digits for these
 -- integers). 'retries' is the host's own decimal.
-redis.call('HSET', job_key, 'state', 'active', 'token', ARGV[2], 'started',
-  string.format('%d', now), 'attempts', string.format('%d', attempts), 'retries', ARGV[6])
+local started, attempted = string.format('%d', now), string.format('%d', attempts)
+if options.batch then
+  redis.call('HSET', job_key, 'state', 'active', 'token', ARGV[2], 'started', started,
+    'attempts', attempted, 'retries', ARGV[6], 'batch', options.batch)
+else
+  redis.call('HSET', job_key, 'state', 'active', 'token', ARGV[2], 'started', started,
+    'attempts', attempted, 'retries', ARGV[6])
+  if row[10] then
+    redis.call('HDEL', job_key, 'batch') -- this delivery is a message of its own
+  end
+end
 if row[4] or row[6] or row[7] then
   redis.call('HDEL', job_key, 'skipped', 'replaced', 'suspect')
-end
-if options.batch then
-  redis.call('HSET', job_key, 'batch', options.batch)
-elseif row[10] then
-  redis.call('HDEL', job_key, 'batch') -- this delivery is a message of its own
 end
 redis.call('ZADD', active_key, string.format('%d', now + tonumber(ARGV[3])), ARGV[1])
 if state == 'active' then

@@ -36,6 +36,10 @@
 --   quorum  "K/N", the parent is released by the K-th success of its N children
 --           (includes/quorum.lua): this failure is one child fewer that can succeed, and
 --           fails the parent ("parent_failed") once fewer than K can; not given: none
+--   unstarted  '1': fail the job only if it has not started (pending): a revoke its worker
+--           learns of while the job waits its turn in a batch message the worker holds
+--           (worker/batches.py); started or waiting for a window's slot: "stale", nothing
+--           changed (not given: any state but a finished one)
 --
 -- A chain's step but its last (its row has 'next') expires the steps after it with its own row
 -- (includes/chain_rest.lua: their rows, on this slot, named after its own).
@@ -119,6 +123,9 @@ else
     return {'finished', ''}
   end
   if ARGV[2] ~= '' and (state ~= 'active' or row[2] ~= ARGV[2]) then
+    return {'stale', ''}
+  end
+  if options.unstarted and state ~= 'pending' then
     return {'stale', ''}
   end
   redis.call('ZREM', pending_key, ARGV[1])

@@ -23,7 +23,7 @@ from celery_echomq.store.reads import queues_of
 from celery_echomq.store.refusals import refusal_of
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ, find_state
-from celery_echomq.worker.batches import batch_children
+from celery_echomq.worker.batches import batch_children, revoke_waiting
 from celery_echomq.worker.checks import wait_for_store
 from celery_echomq.worker.claims import holder_prefix, pid_alive
 from celery_echomq.worker.recovery.common import (
@@ -218,6 +218,8 @@ class RecoveryLoop:
         """One tick: lease what is new (or everything), end the leases of dead holders.
         Whether it wrote to the store."""
         now = held_jobs(self.processes)
+        if self.app is not None and any(job.batched for job in now.values()):
+            self._revoke_waiting()
         before, self._held = self._held, now
         gone = {
             job_id: job
@@ -244,6 +246,19 @@ class RecoveryLoop:
         if fresh or released:
             renew(self.state, fresh, released)
         return bool(gone or fresh or released)
+
+    def _revoke_waiting(self) -> None:
+        """Revoke the children of the batches this worker holds that a revoke named after
+        the batch arrived and that have not started (``revoke_waiting``); an error is told,
+        and the next tick tries again."""
+        try:
+            revoke_waiting(self.app)
+        except Exception as exc:
+            logger.warning(
+                "echomq recovery: could not revoke a held batch's children: %s: %s",
+                type(exc).__name__,
+                exc,
+            )
 
     def _run(self) -> None:
         if not wait_for_store(self.state, self._stop):
