@@ -2,6 +2,7 @@
 
     python benchmarks/chord_cost.py            # 5 rounds of each figure
     python benchmarks/chord_cost.py --quick    # 3 rounds (a few minutes)
+    python benchmarks/chord_cost.py --batch 50 # the engine's chords 50 header tasks a message
 
 One private redis-server (broker, result backend and flow store, as benchmarks/bench.py sets
 them) and one real prefork ``celery worker`` (-c 2). The same canvas, ``chord([add.s(i, i)
@@ -124,14 +125,21 @@ def row_fields(admin_for: Any) -> dict[str, float]:
     return {**fields, **{e: n / rows for e, n in encodings.items()}}
 
 
+# ``--batch N``: the engine's chords also with ``echomq_chord_batch = N`` (their header tasks
+# delivered up to N a message); None: one message a header task, as Celery sends them.
+BATCH: list[int | None] = [None]
+
+
 @contextlib.contextmanager
 def hook(mode: str) -> Iterator[None]:
     """The engine's chords: the producer decides where a chord it sends fans in."""
     bench_app.app.conf.echomq_chords = mode == CHORD_ENGINE
+    bench_app.app.conf.echomq_chord_batch = BATCH[0] if mode == CHORD_ENGINE else None
     try:
         yield
     finally:
         bench_app.app.conf.echomq_chords = False
+        bench_app.app.conf.echomq_chord_batch = None
 
 
 def timed(admin: Any, waiter: Waiter, mode: str, size: Size) -> float:
@@ -220,9 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="3 rounds of each figure")
     p.add_argument("--rounds", type=int, help="interleaved rounds (default 5, --quick 3)")
+    p.add_argument(
+        "--batch",
+        type=int,
+        help="the engine's chords with echomq_chord_batch = N (default: off, one message a task)",
+    )
     args = p.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 5)
-    report: dict[str, Any] = {"machine": machine(), "rounds": rounds}
+    BATCH[0] = args.batch
+    report: dict[str, Any] = {"machine": machine(), "rounds": rounds, "batch": args.batch}
     load = [os.getloadavg()[0]]
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(RedisServer())
@@ -263,7 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     def kept_med(mode: str, what: str) -> float:
         return med([r[what] for r in kept_runs[mode]])
 
-    lines = [f"rounds {rounds}, load average {min(load):.2f}-{max(load):.2f} (2 cores shared)", ""]
+    lines = [
+        f"rounds {rounds}, load average {min(load):.2f}-{max(load):.2f} (2 cores shared); "
+        f"echomq_chord_batch {args.batch or 'off'}",
+        "",
+    ]
     lines.append("| figure | chord-engine | chord (Celery) | engine / Celery |")
     lines.append("|---|---|---|---|")
     for what, label, unit in (

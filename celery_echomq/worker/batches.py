@@ -31,8 +31,6 @@ from celery_echomq.send.start import with_since
 from celery_echomq.store.codec import STORED_FIELDS, TemplateMissingError, load_job, stored_of
 from celery_echomq.store.headers import (
     H_BATCH,
-    H_PARENT,
-    H_QUEUE,
     H_QUORUM,
     H_SINCE,
     H_STORE,
@@ -119,26 +117,17 @@ def claim_next(state: EchoMQ, task_id: str) -> None:
     outcome's reply."""
     if _turn.running != task_id or not _turn.after:
         return
-    job, child = _turn.after[0]
+    _, child = _turn.after[0]
     if child.get(H_QUORUM):
         # A quorum's cut is made after its release, by the host that published the parent
         # (send/fan_in.py, cut_rest): a claim sent with the release would come before it.
         return
-    next_id, token = str(job["options"]["task_id"]), new_token()
-    request = Context(child)
+    request, token = Context(child), new_token()
 
     def landed(first: tuple[Status, int, str] | None) -> None:
-        _turn.ahead[next_id] = (token, first)
+        _turn.ahead[str(request.id)] = (token, first)
 
-    claim_riding(
-        state,
-        request,
-        str(child[H_QUEUE]),
-        next_id,
-        token,
-        str(child.get(H_PARENT) or ""),
-        landed,
-    )
+    claim_riding(state, request, token, landed)
 
 
 def _requests(

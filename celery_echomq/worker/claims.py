@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from celery_echomq.config import safe_url
-from celery_echomq.store.headers import H_SINCE, H_STORE, H_VIA
+from celery_echomq.store.headers import H_PARENT, H_QUEUE, H_SINCE, H_STORE, H_VIA
 from celery_echomq.store.replies import Status
 from celery_echomq.store.state import EchoMQ
 
@@ -76,19 +76,24 @@ def _delivered(request: Any) -> dict[str, Any]:
     }
 
 
+def _named(request: Any) -> tuple[str, str, str]:
+    """The delivery's queue, job id and parent, as its headers name them (the claim compares
+    the parent with the row's own)."""
+    return (
+        str(getattr(request, H_QUEUE)),
+        str(request.id),
+        str(getattr(request, H_PARENT, None) or ""),
+    )
+
+
 def claim(
-    state: EchoMQ,
-    request: Any,
-    queue: str,
-    task_id: str,
-    token: str,
-    named: str,
-    first: tuple[Status, int, str] | None = None,
+    state: EchoMQ, request: Any, token: str, first: tuple[Status, int, str] | None = None
 ) -> tuple[Status, int]:
-    """The claim script for this delivery, and once more, forced, when the holder it names
-    is a pool process known dead on this host. Returns the status and the attempt.
+    """The claim script for the delivery ``request``, and once more, forced, when the holder
+    it names is a pool process known dead on this host. Returns the status and the attempt.
     ``first``: the reply of this claim, sent already with ``token`` (:func:`claim_riding`)."""
-    lease, delivered = state.settings.stall_ms, _delivered(request)
+    (queue, task_id, named), delivered = _named(request), _delivered(request)
+    lease = state.settings.stall_ms
     if first is None:
         first = state.scripts.claim(queue, task_id, token, lease, parent=named, **delivered)
     status, attempts, holder = first
@@ -116,18 +121,16 @@ def claim(
 def claim_riding(
     state: EchoMQ,
     request: Any,
-    queue: str,
-    task_id: str,
     token: str,
-    named: str,
     landed: Callable[[tuple[Status, int, str] | None], None],
 ) -> None:
-    """This delivery's claim (as :func:`claim` makes it), sent with the next outcome this
-    thread records: ``landed`` hears its reply (None: the round trip failed), for
-    :func:`claim` to read as ``first``."""
-    delivered = _delivered(request)
+    """The claim of the delivery ``request`` (as :func:`claim` makes it), sent with the next
+    outcome this thread records: ``landed`` hears its reply (None: the round trip failed),
+    for :func:`claim` to read as ``first``."""
+    queue, task_id, named = _named(request)
+    lease = state.settings.stall_ms
     state.scripts.claim_riding(
-        queue, task_id, token, state.settings.stall_ms, landed, parent=named, **delivered
+        queue, task_id, token, lease, landed, parent=named, **_delivered(request)
     )
 
 

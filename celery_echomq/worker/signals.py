@@ -82,10 +82,8 @@ def on_prerun(sender: Any = None, task_id: str = "", task: Any = None, **_: Any)
         return
     queue = getattr(request, H_QUEUE)
     token, first = claimed_ahead(state, task_id)
-    # The parent the message names: the claim compares it with the row's own.
-    named = str(getattr(request, H_PARENT, None) or "")
     try:
-        _claim_delivery(state, task, request, queue, task_id, token, named, first)
+        _claim_delivery(state, task, request, token, first)
         claim_next(state, task_id)
     except StoreFormatError as exc:
         # A newer release wrote the row: this one writes nothing of it, and its body does not
@@ -149,17 +147,13 @@ def _defer(state: EchoMQ, task_id: str, queue: str, exc: Exception) -> None:
 
 
 def _claim_delivery(
-    state: EchoMQ,
-    task: Any,
-    request: Any,
-    queue: str,
-    task_id: str,
-    token: str,
-    named: str,
-    first: tuple[Status, int, str] | None = None,
+    state: EchoMQ, task: Any, request: Any, token: str, first: tuple[Status, int, str] | None
 ) -> None:
     """This delivery's claim (or a handed step's take), and what its status means.
     ``first``: the claim's reply, when it was sent ahead (a batch's child)."""
+    queue, task_id = getattr(request, H_QUEUE), str(request.id)
+    # The parent the message names: the claim compares it with the row's own.
+    named = str(getattr(request, H_PARENT, None) or "")
     if getattr(request, H_HANDED, None) and state.scripts.take_handed(queue, task_id, token, named):
         # A chain's step the completion of the step before handed out active: taken.
         _started(state, task, task_id, token)
@@ -167,7 +161,7 @@ def _claim_delivery(
         return
     # A claim that raises (a refusal, the store out of reach, a claim not replicated) is
     # deferred by on_prerun: the body waits, and recovery re-publishes the job.
-    status, attempts = claim(state, request, queue, task_id, token, named, first)
+    status, attempts = claim(state, request, token, first)
     if status in STARTED:
         _started(state, task, task_id, token)
         if status is Status.CLAIMED:
