@@ -30,10 +30,9 @@ import bench_app
 import modes
 import redis
 from measure import HERE, machine, med, rotated, settle
-from modes import Waiter, Worker, only_queue
+from modes import Waiter, only_queue
 
 from celery_echomq import flow
-from celery_echomq.embedded import RedisServer
 
 CHILDREN = 200
 COSTS = (0, 1, 10)  # ms a child
@@ -64,14 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[int, dict[str, list[float]]] = {c: {b: [] for b in BATCHES} for c in COSTS}
     load = [os.getloadavg()[0]]
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(RedisServer())
-        stack.callback(modes.release_results)
-        base = f"redis://127.0.0.1:{server.port}"
-        bench_app.configure(base)
+        base = modes.private_worker(stack)
         admin = redis.Redis.from_url(f"{base}/0")
         waiter = Waiter(redis.Redis.from_url(f"{base}/{bench_app.BACKEND_DB}"))
-        worker = Worker(base, "celery")
-        stack.callback(worker.stop)
         for batch in BATCHES.values():  # warm: script cache, templates, pool processes
             timed(admin, waiter, 0, batch)
         for rnd in range(rounds):

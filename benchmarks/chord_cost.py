@@ -40,9 +40,7 @@ import bench_app
 import modes
 import redis
 from measure import HERE, Size, machine, med, rotated, settle
-from modes import CHORD_ENGINE, Waiter, Worker, only_queue, result_ids
-
-from celery_echomq.embedded import RedisServer
+from modes import CHORD_ENGINE, Waiter, only_queue, result_ids
 
 MODES = ("chord", CHORD_ENGINE)
 KEPT = Size(10, 100)
@@ -239,10 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {"machine": machine(), "rounds": rounds, "batch": args.batch}
     load = [os.getloadavg()[0]]
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(RedisServer())
-        stack.callback(modes.release_results)
-        base = f"redis://127.0.0.1:{server.port}"
-        bench_app.configure(base)
+        base = modes.private_worker(stack)
         clients: dict[int, Any] = {}
 
         def admin_for(db: int) -> Any:
@@ -252,8 +247,6 @@ def main(argv: list[str] | None = None) -> int:
 
         admin = admin_for(0)
         waiter = Waiter(admin_for(bench_app.BACKEND_DB))
-        worker = Worker(base, "celery")
-        stack.callback(worker.stop)
         for mode in MODES:  # warm: script cache, templates, queue bindings
             timed(admin, waiter, mode, Size(2, 20))
 

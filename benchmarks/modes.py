@@ -7,6 +7,7 @@ peer's install.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -23,7 +24,7 @@ from celery import chain, chord, group
 from measure import HERE, ROOT, Size, log
 
 from celery_echomq import flow
-from celery_echomq.embedded import WorkerProcess
+from celery_echomq.embedded import RedisServer, WorkerProcess
 
 MODES = ("group", "chord", "flow")
 # flow with echomq_child_results = False: the children's values reach the parent through the
@@ -113,6 +114,18 @@ class Worker(WorkerProcess):
     def stop(self) -> None:
         super().stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def private_worker(stack: contextlib.ExitStack) -> str:
+    """A private redis-server, ``bench_app`` pointed at it and one real worker on it (queue
+    ``celery``), each stopped by ``stack``: the server's URL (without a database)."""
+    server = stack.enter_context(RedisServer())
+    stack.callback(release_results)
+    base = f"redis://127.0.0.1:{server.port}"
+    bench_app.configure(base)
+    worker = Worker(base, "celery")
+    stack.callback(worker.stop)
+    return base
 
 
 # --- the modes' canvases ------------------------------------------------------------------
