@@ -178,10 +178,18 @@ def revoked_children(app: Any, request: Any) -> list[tuple[Any, Context]]:
     revoked = [job_id for job_id in ids if job_id in worker_state.revoked]
     if not revoked:
         return []
+    return _contexts(app, state, request, queue, revoked)
+
+
+def _contexts(
+    app: Any, state: EchoMQ, request: Any, queue: str, ids: list[str]
+) -> list[tuple[Any, Context]]:
+    """Each child of the batch ``request`` that ``ids`` names, as its task and the request its
+    own message would have given it (a child whose task this worker lacks: none)."""
     contexts = []
     headers = getattr(request, "request_dict", None) or {}
     builder = MessageBuilder(app)
-    for job in _stored_jobs(state, queue, _valid(revoked, queue)):
+    for job in _stored_jobs(state, queue, ids):
         task = app.tasks.get(job["task"])
         if task is not None:
             delivered = _child_request(builder, _as_delivered(job, headers), request)
@@ -189,18 +197,17 @@ def revoked_children(app: Any, request: Any) -> list[tuple[Any, Context]]:
     return contexts
 
 
-def revoke_waiting(app: Any) -> list[str]:
+def revoke_waiting(app: Any) -> None:
     """In the worker's main process, each tick of its lease loop: revoke the children of the
     batches it holds (running or prefetched) that Celery's worker holds revoked by id and that
     have not started, as its worker drops a message it holds once its id is revoked. Each is
     failed in the store only if it is still pending (fail.lua's ``unstarted``), with its
     result ``REVOKED``; at its turn its claim finds it failed and its body never runs. A child
     that has started runs on, as a running task does under a revoke without ``terminate``.
-    Returns the ids revoked; nothing is read from the store unless a held batch names a
-    revoked id."""
+    Nothing is read from the store unless a held batch names a revoked id."""
     state = find_state(app)
     if state is None:
-        return []
+        return
     from celery.worker import state as worker_state
 
     revoked = worker_state.revoked
@@ -213,35 +220,20 @@ def revoke_waiting(app: Any) -> list[str]:
         if job_id in revoked
     ]
     if not doomed:
-        return []
+        return
     pipe = state.client.pipeline(transaction=False)
     for _, queue, job_id in doomed:
         pipe.hget(state.keys.job_key(queue, job_id), "state")
     waiting = [d for d, row in zip(doomed, pipe.execute(), strict=True) if row == b"pending"]
-    done = []
-    builder = MessageBuilder(app)
     for request, queue, job_id in waiting:
-        headers = getattr(request, "request_dict", None) or {}
-        for job in _stored_jobs(state, queue, [job_id]):
-            task = app.tasks.get(job["task"])
-            if task is None:
-                continue
-            child = Context(_child_request(builder, _as_delivered(job, headers), request))
+        for task, child in _contexts(app, state, request, queue, [job_id]):
+            # Stored before the flow hears of it, as for a revoked message (a chord's error
+            # reads it); a child claimed meanwhile (stale) stores its own outcome over it.
             store_revoked(task, child, "revoked")
-            status = settle_failure(
-                state,
-                queue,
-                job_id,
-                "",
-                "TaskRevokedError: revoked",
-                False,
-                parent_ref(child),
-                unstarted=True,
-            )
+            reason, parent = "TaskRevokedError: revoked", parent_ref(child)
+            status = settle_failure(state, queue, job_id, "", reason, False, parent, unstarted=True)
             if status is not Status.STALE:
-                done.append(job_id)
                 logger.info("echomq: batch child %s on %s revoked before its turn", job_id, queue)
-    return done
 
 
 def _valid(ids: list[Any], queue: str, *, say: bool = True) -> list[str]:
