@@ -28,7 +28,10 @@ _KIND = {
     "failed": "failed",
     "cancelled": "cancelled",
 }
-MIN_WIDTH = 0.4  # percent of the axis: a bar of no known length still shows
+# Percent of the axis: a bar of no known length still shows. A bar starts where its job did,
+# even at the axis's end (its short width drawn past it): moved left, it would seem to start
+# before a job that ended just before it did (a parent run in a few ms after its release).
+MIN_WIDTH = 0.4
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def build_timeline(state: EchoMQ, root: JobNode) -> Timeline | None:
             label=_label(node),
             kind=_KIND.get(node.state, "waiting"),
             state=node.state,
-            x=min(pct(s), 100 - MIN_WIDTH),
+            x=pct(s),
             width=max(pct(e) - pct(s), MIN_WIDTH),
             link=f"/flows/{node.id}" if node.flow else None,
             step=step,
@@ -133,7 +136,7 @@ def build_timeline(state: EchoMQ, root: JobNode) -> Timeline | None:
                 label="parent " + _label(root),
                 kind=_KIND.get(root.state, "waiting"),
                 state=root.state,
-                x=min(pct(parent[0]), 100 - MIN_WIDTH),
+                x=pct(parent[0]),
                 width=max(pct(parent[1]) - pct(parent[0]), MIN_WIDTH),
             )
         )
