@@ -361,15 +361,18 @@ def sleep_then_boom(seconds: float, message: str = "boom") -> None:
 # just released (records the parent its child just failed, credits a child staged in its
 # queue's outbox on its parent's slot, publishes the chain's step its step just made
 # pending; publish_freed: publishes the child of a flow's window its child just made pending):
-# a worker dying between two steps of the protocol.
+# a worker dying between two steps of the protocol. With run_released (tests/worker/
+# test_batches.py), where a batch's runner runs the parent its last child just released.
 # The worker's main process, where recovery runs, goes through unharmed.
 _DIE_AT = os.environ.get("ECHOMQ_T_DIE_AT", "")
-if _DIE_AT in ("dispatch", "parent_failed", "credit", "publish_step", "publish_freed"):
+_DIE_POINTS = ("dispatch", "parent_failed", "credit", "publish_step", "publish_freed")
+if _DIE_AT in (*_DIE_POINTS, "run_released"):
     import logging
     import signal as _signal
 
     from billiard.process import current_process
 
+    from celery_echomq.worker import batches as _batches
     from celery_echomq.worker import settle as _settle
 
     # Publishing a released parent: handed to the completion that released it
@@ -388,8 +391,9 @@ if _DIE_AT in ("dispatch", "parent_failed", "credit", "publish_step", "publish_f
 
         return _die
 
+    _module = _batches if _DIE_AT == "run_released" else _settle
     for _step in _steps.get(_DIE_AT, (_DIE_AT,)):
-        setattr(_settle, _step, _dying(getattr(_settle, _step)))
+        setattr(_module, _step, _dying(getattr(_module, _step)))
 
 
 # --- Tasks of tests/send/test_grow.py: children added while a flow runs; flows in chord bodies ---

@@ -23,7 +23,7 @@ from typing import Any
 
 from celery.utils import uuid
 
-from celery_echomq.store.headers import H_BATCH, H_SINCE, H_STORE
+from celery_echomq.store.headers import H_BATCH, H_SINCE, H_STORE, H_TEMPLATE
 from celery_echomq.store.planned import Plan, PlannedChain, PlannedJob
 
 BATCH_TASK = "celery_echomq.batch"
@@ -88,7 +88,11 @@ def batch_jobs(
     batches = []
     for (queue, priority), run in runs.items():
         for at in range(0, len(run), level.batch):
-            batches.append(_batch_job(app, queue, priority, run[at : at + level.batch]))
+            batch = _batch_job(app, queue, priority, run[at : at + level.batch])
+            if queue == level.queue:
+                # Children on their parent's slot are stored against its template.
+                batch["options"]["headers"][H_TEMPLATE] = level.parent_id
+            batches.append(batch)
     for batch in batches:
         headers = batch["options"]["headers"]
         headers[H_STORE] = store

@@ -10,6 +10,7 @@ an ``rpc://`` backend answers the parent's caller on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from celery_echomq import tracing
@@ -84,9 +85,17 @@ def publish_step(
     logger.debug("echomq: chain step %s published after %s", step_id, previous)
 
 
-def publish_handed(state: EchoMQ, parent_id: str, handed: Handed, released_by: str = "") -> None:
+def publish_handed(
+    state: EchoMQ,
+    parent_id: str,
+    handed: Handed,
+    released_by: str = "",
+    runs_here: Callable[[dict[str, Any]], bool] | None = None,
+) -> None:
     """Publish a released parent handed to this caller (by ``dispatch``, or by the completion
-    that released it): its payload with its children's values as its arguments."""
+    that released it): its payload with its children's values as its arguments. ``runs_here``:
+    asked with that message, True when this process runs it itself instead (a batch's runner,
+    worker/batches.py); a parent released by a quorum is always published."""
     payload, stored = handed
     job = state.loads(payload)
     held = held_of(job)
@@ -100,6 +109,9 @@ def publish_handed(state: EchoMQ, parent_id: str, handed: Handed, released_by: s
     job["args"] = parent_args(job, values)
     if released_by:
         job["options"]["parent_id"] = released_by
+    if runs_here is not None and not held.quorum and runs_here(job):
+        logger.info("echomq: parent %s runs where it was released", parent_id)
+        return
     with tracing.job_context(job):
         send_jobs(state.app, [job])
     logger.info("echomq: parent %s dispatched", parent_id)

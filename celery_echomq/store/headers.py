@@ -54,6 +54,10 @@ H_REDUCE = "echomq_x"
 # On a batch message (``flow(..., batch=N)``, send/batches.py), never on a job's: the queue whose
 # rows its children are. The message's one argument lists their ids.
 H_BATCH = "echomq_b"
+# On a batch message too: the parent whose row keeps the template its children's rows are
+# stored against, read in the round trip of their rows. Only a hint: each row's own 'parent'
+# names the template that joins it, and a hint naming another is a read that goes unused.
+H_TEMPLATE = "echomq_bt"
 # On the request a batch message's runner builds for each child (never on a message, nor in a
 # stored payload): the batch message's id, which the child's claim records on its row
 # ('batch'), for show and the dashboard to say which message carried it.

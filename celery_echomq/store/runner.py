@@ -235,7 +235,8 @@ class ScriptRunner:
 
     def ride(self, rider: Rider) -> None:
         """Send ``rider`` after the next outcome script this thread runs, in its round trip,
-        so that it sees what that outcome wrote. A rider that finds no such script (this
+        so that it sees what that outcome wrote, or after the reads of the next
+        :meth:`read_carrying`. A rider that finds no such script (this
         store is a Cluster, or one that WAITs for replicas: it is never sent) stays until
         :meth:`unride` takes it back."""
         if self._rides:
@@ -246,6 +247,27 @@ class ScriptRunner:
         rider: Rider | None = getattr(self._riders, "waiting", None)
         self._riders.waiting = None
         return rider
+
+    def read_carrying(self, pipe: Any) -> list[Any]:
+        """The replies of ``pipe``, a pipeline of reads, run with this thread's waiting rider
+        after them in their round trip (none waiting: the reads alone). The rider hears its
+        reply, or the error that left it unknown; an error of a read is raised, as the
+        pipeline alone would raise it."""
+        rider = self.unride()
+        if rider is None:
+            return list(pipe.execute())
+        ridden = self.registered[rider.name]
+        pipe.evalsha(ridden.sha, len(rider.keys), *rider.keys, *rider.args)
+        try:
+            replies = list(pipe.execute(raise_on_error=False))
+        except Exception as exc:
+            rider.landed(exc)
+            raise
+        rider.landed(replies.pop())
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies
 
     def run(self, name: str, keys: Sequence[str], args: Sequence[Value]) -> Any:
         """Run the script ``name`` with ``keys`` and ``args``: its reply, or the error its

@@ -26,14 +26,16 @@ from celery.app.task import Context
 from celery.app.trace import trace_task
 
 from celery_echomq.errors import InvalidIdError
-from celery_echomq.send.batches import BATCH_TASK
+from celery_echomq.send.batches import BATCH_TASK, OWN_MESSAGE
 from celery_echomq.send.start import with_since
 from celery_echomq.store.codec import STORED_FIELDS, TemplateMissingError, load_job, stored_of
 from celery_echomq.store.headers import (
     H_BATCH,
+    H_QUEUE,
     H_QUORUM,
     H_SINCE,
     H_STORE,
+    H_TEMPLATE,
     H_VIA,
     parent_ref,
 )
@@ -44,7 +46,7 @@ from celery_echomq.store.state import EchoMQ, find_state, get_state
 from celery_echomq.wire.publish import MessageBuilder
 from celery_echomq.wire.results import store_revoked
 from celery_echomq.worker.claims import claim_riding, new_token
-from celery_echomq.worker.settle import settle_failure
+from celery_echomq.worker.settle import runs_here, settle_failure
 
 logger = logging.getLogger("celery_echomq")
 
@@ -73,17 +75,69 @@ def run_batch(task: Any, ids: list[str]) -> int:
         logger.warning("echomq: batch message %s names no list of ids; ignored", request.id)
         return 0
     state = get_state(task.app)
-    jobs = [job for job in _stored_jobs(state, queue, _valid(ids, queue)) if _known(task.app, job)]
+    valid = _valid(ids, queue)
+    if valid:
+        _claim_first(state, request, queue, valid[0])
+    stored = _stored_jobs(state, queue, valid, getattr(request, H_TEMPLATE, None))
+    jobs = [job for job in stored if _known(task.app, job)]
     children = _requests(MessageBuilder(task.app), request, queue, jobs)
+    released: list[dict[str, Any]] = []
+
+    def keep(parent: dict[str, Any]) -> bool:
+        if not _runs_here(task.app, request, queue, parent):
+            return False
+        released.append(parent)
+        return True
+
     try:
         for index, (job, child) in enumerate(children):
             _turn.running, _turn.after = job["options"]["task_id"], children[index + 1 :][:1]
+            # The last child's completion may release the flow's parent: it runs next, here.
+            runs_here.asked = None if _turn.after else keep
             _run_child(task.app, job, child, request.hostname)
+        runs_here.asked = None
+        for parent in released:
+            _turn.running = parent["options"]["task_id"]
+            run_released(task.app, request, parent)
     finally:
+        runs_here.asked = None
         _turn.running, _turn.after = None, []
         _turn.ahead.clear()
         state.scripts.runner.unride()
     return len(jobs)
+
+
+def _runs_here(app: Any, batch: Any, queue: str, parent: dict[str, Any]) -> bool:
+    """Whether the parent that a batch's last child released runs next in this process, as its
+    own message would run on this worker: it would be sent to this batch's queue, its task is
+    one this worker has, it keeps no delay or expiry (what only a message keeps), and no time
+    limit applies, neither its own nor its batch's (Celery enforces a limit per message: run
+    here, the parent would be under its batch's)."""
+    options = parent["options"]
+    task = app.tasks.get(parent["task"])
+    if task is None or (options.get("headers") or {}).get(H_QUEUE) != queue:
+        return False
+    if any(options.get(name) is not None for name in OWN_MESSAGE):
+        return False
+    if any(getattr(batch, "timelimit", None) or ()):
+        return False
+    return not any(
+        options.get(name) or getattr(task, name, None) or app.conf.get(setting)
+        for name, setting in (
+            ("time_limit", "task_time_limit"),
+            ("soft_time_limit", "task_soft_time_limit"),
+        )
+    )
+
+
+def run_released(app: Any, batch: Any, parent: dict[str, Any]) -> None:
+    """Run a parent its batch's last child released, as its own message delivered with the
+    batch's would run: its claim, signals, result and completion. Until its claim lands it is
+    a released parent with no message, as when a worker dies before publishing one: recovery
+    publishes it once the stall timeout has passed."""
+    # Pending since its release, not since its batch's children were sent.
+    delivered = _as_delivered(parent, {**vars(batch), H_SINCE: None})
+    _run_child(app, parent, _child_request(MessageBuilder(app), delivered, batch), batch.hostname)
 
 
 class _Turn(threading.local):
@@ -107,6 +161,31 @@ def claimed_ahead(state: EchoMQ, task_id: str) -> tuple[str, tuple[Status, int, 
     did not run) is taken back: this claim is made now."""
     state.scripts.runner.unride()
     return _turn.ahead.pop(task_id, None) or (new_token(), None)
+
+
+def _claim_first(state: EchoMQ, batch: Any, queue: str, job_id: str) -> None:
+    """The claim of a batch's first child, sent with the read of the batch's rows, in its
+    round trip: the first child's turn is the batch's start, as a later child's is the
+    outcome of the child before it. Made before the child's message is read, it names no
+    parent (the row's own decides) and takes its delivery from the batch message's, which
+    carries only children of its priority. A first child then found not to run here (a
+    task this worker lacks, a message that does not build) keeps the claim until its lease
+    lapses, and recovery re-publishes it on its own, as a killed child's."""
+    token = new_token()
+    delivery = Context(
+        {
+            "id": job_id,
+            H_QUEUE: queue,
+            H_SINCE: getattr(batch, H_SINCE, None),
+            H_VIA: batch.id,
+            "delivery_info": batch.delivery_info,
+        }
+    )
+
+    def landed(first: tuple[Status, int, str] | None) -> None:
+        _turn.ahead[job_id] = (token, first)
+
+    claim_riding(state, delivery, token, landed, names_parent=False)
 
 
 def claim_next(state: EchoMQ, task_id: str) -> None:
@@ -211,8 +290,9 @@ def revoke_waiting(app: Any) -> None:
     from celery.worker import state as worker_state
 
     revoked = worker_state.revoked
-    held = [*worker_state.active_requests, *worker_state.reserved_requests]
-    named = [(request, found) for request in held if (found := batch_children(request))]
+    # A running request is both active and reserved: each once.
+    held = {r.id: r for r in (*worker_state.active_requests, *worker_state.reserved_requests)}
+    named = [(request, found) for request in held.values() if (found := batch_children(request))]
     doomed = [
         (request, queue, job_id)
         for request, (queue, ids) in named
@@ -255,15 +335,28 @@ def _valid(ids: list[Any], queue: str, *, say: bool = True) -> list[str]:
     return valid
 
 
-def _stored_jobs(state: EchoMQ, queue: str, ids: list[str]) -> list[dict[str, Any]]:
-    """Each child's stored message, read in one round trip; a child with none (expired,
-    forgotten, never written) skipped with a line."""
+def _stored_jobs(
+    state: EchoMQ, queue: str, ids: list[str], template_of: Any = None
+) -> list[dict[str, Any]]:
+    """Each child's stored message, read in one round trip with the template on the row of
+    ``template_of`` (the batch message's :data:`H_TEMPLATE`: a parent's id, or None) and
+    with a claim left to ride (the first child's); a child with none (expired, forgotten,
+    never written) skipped with a line."""
     pipe = state.client.pipeline(transaction=False)
     for job_id in ids:
         pipe.hmget(state.keys.job_key(queue, job_id), STORED_FIELDS)
+    hinted = _template_parent(template_of)
+    if hinted:
+        pipe.hget(state.keys.job_key(queue, hinted), "template")
+    read = state.scripts.runner.read_carrying(pipe)
     templates: dict[str, bytes | None] = {}
+    if hinted:
+        # A template the hint found; one it did not (None) is read again where a row asks.
+        found = read.pop()
+        if found is not None:
+            templates[hinted] = found
     jobs = []
-    for job_id, fields in zip(ids, pipe.execute(), strict=True):
+    for job_id, fields in zip(ids, read, strict=True):
         stored = stored_of(*fields)
         if stored is None:
             logger.warning("echomq: batch child %s on %s has no stored job; skipped", job_id, queue)
@@ -278,6 +371,17 @@ def _stored_jobs(state: EchoMQ, queue: str, ids: list[str]) -> list[dict[str, An
             continue
         jobs.append(job)
     return jobs
+
+
+def _template_parent(hint: Any) -> str | None:
+    """The parent a batch message's :data:`H_TEMPLATE` names, if it is an id (no key is built
+    from an ill-formed one: a message from a producer of an earlier release names none)."""
+    if not hint:
+        return None
+    try:
+        return check_id(hint)
+    except InvalidIdError:
+        return None
 
 
 def _as_delivered(job: dict[str, Any], batch: Mapping[str, Any]) -> dict[str, Any]:

@@ -123,14 +123,18 @@ def claim_riding(
     request: Any,
     token: str,
     landed: Callable[[tuple[Status, int, str] | None], None],
+    *,
+    names_parent: bool = True,
 ) -> None:
     """The claim of the delivery ``request`` (as :func:`claim` makes it), sent with the next
     outcome this thread records: ``landed`` hears its reply (None: the round trip failed),
-    for :func:`claim` to read as ``first``."""
+    for :func:`claim` to read as ``first``. ``names_parent`` False: a delivery built before
+    its message was read, which names no parent (the row's own is not compared)."""
     queue, task_id, named = _named(request)
     lease = state.settings.stall_ms
+    parent = named if names_parent else None
     state.scripts.claim_riding(
-        queue, task_id, token, lease, landed, parent=named, **_delivered(request)
+        queue, task_id, token, lease, landed, parent=parent, **_delivered(request)
     )
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -323,6 +324,16 @@ def credit_remote(
     return status, applied
 
 
+class _RunsHere(threading.local):
+    """Who on this thread may run a parent its child's completion released, rather than
+    publish it: a batch's runner sets ``asked`` while its last child runs."""
+
+    asked: Callable[[dict[str, Any]], bool] | None = None
+
+
+runs_here = _RunsHere()
+
+
 def follow(
     state: EchoMQ,
     status: Status,
@@ -339,7 +350,7 @@ def follow(
         logger.info("echomq: parent %s released by child %s", parent.id, job_id)
         tracing.released(job_id, parent.id)
         if handed is not None:
-            publish_handed(state, parent.id, handed, released_by=job_id)
+            publish_handed(state, parent.id, handed, job_id, runs_here.asked)
         else:
             dispatch_parent(state, parent.queue, parent.id, released_by=job_id)
     elif status is Status.PARENT_FAILED:

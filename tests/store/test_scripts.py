@@ -713,6 +713,33 @@ def test_a_rider_whose_round_trip_failed_is_heard_as_unknown_and_claimed_again(
     assert scripts.claim(queue, second, "t2", LEASE, parent=parent) == ("busy", 1, "t2")
 
 
+def test_a_claim_riding_with_reads_lands_in_their_round_trip_after_them(
+    db: redis.Redis, scripts: Scripts, queue: str
+) -> None:
+    """A batch's first child is claimed with the read of the batch's rows: the reads see the
+    row as it was, the claim lands after them; a rider the server cannot run (its scripts
+    lost) is heard as an error, and the reads still answer."""
+    parent, (first, second) = enqueue(scripts, queue, 2)
+    heard: list[object] = []
+    scripts.claim_riding(queue, first, "t1", LEASE, heard.append)  # no parent: not compared
+    pipe = db.pipeline(transaction=False)
+    pipe.hget(KEYS.job_key(queue, first), "state")
+    assert scripts.runner.read_carrying(pipe) == [b"pending"]
+    assert heard == [("claimed", 1, "")]
+    assert db.hget(KEYS.job_key(queue, first), "token") == b"t1"
+    assert scripts.runner.unride() is None
+    db.script_flush()
+    scripts.claim_riding(queue, second, "t2", LEASE, heard.append, parent=parent)
+    pipe = db.pipeline(transaction=False)
+    pipe.hget(KEYS.job_key(queue, second), "state")
+    assert scripts.runner.read_carrying(pipe) == [b"pending"]
+    assert heard[-1] is None and db.hget(KEYS.job_key(queue, second), "state") == b"pending"
+    # With no rider waiting, the reads alone.
+    pipe = db.pipeline(transaction=False)
+    pipe.hget(KEYS.job_key(queue, first), "state")
+    assert scripts.runner.read_carrying(pipe) == [b"active"]
+
+
 def test_a_failure_for_an_unstarted_job_fails_a_pending_one_and_leaves_a_started_one(
     db: redis.Redis, scripts: Scripts, queue: str
 ) -> None:

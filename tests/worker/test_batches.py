@@ -22,9 +22,9 @@ from celery.result import AsyncResult
 import celery_echomq
 from celery_echomq import flow
 from celery_echomq.send.batches import BATCH_TASK
-from celery_echomq.store.headers import H_BATCH
+from celery_echomq.store.headers import H_BATCH, H_TEMPLATE
 from celery_echomq.store.keyspace import new_job_id
-from tests.helpers import KEYS, Env, echomq, run, wait_for
+from tests.helpers import KEYS, Env, echomq, fast_recovery, logged, run, wait_for
 
 TIMEOUT = 60
 
@@ -173,6 +173,87 @@ def test_a_forged_batch_message_runs_no_held_parent_and_no_unknown_id(
     assert runs(store, f"collect:{tag}") == 1
 
 
+def test_a_batch_message_naming_another_flows_template_runs_each_child_as_stored(
+    proj: Any, store: redis.Redis, queue: str, start_worker: Any
+) -> None:
+    """A batch message names the parent whose template its rows are stored against, to read
+    it in the rows' round trip. Only the rows decide: a copy naming another flow's template
+    runs the children it names as they were stored, and none of them twice."""
+    tag, gate = uuid.uuid4().hex, f"test:gate:{uuid.uuid4().hex}"
+    w = start_worker(queues=queue, concurrency=2)
+    other = flow(proj.collect.s(), [proj.square.s(5), proj.square.s(6)], batch=2).apply_async(
+        queue=queue
+    )
+    assert other.get(timeout=TIMEOUT)["values"] == [25, 36]
+    assert store.hexists(KEYS.job_key(queue, other.id), "template")
+    first, *waiting = (new_job_id() for _ in range(3))
+    kids = [
+        proj.gated.s(1, gate).set(task_id=first),
+        *(proj.counted.s(x, tag).set(task_id=t) for x, t in zip((2, 3), waiting, strict=True)),
+    ]
+    res = flow(proj.collect.s(tag=tag), kids, batch=3).apply_async(queue=queue)
+    wait_for(lambda: store.hget(KEYS.job_key(queue, first), "state") == b"active", timeout=TIMEOUT)
+    copy = proj.app.send_task(
+        BATCH_TASK, args=[waiting], queue=queue, headers={H_BATCH: queue, H_TEMPLATE: other.id}
+    )
+    # The copy runs them while the producer's batch waits on its first child.
+    assert [AsyncResult(t, app=proj.app).get(timeout=TIMEOUT) for t in waiting] == [2, 3]
+    wait_for(lambda: batch_done(w, copy.id), timeout=TIMEOUT)
+    store.set(gate, 1)
+    assert res.get(timeout=TIMEOUT)["values"] == [1, 2, 3]
+    assert runs(store, f"counted:{tag}") == 2
+    assert runs(store, f"collect:{tag}") == 1
+
+
+# --- the parent: run where its last child released it ------------------------------------------
+
+
+def test_the_parent_runs_in_the_batch_whose_last_child_released_it(
+    proj: Any, store: redis.Redis, queue: str, own_queue: Any, start_worker: Any
+) -> None:
+    """A flow's parent that its batch's last child released runs next in that pool process,
+    with no message of its own: once, with its values. One that a message of its own must
+    carry (a time limit, which Celery enforces per message; another queue) is published."""
+    other = own_queue("parents")
+    w = start_worker(queues=f"{queue},{other}")
+    tag = uuid.uuid4().hex
+    res = flow(proj.collect.s(tag=tag), [proj.add.s(i, i) for i in range(4)], batch=2)
+    res = res.apply_async(queue=queue)
+    assert res.get(timeout=TIMEOUT)["values"] == [0, 2, 4, 6]
+    assert runs(store, f"collect:{tag}") == 1
+    logged(w, f"parent {res.id} runs where it was released")
+    assert f"collect[{res.id}] received" not in w.output()
+    carried = store.hget(KEYS.job_key(queue, res.id), "batch")
+    assert carried and f"celery_echomq.batch[{carried.decode()}] succeeded" in w.output()
+    limited = flow(proj.collect.s(tag=tag).set(time_limit=30), [proj.add.s(1, 1)], batch=2)
+    limited = limited.apply_async(queue=queue)
+    assert limited.get(timeout=TIMEOUT)["values"] == [2]
+    logged(w, f"collect[{limited.id}] received")
+    assert not store.hexists(KEYS.job_key(queue, limited.id), "batch")
+    elsewhere = flow(proj.collect.s(tag=tag).set(queue=other), [proj.add.s(2, 2)], batch=2)
+    elsewhere = elsewhere.apply_async(queue=queue)
+    assert elsewhere.get(timeout=TIMEOUT)["values"] == [4]
+    logged(w, f"collect[{elsewhere.id}] received")
+    assert runs(store, f"collect:{tag}") == 3
+
+
+def test_a_pool_process_killed_before_running_the_parent_it_released_runs_it_once(
+    proj: Any, store: redis.Redis, queue: str, start_worker: Any
+) -> None:
+    """Until its claim lands, a parent that a batch's runner keeps to run is a released parent
+    with no message: its pool process killed there, recovery publishes it once the stall
+    timeout has passed, and it runs once."""
+    w = start_worker(queues=queue, extra_env=fast_recovery(ECHOMQ_T_DIE_AT="run_released"))
+    tag = uuid.uuid4().hex
+    res = flow(proj.collect.s(tag=tag), [proj.add.s(i, 1) for i in range(3)], batch=3)
+    res = res.apply_async(queue=queue)
+    assert res.get(timeout=90)["values"] == [1, 2, 3]
+    logged(w, "killed itself at run_released")
+    logged(w, f"dispatched parent {res.id}")
+    assert runs(store, f"collect:{tag}") == 1
+    assert res.dependencies() == (0, 3, 0, 0)
+
+
 # --- retries and a pool process killed mid-batch ------------------------------------------------
 
 
@@ -230,6 +311,10 @@ def test_a_child_revoked_before_its_batch_arrives_is_revoked_and_never_runs(
     w = start_worker(queues=queue, concurrency=1)
     node = f"{w.name}@{socket.gethostname()}"
     assert proj.app.control.cancel_consumer(queue, destination=[node], reply=True, timeout=10)
+    # A BRPOP the worker sent before the cancel names the queue for up to a second more; a
+    # message it takes then is handed back by kombu ("No consumers"), which has left it
+    # undelivered past this test's time-out.
+    time.sleep(1.5)
     kids = [proj.counted.s(1, tag), proj.counted.s(2, tag).set(task_id=doomed)]
     res = flow(proj.collect.s(tag=tag), kids, batch=2, policy="ignore").apply_async(queue=queue)
     proj.app.control.revoke(doomed, destination=[node], reply=True, timeout=10)
@@ -351,9 +436,12 @@ def test_show_its_json_and_the_dashboard_say_which_batch_message_carried_each_ch
     assert res.get(timeout=TIMEOUT) == 20
     shown = echomq("show", res.id).output
     carried = re.findall(r"batch=([0-9a-f-]{36})", shown)
-    assert len(carried) == 5 and len(set(carried)) == 3
     tree = json.loads(echomq("show", res.id, "--json").output)
-    assert [child["batch"] for child in tree["children"]] == carried
+    children = [child["batch"] for child in tree["children"]]
+    assert len(children) == 5 and len(set(children)) == 3
+    # The parent ran in the batch whose last child released it, and says so too.
+    assert tree["batch"] in children
+    assert sorted(carried) == sorted([*children, tree["batch"]])
     page = httpx.get(f"{serve().url}/flows/{res.id}", timeout=10).text
     assert all(f"batch={batch}" in page for batch in carried)
     unbatched = flow(proj.tsum.s(), [proj.add.s(1, 1)]).apply_async()
