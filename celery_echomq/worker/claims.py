@@ -76,7 +76,7 @@ def _delivered(request: Any) -> dict[str, Any]:
     }
 
 
-def _named(request: Any) -> tuple[str, str, str]:
+def named_by(request: Any) -> tuple[str, str, str]:
     """The delivery's queue, job id and parent, as its headers name them (the claim compares
     the parent with the row's own)."""
     return (
@@ -92,7 +92,7 @@ def claim(
     """The claim script for the delivery ``request``, and once more, forced, when the holder
     it names is a pool process known dead on this host. Returns the status and the attempt.
     ``first``: the reply of this claim, sent already with ``token`` (:func:`claim_riding`)."""
-    (queue, task_id, named), delivered = _named(request), _delivered(request)
+    (queue, task_id, named), delivered = named_by(request), _delivered(request)
     lease = state.settings.stall_ms
     if first is None:
         first = state.scripts.claim(queue, task_id, token, lease, parent=named, **delivered)
@@ -130,7 +130,7 @@ def claim_riding(
     outcome this thread records: ``landed`` hears its reply (None: the round trip failed),
     for :func:`claim` to read as ``first``. ``names_parent`` False: a delivery built before
     its message was read, which names no parent (the row's own is not compared)."""
-    queue, task_id, named = _named(request)
+    queue, task_id, named = named_by(request)
     lease = state.settings.stall_ms
     parent = named if names_parent else None
     state.scripts.claim_riding(

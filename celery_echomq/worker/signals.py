@@ -25,7 +25,6 @@ from celery_echomq.store.headers import (
     H_FLOW,
     H_HANDED,
     H_NEXT,
-    H_PARENT,
     H_QUEUE,
     H_SINCE,
     Headers,
@@ -47,7 +46,7 @@ from celery_echomq.wire.results import (
 )
 from celery_echomq.worker.batches import claim_next, claimed_ahead, revoked_children
 from celery_echomq.worker.checks import on_worker_ready
-from celery_echomq.worker.claims import claim, warn_no_row
+from celery_echomq.worker.claims import claim, named_by, warn_no_row
 from celery_echomq.worker.received import may_expire, on_rejected, on_unknown
 from celery_echomq.worker.settle import (
     error_text,
@@ -151,9 +150,8 @@ def _claim_delivery(
 ) -> None:
     """This delivery's claim (or a handed step's take), and what its status means.
     ``first``: the claim's reply, when it was sent ahead (a batch's child)."""
-    queue, task_id = getattr(request, H_QUEUE), str(request.id)
     # The parent the message names: the claim compares it with the row's own.
-    named = str(getattr(request, H_PARENT, None) or "")
+    queue, task_id, named = named_by(request)
     if getattr(request, H_HANDED, None) and state.scripts.take_handed(queue, task_id, token, named):
         # A chain's step the completion of the step before handed out active: taken.
         _started(state, task, task_id, token)
