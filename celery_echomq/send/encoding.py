@@ -11,7 +11,7 @@ from kombu.exceptions import EncodeError
 
 from celery_echomq.send.fan_in import waiting_kinds
 from celery_echomq.send.plan import Plan
-from celery_echomq.store.codec import child_template, job_delta
+from celery_echomq.store.codec import PLACE, child_template, job_delta
 from celery_echomq.store.planned import PlannedChain, PlannedJob, stored_message, stored_node
 from celery_echomq.store.state import EchoMQ
 
@@ -88,7 +88,7 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
             if template is not None and isinstance(job, PlannedJob) and job.queue == level.queue:
                 delta = job_delta(template, stored_message(job))
             kinds.append("p" if delta is None else "d")
-            alike.append(delta is not None and "task" not in delta and "options" not in delta)
+            alike.append(delta is not None and not {"task", "options", PLACE} & delta.keys())
             try:
                 children.append((cid, dumps(stored_node(job) if delta is None else delta)))
             except Exception as exc:

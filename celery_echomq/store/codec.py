@@ -27,11 +27,21 @@ class Delta(NamedTuple):
     parent: str  # the parent whose row (on the child's own slot) holds the template
 
 
+# A child's place in its group (a chord's header task: Celery gives each its own), kept in
+# its delta beside the options rather than in them: options that differ are stored whole, and
+# a whole options map would take every header task's row out of Redis's compact encoding.
+PLACE = "group_index"
+
+
 def join_job(template: dict[str, Any], delta: dict[str, Any], job_id: str) -> dict[str, Any]:
     """The job dict a child was stored as: ``template`` with ``delta`` over it, and its own
-    id (the template's task_id is a None placeholder that keeps the options' order)."""
+    id and place in its group (the template's task_id and group_index are None placeholders
+    that keep the options' order)."""
     job = {**template, **delta}
-    job["options"] = {**job["options"], "task_id": job_id}
+    options = {**job["options"], "task_id": job_id}
+    if PLACE in delta:
+        options[PLACE] = job.pop(PLACE)
+    job["options"] = options
     return job
 
 
@@ -155,7 +165,8 @@ def serialize(obj: Any, serializer: str) -> tuple[str, str, Any]:
 # parent's row; each child's row keeps only what differs from it (its ``delta``), so that
 # the row stays small enough for Redis's compact hash encoding. Its task_id is the row's own
 # id (the template keeps the task_id key, as None, so a joined job's options keep their
-# order). A nested flow's entry, and children written by other steps, keep their full payload.
+# order; so does group_index, see :data:`PLACE`). A nested flow's entry, and children
+# written by other steps, keep their full payload.
 _SCALARS = frozenset({str, int, float, bool, bytes, type(None)})
 
 
@@ -176,9 +187,15 @@ def _same(a: Any, b: Any) -> bool:
 
 def child_template(jobs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
     """The template a level's children are stored against: the first child job's dict
-    without its task_id; None when the level has no child job (only nested flows)."""
+    without its task_id and group_index; None when the level has no child job (only nested
+    flows)."""
     first = next(iter(jobs), None)
-    return None if first is None else {**first, "options": {**first["options"], "task_id": None}}
+    if first is None:
+        return None
+    options = {**first["options"], "task_id": None}
+    if options.get(PLACE) is not None:
+        options[PLACE] = None
+    return {**first, "options": options}
 
 
 def job_delta(template: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] | None:
@@ -189,12 +206,16 @@ def job_delta(template: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] |
     delta: dict[str, Any] = {}
     for key, value in job.items():
         if key == "options":
-            # The template's task_id is a placeholder: every other option compared.
+            # The template's task_id and group_index are placeholders: every other option
+            # compared. Options that differ are stored whole, their place with them.
             mine = template["options"]
             if list(value) != list(mine) or not all(
-                k == "task_id" or _same(v, mine[k]) for k, v in value.items()
+                k == "task_id" or (k == PLACE and mine[k] is None) or _same(v, mine[k])
+                for k, v in value.items()
             ):
                 delta[key] = {**value, "task_id": None}
+            elif value.get(PLACE) is not None:
+                delta[PLACE] = value[PLACE]
         elif not _same(value, template[key]):
             delta[key] = value
     return delta

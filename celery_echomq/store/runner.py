@@ -256,8 +256,7 @@ class ScriptRunner:
         rider = self.unride()
         if rider is None:
             return list(pipe.execute())
-        ridden = self.registered[rider.name]
-        pipe.evalsha(ridden.sha, len(rider.keys), *rider.keys, *rider.args)
+        self._add_rider(pipe, rider)
         try:
             replies = list(pipe.execute(raise_on_error=False))
         except Exception as exc:
@@ -350,6 +349,12 @@ class ScriptRunner:
                 raise
             raise raised from None
 
+    def _add_rider(self, pipe: Any, rider: Rider) -> None:
+        """``rider``'s script last in ``pipe`` (raw EVALSHA: redis-py's script pipeline would
+        first send a SCRIPT EXISTS of its own)."""
+        ridden = self.registered[rider.name]
+        pipe.evalsha(ridden.sha, len(rider.keys), *rider.keys, *rider.args)
+
     def _carrying(
         self, script: Script, keys: Sequence[str], args: Sequence[Value], rider: Rider
     ) -> Any:
@@ -360,8 +365,7 @@ class ScriptRunner:
         the error, and its caller sends it again on its own."""
         pipe = self.client.pipeline(transaction=False)
         pipe.evalsha(script.sha, len(keys), *keys, *args)
-        ridden = self.registered[rider.name]
-        pipe.evalsha(ridden.sha, len(rider.keys), *rider.keys, *rider.args)
+        self._add_rider(pipe, rider)
         try:
             reply, carried = pipe.execute(raise_on_error=False)
         except Exception as exc:

@@ -81,22 +81,8 @@ def run_batch(task: Any, ids: list[str]) -> int:
     stored = _stored_jobs(state, queue, valid, getattr(request, H_TEMPLATE, None))
     jobs = [job for job in stored if _known(task.app, job)]
     children = _requests(MessageBuilder(task.app), request, queue, jobs)
-    released: list[dict[str, Any]] = []
-
-    def keep(parent: dict[str, Any]) -> bool:
-        if not _runs_here(task.app, request, queue, parent):
-            return False
-        released.append(parent)
-        return True
-
     try:
-        for index, (job, child) in enumerate(children):
-            _turn.running, _turn.after = job["options"]["task_id"], children[index + 1 :][:1]
-            # The last child's completion may release the flow's parent: it runs next, here.
-            runs_here.asked = None if _turn.after else keep
-            _run_child(task.app, job, child, request.hostname)
-        runs_here.asked = None
-        for parent in released:
+        for parent in _run_children(task.app, request, queue, children):
             _turn.running = parent["options"]["task_id"]
             run_released(task.app, request, parent)
     finally:
@@ -105,6 +91,28 @@ def run_batch(task: Any, ids: list[str]) -> int:
         _turn.ahead.clear()
         state.scripts.runner.unride()
     return len(jobs)
+
+
+def _run_children(
+    app: Any, batch: Any, queue: str, children: list[tuple[dict[str, Any], dict[str, Any]]]
+) -> list[dict[str, Any]]:
+    """Run each child in turn; the parents the last child's completion released to run next
+    in this process (:func:`_runs_here`), for the caller to run."""
+    released: list[dict[str, Any]] = []
+
+    def keep(parent: dict[str, Any]) -> bool:
+        if not _runs_here(app, batch, queue, parent):
+            return False
+        released.append(parent)
+        return True
+
+    for index, (job, child) in enumerate(children):
+        _turn.running, _turn.after = job["options"]["task_id"], children[index + 1 :][:1]
+        # Asked by the last child's completion only: the parent it releases runs next, here.
+        runs_here.asked = None if _turn.after else keep
+        _run_child(app, job, child, batch.hostname)
+    runs_here.asked = None
+    return released
 
 
 def _runs_here(app: Any, batch: Any, queue: str, parent: dict[str, Any]) -> bool:

@@ -57,6 +57,44 @@ def test_only_what_differs_is_stored_and_the_join_gives_the_job_back() -> None:
         assert list(joined["options"]) == list(other["options"])
 
 
+def test_a_header_tasks_place_in_its_group_is_kept_beside_its_options() -> None:
+    # A chord's header tasks differ in group_index alone: each delta keeps its place, not its
+    # whole options, and the join gives each job back with its options in order.
+    header = [job(f"JOB{i}", i, group_id="g", group_index=i) for i in range(3)]
+    template = child_template(header)
+    assert template is not None and template["options"]["group_index"] is None
+    deltas = [job_delta(template, j) for j in header]
+    assert deltas == [
+        {"group_index": 0},
+        {"args": [1], "group_index": 1},
+        {"args": [2], "group_index": 2},
+    ]
+    for j, delta in zip(header, deltas, strict=True):
+        assert delta is not None
+        joined = join_job(template, delta, j["options"]["task_id"])
+        assert joined == j and list(joined["options"]) == list(j["options"])
+    # Another option differing too (another value, another key): the options whole, with
+    # their place in them.
+    for other in (
+        job("JOB8", 8, group_id="h", group_index=5),
+        job("JOB9", 9, group_id="g", group_index=4, soft_time_limit=5),
+    ):
+        delta = job_delta(template, other)
+        assert delta is not None and "group_index" not in delta
+        assert delta["options"]["group_index"] == other["options"]["group_index"]
+        assert join_job(template, delta, other["options"]["task_id"]) == other
+
+
+def test_a_template_written_with_a_place_still_joins() -> None:
+    # A row a producer of an earlier release wrote: its template keeps its first child's
+    # group_index, each other child's delta its whole options.
+    first, second = (job(f"JOB{i}", i, group_id="g", group_index=i) for i in range(2))
+    template = {**first, "options": {**first["options"], "task_id": None}}
+    assert join_job(template, {}, "JOB0") == first
+    delta = {"args": [1], "options": {**second["options"], "task_id": None}}
+    assert join_job(template, delta, "JOB1") == second
+
+
 @pytest.mark.parametrize("arg", [1.0, True, "1", None, [1], (1, 2)])
 def test_an_argument_of_another_type_is_not_the_same_argument(arg: Any) -> None:
     template = child_template([job("JOB1", 1)])

@@ -300,6 +300,38 @@ def test_a_worker_of_the_last_release_beside_one_of_this_release_runs_nothing_tw
         app.close()
 
 
+def test_a_worker_of_the_last_release_recovers_a_chord_from_rows_this_release_wrote(
+    env: Env,
+    proj: Any,
+    store: redis.Redis,
+    own_queue: Any,
+    last_release: Path,
+    workers: list[WorkerProcess],
+) -> None:
+    # This release keeps a header task's place in its group beside its row's delta: the last
+    # release's recovery reads such rows. Every message of a chord is lost and a worker of
+    # the last release alone re-publishes and runs them: each once, the body with every value.
+    queue, tag = own_queue("fleetrows"), uuid.uuid4().hex
+    app = producer(env, env.store)
+    try:
+        res, _ = send(app, "chord", queue, tag)
+        redis.Redis.from_url(env.broker).delete(queue)  # every header message lost
+        environ = env.environ(**fast_recovery(ECHOMQ_T_BACKEND=env.store))
+        environ["PYTHONPATH"] = str(last_release)
+        name = f"fr{uuid.uuid4().hex[:8]}"
+        w = WorkerProcess(
+            "tests.proj", log=LOGDIR / f"{name}.log", cwd=last_release, env=environ,
+            queues=queue, concurrency=1, name=name,
+        )  # fmt: skip
+        workers.append(w)
+        w.start()
+        settled(store, queue, res, tag)
+        # Its recovery re-published each header task from its row.
+        assert store.hget(KEYS.queue_key(queue, "counters"), "republished") == str(HEADER).encode()
+    finally:
+        app.close()
+
+
 def test_a_batch_message_a_worker_without_the_extension_drops_loses_no_child(
     env: Env, proj: Any, store: redis.Redis, own_queue: Any, start_worker: Any
 ) -> None:
