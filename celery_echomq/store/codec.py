@@ -200,8 +200,10 @@ def child_template(jobs: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
 
 def job_delta(template: dict[str, Any], job: dict[str, Any]) -> dict[str, Any] | None:
     """What ``job`` (a task's message) differs from ``template`` in (its task_id aside): the
-    fields to store in its row. None when it is not told that way: store it whole."""
-    if list(job) != list(template):
+    fields to store in its row. None when it is not told that way: store it whole (a job of
+    other fields, or one with a field of :data:`PLACE`'s name, which a delta keeps for its
+    options' place)."""
+    if list(job) != list(template) or PLACE in job:
         return None
     delta: dict[str, Any] = {}
     for key, value in job.items():
