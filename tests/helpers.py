@@ -401,6 +401,13 @@ def run_child(scripts: Scripts, queue: str, parent: str, child: str, value: byte
     )
 
 
+def kept_keys(db: redis.Redis) -> set[bytes]:
+    """Every key but the recovery leases: what "nothing was written" compares while workers
+    run beside the test (a worker's recovery pass takes a lease with SET NX PX and gives it
+    back with a DEL, at any moment)."""
+    return {key for key in db.scan_iter(count=1000) if b":lease:" not in key}
+
+
 def snapshot(db: redis.Redis, *ids: str) -> dict[bytes, Any]:
     """Every key with its value and whether it expires: what "nothing changed" compares.
 
