@@ -56,6 +56,11 @@ def _refused(state: EchoMQ, where: str, exc: Exception) -> EncodeError:
     )
 
 
+# A delta naming any of these is of a job another message than the template's: its task, its
+# options, or its place in its group differ.
+_NOT_ALIKE = frozenset({"task", "options", PLACE})
+
+
 def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
     """Every level's messages, by parent id; refuses (``EncodeError``) an argument the
     serializer cannot encode, naming its job, before any Redis command or publish."""
@@ -88,7 +93,7 @@ def encode_plan(state: EchoMQ, plan: Plan) -> dict[str, Encoded]:
             if template is not None and isinstance(job, PlannedJob) and job.queue == level.queue:
                 delta = job_delta(template, stored_message(job))
             kinds.append("p" if delta is None else "d")
-            alike.append(delta is not None and not {"task", "options", PLACE} & delta.keys())
+            alike.append(delta is not None and _NOT_ALIKE.isdisjoint(delta))
             try:
                 children.append((cid, dumps(stored_node(job) if delta is None else delta)))
             except Exception as exc:

@@ -7,7 +7,6 @@ is written or published.
 
 from __future__ import annotations
 
-import re
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -35,7 +34,7 @@ from celery_echomq.ops.listing import held_parents
 from celery_echomq.ops.views import read_tree, walk
 from celery_echomq.store.keyspace import check_id, id_of_row, row_id
 from celery_echomq.store.script_values import packed
-from tests.helpers import Env, Served, run, wait_for
+from tests.helpers import Env, Served, kept_keys, run, wait_for
 
 # A fixed uuid for the parametrized ids: every pytest-xdist process must collect the same
 # tests, so their ids (and names) cannot be random.
@@ -303,14 +302,7 @@ class Probe:
         self.broker = redis.Redis.from_url(env.broker)
 
     def snapshot(self) -> tuple[frozenset[bytes], int]:
-        keys = frozenset(k for k in self.store.scan_iter(count=1000) if not LEASE.match(k))
-        return keys, self.broker.llen("celery")
-
-
-# A lease of the store's (emq:lease:<name>) or of a queue's (emq:{<queue>}:lease:<name>, the
-# recovery pass's): the session's worker takes and gives them back whenever it likes; and what
-# its recovery loop records for the dashboard (emq:workers, a queue's per-minute samples).
-LEASE = re.compile(rb"emq:((\{[^}]*\}:)?lease:|workers$|\{[^}]*\}:minutes$)")
+        return kept_keys(self.store), self.broker.llen("celery")
 
 
 @pytest.mark.parametrize(
