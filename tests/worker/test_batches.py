@@ -224,7 +224,9 @@ def test_the_parent_runs_in_the_batch_whose_last_child_released_it(
     logged(w, f"parent {res.id} runs where it was released")
     assert f"collect[{res.id}] received" not in w.output()
     carried = store.hget(KEYS.job_key(queue, res.id), "batch")
-    assert carried and f"celery_echomq.batch[{carried.decode()}] succeeded" in w.output()
+    # The batch logs its end after the parent stored its result: wait for the line.
+    assert carried
+    logged(w, f"celery_echomq.batch[{carried.decode()}] succeeded")
     limited = flow(proj.collect.s(tag=tag).set(time_limit=30), [proj.add.s(1, 1)], batch=2)
     limited = limited.apply_async(queue=queue)
     assert limited.get(timeout=TIMEOUT)["values"] == [2]
