@@ -56,8 +56,9 @@ def _refused(state: EchoMQ, where: str, exc: Exception) -> EncodeError:
     )
 
 
-# A delta naming any of these is of a job another message than the template's: its task, its
-# options, or its place in its group differ.
+# A delta naming any of these is of a job whose message differs from the template's in more
+# than its arguments (its task, its options, its place in its group): its message is not
+# built from the template's.
 _NOT_ALIKE = frozenset({"task", "options", PLACE})
 
 

@@ -120,8 +120,9 @@ def test_a_job_of_other_fields_is_stored_whole() -> None:
     assert template is not None
     assert job_delta(template, {**job("JOB2"), "chord_size": 2}) is None
     # A field of the name a delta keeps a place under: never read as one.
-    odd = {**job("JOB1"), "group_index": 1}
-    assert job_delta(child_template([odd]) or {}, {**job("JOB3"), "group_index": 2}) is None
+    odd = child_template([{**job("JOB1"), "group_index": 1}])
+    assert odd is not None
+    assert job_delta(odd, {**job("JOB3"), "group_index": 2}) is None
 
 
 def test_every_kind_of_node_reads_back_as_it_was_planned() -> None:
