@@ -414,6 +414,13 @@ def kept_keys(db: redis.Redis) -> frozenset[bytes]:
     return frozenset(k for k in db.scan_iter(count=1000) if not WORKER_LOOP_KEY.match(k))
 
 
+def keys_written(db: redis.Redis, before: frozenset[bytes]) -> list[bytes]:
+    """The keys of :func:`kept_keys` that ``before`` lacks, sorted: what a refused send must
+    leave empty. Only new keys count: a key of another test's flow may expire or empty
+    (a drained active set) while the test runs."""
+    return sorted(kept_keys(db) - before)
+
+
 def snapshot(db: redis.Redis, *ids: str) -> dict[bytes, Any]:
     """Every key with its value and whether it expires: what "nothing changed" compares.
 
