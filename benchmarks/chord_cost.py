@@ -3,6 +3,7 @@
     python benchmarks/chord_cost.py            # 5 rounds of each figure
     python benchmarks/chord_cost.py --quick    # 3 rounds (a few minutes)
     python benchmarks/chord_cost.py --batch 50 # the engine's chords 50 header tasks a message
+    python benchmarks/chord_cost.py --parts    # where a header task's bytes go
 
 One private redis-server (broker, result backend and flow store, as benchmarks/bench.py sets
 them) and one real prefork ``celery worker`` (-c 2). The same canvas, ``chord([add.s(i, i)
@@ -17,6 +18,20 @@ engine: ``chord-engine``), the two interleaved in every round, the order rotatin
     5,000 runs, above what the server held before it was sent;
 (c) the end-to-end time of chords of 100, 500 and 5,000 and of 20 chords x 50: send to the
     body's result stored (as benchmarks/bench.py times a round), medians of the rounds.
+
+With ``--parts`` it shows instead where a header task's bytes go, structure by structure, as
+``used_memory`` freed when each is deleted (medians of the rounds):
+
+(a) one chord of ``--size`` (5,000) sent on queue ``idle``, which no worker consumes, so that
+    its whole header waits at once: its messages, and for the engine its header tasks' rows,
+    their pending-set entries and the flow's ``:children``; then the rows' state written again
+    as one hash per flow (each child's id -> its state and its row's delta), the layout of a
+    store with no row per child;
+(b) 10 x 100 run to the end, as above; then, for the engine, its finished header tasks' rows
+    deleted: what it would keep with a finished child's row folded into its flow;
+(c) the peak of a chord of 5,000, and how many messages the broker still held at that peak;
+    the engine's also with each finished header task's row deleted by a thread as soon as it
+    sees it done: whether folding finished rows would lower the peak.
 
 Memory and key counts do not depend on the machine's load; the times do (the load average is
 printed beside them). Results go to benchmarks/results/chord-cost-<time>.json.
@@ -33,7 +48,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import bench_app
@@ -185,37 +200,189 @@ def kept(admin_for: Any, admin: Any, waiter: Waiter, mode: str, hook: Any) -> di
 
 
 class Sampler(threading.Thread):
-    """``used_memory`` every 50 ms until stopped: its peak."""
+    """``used_memory`` every 50 ms until stopped: its peak, and how many messages the broker's
+    queue still held at that moment."""
 
     def __init__(self, url: str) -> None:
         super().__init__(daemon=True)
         self.client = redis.Redis.from_url(url)
-        self.peak = 0
+        self.peak, self.waiting = 0, 0
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.is_set():
-            self.peak = max(self.peak, used_memory(self.client))
+            now = used_memory(self.client)
+            if now > self.peak:
+                self.peak, self.waiting = now, int(self.client.llen("celery"))
             self.done.wait(0.05)
 
 
-def peak(admin_for: Any, admin: Any, waiter: Waiter, url: str, mode: str, hook: Any) -> float:
+class Folder(threading.Thread):
+    """``--parts``: deletes each finished header task's row as soon as it sees it done, what
+    folding a finished child's row into its flow would free while the chord runs."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.client = redis.Redis.from_url(url)
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            for key, row in child_rows(self.client, "celery").items():
+                if row.get(b"state") == b"done":
+                    self.client.delete(key)
+            self.done.wait(0.05)
+
+
+def peak(
+    admin_for: Any, admin: Any, waiter: Waiter, url: str, mode: str, hook: Any, fold: bool = False
+) -> dict[str, float]:
+    """(b): the peak above the start (bytes) and the messages waiting then; with ``fold``, each
+    finished header task's row deleted as the chord runs (``--parts``)."""
     canvases = modes.build(mode, PEAK)
     flush(admin_for)
     settle(admin)
     time.sleep(0.2)
     base = used_memory(admin)
     sampler = Sampler(url)
-    sampler.start()
+    folder = Folder(url.rsplit("/", 1)[0] + f"/{bench_app.STORE_DB}")
+    threads = [sampler, folder] if fold else [sampler]
+    for thread in threads:
+        thread.start()
     with hook(mode):
         results = [c.apply_async() for c in canvases]
     waiter.wait([r.id for r in results], 600)
     settle(admin)
-    sampler.done.set()
-    sampler.join()
+    for thread in threads:
+        thread.done.set()
+        thread.join()
     for r in results:
         r.get(timeout=60)
-    return float(sampler.peak - base)
+    return {"peak": float(sampler.peak - base), "waiting": float(sampler.waiting)}
+
+
+# --- --parts: where a header task's bytes go ------------------------------------------------
+
+IDLE = "idle"  # the queue no worker consumes: a chord sent there waits whole
+
+
+def settled_memory(client: Any) -> int:
+    time.sleep(0.2)  # the allocator's figures settle after a burst of frees
+    return used_memory(client)
+
+
+def freed(client: Any, keys: list[bytes], drop: Callable[[Any, bytes], Any] | None = None) -> int:
+    """``used_memory`` freed by deleting ``keys`` (or by ``drop`` on each)."""
+    before = settled_memory(client)
+    pipe = client.pipeline(transaction=False)
+    for key in keys:
+        (drop or (lambda p, k: p.delete(k)))(pipe, key)
+    pipe.execute()
+    return before - settled_memory(client)
+
+
+def child_rows(store: Any, queue: str) -> dict[bytes, dict[bytes, bytes]]:
+    """Each header task's row on ``queue``'s slot (a row naming a parent), by key."""
+    rows = {}
+    for key in store.scan_iter(match=f"emq:{{{queue}}}:JOB*", count=1000):
+        if ROW.match(key):
+            row = store.hgetall(key)
+            if b"parent" in row:
+                rows[key] = row
+    return rows
+
+
+def waiting(admin_for: Any, mode: str, n: int) -> dict[str, float]:
+    """One chord of ``n`` on the idle queue, taken apart structure by structure: bytes per
+    header task each frees, and the rows' state written again as one hash per flow."""
+    broker, store = admin_for(bench_app.BROKER_DB), admin_for(bench_app.STORE_DB)
+    flush(admin_for)
+    broker.delete(IDLE)
+    start = settled_memory(broker)
+    with hook(mode):
+        modes.build(mode, Size(1, n), IDLE)[0].apply_async()
+    out = {"everything it wrote": (settled_memory(broker) - start) / n}
+    if mode == CHORD_ENGINE:
+        rows = child_rows(store, IDLE)
+        parent = next(iter(rows.values()))[b"parent"].decode()
+        ids = [key.rsplit(b":JOB", 1)[1] for key in rows]
+        pending = f"emq:{{{IDLE}}}:pending".encode()
+        out["the header tasks' rows"] = freed(store, list(rows)) / n
+        out["their pending-set entries"] = freed(store, [pending], lambda p, k: p.zrem(k, *ids)) / n
+        out["the flow's :children"] = (
+            freed(store, [f"emq:{{{IDLE}}}:JOB{parent}:children".encode()]) / n
+        )
+        flow = f"emq:{{{IDLE}}}:JOB{parent}:states"
+        before = settled_memory(store)
+        pipe = store.pipeline(transaction=False)
+        for cid, row in zip(ids, rows.values(), strict=True):
+            pipe.hset(flow, cid, b"p" + row.get(b"delta", b""))
+        pipe.execute()
+        out["the rows' state as one hash a flow"] = (settled_memory(store) - before) / n
+        store.delete(flow)
+    out["its messages"] = freed(broker, [IDLE.encode()]) / n
+    parts = [v for k, v in out.items() if k != "everything it wrote" and "one hash" not in k]
+    out["the rest"] = out["everything it wrote"] - sum(parts)
+    return out
+
+
+def finished(admin_for: Any, admin: Any, waiter: Waiter, mode: str) -> dict[str, float]:
+    """10 x 100 run to the end, as (a); then, for the engine, its header tasks' rows deleted."""
+    out = {"kept": float(kept(admin_for, admin, waiter, mode, hook)["used_memory_per_task"])}
+    if mode == CHORD_ENGINE:
+        rows = child_rows(admin_for(bench_app.STORE_DB), "celery")
+        out["the finished header tasks' rows"] = (
+            freed(admin_for(bench_app.STORE_DB), list(rows)) / KEPT.total
+        )
+        out["kept, less those rows"] = out["kept"] - out["the finished header tasks' rows"]
+    return out
+
+
+def parts_table(runs: dict[str, list[dict[str, float]]], title: str, fmt: str) -> list[str]:
+    names = list(dict.fromkeys(k for rs in runs.values() for r in rs for k in r))
+    lines = [f"| {title} | engine | Celery |", "|---|---|---|"]
+    for name in names:
+        cells = []
+        for mode in (CHORD_ENGINE, "chord"):
+            values = [r[name] for r in runs[mode] if name in r]
+            cells.append(
+                (fmt if "MiB" in name else "{:,.0f}").format(med(values)) if values else ""
+            )
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return lines
+
+
+def parts(admin_for: Any, waiter: Waiter, url: str, rounds: int, size: int) -> list[str]:
+    """``--parts``: (a) a chord of ``size`` waiting whole, (b) 10 x 100 finished, (c) the peak
+    of a chord of 5,000, the engine's also with finished rows deleted as it runs."""
+    admin = admin_for(bench_app.BROKER_DB)
+    waits: dict[str, list[dict[str, float]]] = defaultdict(list)
+    ends: dict[str, list[dict[str, float]]] = defaultdict(list)
+    peaks: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for rnd in range(rounds):
+        for mode in rotated(MODES, rnd):
+            settle(admin)
+            waits[mode].append(waiting(admin_for, mode, size))
+            ends[mode].append(finished(admin_for, admin, waiter, mode))
+        for mode, fold in rotated(
+            [("chord", False), (CHORD_ENGINE, False), (CHORD_ENGINE, True)], rnd
+        ):
+            found = peak(admin_for, admin, waiter, url, mode, hook, fold)
+            tail = ", finished rows deleted as it runs" if fold else ""
+            peaks[mode].append(
+                {
+                    f"peak MiB{tail}": found["peak"] / 2**20,
+                    f"messages waiting then{tail}": found["waiting"],
+                }
+            )
+        print(f"chord_cost --parts: round {rnd + 1}/{rounds} done", file=sys.stderr)
+    return [
+        *parts_table(waits, f"a chord of {size:,} waiting, B per header task", "{:,.0f}"),
+        "",
+        *parts_table(ends, "10 x 100 finished, B per header task", "{:,.0f}"),
+        "",
+        *parts_table(peaks, "a chord of 5,000 running", "{:,.1f}"),
+    ]
 
 
 def ratio(engine: float, celery: float) -> str:
@@ -231,6 +398,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="the engine's chords with echomq_chord_batch = N (default: off, one message a task)",
     )
+    p.add_argument(
+        "--parts",
+        action="store_true",
+        help="where a header task's bytes go, structure by structure (see the module's doc)",
+    )
+    p.add_argument("--size", type=int, default=5000, help="--parts: the waiting chord's size")
     args = p.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 5)
     BATCH[0] = args.batch
@@ -249,15 +422,23 @@ def main(argv: list[str] | None = None) -> int:
         waiter = Waiter(admin_for(bench_app.BACKEND_DB))
         for mode in MODES:  # warm: script cache, templates, queue bindings
             timed(admin, waiter, mode, Size(2, 20))
+        if args.parts:
+            lines = parts(admin_for, waiter, f"{base}/0", rounds, args.size)
+            print("\n".join(lines))
+            report.update(size=args.size, table=lines)
+            return save(report, "chord-cost-parts")
 
         kept_runs: dict[str, list[dict[str, Any]]] = defaultdict(list)
         peaks: dict[str, list[float]] = defaultdict(list)
+        waiting_then: dict[str, list[float]] = defaultdict(list)
         times: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
         for rnd in range(rounds):
             for mode in rotated(MODES, rnd):
                 kept_runs[mode].append(kept(admin_for, admin, waiter, mode, hook))
             for mode in rotated(MODES, rnd):
-                peaks[mode].append(peak(admin_for, admin, waiter, f"{base}/0", mode, hook))
+                found = peak(admin_for, admin, waiter, f"{base}/0", mode, hook)
+                peaks[mode].append(found["peak"])
+                waiting_then[mode].append(found["waiting"])
             flush(admin_for)
             for size in TIMED:
                 for mode in rotated(MODES, rnd):
@@ -289,6 +470,8 @@ def main(argv: list[str] | None = None) -> int:
         f"| peak used_memory above start, chord of 5,000 | {e / 2**20:.1f} MiB "
         f"| {c / 2**20:.1f} MiB | {ratio(e, c)} |"
     )
+    e, c = med(waiting_then[CHORD_ENGINE]), med(waiting_then["chord"])
+    lines.append(f"| messages on the broker at that peak | {e:,.0f} | {c:,.0f} | |")
     for label, by_mode in times.items():
         e, c = med(by_mode[CHORD_ENGINE]), med(by_mode["chord"])
         per_round = ", ".join(
@@ -313,8 +496,19 @@ def main(argv: list[str] | None = None) -> int:
         ]
         lines += [f"  {f:<20} {b:6.2f}" for f, b in fields.items()]
     print("\n".join(lines))
-    report.update(kept=dict(kept_runs), peaks=dict(peaks), times=times, load=load, table=lines)
-    out = HERE / "results" / f"chord-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    report.update(
+        kept=dict(kept_runs),
+        peaks=dict(peaks),
+        waiting_then=dict(waiting_then),
+        times=times,
+        load=load,
+        table=lines,
+    )
+    return save(report, "chord-cost")
+
+
+def save(report: dict[str, Any], name: str) -> int:
+    out = HERE / "results" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=1, default=dict))
     print(f"\nchord_cost: {out}", file=sys.stderr)
