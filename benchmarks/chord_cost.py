@@ -237,7 +237,7 @@ class Folder(threading.Thread):
 def peak(
     admin_for: Any, admin: Any, waiter: Waiter, url: str, mode: str, hook: Any, fold: bool = False
 ) -> dict[str, float]:
-    """(b): the peak above the start (bytes) and the messages waiting then; with ``fold``, each
+    """The peak above the start (bytes) and the messages waiting then; with ``fold``, each
     finished header task's row deleted as the chord runs (``--parts``)."""
     canvases = modes.build(mode, PEAK)
     flush(admin_for)
@@ -245,8 +245,9 @@ def peak(
     time.sleep(0.2)
     base = used_memory(admin)
     sampler = Sampler(url)
-    folder = Folder(url.rsplit("/", 1)[0] + f"/{bench_app.STORE_DB}")
-    threads = [sampler, folder] if fold else [sampler]
+    threads: list[Sampler | Folder] = [sampler]
+    if fold:
+        threads.append(Folder(url.rsplit("/", 1)[0] + f"/{bench_app.STORE_DB}"))
     for thread in threads:
         thread.start()
     with hook(mode):
